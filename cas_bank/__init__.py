@@ -1,0 +1,38 @@
+"""cas_bank: a content-addressed prefix-cache store for LLM inference on MLX.
+
+KV caches are cut into fixed token blocks, each named by a blake3 hash of its whole
+token prefix and kept once in RocksDB; a restore hands back the longest stored prefix
+as MLX arrays.
+"""
+
+from cas_bank.bank import Bank
+from cas_bank.blocks.hashing import BlockHash
+from cas_bank.config import BankConfig
+from cas_bank.errors import (
+    BankLockedError,
+    BankSettingsError,
+    CasBankError,
+    CorruptDataError,
+    InvalidInputError,
+)
+from cas_bank.namespace import Hit, Namespace, StoreReport
+from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
+from cas_bank.stats import BankStats
+
+__all__ = [
+    "ArraySpec",
+    "Bank",
+    "BankConfig",
+    "BankLockedError",
+    "BankSettingsError",
+    "BankStats",
+    "BlockHash",
+    "CasBankError",
+    "CorruptDataError",
+    "Hit",
+    "InvalidInputError",
+    "LayerSpec",
+    "ModelSpec",
+    "Namespace",
+    "StoreReport",
+]

@@ -1,0 +1,182 @@
+"""`Bank`: open (or create) a bank directory, hand out namespaces, report stats.
+
+Opening reads a handful of meta keys and checks them against the config: no scan and
+no index rebuild, so its cost does not grow with the number of blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
+from cas_bank.blocks.rocks import AccessMode, RocksStore
+from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.config import BankConfig
+from cas_bank.errors import BankSettingsError
+from cas_bank.spec import ModelSpec
+from cas_bank.stats import BankStats, Counters
+
+if TYPE_CHECKING:
+    from cas_bank.namespace import Namespace
+
+log = logging.getLogger("cas_bank")
+
+FORMAT_VERSION = 1
+_KEY_FORMAT = b"format_version"
+_KEY_BLOCK_SIZE = b"block_size"
+_KEY_HASH_FORMAT = b"hash_format_version"
+_KEY_CREATED = b"created"
+_U32 = struct.Struct("<I")
+
+
+class Bank:
+    """A prefix-cache bank in one directory. Use `Bank.open`; also a context manager."""
+
+    def __init__(self, path: Path, config: BankConfig, store: BlockStore) -> None:
+        self.path = path
+        self.config = config
+        self.store = store
+        self.read_only = store.read_only
+        self.counters = Counters(store)
+        # One writer lock per bank: stores decide what is new and write it atomically.
+        self.write_lock = threading.RLock()
+        self.suspect: set[bytes] = set()  # chain hashes whose payloads failed to verify
+        self._namespaces: dict[str, Namespace] = {}
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        config: BankConfig | None = None,
+        *,
+        mode: AccessMode = "read_write",
+    ) -> Bank:
+        """Create or reopen the bank at `path`.
+
+        `mode`: `read_write` (the one writer), `read_only` (frozen at open) or
+        `secondary` (follows a live writer, see `refresh`). A `block_size` left unset in
+        `config` is taken from the bank on disk; one set explicitly must match it.
+        """
+        path = Path(path)
+        config = config or BankConfig()
+        store = RocksStore(path, mode=mode, durability=config.durability)
+        try:
+            config = _check_settings(store, path, config)
+        except BaseException:
+            store.close()
+            raise
+        return cls(path, config, store)
+
+    # -- namespaces ----------------------------------------------------------------
+    def namespace(self, spec: ModelSpec) -> Namespace:
+        """The namespace of `spec`'s model: its blocks share a chain root nobody else has."""
+        from cas_bank.namespace import Namespace
+
+        key = spec.fingerprint
+        ns = self._namespaces.get(key)
+        if ns is None:
+            root = namespace_root(spec.fingerprint, self.config.block_size)
+            if not self.read_only and self.store.get(Family.NAMESPACES, root) is None:
+                self.store.put_batch([(Family.NAMESPACES, root, spec.model_dump_json().encode())])
+            ns = Namespace(self, spec, root)
+            self._namespaces[key] = ns
+        return ns
+
+    def namespaces(self) -> dict[bytes, ModelSpec]:
+        """Every namespace recorded in the bank, by root."""
+        return {
+            root: ModelSpec.model_validate(json.loads(raw))
+            for root, raw in self.store.iterate(Family.NAMESPACES)
+        }
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def write(self, writes: list[Write]) -> None:
+        """One atomic batch, carrying the counters changed with it."""
+        self.store.put_batch(writes + self.counters.writes())
+
+    def stats(self) -> BankStats:
+        v = self.counters.values()
+        n_ns = sum(1 for _ in self.store.keys(Family.NAMESPACES))
+        return BankStats(
+            block_size=self.config.block_size,
+            namespaces=n_ns,
+            unique_tokens=v["blocks"] * self.config.block_size,
+            disk_bytes=self.store.disk_bytes(),
+            **v,
+        )
+
+    def refresh(self) -> None:
+        """For a secondary open: catch up with the writer (data and counters)."""
+        self.store.refresh()
+        self.counters.reload(self.store)
+
+    def flush(self) -> None:
+        """Persist the activity counters now (they also ride along every store)."""
+        if not self.read_only:
+            self.store.put_batch(self.counters.writes())
+
+    def close(self) -> None:
+        """Persist counters and release the directory (its lock too)."""
+        try:
+            self.flush()
+        finally:
+            self.store.close()
+            self._namespaces.clear()
+
+    def __enter__(self) -> Bank:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Bank({str(self.path)!r}, block_size={self.config.block_size})"
+
+
+def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
+    """Compare the bank's persisted settings with `config`; write them on creation."""
+    fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
+    if fmt is None:
+        if store.read_only:
+            raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
+        store.put_batch(
+            [
+                (Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION)),
+                (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
+                (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
+                (Family.META, _KEY_CREATED, str(time.time()).encode()),
+            ]
+        )
+        return config
+    version = _U32.unpack(fmt)[0]
+    if version > FORMAT_VERSION:
+        raise BankSettingsError(
+            f"bank at {path} has format version {version}; this cas_bank reads up to "
+            f"{FORMAT_VERSION}: upgrade cas_bank"
+        )
+    hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
+    if hash_version != HASH_FORMAT_VERSION:
+        raise BankSettingsError(
+            f"bank at {path} uses hash format {hash_version}, this build {HASH_FORMAT_VERSION}"
+        )
+    stored_bs = _U32.unpack(bs)[0] if bs else config.block_size
+    if "block_size" not in config.model_fields_set:
+        return config.model_copy(update={"block_size": stored_bs})
+    if stored_bs != config.block_size:
+        raise BankSettingsError(
+            f"bank at {path} was created with block_size={stored_bs}; it cannot be opened "
+            f"with block_size={config.block_size}"
+        )
+    return config

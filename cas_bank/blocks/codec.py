@@ -1,0 +1,159 @@
+"""Arrays <-> payload bytes: a small header, raw array bytes, a blake3 digest.
+
+Layout (all little-endian):
+
+    magic "CASB" | version u8 | flags u8 | n_arrays u16 | body_len u64 | raw_len u64
+    | digest 32 bytes | per array: dtype code u8, ndim u8, dims u32 * ndim
+    | zero padding to 8 bytes | body
+
+The digest covers every byte after it (descriptors, padding and the body as stored),
+so a payload is checked before anything is decompressed or interpreted. The body is
+the arrays' C-order bytes one after another, lz4-compressed (flag bit 0) only where
+that is clearly smaller: float16/bfloat16 KV does not compress (DESIGN.md §4), zeros do.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import lz4.block
+import numpy as np
+
+from cas_bank.arrays import DTYPES_BY_CODE, DType
+from cas_bank.blocks.hashing import digest
+from cas_bank.errors import CorruptDataError
+
+MAGIC = b"CASB"
+CODEC_VERSION = 1
+FLAG_LZ4 = 1
+_FIXED = struct.Struct("<4sBBHQQ32s")
+_DIGEST_AT = _FIXED.size - 32
+_SAMPLE = 64 * 1024
+_KEEP_RATIO = 0.9  # keep lz4's output only if at most this fraction of the raw size
+
+Compression = Literal["auto", "lz4", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """Arrays of a payload, as numpy views of its bytes (bf16 as uint16)."""
+
+    arrays: list[np.ndarray]
+    dtypes: list[DType]
+    compressed: bool
+
+
+def _pieces(a: np.ndarray) -> list[memoryview]:
+    """Contiguous memoryviews covering `a` in C order, without copying.
+
+    A block sliced out of a padded cache buffer is strided on the token axis; its
+    rows below that axis are contiguous, so the join below is its only copy.
+    """
+    if a.flags.c_contiguous:
+        return [memoryview(a).cast("B")] if a.size else []  # type: ignore[arg-type]
+    out: list[memoryview] = []
+    for sub in a:
+        out.extend(_pieces(sub))
+    return out
+
+
+def _worth_compressing(pieces: Sequence[memoryview], raw_len: int) -> bool:
+    if not pieces or raw_len < 4096:
+        return False
+    parts: list[bytes] = []
+    size = 0
+    for p in pieces:  # the first 64 KiB, across pieces
+        parts.append(bytes(p[: _SAMPLE - size]))
+        size += len(parts[-1])
+        if size >= _SAMPLE:
+            break
+    sample = b"".join(parts)
+    return len(lz4.block.compress(sample, store_size=False)) < _KEEP_RATIO * len(sample)
+
+
+def encode(
+    arrays: Sequence[np.ndarray], dtypes: Sequence[DType], compression: Compression = "auto"
+) -> bytes:
+    """One payload holding `arrays` (numpy storage arrays, bf16 as uint16)."""
+    if len(arrays) != len(dtypes):
+        raise ValueError("arrays and dtypes differ in length")
+    desc = bytearray()
+    pieces: list[memoryview] = []
+    for a, d in zip(arrays, dtypes, strict=True):
+        if a.dtype != d.storage:
+            raise ValueError(f"array of dtype {a.dtype} given as {d.name}")
+        desc += struct.pack(f"<BB{a.ndim}I", d.code, a.ndim, *a.shape)
+        pieces += _pieces(a)
+    desc += b"\0" * (-(len(desc) + _FIXED.size) % 8)
+    raw_len = sum(p.nbytes for p in pieces)
+    flags = 0
+    body: Sequence[bytes | memoryview] = pieces
+    if compression == "lz4" or (compression == "auto" and _worth_compressing(pieces, raw_len)):
+        packed = lz4.block.compress(b"".join(pieces), store_size=False)
+        if compression == "lz4" or len(packed) < _KEEP_RATIO * raw_len:
+            body, flags = [packed], FLAG_LZ4
+    body_len = sum(len(p) for p in body)
+    check = digest(desc, *body)
+    fixed = _FIXED.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, check)
+    return b"".join([fixed, desc, *body])
+
+
+def embedded_digest(data: bytes) -> bytes:
+    """The digest a payload claims for itself (not checked)."""
+    if len(data) < _FIXED.size or data[:4] != MAGIC:
+        raise CorruptDataError("not a cas_bank payload (bad magic or truncated)")
+    return data[_DIGEST_AT : _FIXED.size]
+
+
+def verify(data: bytes, expected: bytes | None = None) -> bool:
+    """True if the payload's bytes match its digest (and `expected`, when given)."""
+    try:
+        claimed = embedded_digest(data)
+    except CorruptDataError:
+        return False
+    if expected is not None and claimed != expected:
+        return False
+    return digest(memoryview(data)[_FIXED.size :]) == claimed
+
+
+def decode(data: bytes, expected: bytes | None = None) -> Decoded:
+    """The arrays of a payload, after checking its digest; `CorruptDataError` otherwise.
+
+    Uncompressed arrays are zero-copy read-only views of `data`.
+    """
+    if not verify(data, expected):
+        raise CorruptDataError("payload digest mismatch")
+    _magic, version, flags, n, body_len, raw_len, _ = _FIXED.unpack_from(data)
+    if version != CODEC_VERSION:
+        raise CorruptDataError(
+            f"payload format version {version} (this build reads {CODEC_VERSION})"
+        )
+    pos = _FIXED.size
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[DType] = []
+    try:
+        for _i in range(n):
+            code, ndim = struct.unpack_from("<BB", data, pos)
+            shapes.append(struct.unpack_from(f"<{ndim}I", data, pos + 2))
+            dtypes.append(DTYPES_BY_CODE[code])
+            pos += 2 + 4 * ndim
+    except (struct.error, KeyError) as e:
+        raise CorruptDataError(f"bad array descriptor: {e}") from None
+    pos += -pos % 8
+    if pos + body_len != len(data):
+        raise CorruptDataError("payload length disagrees with its header")
+    body: bytes | memoryview = memoryview(data)[pos:]
+    if flags & FLAG_LZ4:
+        body = lz4.block.decompress(body, uncompressed_size=raw_len)
+    arrays: list[np.ndarray] = []
+    off = 0
+    for shape, d in zip(shapes, dtypes, strict=True):
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(body, dtype=d.storage, count=count, offset=off).reshape(shape))
+        off += count * d.itemsize
+    if off != raw_len:
+        raise CorruptDataError("array sizes disagree with the body length")
+    return Decoded(arrays, dtypes, bool(flags & FLAG_LZ4))

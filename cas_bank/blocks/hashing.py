@@ -1,0 +1,106 @@
+"""Chain hashing, format v1 (DESIGN.md §3).
+
+Block i of a token sequence is named `H(name of block i-1, tokens of block i)`; block
+0's parent is the namespace root. H is blake3 in derive-key mode with a fixed,
+versioned context, over the parent's 32 bytes then the tokens as little-endian uint32.
+These names are persistent keys: a change here is a format version bump, and the
+golden vectors in tests/test_hashing.py must fail first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NewType
+
+import blake3
+import numpy as np
+
+from cas_bank.errors import InvalidInputError
+
+BlockHash = NewType("BlockHash", bytes)
+"""The 32-byte name of a block: a digest of its whole token prefix."""
+
+HASH_FORMAT_VERSION = 1
+DIGEST_SIZE = 32
+
+BLOCK_CONTEXT = "cas_bank 2026-11-29 block chain v1"
+ROOT_CONTEXT = "cas_bank 2026-11-29 namespace root v1"
+SPEC_CONTEXT = "cas_bank 2026-11-29 model spec v1"
+PAYLOAD_CONTEXT = "cas_bank 2026-11-29 payload v1"
+
+_MAX_TOKEN = (1 << 32) - 1
+
+
+def as_token_array(tokens: Any) -> np.ndarray:
+    """`tokens` as a 1-D little-endian uint32 array, or a clear `InvalidInputError`.
+
+    Accepts a sequence of ints, a numpy array or an MLX array of integers (a leading
+    batch axis of 1 is allowed). Rejects floats, bools, negatives and ids >= 2**32.
+    """
+    if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
+        tokens = np.asarray(tokens.tolist())  # an MLX array
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        if isinstance(tokens, (str, bytes)):
+            raise InvalidInputError("tokens must be a sequence of int ids, not a string")
+        seq = list(tokens)
+        for t in seq:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise InvalidInputError(f"token ids must be ints; got {type(t).__name__} {t!r}")
+        if seq and (min(seq) < 0 or max(seq) > _MAX_TOKEN):
+            bad = next(t for t in seq if t < 0 or t > _MAX_TOKEN)
+            raise InvalidInputError(f"token id {bad} is outside [0, 2**32)")
+        arr = np.asarray(seq, dtype=np.int64) if seq else np.zeros(0, dtype=np.int64)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise InvalidInputError(f"tokens must be 1-D (or [1, T]); got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidInputError(f"token ids must be integers; got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        bad = int(arr[(arr < 0) | (arr > _MAX_TOKEN)][0])
+        raise InvalidInputError(f"token id {bad} is outside [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def hash_block(parent: bytes, block_tokens: np.ndarray | bytes) -> BlockHash:
+    """The chain hash of one block: a pure function of its parent's name and its tokens."""
+    data = block_tokens if isinstance(block_tokens, bytes) else block_tokens.astype("<u4").tobytes()
+    h = blake3.blake3(derive_key_context=BLOCK_CONTEXT)
+    h.update(parent)
+    h.update(data)
+    return BlockHash(h.digest())
+
+
+def chain_hashes(root: bytes, tokens: Any, block_size: int) -> list[BlockHash]:
+    """Names of every full block of `tokens`, in order (the partial tail has none)."""
+    arr = as_token_array(tokens)
+    n = len(arr) // block_size
+    data = arr[: n * block_size].tobytes()
+    step = block_size * 4
+    out: list[BlockHash] = []
+    parent = root
+    for i in range(n):
+        parent = hash_block(parent, data[i * step : (i + 1) * step])
+        out.append(BlockHash(parent))
+    return out
+
+
+def namespace_root(spec_fingerprint: str, block_size: int) -> bytes:
+    """The root of a namespace: model identity, layout and block size, format v1."""
+    h = blake3.blake3(derive_key_context=ROOT_CONTEXT)
+    h.update(bytes.fromhex(spec_fingerprint))
+    h.update(block_size.to_bytes(4, "little"))
+    h.update(HASH_FORMAT_VERSION.to_bytes(4, "little"))
+    return h.digest()
+
+
+def digest(*parts: bytes | bytearray | memoryview, context: str = PAYLOAD_CONTEXT) -> bytes:
+    h = blake3.blake3(derive_key_context=context)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def short(h: bytes, n: int = 12) -> str:
+    return h.hex()[:n]

@@ -1,0 +1,211 @@
+"""The RocksDB backend (through rocksdict, raw mode): one database per bank directory.
+
+Families as in DESIGN.md §4. Payload families (blocks, states) keep values in BlobDB
+files, uncompressed (KV does not compress; our codec decides per payload) and are read
+without RocksDB's software CRC: our blake3 digest is the integrity check.
+
+Durability: `wal` (default) writes every batch to the write-ahead log, so a store that
+returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
+atomically: a crash may lose the stores since the last flush, never half a batch.
+A `read_only` open is frozen at open time; a `secondary` open follows the writer with
+`refresh()` and never takes the writer's lock.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from rocksdict import (
+    AccessType,
+    DBCompressionType,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
+
+from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
+from cas_bank.errors import BankLockedError
+
+AccessMode = Literal["read_write", "read_only", "secondary"]
+
+_MIN_BLOB_SIZE = 4096
+
+
+def _family_options(family: Family) -> Options:
+    opt = Options(raw_mode=True)
+    if family in PAYLOAD_FAMILIES:
+        opt.set_enable_blob_files(True)
+        opt.set_min_blob_size(_MIN_BLOB_SIZE)
+        opt.set_blob_compression_type(DBCompressionType.none())
+        opt.set_compression_type(DBCompressionType.none())
+        opt.set_enable_blob_gc(True)
+    return opt
+
+
+def _db_options(durability: str) -> Options:
+    opt = _family_options(Family.META)
+    opt.create_if_missing(True)
+    opt.create_missing_column_families(True)
+    if durability == "fast":
+        opt.set_atomic_flush(True)
+    return opt
+
+
+class RocksStore(BlockStore):
+    """A `BlockStore` on one RocksDB database directory."""
+
+    def __init__(
+        self, path: str | Path, *, mode: AccessMode = "read_write", durability: str = "wal"
+    ) -> None:
+        self.path = Path(path)
+        self.mode = mode
+        self.read_only = mode != "read_write"
+        self._secondary_dir: str | None = None
+        self._write_lock = threading.Lock()
+        if mode != "read_write" and not (self.path / "CURRENT").exists():
+            raise FileNotFoundError(f"no bank at {self.path}")
+        if mode == "read_write":
+            self.path.mkdir(parents=True, exist_ok=True)
+            access = AccessType.read_write()
+        elif mode == "read_only":
+            access = AccessType.read_only()
+        else:
+            self._secondary_dir = tempfile.mkdtemp(prefix="cas_bank_secondary_")
+            access = AccessType.secondary(self._secondary_dir)
+        families = {f.value: _family_options(f) for f in Family}
+        if mode != "read_write":
+            # A reader opens the families the writer made; an old bank may lack new ones.
+            existing = set(Rdict.list_cf(str(self.path)))
+            families = {k: v for k, v in families.items() if k in existing}
+        try:
+            self._db: Any = Rdict(
+                str(self.path),
+                options=_db_options(durability),
+                column_families=families,
+                access_type=access,
+            )
+        except Exception as e:
+            self._cleanup_secondary()
+            if "lock" in str(e).lower():
+                raise BankLockedError(
+                    f"bank at {self.path} is held by another writer process; open it "
+                    f"read-only or as a secondary to read it ({e})"
+                ) from None
+            raise
+        self._cf: dict[Family, Any] = {}
+        self._handles: dict[Family, Any] = {}
+        fast_reads = ReadOptions()
+        fast_reads.set_verify_checksums(False)
+        for f in Family:
+            if f.value not in families:
+                continue
+            cf = self._db.get_column_family(f.value)
+            if f in PAYLOAD_FAMILIES:
+                cf.set_read_options(fast_reads)
+            self._cf[f] = cf
+            if not self.read_only:
+                self._handles[f] = self._db.get_column_family_handle(f.value)
+        self._write_opt: Any = WriteOptions()
+        self._write_opt.disable_wal = durability == "fast"  # a property at run time
+
+    # -- reads ---------------------------------------------------------------------
+    def _family(self, family: Family) -> Any:
+        try:
+            return self._cf[family]
+        except KeyError:
+            if self._db is None:
+                raise RuntimeError(f"bank at {self.path} is closed") from None
+            raise KeyError(f"bank at {self.path} has no {family.value!r} family") from None
+
+    def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        if family not in self._cf and self._db is not None:
+            return [None] * len(keys)
+        out: list[bytes | None] = self._family(family).get(list(keys))
+        return out
+
+    def get(self, family: Family, key: bytes) -> bytes | None:
+        if family not in self._cf and self._db is not None:
+            return None
+        out: bytes | None = self._family(family).get(key)
+        return out
+
+    def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        if family not in self._cf and self._db is not None:
+            return
+        cf = self._family(family)
+        if values:
+            yield from cf.items()
+        else:
+            for k in cf.keys():  # noqa: SIM118 (a RocksDB iterator, not a dict)
+                yield k, b""
+
+    # -- writes --------------------------------------------------------------------
+    def put_batch(self, writes: Sequence[Write]) -> None:
+        if self.read_only:
+            raise RuntimeError(f"bank at {self.path} is open {self.mode}")
+        if self._db is None:
+            raise RuntimeError(f"bank at {self.path} is closed")
+        if not writes:
+            return
+        wb = WriteBatch(raw_mode=True)
+        for family, key, value in writes:
+            if value is None:
+                wb.delete(key, self._handles[family])
+            else:
+                wb.put(key, value, self._handles[family])
+        with self._write_lock:
+            self._db.write(wb, self._write_opt)
+
+    def flush(self) -> None:
+        if self._db is not None and not self.read_only:
+            self._db.flush()
+
+    def refresh(self) -> None:
+        if self.mode == "secondary" and self._db is not None:
+            self._db.try_catch_up_with_primary()
+
+    def disk_bytes(self) -> int | None:
+        if self._db is None:
+            return None
+        total = 0
+        for cf in self._cf.values():
+            for prop in ("rocksdb.total-sst-files-size", "rocksdb.total-blob-file-size"):
+                v = cf.property_int_value(prop)
+                total += int(v or 0)
+        return total
+
+    def compact(self) -> None:
+        """Compact every family, so that deleted payloads leave the disk."""
+        for cf in self._cf.values():
+            cf.compact_range(None, None)
+
+    # -- lifetime ------------------------------------------------------------------
+    def close(self) -> None:
+        """Close for real: drop every family handle so RocksDB releases its LOCK."""
+        if self._db is None:
+            return
+        if not self.read_only:
+            self._db.flush()
+        for cf in self._cf.values():
+            cf.close()
+        self._cf.clear()
+        self._handles.clear()
+        self._db.close()
+        self._db = None
+        gc.collect()
+        self._cleanup_secondary()
+
+    def _cleanup_secondary(self) -> None:
+        if self._secondary_dir is not None:
+            shutil.rmtree(self._secondary_dir, ignore_errors=True)
+            self._secondary_dir = None

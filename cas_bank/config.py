@@ -1,0 +1,41 @@
+"""`BankConfig`: every setting of a bank, and the only place their defaults live.
+
+Settings that change what is stored (`block_size`) are persisted at creation and
+checked at every open; the rest are per-open choices (budget, hot tier, compression).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 1 << 20
+
+
+class BankConfig(BaseModel):
+    """Settings of one bank, frozen; pass it to `Bank.open`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(default=64, ge=1, le=1 << 16)
+    """Tokens per block. Persisted at creation; reopening with another value is an error."""
+
+    compression: Literal["auto", "lz4", "none"] = "auto"
+    """lz4 for payloads: `auto` keeps the compressed form only where it is clearly smaller."""
+
+    durability: Literal["wal", "fast"] = "wal"
+    """`wal`: every store survives a crash once `store` returns. `fast`: no WAL, atomic
+    flushes; a crash may lose the last unflushed stores, never half a block."""
+
+    max_bytes: int | None = Field(default=None, ge=0)
+    """Disk budget for payloads and states; None means unbounded."""
+
+    hot_bytes: int = Field(default=256 * MiB, ge=0)
+    """Byte bound of the in-process hot tier of decoded blocks; 0 turns it off."""
+
+    access_flush_interval: float = Field(default=5.0, ge=0.0)
+    """Seconds between batched writes of last-use times (never a write per restore)."""
+
+    state_stride: int | None = Field(default=None, ge=1)
+    """Also capture a recurrent state every this many blocks during prefill."""

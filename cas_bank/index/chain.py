@@ -1,0 +1,128 @@
+"""Block headers and the longest-prefix lookup over a chain.
+
+A header is the small record kept apart from the payload (DESIGN.md §4): lookups,
+tools and eviction walk headers only. It names the parent, so chains can be walked
+up from any block, and it carries the block's token ids, so tools can show them and
+a lookup can check them.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.errors import CorruptDataError
+
+HEADER_VERSION = 1
+FLAG_STATE = 1
+_FIXED = struct.Struct("<BBHIQQ32s32s32s32s")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What the bank knows of one block without reading its payload."""
+
+    chain_hash: BlockHash
+    parent: bytes  # the parent block's chain hash, or the namespace root for block 0
+    index: int  # block index: the block covers tokens [index*B, (index+1)*B)
+    root: bytes
+    payload_digest: bytes
+    payload_size: int
+    tokens: bytes  # little-endian uint32 ids of this block
+    state_digest: bytes | None = None  # the state at this block's end boundary, if any
+    state_size: int = 0
+
+    @property
+    def has_state(self) -> bool:
+        return self.state_digest is not None
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def end(self) -> int:
+        """Number of tokens covered up to the end of this block."""
+        return (self.index + 1) * (len(self.tokens) // 4)
+
+    def token_ids(self) -> list[int]:
+        return [int(t) for t in np.frombuffer(self.tokens, dtype="<u4")]
+
+    def with_state(self, state_digest: bytes | None, state_size: int = 0) -> Header:
+        return replace(self, state_digest=state_digest, state_size=state_size)
+
+    def encode(self) -> bytes:
+        flags = FLAG_STATE if self.state_digest is not None else 0
+        fixed = _FIXED.pack(
+            HEADER_VERSION,
+            flags,
+            len(self.tokens) // 4,
+            self.index,
+            self.payload_size,
+            self.state_size,
+            self.parent,
+            self.root,
+            self.payload_digest,
+            self.state_digest or bytes(32),
+        )
+        return fixed + self.tokens
+
+    @classmethod
+    def decode(cls, chain_hash: bytes, data: bytes) -> Header:
+        try:
+            (version, flags, n, index, size, state_size, parent, root, pd, sd) = _FIXED.unpack_from(
+                data
+            )
+        except struct.error:
+            raise CorruptDataError(f"header of {chain_hash.hex()} is truncated") from None
+        if version != HEADER_VERSION:
+            raise CorruptDataError(f"header of {chain_hash.hex()} has version {version}")
+        tokens = data[_FIXED.size :]
+        if len(tokens) != 4 * n:
+            raise CorruptDataError(f"header of {chain_hash.hex()} has a bad token list")
+        return cls(
+            chain_hash=BlockHash(chain_hash),
+            parent=parent,
+            index=index,
+            root=root,
+            payload_digest=pd,
+            payload_size=size,
+            tokens=tokens,
+            state_digest=sd if flags & FLAG_STATE else None,
+            state_size=state_size,
+        )
+
+
+def read_headers(store: BlockStore, hashes: Sequence[bytes]) -> list[Header | None]:
+    """Headers of `hashes` in one multi-get; None where absent or unreadable."""
+    out: list[Header | None] = []
+    for h, raw in zip(hashes, store.get_many(Family.HEADERS, list(hashes)), strict=True):
+        if raw is None:
+            out.append(None)
+            continue
+        try:
+            out.append(Header.decode(h, raw))
+        except CorruptDataError:
+            out.append(None)
+    return out
+
+
+def longest_chain(store: BlockStore, root: bytes, hashes: Sequence[BlockHash]) -> list[Header]:
+    """Headers of the longest stored prefix of the chain `hashes` (one multi-get).
+
+    Stops at the first block that is missing or whose header does not link to the
+    block before it: a chain is never returned with a hole.
+    """
+    matched: list[Header] = []
+    parent = root
+    for i, header in enumerate(read_headers(store, hashes)):
+        if header is None or header.parent != parent or header.index != i:
+            break
+        matched.append(header)
+        parent = header.chain_hash
+    return matched

@@ -1,0 +1,231 @@
+"""What is stored where: the caller's arrays checked against a `ModelSpec`, cut into
+block payloads, and assembled back.
+
+A block payload holds, for every attention layer in order, that layer's arrays sliced
+to the block's tokens. A state payload holds, for every recurrent layer in order, its
+state arrays. Both go through `blocks.codec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
+from cas_bank.blocks.codec import Compression, Decoded, encode
+from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.spec import LayerSpec, ModelSpec
+
+
+def _flatten_kv(layer: Any) -> list[Any]:
+    """(keys, values) -> [keys, values]; quantized ((kq, ks, kb), (vq, vs, vb)) -> 6 arrays."""
+    out: list[Any] = []
+    for part in layer:
+        if isinstance(part, (tuple, list)):
+            out.extend(part)
+        else:
+            out.append(part)
+    return out
+
+
+def _check_array(a: Any, want_shape: tuple[int, ...], want: DType, where: str) -> None:
+    if not isinstance(a, mx.array):
+        raise InvalidInputError(f"{where}: expected an mlx array, got {type(a).__name__}")
+    if a.dtype != want.mx_dtype:
+        raise InvalidInputError(f"{where}: dtype {a.dtype} but the spec says {want.name}")
+    if tuple(a.shape) != want_shape:
+        raise InvalidInputError(f"{where}: shape {tuple(a.shape)} but the spec says {want_shape}")
+
+
+def check_layers(spec: ModelSpec, layers: Sequence[Any], n_tokens: int) -> list[list[mx.array]]:
+    """The attention layers' arrays, flat, after checking them against the spec.
+
+    An attention array may hold more than `n_tokens` tokens (a padded cache buffer);
+    recurrent layers must be None here (their states come at boundaries).
+    """
+    if len(layers) != len(spec.layers):
+        raise InvalidInputError(
+            f"{len(layers)} layers given but the spec of {spec.name!r} has {len(spec.layers)}"
+        )
+    out: list[list[mx.array]] = []
+    for i, (layer, ls) in enumerate(zip(layers, spec.layers, strict=True)):
+        if ls.kind == "recurrent":
+            if layer is not None:
+                raise InvalidInputError(
+                    f"layer {i} is recurrent: pass None in layers and its state in states"
+                )
+            continue
+        if layer is None:
+            raise InvalidInputError(f"layer {i} is an attention layer but None was given")
+        arrays = _flatten_kv(layer)
+        if len(arrays) != len(ls.arrays):
+            raise InvalidInputError(
+                f"layer {i}: {len(arrays)} arrays given, the spec expects {len(ls.arrays)}"
+            )
+        width = None
+        for j, (a, s) in enumerate(zip(arrays, ls.arrays, strict=True)):
+            if not isinstance(a, mx.array) or a.ndim != len(s.shape) + 1:
+                got = getattr(a, "shape", type(a).__name__)
+                raise InvalidInputError(f"layer {i} array {j}: got {got}, spec {s.shape}")
+            t = a.shape[-2]
+            if t < n_tokens:
+                raise InvalidInputError(
+                    f"layer {i} array {j} holds {t} tokens, fewer than the {n_tokens} given"
+                )
+            width = t if width is None else width
+            _check_array(a, s.with_tokens(t), dtype_named(s.dtype), f"layer {i} array {j}")
+            if t != width:
+                raise InvalidInputError(f"layer {i}: arrays disagree on the token axis")
+        out.append(arrays)
+    return out
+
+
+def check_state(spec: ModelSpec, state: Sequence[Any], where: str) -> list[mx.array]:
+    """The recurrent layers' state arrays, flat, after checking them against the spec."""
+    if len(state) != len(spec.layers):
+        raise InvalidInputError(
+            f"{where}: {len(state)} entries but the spec has {len(spec.layers)} layers"
+        )
+    out: list[mx.array] = []
+    for i, (entry, ls) in enumerate(zip(state, spec.layers, strict=True)):
+        if ls.kind != "recurrent":
+            if entry is not None:
+                raise InvalidInputError(f"{where}: layer {i} is attention; give None")
+            continue
+        if entry is None or len(entry) != len(ls.arrays):
+            raise InvalidInputError(
+                f"{where}: layer {i} needs {len(ls.arrays)} state arrays, got "
+                f"{'None' if entry is None else len(entry)}"
+            )
+        for j, (a, s) in enumerate(zip(entry, ls.arrays, strict=True)):
+            _check_array(a, s.shape, dtype_named(s.dtype), f"{where}: layer {i} array {j}")
+            out.append(a)
+    return out
+
+
+class BlockCutter:
+    """Cuts block payloads out of the attention layers' arrays (views, no copies)."""
+
+    def __init__(self, spec: ModelSpec, arrays: list[list[mx.array]], block_size: int) -> None:
+        self.block_size = block_size
+        self.dtypes = [
+            dtype_named(s.dtype) for ls in spec.layers if ls.kind == "attention" for s in ls.arrays
+        ]
+        # One evaluation and one zero-copy numpy view of each buffer; blocks are slices.
+        flat = [a for layer in arrays for a in layer]
+        mx.eval(*flat)
+        self.views = [to_numpy(a) for a in flat]
+
+    def payload(self, index: int, compression: Compression) -> bytes:
+        lo, hi = index * self.block_size, (index + 1) * self.block_size
+        return encode([v[..., lo:hi, :] for v in self.views], self.dtypes, compression)
+
+
+def encode_state(state_arrays: list[mx.array], compression: Compression) -> bytes:
+    mx.eval(*state_arrays)
+    views = [to_numpy(a) for a in state_arrays]
+    return encode(views, [dtype_of(a) for a in state_arrays], compression)
+
+
+class Assembler:
+    """Copies decoded blocks straight into fresh MLX arrays (one copy per block)."""
+
+    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        n = n_blocks * block_size
+        self.specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
+        self.dests = [Destination(s.with_tokens(n), dtype_named(s.dtype)) for s in self.specs]
+
+    def put(self, index: int, block: Decoded) -> None:
+        if len(block.arrays) != len(self.dests):
+            raise CorruptDataError(
+                f"block holds {len(block.arrays)} arrays, expected {len(self.dests)}"
+            )
+        lo, hi = index * self.block_size, (index + 1) * self.block_size
+        for src, dest, s in zip(block.arrays, self.dests, self.specs, strict=True):
+            if src.shape != s.with_tokens(self.block_size) or src.dtype != dest.view.dtype:
+                raise CorruptDataError(f"block array of shape {src.shape} does not fit the spec")
+            np.copyto(dest.view[..., lo:hi, :], src)
+
+    def layers(self, n_blocks: int) -> list[tuple[Any, ...] | None]:
+        """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers."""
+        n = n_blocks * self.block_size
+        arrays = [d.finish() for d in self.dests]
+        if arrays and arrays[0].shape[-2] != n:
+            arrays = [a[..., :n, :] for a in arrays]
+        return group_layers(self.spec, arrays, None)
+
+
+def group_layers(
+    spec: ModelSpec, attention: list[mx.array] | None, recurrent: list[mx.array] | None
+) -> list[tuple[Any, ...] | None]:
+    """Flat arrays back into per-layer tuples aligned with spec.layers.
+
+    Attention layers get (keys, values), or for quantized KV ((kq, ks, kb), (vq, vs, vb)).
+    """
+    out: list[tuple[Any, ...] | None] = []
+    att = iter(attention or [])
+    rec = iter(recurrent or [])
+    for ls in spec.layers:
+        if ls.kind == "attention":
+            if attention is None:
+                out.append(None)
+                continue
+            arrs = [next(att) for _ in ls.arrays]
+            out.append(_kv_tuple(ls, arrs))
+        else:
+            if recurrent is None:
+                out.append(None)
+                continue
+            out.append(tuple(next(rec) for _ in ls.arrays))
+    return out
+
+
+def _kv_tuple(ls: LayerSpec, arrs: list[mx.array]) -> tuple[Any, ...]:
+    if ls.quantization is not None:
+        return (tuple(arrs[:3]), tuple(arrs[3:]))
+    return tuple(arrs)
+
+
+def merge_layers(
+    kv: list[tuple[Any, ...] | None], states: list[tuple[Any, ...] | None]
+) -> list[tuple[Any, ...] | None]:
+    return [a if a is not None else b for a, b in zip(kv, states, strict=True)]
+
+
+def decode_state(spec: ModelSpec, block: Decoded) -> list[mx.array]:
+    specs = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    if len(block.arrays) != len(specs):
+        raise CorruptDataError("state payload does not fit the spec")
+    out = []
+    for a, s in zip(block.arrays, specs, strict=True):
+        d = dtype_named(s.dtype)
+        if a.shape != s.shape or a.dtype != d.storage:
+            raise CorruptDataError("state payload does not fit the spec")
+        out.append(from_numpy(a, d))
+    return out
+
+
+def boundary_states(
+    spec: ModelSpec, states: Mapping[int, Sequence[Any]] | None, n_tokens: int, block_size: int
+) -> dict[int, list[mx.array]]:
+    """Checked states by boundary: each a multiple of block_size in (0, n_tokens]."""
+    out: dict[int, list[mx.array]] = {}
+    for b, state in (states or {}).items():
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise InvalidInputError(f"state boundary {b!r} is not an int")
+        b = int(b)
+        if b <= 0 or b % block_size:
+            raise InvalidInputError(
+                f"state at {b} is not at a block boundary (a positive multiple of {block_size})"
+            )
+        if b > n_tokens:
+            raise InvalidInputError(f"state at {b} is beyond the {n_tokens} tokens given")
+        if not spec.is_hybrid:
+            raise InvalidInputError(f"states given but {spec.name!r} has no recurrent layers")
+        out[b] = check_state(spec, state, f"state at {b}")
+    return out

@@ -1,0 +1,286 @@
+"""`Namespace`: one model's view of a bank: store, match, restore.
+
+The walk of a restore: chain hashes of the prompt's full blocks -> `longest_chain`
+(one multi-get of headers) -> `restore_blocks` (hybrid: deepest boundary with a state)
+-> each payload read and verified -> copied once into fresh MLX arrays -> `Hit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
+from cas_bank.blocks.store import Family, Write
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.layout import (
+    Assembler,
+    BlockCutter,
+    boundary_states,
+    check_layers,
+    decode_state,
+    encode_state,
+    group_layers,
+    merge_layers,
+)
+from cas_bank.index.states import plan_boundaries, restore_blocks
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+
+log = logging.getLogger("cas_bank")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReport:
+    """What one `Namespace.store` did."""
+
+    tokens: int  # tokens offered
+    blocks: int  # full blocks among them
+    blocks_written: int
+    blocks_existing: int
+    states_written: int
+    states_existing: int
+    bytes_written: int
+    chain: list[BlockHash] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A restore: `tokens` covered and per-layer arrays aligned with `spec.layers`."""
+
+    tokens: int
+    layers: list[tuple[Any, ...] | None]
+    blocks: list[BlockHash] = field(repr=False)
+
+
+class Namespace:
+    """The blocks of one model (one `ModelSpec`) in a bank."""
+
+    def __init__(self, bank: Bank, spec: ModelSpec, root: bytes) -> None:
+        self.bank = bank
+        self.spec = spec
+        self.root = root
+        self.block_size = bank.config.block_size
+
+    def chain(self, tokens: Any) -> list[BlockHash]:
+        """Chain hashes of the full blocks of `tokens` (validates the ids)."""
+        return chain_hashes(self.root, tokens, self.block_size)
+
+    # -- store ---------------------------------------------------------------------
+    def store(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None = None,
+    ) -> StoreReport:
+        """Store the full blocks of `tokens` and the given boundary states.
+
+        Blocks already present are not written again. Everything new goes in one
+        atomic batch. Bad input raises `InvalidInputError` before anything is written.
+        """
+        toks = as_token_array(tokens)
+        n = len(toks)
+        arrays = check_layers(self.spec, layers, n)
+        checked_states = boundary_states(self.spec, states, n, self.block_size)
+        hashes = self.chain(toks)
+        bank = self.bank
+        compression = bank.config.compression
+
+        existing = read_headers(bank.store, hashes)
+        missing = [i for i, h in enumerate(existing) if h is None or hashes[i] in bank.suspect]
+        payloads: dict[int, bytes] = {}
+        if missing:
+            cutter = BlockCutter(self.spec, arrays, self.block_size)
+            payloads = {i: cutter.payload(i, compression) for i in missing}
+        state_payloads: dict[int, bytes] = {}
+        for b, st in checked_states.items():
+            i = b // self.block_size - 1
+            h = existing[i]
+            if h is None or not h.has_state or hashes[i] in bank.suspect:
+                state_payloads[i] = encode_state(st, compression)
+
+        with bank.write_lock:
+            # Another thread may have written some of these since the first look.
+            current = read_headers(bank.store, hashes) if (payloads or state_payloads) else existing
+            writes: list[Write] = []
+            headers: dict[int, Header] = {}
+            written = bytes_written = states_written = 0
+            deltas = {"payload_bytes": 0, "state_bytes": 0, "blocks": 0, "states": 0}
+            for i, payload in payloads.items():
+                old = current[i]
+                if old is not None and hashes[i] not in bank.suspect:
+                    continue
+                parent = self.root if i == 0 else hashes[i - 1]
+                lo = i * self.block_size
+                header = Header(
+                    chain_hash=hashes[i],
+                    parent=parent,
+                    index=i,
+                    root=self.root,
+                    payload_digest=codec.embedded_digest(payload),
+                    payload_size=len(payload),
+                    tokens=toks[lo : lo + self.block_size].tobytes(),
+                    state_digest=old.state_digest if old else None,
+                    state_size=old.state_size if old else 0,
+                )
+                headers[i] = header
+                writes.append((Family.BLOCKS, hashes[i], payload))
+                written += 1
+                bytes_written += len(payload)
+                if old is None:
+                    deltas["blocks"] += 1
+                    deltas["payload_bytes"] += len(payload)
+                else:
+                    deltas["payload_bytes"] += len(payload) - old.payload_size
+            for i, payload in state_payloads.items():
+                base = headers.get(i) or current[i]
+                assert base is not None, "a state's block is stored with it or before it"
+                if base.has_state and hashes[i] not in bank.suspect:
+                    continue
+                headers[i] = base.with_state(codec.embedded_digest(payload), len(payload))
+                writes.append((Family.STATES, hashes[i], payload))
+                states_written += 1
+                bytes_written += len(payload)
+                if base.has_state:
+                    deltas["state_bytes"] += len(payload) - base.state_size
+                else:
+                    deltas["states"] += 1
+                    deltas["state_bytes"] += len(payload)
+            writes += [(Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items()]
+            bank.counters.add(
+                stores=1,
+                logical_tokens=len(hashes) * self.block_size,
+                blocks_written=written,
+                blocks_deduplicated=len(hashes) - written,
+                states_written=states_written,
+                **deltas,
+            )
+            bank.write(writes)
+            bank.suspect.difference_update(hashes[i] for i in headers)
+
+        return StoreReport(
+            tokens=n,
+            blocks=len(hashes),
+            blocks_written=written,
+            blocks_existing=len(hashes) - written,
+            states_written=states_written,
+            states_existing=len(checked_states) - states_written,
+            bytes_written=bytes_written,
+            chain=hashes,
+        )
+
+    # -- lookup --------------------------------------------------------------------
+    def matched(self, tokens: Any) -> list[Header]:
+        """Headers of the longest stored chain that prefixes `tokens` (no payload reads)."""
+        return longest_chain(self.bank.store, self.root, self.chain(tokens))
+
+    def match(self, tokens: Any) -> int:
+        """Tokens a restore would cover, without reading payloads."""
+        return restore_blocks(self.matched(tokens), self.spec.is_hybrid) * self.block_size
+
+    def plan_states(self, tokens: Any, start: int, stride: int | None = None) -> list[int]:
+        """Boundaries where a prefill of `tokens` from `start` should capture states.
+
+        Empty for attention-only models. See `index.states` for the policy.
+        """
+        if not self.spec.is_hybrid:
+            return []
+        toks = as_token_array(tokens)
+        matched = self.matched(toks)
+        return plan_boundaries(
+            len(toks),
+            self.block_size,
+            start=start,
+            matched_blocks=len(matched),
+            stored_states={h.end for h in matched if h.has_state},
+            stride=stride if stride is not None else self.bank.config.state_stride,
+        )
+
+    # -- restore -------------------------------------------------------------------
+    def restore(self, tokens: Any) -> Hit | None:
+        """The longest stored prefix of `tokens` as MLX arrays, or None on a miss.
+
+        A payload that fails its digest ends the restore before it (counted as a
+        corrupt read, never raised); a hybrid restore then steps back to the deepest
+        boundary below it that has an intact state.
+        """
+        toks = as_token_array(tokens)
+        hashes = self.chain(toks)
+        matched = longest_chain(self.bank.store, self.root, hashes)
+        hybrid = self.spec.is_hybrid
+        n_blocks = restore_blocks(matched, hybrid)
+        assembler = Assembler(self.spec, n_blocks, self.block_size) if n_blocks else None
+        good = 0
+        for i in range(n_blocks):
+            block = self._read(Family.BLOCKS, matched[i].chain_hash, matched[i].payload_digest)
+            if block is None:
+                break
+            try:
+                assert assembler is not None
+                assembler.put(i, block)
+            except CorruptDataError as e:
+                self._corrupt(Family.BLOCKS, matched[i].chain_hash, str(e))
+                break
+            good += 1
+        n_blocks = restore_blocks(matched[:good], hybrid)
+        state: list[mx.array] | None = None
+        while hybrid and n_blocks:
+            h = matched[n_blocks - 1]
+            state = self._read_state(h)
+            if state is not None:
+                break
+            n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
+
+        self.bank.counters.add(
+            restores=1,
+            queried_tokens=len(toks),
+            hit_tokens=n_blocks * self.block_size,
+            hits=1 if n_blocks else 0,
+            misses=0 if n_blocks else 1,
+        )
+        if not n_blocks or assembler is None:
+            return None
+        kv = assembler.layers(n_blocks)
+        if state is not None:
+            kv = merge_layers(kv, group_layers(self.spec, None, state))
+        return Hit(tokens=n_blocks * self.block_size, layers=kv, blocks=hashes[:n_blocks])
+
+    def _read(self, family: Family, key: bytes, expected: bytes) -> codec.Decoded | None:
+        raw = self.bank.store.get(family, key)
+        if raw is None:
+            self._corrupt(family, key, "payload missing under a stored header")
+            return None
+        try:
+            return codec.decode(raw, expected)
+        except CorruptDataError as e:
+            self._corrupt(family, key, str(e))
+            return None
+
+    def _read_state(self, header: Header) -> list[mx.array] | None:
+        assert header.state_digest is not None
+        block = self._read(Family.STATES, header.chain_hash, header.state_digest)
+        if block is None:
+            return None
+        try:
+            return decode_state(self.spec, block)
+        except CorruptDataError as e:
+            self._corrupt(Family.STATES, header.chain_hash, str(e))
+            return None
+
+    def _corrupt(self, family: Family, key: bytes, why: str) -> None:
+        self.bank.counters.add(corrupt_reads=1)
+        self.bank.suspect.add(key)
+        log.warning(
+            "cas_bank: %s %s failed verification (%s); served as a miss",
+            family.value,
+            key.hex()[:16],
+            why,
+        )

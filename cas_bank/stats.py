@@ -1,0 +1,115 @@
+"""Counters of a bank: what is stored (kept exact with every write batch) and what
+happened (hits, misses, corrupt reads), persisted in the meta family so that tools
+see them after the writer is gone. Loading them is a few gets: no scan at open."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterable
+
+from pydantic import BaseModel, ConfigDict
+
+from cas_bank.blocks.store import BlockStore, Family, Write
+
+_PREFIX = b"counter/"
+_U64 = struct.Struct("<Q")
+
+STORED = (
+    "blocks",
+    "states",
+    "payload_bytes",
+    "state_bytes",
+    "logical_tokens",
+)
+ACTIVITY = (
+    "stores",
+    "restores",
+    "hits",
+    "misses",
+    "queried_tokens",
+    "hit_tokens",
+    "hot_hits",
+    "blocks_written",
+    "blocks_deduplicated",
+    "states_written",
+    "blocks_evicted",
+    "states_evicted",
+    "bytes_evicted",
+    "corrupt_reads",
+)
+NAMES = STORED + ACTIVITY
+
+
+class BankStats(BaseModel):
+    """A snapshot of a bank's counters (`Bank.stats()`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    block_size: int
+    namespaces: int
+    blocks: int
+    states: int
+    payload_bytes: int
+    state_bytes: int
+    logical_tokens: int
+    unique_tokens: int
+    stores: int
+    restores: int
+    hits: int
+    misses: int
+    queried_tokens: int
+    hit_tokens: int
+    hot_hits: int
+    blocks_written: int
+    blocks_deduplicated: int
+    states_written: int
+    blocks_evicted: int
+    states_evicted: int
+    bytes_evicted: int
+    corrupt_reads: int
+    disk_bytes: int | None = None
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Logical tokens stored per unique token kept (1.0 when nothing is shared)."""
+        return self.logical_tokens / self.unique_tokens if self.unique_tokens else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of queried tokens that were restored."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class Counters:
+    """Thread-safe counters; `writes()` returns the records that persist them."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(NAMES, 0)
+        self._dirty: set[str] = set()
+        self.reload(store)
+
+    def reload(self, store: BlockStore) -> None:
+        raw = store.get_many(Family.META, [_PREFIX + n.encode() for n in NAMES])
+        with self._lock:
+            for name, value in zip(NAMES, raw, strict=True):
+                self._values[name] = _U64.unpack(value)[0] if value else 0
+            self._dirty.clear()
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._values[name] = max(0, self._values[name] + d)
+                self._dirty.add(name)
+
+    def writes(self, names: Iterable[str] | None = None) -> list[Write]:
+        """Records for the changed counters (or `names`); marks them clean."""
+        with self._lock:
+            chosen = set(self._dirty if names is None else names)
+            self._dirty -= chosen
+            return [(Family.META, _PREFIX + n.encode(), _U64.pack(self._values[n])) for n in chosen]
+
+    def values(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
