@@ -19,7 +19,7 @@ import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from rocksdict import (
     AccessType,
@@ -113,7 +113,7 @@ class RocksStore(BlockStore):
             self._cf[f] = cf
             if not self.read_only:
                 self._handles[f] = self._db.get_column_family_handle(f.value)
-        self._write_opt: Any = WriteOptions()
+        self._write_opt: Any = cast(Any, WriteOptions())
         self._write_opt.disable_wal = durability == "fast"  # a property at run time
 
     # -- reads ---------------------------------------------------------------------
