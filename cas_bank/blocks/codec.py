@@ -6,14 +6,17 @@ Layout (all little-endian):
     | digest 32 bytes | per array: dtype code u8, ndim u8, dims u32 * ndim
     | zero padding to 8 bytes | body
 
-The digest covers every byte after it (descriptors, padding and the body as stored),
-so a payload is checked before anything is decompressed or interpreted. The body is
+The digest covers every other byte of the payload (the fixed fields before it, then
+descriptors, padding and the body as stored), so a payload is checked before anything
+is decompressed or interpreted, and a flipped flag or length is caught like a flipped
+body byte. The body is
 the arrays' C-order bytes one after another, lz4-compressed (flag bit 0) only where
 that is clearly smaller: float16/bfloat16 KV does not compress (DESIGN.md §4), zeros do.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ FLAG_LZ4 = 1
 _FIXED = struct.Struct("<4sBBHQQ32s")
 _DIGEST_AT = _FIXED.size - 32
 _SAMPLE = 64 * 1024
+_LZ4_MAX_RATIO = 255  # an lz4 block expands at most about this much
 _KEEP_RATIO = 0.9  # keep lz4's output only if at most this fraction of the raw size
 
 Compression = Literal["auto", "lz4", "none"]
@@ -96,9 +100,9 @@ def encode(
         if compression == "lz4" or len(packed) < _KEEP_RATIO * raw_len:
             body, flags = [packed], FLAG_LZ4
     body_len = sum(len(p) for p in body)
-    check = digest(desc, *body)
-    fixed = _FIXED.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, check)
-    return b"".join([fixed, desc, *body])
+    lead = _FIXED.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, bytes(32))
+    check = digest(lead[:_DIGEST_AT], desc, *body)
+    return b"".join([lead[:_DIGEST_AT], check, desc, *body])
 
 
 def embedded_digest(data: bytes) -> bytes:
@@ -116,7 +120,8 @@ def verify(data: bytes, expected: bytes | None = None) -> bool:
         return False
     if expected is not None and claimed != expected:
         return False
-    return digest(memoryview(data)[_FIXED.size :]) == claimed
+    view = memoryview(data)
+    return digest(view[:_DIGEST_AT], view[_FIXED.size :]) == claimed
 
 
 def decode(data: bytes, expected: bytes | None = None) -> Decoded:
@@ -134,26 +139,41 @@ def decode(data: bytes, expected: bytes | None = None) -> Decoded:
     pos = _FIXED.size
     shapes: list[tuple[int, ...]] = []
     dtypes: list[DType] = []
+    sizes: list[int] = []
     try:
         for _i in range(n):
             code, ndim = struct.unpack_from("<BB", data, pos)
-            shapes.append(struct.unpack_from(f"<{ndim}I", data, pos + 2))
-            dtypes.append(DTYPES_BY_CODE[code])
+            shape = struct.unpack_from(f"<{ndim}I", data, pos + 2)
+            d = DTYPES_BY_CODE[code]
+            shapes.append(shape)
+            dtypes.append(d)
+            sizes.append(math.prod(shape) * d.itemsize)
             pos += 2 + 4 * ndim
     except (struct.error, KeyError) as e:
         raise CorruptDataError(f"bad array descriptor: {e}") from None
     pos += -pos % 8
     if pos + body_len != len(data):
         raise CorruptDataError("payload length disagrees with its header")
+    # Sizes are checked before anything is allocated or decompressed.
+    if sum(sizes) != raw_len or (not flags & FLAG_LZ4 and body_len != raw_len):
+        raise CorruptDataError("array sizes disagree with the body length")
+    if flags & FLAG_LZ4 and raw_len > _LZ4_MAX_RATIO * body_len + 64:
+        raise CorruptDataError("lz4 body claims more bytes than lz4 can expand to")
     body: bytes | memoryview = memoryview(data)[pos:]
     if flags & FLAG_LZ4:
-        body = lz4.block.decompress(body, uncompressed_size=raw_len)
+        try:
+            body = lz4.block.decompress(body, uncompressed_size=raw_len)
+        except lz4.block.LZ4BlockError as e:
+            raise CorruptDataError(f"lz4 body does not decompress: {e}") from None
+        if len(body) != raw_len:
+            raise CorruptDataError("lz4 body decompresses to the wrong size")
     arrays: list[np.ndarray] = []
     off = 0
-    for shape, d in zip(shapes, dtypes, strict=True):
-        count = int(np.prod(shape, dtype=np.int64))
-        arrays.append(np.frombuffer(body, dtype=d.storage, count=count, offset=off).reshape(shape))
-        off += count * d.itemsize
-    if off != raw_len:
-        raise CorruptDataError("array sizes disagree with the body length")
+    for shape, d, size in zip(shapes, dtypes, sizes, strict=True):
+        arrays.append(
+            np.frombuffer(body, dtype=d.storage, count=size // d.itemsize, offset=off).reshape(
+                shape
+            )
+        )
+        off += size
     return Decoded(arrays, dtypes, bool(flags & FLAG_LZ4))

@@ -1,0 +1,201 @@
+"""Shared fixtures and helpers: a temporary bank path, small model specs, random arrays.
+
+Everything here builds tiny real things (a RocksDB directory under `tmp_path`, MLX
+arrays) and nothing is mocked. The helpers are plain functions as well as fixtures,
+so hypothesis tests and child processes (which import this module by path) use them.
+
+Three specs cover the layouts a bank meets:
+- `attention_spec()`: fp16 KV, 2 layers (a llama/qwen3-like model);
+- `quantized_spec()`: mlx-lm `QuantizedKVCache` tuples (packed uint32, scales, biases);
+- `hybrid_spec()`: GDN (recurrent) layers alternating with bf16 attention layers.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.arrays import DTYPES
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+BLOCK_SIZE = 4  # small blocks keep arrays tiny while exercising many blocks
+
+
+# -- specs ------------------------------------------------------------------------
+def attention_spec(dtype: str = "float16", n_layers: int = 2, name: str = "tiny-attn") -> ModelSpec:
+    """An attention-only model: every layer (keys, values) of [1, 2, T, 8]."""
+    return ModelSpec(
+        name=name,
+        layers=tuple(
+            LayerSpec.attention(kv_heads=2, head_dim=8, dtype=dtype) for _ in range(n_layers)
+        ),
+        weights_digest="w-" + name,
+    )
+
+
+def quantized_spec(bits: int = 4, group_size: int = 32) -> ModelSpec:
+    """Quantized KV as mlx-lm's `QuantizedKVCache` holds it, bf16 scales and biases."""
+    layer = LayerSpec.quantized_attention(
+        kv_heads=2, head_dim=64, dtype="bfloat16", group_size=group_size, bits=bits
+    )
+    return ModelSpec(name="tiny-quant", layers=(layer, layer), weights_digest="w-quant")
+
+
+def hybrid_spec() -> ModelSpec:
+    """GDN, attention, GDN, attention (like qwen3_next with full_attention_interval=2).
+
+    A recurrent layer holds conv (1, K-1, conv_dim) bf16 and recurrent (1, Hv, Dv, Dk)
+    float32, as mlx-lm's `ArraysCache` does.
+    """
+    gdn = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 2, 4, 4), "float32")])
+    att = LayerSpec.attention(kv_heads=2, head_dim=8, dtype="bfloat16")
+    return ModelSpec(name="tiny-hybrid", layers=(gdn, att, gdn, att), weights_digest="w-hybrid")
+
+
+# -- arrays -----------------------------------------------------------------------
+def random_array(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> mx.array:
+    """A random MLX array of `dtype` (a name from `cas_bank.arrays.DTYPES`).
+
+    Floats are normal values; integer types are random bits. bf16 goes through its
+    uint16 bits, because numpy has no bfloat16.
+    """
+    if dtype == "bfloat16":
+        f32 = rng.standard_normal(shape, dtype=np.float32)
+        return mx.array(f32).astype(mx.bfloat16)
+    if dtype in ("float16", "float32", "float64"):
+        return mx.array(rng.standard_normal(shape).astype(dtype))
+    if dtype == "bool":
+        return mx.array(rng.integers(0, 2, shape).astype(np.bool_))
+    storage = DTYPES[dtype].storage
+    info = np.iinfo(storage)
+    bits = rng.integers(int(info.min), int(info.max), shape, dtype=storage, endpoint=True)
+    return mx.array(bits)
+
+
+def random_layers(spec: ModelSpec, n_tokens: int, seed: int = 0, pad: int = 0) -> list[Any]:
+    """KV for `n_tokens` (+ `pad` tokens of padding) per layer, aligned with spec.layers.
+
+    Attention layers get (keys, values) or, quantized, ((kq, ks, kb), (vq, vs, vb));
+    recurrent layers get None (their states go in `states`).
+    """
+    rng = np.random.default_rng(seed)
+    out: list[Any] = []
+    for ls in spec.layers:
+        if ls.kind == "recurrent":
+            out.append(None)
+            continue
+        arrays = [random_array(s.with_tokens(n_tokens + pad), s.dtype, rng) for s in ls.arrays]
+        if ls.quantization is not None:
+            out.append((tuple(arrays[:3]), tuple(arrays[3:])))
+        else:
+            out.append(tuple(arrays))
+    return out
+
+
+def random_state(spec: ModelSpec, seed: int = 0) -> list[Any]:
+    """One boundary's state, aligned with spec.layers: a tuple per recurrent layer."""
+    rng = np.random.default_rng(seed)
+    return [
+        tuple(random_array(s.shape, s.dtype, rng) for s in ls.arrays)
+        if ls.kind == "recurrent"
+        else None
+        for ls in spec.layers
+    ]
+
+
+def flat_arrays(layer: Any) -> list[mx.array]:
+    """A layer entry ((k, v), quantized tuples or a state tuple) as a flat array list."""
+    out: list[mx.array] = []
+    for part in layer:
+        out.extend(flat_arrays(part) if isinstance(part, (tuple, list)) else [part])
+    return out
+
+
+def bits(a: mx.array) -> bytes:
+    """The exact bytes of an MLX array (bf16 through uint16): compare for bit identity."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return bytes(np.array(a, copy=True).tobytes())
+
+
+def kv_prefix_bits(layers: list[Any], spec: ModelSpec, n: int) -> list[list[bytes]]:
+    """Bytes of each attention layer's arrays cut to the first `n` tokens."""
+    return [
+        [bits(a[..., :n, :]) for a in flat_arrays(layer)]
+        for layer, ls in zip(layers, spec.layers, strict=True)
+        if ls.kind == "attention"
+    ]
+
+
+def layers_bits(layers: list[Any], spec: ModelSpec) -> list[list[bytes]]:
+    """Bytes of every array of a restored `hit.layers`, per attention layer."""
+    return [
+        [bits(a) for a in flat_arrays(layer)]
+        for layer, ls in zip(layers, spec.layers, strict=True)
+        if ls.kind == "attention"
+    ]
+
+
+def state_bits(state: list[Any], spec: ModelSpec) -> list[list[bytes]]:
+    """Bytes of every recurrent layer's arrays of a state (or of `hit.layers`)."""
+    return [
+        [bits(a) for a in layer]
+        for layer, ls in zip(state, spec.layers, strict=True)
+        if ls.kind == "recurrent"
+    ]
+
+
+def tokens_of(rng: np.random.Generator, n: int, vocab: int = 1000) -> list[int]:
+    return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child python that imports this module and cas_bank."""
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+# -- fixtures ---------------------------------------------------------------------
+@pytest.fixture
+def bank_path(tmp_path: Path) -> Path:
+    """A directory where a bank may be created (not created yet)."""
+    return tmp_path / "bank"
+
+
+@pytest.fixture
+def bank(bank_path: Path) -> Iterator[Bank]:
+    """A fresh writable bank with `BLOCK_SIZE`-token blocks, closed after the test."""
+    b = Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE))
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture
+def attn_spec() -> ModelSpec:
+    return attention_spec()
+
+
+@pytest.fixture
+def quant_spec() -> ModelSpec:
+    return quantized_spec()
+
+
+@pytest.fixture
+def hyb_spec() -> ModelSpec:
+    return hybrid_spec()
+
+
+PYTHON = sys.executable
