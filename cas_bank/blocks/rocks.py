@@ -13,11 +13,13 @@ A `read_only` open is frozen at open time; a `secondary` open follows the writer
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -59,6 +61,14 @@ def _db_options(durability: str) -> Options:
     return opt
 
 
+def _walk(cf: Any, values: bool) -> Generator[tuple[bytes, bytes], None, None]:
+    if values:
+        yield from cf.items()
+    else:
+        for k in cf.keys():  # noqa: SIM118 (a RocksDB iterator, not a dict)
+            yield k, b""
+
+
 class RocksStore(BlockStore):
     """A `BlockStore` on one RocksDB database directory."""
 
@@ -70,6 +80,7 @@ class RocksStore(BlockStore):
         self.read_only = mode != "read_write"
         self._secondary_dir: str | None = None
         self._write_lock = threading.Lock()
+        self._walks: weakref.WeakSet[Generator[tuple[bytes, bytes], None, None]] = weakref.WeakSet()
         if mode != "read_write" and not (self.path / "CURRENT").exists():
             raise FileNotFoundError(f"no bank at {self.path}")
         if mode == "read_write":
@@ -86,20 +97,20 @@ class RocksStore(BlockStore):
             existing = set(Rdict.list_cf(str(self.path)))
             families = {k: v for k, v in families.items() if k in existing}
         try:
-            self._db: Any = Rdict(
-                str(self.path),
-                options=_db_options(durability),
-                column_families=families,
-                access_type=access,
-            )
+            self._db: Any = self._open_db(families, durability, access)
         except Exception as e:
             self._cleanup_secondary()
-            if "lock" in str(e).lower():
+            if "lock" not in str(e).lower():
+                raise
+            if "current process" in str(e):
                 raise BankLockedError(
-                    f"bank at {self.path} is held by another writer process; open it "
-                    f"read-only or as a secondary to read it ({e})"
+                    f"bank at {self.path} is already open for writing in this process; "
+                    f"close that Bank first ({e})"
                 ) from None
-            raise
+            raise BankLockedError(
+                f"bank at {self.path} is held by another writer process; open it "
+                f"read-only or as a secondary to read it ({e})"
+            ) from None
         self._cf: dict[Family, Any] = {}
         self._handles: dict[Family, Any] = {}
         fast_reads = ReadOptions()
@@ -115,6 +126,25 @@ class RocksStore(BlockStore):
                 self._handles[f] = self._db.get_column_family_handle(f.value)
         self._write_opt: Any = cast(Any, WriteOptions())
         self._write_opt.disable_wal = durability == "fast"  # a property at run time
+
+    def _open_db(self, families: dict[str, Options], durability: str, access: Any) -> Any:
+        def attempt() -> Any:
+            return Rdict(
+                str(self.path),
+                options=_db_options(durability),
+                column_families=families,
+                access_type=access,
+            )
+
+        try:
+            return attempt()
+        except Exception as e:
+            if "current process" not in str(e):
+                raise
+            # A closed store of this process may still sit in a reference cycle that
+            # holds a family handle (and so the LOCK): collect it and try once more.
+            gc.collect()
+            return attempt()
 
     # -- reads ---------------------------------------------------------------------
     def _family(self, family: Family) -> Any:
@@ -141,13 +171,12 @@ class RocksStore(BlockStore):
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         if family not in self._cf and self._db is not None:
-            return
-        cf = self._family(family)
-        if values:
-            yield from cf.items()
-        else:
-            for k in cf.keys():  # noqa: SIM118 (a RocksDB iterator, not a dict)
-                yield k, b""
+            return iter(())
+        walk = _walk(self._family(family), values)
+        # A RocksDB iterator keeps the database (and its LOCK) alive: close() ends
+        # every walk still open, so that the directory can be reopened.
+        self._walks.add(walk)
+        return walk
 
     # -- writes --------------------------------------------------------------------
     def put_batch(self, writes: Sequence[Write]) -> None:
@@ -167,8 +196,17 @@ class RocksStore(BlockStore):
             self._db.write(wb, self._write_opt)
 
     def flush(self) -> None:
-        if self._db is not None and not self.read_only:
-            self._db.flush()
+        """Write every family's memtable to disk (`Rdict.flush` alone does the default one).
+
+        Payload families go first: a crash between flushes can then leave a payload
+        without its header (invisible), never a header without its payload.
+        """
+        if self._db is None or self.read_only:
+            return
+        for family in (*PAYLOAD_FAMILIES, *(f for f in Family if f not in PAYLOAD_FAMILIES)):
+            cf = self._cf.get(family)
+            if cf is not None:
+                cf.flush()
 
     def refresh(self) -> None:
         if self.mode == "secondary" and self._db is not None:
@@ -194,15 +232,17 @@ class RocksStore(BlockStore):
         """Close for real: drop every family handle so RocksDB releases its LOCK."""
         if self._db is None:
             return
-        if not self.read_only:
-            self._db.flush()
+        self.flush()
+        for walk in list(self._walks):
+            # ValueError: running in another thread right now; it ends with the db.
+            with contextlib.suppress(ValueError):
+                walk.close()
         for cf in self._cf.values():
             cf.close()
         self._cf.clear()
         self._handles.clear()
         self._db.close()
         self._db = None
-        gc.collect()
         self._cleanup_secondary()
 
     def _cleanup_secondary(self) -> None:
