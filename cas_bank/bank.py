@@ -16,10 +16,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
+from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode, RocksStore
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
+from cas_bank.index.evict import AccessLog
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
@@ -48,6 +50,10 @@ class Bank:
         # One writer lock per bank: stores decide what is new and write it atomically.
         self.write_lock = threading.RLock()
         self.suspect: set[bytes] = set()  # chain hashes whose payloads failed to verify
+        # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
+        self.hot = store if isinstance(store, HotStore) else None
+        # Last uses, recorded in memory and written in batches (see index.evict).
+        self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         self._namespaces: dict[str, Namespace] = {}
 
     @classmethod
@@ -72,6 +78,8 @@ class Bank:
         except BaseException:
             store.close()
             raise
+        if config.hot_bytes > 0:
+            return cls(path, config, HotStore(store, config.hot_bytes))
         return cls(path, config, store)
 
     # -- namespaces ----------------------------------------------------------------
@@ -98,8 +106,10 @@ class Bank:
 
     # -- bookkeeping ---------------------------------------------------------------
     def write(self, writes: list[Write]) -> None:
-        """One atomic batch, carrying the counters changed with it."""
-        self.store.put_batch(writes + self.counters.writes())
+        """One atomic batch, carrying the counters changed with it and pending last uses."""
+        batch = writes + self.access.drain() + self.counters.writes()
+        self.store.put_batch(batch)
+        self.access.observe(batch)
 
     def stats(self) -> BankStats:
         v = self.counters.values()
@@ -118,9 +128,9 @@ class Bank:
         self.counters.reload(self.store)
 
     def flush(self) -> None:
-        """Persist the activity counters now (they also ride along every store)."""
+        """Persist the activity counters and last uses now (they also ride along stores)."""
         if not self.read_only:
-            self.store.put_batch(self.counters.writes())
+            self.store.put_batch(self.access.drain() + self.counters.writes())
 
     def close(self) -> None:
         """Persist counters and release the directory (its lock too)."""

@@ -19,6 +19,7 @@ from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family, Write
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.evict import enforce_budget
 from cas_bank.index.layout import (
     Assembler,
     BlockCutter,
@@ -110,6 +111,12 @@ class Namespace:
         with bank.write_lock:
             # Another thread may have written some of these since the first look.
             current = read_headers(bank.store, hashes) if (payloads or state_payloads) else existing
+            # Eviction may have removed a block seen at the first look: cut it again,
+            # or the new blocks below it would leave a hole in the chain.
+            lost = [i for i, h in enumerate(current) if h is None and i not in payloads]
+            if lost and (payloads or state_payloads):
+                cutter = BlockCutter(self.spec, arrays, self.block_size)
+                payloads.update({i: cutter.payload(i, compression) for i in lost})
             writes: list[Write] = []
             headers: dict[int, Header] = {}
             written = bytes_written = states_written = 0
@@ -163,8 +170,11 @@ class Namespace:
                 states_written=states_written,
                 **deltas,
             )
+            # The whole chain was used now; the states written or offered too.
+            bank.access.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
             bank.write(writes)
             bank.suspect.difference_update(hashes[i] for i in headers)
+            enforce_budget(bank)
 
         return StoreReport(
             tokens=n,
@@ -246,6 +256,12 @@ class Namespace:
             hits=1 if n_blocks else 0,
             misses=0 if n_blocks else 1,
         )
+        if n_blocks:
+            # Last uses stay in memory; written at most every access_flush_interval.
+            state_at = [hashes[n_blocks - 1]] if state is not None else []
+            self.bank.access.touch(hashes[:n_blocks], state_at)
+            if self.bank.access.due():
+                self.bank.flush()
         if not n_blocks or assembler is None:
             return None
         kv = assembler.layers(n_blocks)
@@ -254,15 +270,34 @@ class Namespace:
         return Hit(tokens=n_blocks * self.block_size, layers=kv, blocks=hashes[:n_blocks])
 
     def _read(self, family: Family, key: bytes, expected: bytes) -> codec.Decoded | None:
-        raw = self.bank.store.get(family, key)
+        hot = self.bank.hot
+        raw = None
+        if hot is not None:
+            cached = hot.lookup(family, key, expected)
+            if cached is not None:
+                self.bank.counters.add(hot_hits=1)
+                if isinstance(cached, codec.Decoded):
+                    return cached  # no read, no digest check: verified when it got hot
+                raw = cached
         if raw is None:
-            self._corrupt(family, key, "payload missing under a stored header")
+            raw = self.bank.store.get(family, key)
+        if raw is None:
+            if not self._evicted(family, key):
+                self._corrupt(family, key, "payload missing under a stored header")
             return None
         try:
-            return codec.decode(raw, expected)
+            block = codec.decode(raw, expected)
         except CorruptDataError as e:
             self._corrupt(family, key, str(e))
             return None
+        if hot is not None:
+            hot.keep_decoded(family, key, raw, expected, block)
+        return block
+
+    def _evicted(self, family: Family, key: bytes) -> bool:
+        """Whether a payload missing under a header just read was evicted since (a miss)."""
+        header = read_headers(self.bank.store, [key])[0]
+        return header is None or (family is Family.STATES and not header.has_state)
 
     def _read_state(self, header: Header) -> list[mx.array] | None:
         assert header.state_digest is not None

@@ -1,0 +1,204 @@
+"""The hot tier: a byte-bounded, in-process LRU cache in front of any `BlockStore`.
+
+A wrapper store (STYLE.md: cross-cutting concerns wrap a store, they are not flags
+inside a backend). It caches the families a restore reads: headers, block payloads
+and states. A restore of a prefix whose headers and payloads are all hot reads
+nothing from the store below.
+
+Two levels per entry:
+- the raw value (what `get_many` returns), filled on a read miss and on every put
+  (write-through: a chain just stored is the chain most likely restored next);
+- a decoded, digest-checked view of a payload (`lookup` / `keep_decoded`), so a hot
+  hit skips both the read and the blake3 check. The views alias the immutable raw
+  `bytes`, so they cost no memory beyond it (a compressed payload's inflated body
+  is counted on top).
+
+Coherence: every write goes through `put_batch`, which updates the inner store
+first and then replaces (put) or drops (delete) the cached entries. A read that
+missed the cache inserts what it read only if no write touched a cached family in
+the meantime (a generation counter), so a value read before a delete can never be
+cached after it. `refresh` (a secondary following its writer) drops everything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from cas_bank.blocks.codec import Decoded
+from cas_bank.blocks.store import BlockStore, Family, Write
+
+CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES})
+_ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
+
+
+@dataclass(slots=True)
+class _Entry:
+    raw: bytes
+    size: int  # bytes charged against the bound
+    decoded: Decoded | None = None
+    digest: bytes | None = None  # the digest `decoded` was verified against
+
+
+class HotStore(BlockStore):
+    """An LRU of at most `max_bytes` over `inner`'s headers, blocks and states."""
+
+    def __init__(
+        self,
+        inner: BlockStore,
+        max_bytes: int,
+        *,
+        families: frozenset[Family] = CACHED_FAMILIES,
+        write_through: bool = True,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"hot tier size must be >= 0 bytes, got {max_bytes}")
+        self.inner = inner
+        self.max_bytes = max_bytes
+        self.families = families
+        self.write_through = write_through
+        self.read_only = inner.read_only
+        self._entries: OrderedDict[tuple[Family, bytes], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._generation = 0  # bumped by every write that touches a cached family
+        self._lock = threading.Lock()
+        self.hits = 0  # raw lookups served from memory
+        self.misses = 0  # raw lookups passed to the inner store
+
+    # -- the decoded level ---------------------------------------------------------
+    def lookup(self, family: Family, key: bytes, expected: bytes) -> Decoded | bytes | None:
+        """A hot payload without touching the inner store: its verified arrays if it
+        was decoded against `expected` before, else its raw bytes (to be verified),
+        else None (not hot)."""
+        with self._lock:
+            entry = self._entries.get((family, key))
+            if entry is None:
+                return None
+            self._entries.move_to_end((family, key))
+            self.hits += 1
+            if entry.decoded is not None and entry.digest == expected:
+                return entry.decoded
+            return entry.raw
+
+    def keep_decoded(
+        self, family: Family, key: bytes, raw: bytes, expected: bytes, block: Decoded
+    ) -> None:
+        """Remember `block`, decoded from `raw` and verified against `expected`.
+
+        Kept only if `raw` is still the cached value of `key` (the same object): a
+        write or an eviction in between wins.
+        """
+        with self._lock:
+            entry = self._entries.get((family, key))
+            if entry is None or entry.raw is not raw:
+                return
+            extra = _inflated_bytes(block)
+            entry.decoded, entry.digest = block, expected
+            entry.size += extra
+            self._bytes += extra
+            self._entries.move_to_end((family, key))
+            self._shrink()
+
+    # -- BlockStore ----------------------------------------------------------------
+    def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        if family not in self.families:
+            return self.inner.get_many(family, keys)
+        out: list[bytes | None] = [None] * len(keys)
+        missing: list[int] = []
+        with self._lock:
+            generation = self._generation
+            for i, key in enumerate(keys):
+                entry = self._entries.get((family, key))
+                if entry is None:
+                    missing.append(i)
+                else:
+                    self._entries.move_to_end((family, key))
+                    out[i] = entry.raw
+            self.hits += len(keys) - len(missing)
+            self.misses += len(missing)
+        if not missing:
+            return out
+        got = self.inner.get_many(family, [keys[i] for i in missing])
+        with self._lock:
+            # A write since our look may have replaced or deleted what we just read.
+            fresh = generation == self._generation
+            for i, value in zip(missing, got, strict=True):
+                out[i] = value
+                if fresh and value is not None:
+                    self._insert(family, bytes(keys[i]), value)
+            self._shrink()
+        return out
+
+    def put_batch(self, writes: Sequence[Write]) -> None:
+        self.inner.put_batch(writes)
+        cached = [w for w in writes if w[0] in self.families]
+        if not cached:
+            return
+        with self._lock:
+            self._generation += 1
+            for family, key, value in cached:
+                self._drop((family, key))
+                if value is not None and self.write_through:
+                    self._insert(family, bytes(key), value)
+            self._shrink()
+
+    def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        return self.inner.iterate(family, values=values)
+
+    def refresh(self) -> None:
+        """Catch up with the writer and forget everything: it may have deleted any of it."""
+        self.inner.refresh()
+        self.clear()
+
+    def disk_bytes(self) -> int | None:
+        return self.inner.disk_bytes()
+
+    def close(self) -> None:
+        self.clear()
+        self.inner.close()
+
+    # -- the cache itself ----------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes currently charged against `max_bytes`."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, item: tuple[Family, bytes]) -> bool:
+        return item in self._entries
+
+    def clear(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._entries.clear()
+            self._bytes = 0
+
+    def _insert(self, family: Family, key: bytes, value: bytes) -> None:
+        raw = value if type(value) is bytes else bytes(value)
+        size = len(raw) + len(key) + _ENTRY_OVERHEAD
+        if size > self.max_bytes:
+            return  # never cache what alone exceeds the bound
+        self._drop((family, key))
+        self._entries[(family, key)] = _Entry(raw, size)
+        self._bytes += size
+
+    def _drop(self, k: tuple[Family, bytes]) -> None:
+        entry = self._entries.pop(k, None)
+        if entry is not None:
+            self._bytes -= entry.size
+
+    def _shrink(self) -> None:
+        while self._bytes > self.max_bytes and self._entries:
+            _, entry = self._entries.popitem(last=False)
+            self._bytes -= entry.size
+
+
+def _inflated_bytes(block: Decoded) -> int:
+    """Memory a decoded payload holds beyond its raw bytes (an lz4 body, inflated)."""
+    if not block.compressed:
+        return 0
+    return sum(int(a.nbytes) for a in block.arrays)
