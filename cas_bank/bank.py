@@ -21,7 +21,7 @@ from cas_bank.blocks.rocks import AccessMode, RocksStore
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
-from cas_bank.index.evict import AccessLog
+from cas_bank.index.access import AccessLog
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 

@@ -1,0 +1,123 @@
+"""Last-use bookkeeping: when each block and state was last used, kept cheaply.
+
+A block's last use is the last time a store covered it (wrote it, or found it
+already stored) or a restore returned it. A state's last use is the last time a
+store wrote or offered it, or a restore resumed from it (its boundary was the
+restore point). Times live in the `access` family, one little-endian f64 (seconds
+since the epoch) per key: the chain hash for the block, the chain hash + b"s" for
+its state. A store writes them for its whole chain in its own batch, so a block's
+written-time is there from the start. A restore only records them in memory
+(`AccessLog`); they are written in batches: riding along the next store, at most
+every `access_flush_interval` seconds from a later restore, and at close. Never a
+write per restore. Eviction (`index.evict`) orders by these times.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from cas_bank.blocks.store import Family, Write
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+    from cas_bank.index.leaves import LeafIndex
+
+TIME = struct.Struct("<d")
+STATE_SUFFIX = b"s"
+
+
+def access_key(chain_hash: bytes, state: bool = False) -> bytes:
+    """The access-family key holding the last use of a block (or of its state)."""
+    return chain_hash + STATE_SUFFIX if state else chain_hash
+
+
+# -- last-use bookkeeping ----------------------------------------------------------
+class AccessLog:
+    """Last-use times recorded in memory and handed out as batched writes.
+
+    `enabled=False` (a read-only or secondary open) records nothing: such a bank
+    cannot write, and its readers' uses are not the writer's to keep.
+    """
+
+    def __init__(
+        self,
+        flush_interval: float,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.flush_interval = flush_interval
+        self.enabled = enabled
+        self.clock = clock  # injectable: eviction-order tests use a fake clock
+        self.index: LeafIndex | None = None
+        self._pending: dict[bytes, float] = {}  # access key -> last use, not yet written
+        self._lock = threading.Lock()
+        self._last_flush = clock()
+
+    def touch(self, blocks: Iterable[bytes], states: Iterable[bytes] = ()) -> None:
+        """Record a use of `blocks` and of the states at the ends of `states`, now."""
+        if not self.enabled:
+            return
+        now = self.clock()
+        keys = [bytes(h) for h in blocks] + [access_key(h, True) for h in states]
+        with self._lock:
+            for k in keys:
+                self._pending[k] = now
+        index = self.index
+        if index is not None:
+            index.touch(keys, now)
+
+    def due(self) -> bool:
+        """Whether pending uses are older than the flush interval (a restore then writes)."""
+        return bool(self._pending) and self.clock() - self._last_flush >= self.flush_interval
+
+    def drain(self) -> list[Write]:
+        """Pending uses as access-family writes; they count as written from now."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._last_flush = self.clock()
+        return [(Family.ACCESS, k, TIME.pack(t)) for k, t in pending.items()]
+
+    def pending(self, key: bytes) -> float | None:
+        return self._pending.get(key)
+
+    def pending_items(self) -> list[tuple[bytes, float]]:
+        with self._lock:
+            return list(self._pending.items())
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Drop pending uses of evicted keys, so no access record outlives its block."""
+        with self._lock:
+            for k in keys:
+                self._pending.pop(k, None)
+
+    def observe(self, writes: Sequence[Write]) -> None:
+        """Keep the leaf index (if built) in step with a batch just written."""
+        index = self.index
+        if index is not None:
+            index.observe(writes)
+
+
+def last_use(bank: Bank, hashes: Sequence[bytes], *, states: bool = False) -> list[float | None]:
+    """Last use of each block (or of the state at its end), None where none is known.
+
+    Uses recorded in memory and not yet written count; no scan, one multi-get.
+    """
+    keys = [access_key(h, states) for h in hashes]
+    out = [bank.access.pending(k) for k in keys]
+    missing = [i for i, t in enumerate(out) if t is None]
+    if missing:
+        raw = bank.store.get_many(Family.ACCESS, [keys[i] for i in missing])
+        for i, value in zip(missing, raw, strict=True):
+            if value is not None and len(value) == TIME.size:
+                out[i] = TIME.unpack(value)[0]
+    return out
+
+
+def parse_time(value: bytes) -> float | None:
+    """The time in an access record, or None if it is not one."""
+    return TIME.unpack(value)[0] if len(value) == TIME.size else None
