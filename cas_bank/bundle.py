@@ -1,0 +1,353 @@
+"""Bundles: one chain of blocks, its states and its namespace in a portable file, to
+prewarm another machine's bank.
+
+Layout (little-endian):
+
+    magic "CASBUNDL" | version u32 | manifest_len u32 | manifest (JSON, UTF-8)
+    | per block: header record, payload, state (the lengths are in the manifest)
+    | blake3 digest (32 bytes, bundle context) of every byte before it
+
+The manifest names the block size, hash format, namespace root and its `ModelSpec`,
+and per block its hash and record lengths. A bundle always holds a chain from its
+first block (index 0), so an importer can recompute every chain hash from the root.
+
+Import trusts nothing in the file: the whole-file digest, then every header (its
+namespace, index, parent link and chain hash recomputed with `hash_block`), every
+payload and state against its header's digest. Only then is everything written, in
+one batch: a damaged bundle imports nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+from pydantic import ValidationError
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import (
+    HASH_FORMAT_VERSION,
+    chain_hashes,
+    hash_block,
+    namespace_root,
+)
+from cas_bank.blocks.store import Family, Write
+from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+
+MAGIC = b"CASBUNDL"
+BUNDLE_VERSION = 1
+BUNDLE_CONTEXT = "cas_bank 2026-11-29 bundle v1"
+_LEAD = struct.Struct("<8sII")
+_TRAILER = 32
+
+
+@dataclass(frozen=True, slots=True)
+class BundleEntry:
+    header: Header
+    payload: bytes
+    state: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """A checked bundle: a chain from block 0, in order."""
+
+    block_size: int
+    root: bytes
+    spec: ModelSpec
+    entries: list[BundleEntry]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.entries) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class ExportReport:
+    path: Path
+    namespace: str
+    blocks: int
+    states: int
+    tokens: int
+    file_bytes: int  # size of the bundle file
+    leaf: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ImportReport:
+    namespace: str
+    blocks: int
+    blocks_written: int
+    blocks_existing: int
+    states_written: int
+    bytes_written: int
+    leaf: bytes
+
+
+# -- choosing a chain ----------------------------------------------------------------
+def chain_to_leaf(bank: Bank, leaf: bytes) -> list[Header]:
+    """The stored chain from block 0 down to `leaf`, walking parent links up."""
+    out: list[Header] = []
+    key = leaf
+    while True:
+        header = read_headers(bank.store, [key])[0]
+        if header is None:
+            where = "the block" if key == leaf else f"its ancestor {key.hex()[:16]}"
+            raise InvalidInputError(
+                f"cannot export {leaf.hex()[:16]}: {where} is not stored or unreadable; "
+                "run `cas-bank verify`"
+            )
+        # Indices must fall by one per step: this also ends the walk on a corrupt loop.
+        if out and header.index != out[-1].index - 1:
+            raise CorruptDataError(
+                f"chain of {leaf.hex()[:16]} has a broken link at block {out[-1].index}; "
+                "run `cas-bank verify`"
+            )
+        out.append(header)
+        if header.index == 0:
+            break
+        key = header.parent
+    if out[-1].parent != out[-1].root:
+        raise CorruptDataError(f"chain of {leaf.hex()[:16]} does not start at its namespace root")
+    out.reverse()
+    return out
+
+
+def chain_for_tokens(bank: Bank, root: bytes, tokens: Any) -> list[Header]:
+    """Headers of the longest stored chain that prefixes `tokens` in namespace `root`."""
+    return longest_chain(bank.store, root, chain_hashes(root, tokens, bank.config.block_size))
+
+
+# -- export --------------------------------------------------------------------------
+def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportReport:
+    """Write `chain` (from block 0, in order) with its states and namespace to `path`.
+
+    Every payload and state is checked against its header's digest first: a bank's
+    damage is not copied into a bundle. The file appears whole or not at all.
+    """
+    if not chain:
+        raise InvalidInputError("nothing to export: the chain has no stored blocks")
+    root = chain[0].root
+    raw_spec = bank.store.get(Family.NAMESPACES, root)
+    if raw_spec is None:
+        raise CorruptDataError(f"namespace {root.hex()[:16]} of the chain is not recorded")
+    spec = ModelSpec.model_validate(json.loads(raw_spec))
+    records: list[tuple[bytes, bytes, bytes]] = []
+    states = 0
+    for h in chain:
+        payload = bank.store.get(Family.BLOCKS, h.chain_hash)
+        if payload is None or not codec.verify(payload, h.payload_digest):
+            raise CorruptDataError(
+                f"block {h.chain_hash.hex()[:16]} (index {h.index}) fails its digest; "
+                "run `cas-bank verify`"
+            )
+        state = b""
+        if h.state_digest is not None:
+            st = bank.store.get(Family.STATES, h.chain_hash)
+            if st is not None and codec.verify(st, h.state_digest):
+                state = st
+                states += 1
+        records.append((h.encode() if state else h.with_state(None).encode(), payload, state))
+    manifest = {
+        "format": BUNDLE_VERSION,
+        "hash_format": HASH_FORMAT_VERSION,
+        "block_size": bank.config.block_size,
+        "root": root.hex(),
+        "spec": spec.model_dump(mode="json"),
+        "blocks": [
+            {
+                "hash": h.chain_hash.hex(),
+                "header": len(r[0]),
+                "payload": len(r[1]),
+                "state": len(r[2]),
+            }
+            for h, r in zip(chain, records, strict=True)
+        ],
+    }
+    body = json.dumps(manifest, separators=(",", ":")).encode()
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    hasher = blake3.blake3(derive_key_context=BUNDLE_CONTEXT)
+    size = 0
+    with open(tmp, "wb") as f:
+        for piece in (_LEAD.pack(MAGIC, BUNDLE_VERSION, len(body)), body):
+            f.write(piece)
+            hasher.update(piece)
+            size += len(piece)
+        for record in records:
+            for piece in record:
+                f.write(piece)
+                hasher.update(piece)
+                size += len(piece)
+        f.write(hasher.digest())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return ExportReport(
+        path=path,
+        namespace=spec.name,
+        blocks=len(chain),
+        states=states,
+        tokens=len(chain) * bank.config.block_size,
+        file_bytes=size + _TRAILER,
+        leaf=chain[-1].chain_hash,
+    )
+
+
+# -- reading and checking ------------------------------------------------------------
+def _damaged(why: str) -> CorruptDataError:
+    return CorruptDataError(f"damaged bundle: {why}")
+
+
+def read_bundle(path: str | Path) -> Bundle:
+    """Parse and check a bundle completely; `CorruptDataError` ("damaged bundle: ...")
+    on any inconsistency. Reads the whole file into memory."""
+    data = Path(path).read_bytes()
+    if len(data) < _LEAD.size + _TRAILER or data[:8] != MAGIC:
+        raise _damaged("not a cas_bank bundle (bad magic or truncated)")
+    body, trailer = memoryview(data)[:-_TRAILER], data[-_TRAILER:]
+    if blake3.blake3(body, derive_key_context=BUNDLE_CONTEXT).digest() != trailer:
+        raise _damaged("file digest mismatch (truncated or altered)")
+    _magic, version, manifest_len = _LEAD.unpack_from(data)
+    if version != BUNDLE_VERSION:
+        raise _damaged(f"bundle format {version}; this build reads {BUNDLE_VERSION}")
+    pos = _LEAD.size + manifest_len
+    try:
+        manifest = json.loads(bytes(body[_LEAD.size : pos]))
+        block_size = int(manifest["block_size"])
+        root = bytes.fromhex(manifest["root"])
+        spec = ModelSpec.model_validate(manifest["spec"])
+        records = [
+            (bytes.fromhex(b["hash"]), int(b["header"]), int(b["payload"]), int(b["state"]))
+            for b in manifest["blocks"]
+        ]
+        hash_format = int(manifest["hash_format"])
+    except (ValueError, KeyError, TypeError, ValidationError) as e:
+        raise _damaged(f"manifest does not parse ({type(e).__name__})") from None
+    if hash_format != HASH_FORMAT_VERSION:
+        raise _damaged(f"hash format {hash_format}; this build uses {HASH_FORMAT_VERSION}")
+    if namespace_root(spec.fingerprint, block_size) != root:
+        raise _damaged("namespace root does not match its model spec and block size")
+    entries: list[BundleEntry] = []
+    parent = root
+    for i, (key, n_header, n_payload, n_state) in enumerate(records):
+        if min(n_header, n_payload, n_state) < 0 or pos + n_header + n_payload + n_state > len(
+            body
+        ):
+            raise _damaged(f"block {i} runs past the end of the file")
+        raw_header = bytes(body[pos : pos + n_header])
+        payload = bytes(body[pos + n_header : pos + n_header + n_payload])
+        state = bytes(body[pos + n_header + n_payload : pos + n_header + n_payload + n_state])
+        pos += n_header + n_payload + n_state
+        h = _check_entry(i, key, raw_header, payload, state, parent, root, block_size)
+        entries.append(BundleEntry(h, payload, state or None))
+        parent = key
+    if pos != len(body):
+        raise _damaged(f"{len(body) - pos} unexplained bytes after the last block")
+    if not entries:
+        raise _damaged("it holds no blocks")
+    return Bundle(block_size, root, spec, entries)
+
+
+def _check_entry(
+    i: int,
+    key: bytes,
+    raw_header: bytes,
+    payload: bytes,
+    state: bytes,
+    parent: bytes,
+    root: bytes,
+    block_size: int,
+) -> Header:
+    where = f"block {i} ({key.hex()[:16]})"
+    try:
+        h = Header.decode(key, raw_header)
+    except CorruptDataError as e:
+        raise _damaged(f"{where}: {e}") from None
+    if h.root != root or h.index != i or h.parent != parent:
+        raise _damaged(f"{where}: header does not continue the chain")
+    if len(h.tokens) != 4 * block_size:
+        raise _damaged(f"{where}: holds {len(h.tokens) // 4} tokens, not {block_size}")
+    if hash_block(parent, h.tokens) != key:
+        raise _damaged(f"{where}: chain hash does not recompute from its parent and tokens")
+    if len(payload) != h.payload_size or not codec.verify(payload, h.payload_digest):
+        raise _damaged(f"{where}: payload fails its digest")
+    if h.state_digest is None:
+        if state:
+            raise _damaged(f"{where}: carries a state its header does not announce")
+    elif len(state) != h.state_size or not codec.verify(state, h.state_digest):
+        raise _damaged(f"{where}: state fails its digest")
+    return h
+
+
+# -- import --------------------------------------------------------------------------
+def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
+    """Check the bundle (a path, or one `read_bundle` checked) completely, then add
+    what `bank` lacks in one batch.
+
+    Blocks already stored are kept as they are; a stored block without a state gets
+    the bundle's state. Raises `CorruptDataError` for a damaged bundle and
+    `InvalidInputError` for one made with another block size; nothing is written then.
+    """
+    if bank.read_only:
+        raise RuntimeError(f"import needs the bank at {bank.path} opened read-write")
+    if not isinstance(bundle, Bundle):
+        bundle = read_bundle(bundle)
+    if bundle.block_size != bank.config.block_size:
+        raise InvalidInputError(
+            f"bundle has block_size={bundle.block_size}, the bank at {bank.path} "
+            f"block_size={bank.config.block_size}"
+        )
+    hashes = [e.header.chain_hash for e in bundle.entries]
+    with bank.write_lock:
+        current = read_headers(bank.store, hashes)
+        writes: list[Write] = []
+        if bank.store.get(Family.NAMESPACES, bundle.root) is None:
+            writes.append((Family.NAMESPACES, bundle.root, bundle.spec.model_dump_json().encode()))
+        deltas = dict.fromkeys(("blocks", "states", "payload_bytes", "state_bytes"), 0)
+        written = states_written = bytes_written = 0
+        for entry, old in zip(bundle.entries, current, strict=True):
+            h, key = entry.header, entry.header.chain_hash
+            if old is None:
+                writes += [(Family.BLOCKS, key, entry.payload), (Family.HEADERS, key, h.encode())]
+                deltas["blocks"] += 1
+                deltas["payload_bytes"] += len(entry.payload)
+                written += 1
+                bytes_written += len(entry.payload)
+            if entry.state is not None and (old is None or not old.has_state):
+                writes.append((Family.STATES, key, entry.state))
+                if old is not None:
+                    writes.append(
+                        (Family.HEADERS, key, old.with_state(h.state_digest, h.state_size).encode())
+                    )
+                deltas["states"] += 1
+                deltas["state_bytes"] += len(entry.state)
+                states_written += 1
+                bytes_written += len(entry.state)
+        bank.counters.add(
+            logical_tokens=bundle.tokens,
+            blocks_written=written,
+            blocks_deduplicated=len(hashes) - written,
+            states_written=states_written,
+            **deltas,
+        )
+        bank.write(writes)
+    return ImportReport(
+        namespace=bundle.spec.name,
+        blocks=len(hashes),
+        blocks_written=written,
+        blocks_existing=len(hashes) - written,
+        states_written=states_written,
+        bytes_written=bytes_written,
+        leaf=hashes[-1],
+    )

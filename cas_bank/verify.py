@@ -1,0 +1,272 @@
+"""`verify`: check everything a bank holds, and with `fix=True` remove what is broken.
+
+Checked, per block (headers family first, then one read per payload):
+- the header decodes, and its chain hash recomputes from its parent and tokens;
+- its chain link: block 0's parent is its namespace root and that namespace is
+  recorded; any other block's parent is a stored block one index up, same namespace;
+- its payload is stored, has the size and digest its header names;
+- the state its header announces is stored and matches its digest.
+Then the payload and state families are listed for records no header claims.
+
+A block that fails any block-level check is *bad*; every block below a bad block can
+never be restored (a lookup stops at the first broken link) and is *unreachable*.
+`fix=True` deletes bad and unreachable blocks with their payloads, states and access
+records, drops states that fail their digest (the block stays, without a state), and
+deletes unclaimed payloads and states, all in one batch that carries the stats
+counters (decremented as `Namespace.store` incremented them). Like diskcache's
+`check()`, nothing is changed unless asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import hash_block
+from cas_bank.blocks.store import Family, Write
+from cas_bank.index.access import access_key
+from cas_bank.index.chain import Header
+from cas_bank.index.tree import HeaderIndex, load_namespaces
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+
+ProblemKind = Literal[
+    "bad_header",  # the header record does not decode
+    "hash_mismatch",  # the chain hash does not recompute from parent and tokens
+    "bad_link",  # the parent link is inconsistent (index, namespace, root)
+    "dangling",  # the parent block is not stored
+    "unknown_namespace",  # block 0 of a namespace that is not recorded (or unreadable)
+    "payload_missing",
+    "payload_corrupt",
+    "state_missing",
+    "state_corrupt",
+    "unreachable",  # intact, but below a bad block: no lookup can reach it
+    "orphan_payload",  # a payload no header claims
+    "orphan_state",  # a state no header announces
+    "bad_namespace",  # a namespace record that does not parse
+]
+
+_STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    kind: ProblemKind
+    chain_hash: bytes  # the block (or record key) concerned
+    detail: str
+    index: int | None = None  # block index, where the header is readable
+    root: bytes | None = None  # namespace root, where the header is readable
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """What `verify` checked and found (and, with `fix`, removed)."""
+
+    blocks_checked: int = 0
+    states_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    fixed: bool = False
+    removed_blocks: list[bytes] = field(default_factory=list)
+    removed_states: list[bytes] = field(default_factory=list)  # states dropped, blocks kept
+    removed_orphans: int = 0
+    # Stored-content counters that disagree with what was found: name -> (counter, found).
+    counter_drift: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(
+    bank: Bank, *, fix: bool = False, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
+    """Check every header, link, payload and state of `bank`; see the module docstring.
+
+    `fix=True` needs a bank opened read-write. `progress(done, total)` is called as
+    blocks are checked.
+    """
+    if fix and bank.read_only:
+        raise RuntimeError(f"verify --fix needs the bank at {bank.path} opened read-write")
+    store = bank.store
+    report = VerifyReport()
+    specs, bad_specs = load_namespaces(store)
+    for root, why in sorted(bad_specs.items()):
+        report.problems.append(Problem("bad_namespace", root, why))
+    index = HeaderIndex.load(store)
+    for key, why in sorted(index.unreadable.items()):
+        report.problems.append(Problem("bad_header", key, why))
+
+    bad: set[bytes] = set(index.unreadable)
+    bad_state: set[bytes] = set()
+    headers = sorted(index.headers.values(), key=lambda h: (h.root, h.index, h.chain_hash))
+    for n, h in enumerate(headers):
+        found = _check_block(bank, index, specs, h, report)
+        if any(p.kind not in _STATE_ONLY for p in found):
+            bad.add(h.chain_hash)
+        elif found:
+            bad_state.add(h.chain_hash)
+        report.problems.extend(found)
+        if progress is not None:
+            progress(n + 1, len(headers))
+
+    unreachable = index.descendants(bad) - bad
+    for key in sorted(unreachable, key=lambda k: (index.headers[k].index, k)):
+        h = index.headers[key]
+        report.problems.append(
+            Problem("unreachable", key, "below a bad block", index=h.index, root=h.root)
+        )
+    orphans = _orphans(bank, index)
+    report.problems.extend(orphans)
+    if fix and report.problems:
+        _fix(bank, index, bad | unreachable, bad_state - bad - unreachable, orphans, report)
+        index = HeaderIndex.load(store)
+    report.counter_drift = _drift(bank, index)
+    return report
+
+
+def _check_block(
+    bank: Bank,
+    index: HeaderIndex,
+    specs: dict[bytes, ModelSpec],
+    h: Header,
+    report: VerifyReport,
+) -> list[Problem]:
+    def problem(kind: ProblemKind, detail: str) -> Problem:
+        return Problem(kind, h.chain_hash, detail, index=h.index, root=h.root)
+
+    out: list[Problem] = []
+    if hash_block(h.parent, h.tokens) != h.chain_hash:
+        out.append(problem("hash_mismatch", "chain hash does not recompute from parent and tokens"))
+    if h.index == 0:
+        if h.parent != h.root:
+            out.append(problem("bad_link", "block 0's parent is not its namespace root"))
+        elif h.root not in specs:
+            out.append(
+                problem("unknown_namespace", f"namespace {h.root.hex()[:16]} is not recorded")
+            )
+    else:
+        parent = index.headers.get(h.parent)
+        if parent is None and h.parent not in index.unreadable:
+            out.append(problem("dangling", f"parent {h.parent.hex()[:16]} is not stored"))
+        elif parent is not None and (parent.index != h.index - 1 or parent.root != h.root):
+            out.append(
+                problem(
+                    "bad_link",
+                    f"parent {h.parent.hex()[:16]} is block {parent.index} of another chain",
+                )
+            )
+
+    raw = bank.store.get(Family.BLOCKS, h.chain_hash)
+    report.blocks_checked += 1
+    if raw is None:
+        out.append(problem("payload_missing", "no payload under this header"))
+    else:
+        report.bytes_checked += len(raw)
+        if len(raw) != h.payload_size:
+            out.append(
+                problem(
+                    "payload_corrupt",
+                    f"payload is {len(raw)} bytes, the header says {h.payload_size}",
+                )
+            )
+        elif not codec.verify(raw, h.payload_digest):
+            out.append(problem("payload_corrupt", "payload digest mismatch"))
+
+    if h.state_digest is not None:
+        state = bank.store.get(Family.STATES, h.chain_hash)
+        report.states_checked += 1
+        if state is None:
+            out.append(problem("state_missing", "the header announces a state; none is stored"))
+        else:
+            report.bytes_checked += len(state)
+            if not codec.verify(state, h.state_digest):
+                out.append(problem("state_corrupt", "state digest mismatch"))
+    return out
+
+
+def _orphans(bank: Bank, index: HeaderIndex) -> list[Problem]:
+    """Payloads and states that no (readable or unreadable) header claims."""
+    out: list[Problem] = []
+    for key in bank.store.keys(Family.BLOCKS):
+        if key not in index.headers and key not in index.unreadable:
+            out.append(Problem("orphan_payload", key, "payload without a header"))
+    for key in bank.store.keys(Family.STATES):
+        h = index.headers.get(key)
+        if key not in index.unreadable and (h is None or h.state_digest is None):
+            out.append(Problem("orphan_state", key, "state no header announces"))
+    return out
+
+
+def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
+    """Stored-content counters that disagree with the headers (informative only: a
+    header deleted behind the bank's back leaves its block counted)."""
+    counted = bank.counters.values()
+    heads = index.headers.values()
+    found = {
+        "blocks": len(index.headers) + len(index.unreadable),
+        "states": sum(1 for h in heads if h.has_state),
+        "payload_bytes": sum(h.payload_size for h in heads),
+        "state_bytes": sum(h.state_size for h in heads),
+    }
+    return {k: (counted[k], v) for k, v in found.items() if counted[k] != v}
+
+
+def _fix(
+    bank: Bank,
+    index: HeaderIndex,
+    remove: set[bytes],
+    drop_state: set[bytes],
+    orphans: list[Problem],
+    report: VerifyReport,
+) -> None:
+    """Delete what `verify` found, in one batch with the counters it changes."""
+    store = bank.store
+    writes: list[Write] = []
+    deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
+    for key in sorted(remove):
+        h = index.headers.get(key)
+        if h is not None:
+            payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
+        else:  # an unreadable header: size what is there
+            raw = store.get(Family.BLOCKS, key)
+            state = store.get(Family.STATES, key)
+            payload_size = len(raw) if raw is not None else 0
+            state_size = len(state) if state is not None else 0
+            has_state = state is not None
+        writes += [(f, key, None) for f in (Family.HEADERS, Family.BLOCKS, Family.STATES)]
+        writes += [(Family.ACCESS, access_key(key, state), None) for state in (False, True)]
+        deltas["blocks"] -= 1
+        deltas["payload_bytes"] -= payload_size
+        if has_state:
+            deltas["states"] -= 1
+            deltas["state_bytes"] -= state_size
+        report.removed_blocks.append(key)
+    for key in sorted(drop_state):
+        h = index.headers[key]
+        writes.append((Family.STATES, key, None))
+        writes.append((Family.ACCESS, access_key(key, True), None))
+        writes.append((Family.HEADERS, key, h.with_state(None).encode()))
+        deltas["states"] -= 1
+        deltas["state_bytes"] -= h.state_size
+        report.removed_states.append(key)
+    for p in orphans:
+        family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
+        raw = store.get(family, p.chain_hash)
+        writes.append((family, p.chain_hash, None))
+        # The store counted a payload with its header; one left alone was counted too.
+        if family is Family.BLOCKS:
+            deltas["blocks"] -= 1
+            deltas["payload_bytes"] -= len(raw or b"")
+        else:
+            deltas["states"] -= 1
+            deltas["state_bytes"] -= len(raw or b"")
+        report.removed_orphans += 1
+    with bank.write_lock:
+        bank.counters.add(**deltas)
+        bank.write(writes)
+    report.fixed = True

@@ -1,0 +1,161 @@
+"""What every `cas-bank` command shares: adding a subcommand (with `--json`), opening a
+bank for reading or writing, and printing aligned tables or JSON.
+
+A command module calls `add_command` from its `register(subparsers)` and gives a
+handler `(args) -> int` (the exit status). Handlers raise `CliError` (or any
+`CasBankError`) for a problem the user can fix; `cli.main` prints it as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from cas_bank import Bank, BankConfig
+from cas_bank.errors import BankLockedError
+from cas_bank.spec import ModelSpec
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class CliError(Exception):
+    """A problem with the user's request; printed as `cas-bank: error: <message>`."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (and exit status 2)."""
+
+    def error(self, message: str) -> Any:  # argparse's signature says NoReturn
+        self.exit(2, f"cas-bank: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_command(
+    subparsers: Any, name: str, handler: Handler, help: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand `name` running `handler`, with the `--json` flag every command has."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=description or help
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def add_bank_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bank", type=Path, metavar="BANK", help="bank directory")
+
+
+# -- opening banks ---------------------------------------------------------------------
+# No hot tier: a tool reads each record once (verify reads every payload), so caching
+# would only hold memory. The block size is taken from the bank on disk.
+_TOOL_CONFIG = BankConfig(hot_bytes=0)
+
+
+def open_reader(path: Path) -> Bank:
+    """Open for reading as a RocksDB secondary: it follows a live writer (a server)
+    and never takes its lock, so read-only commands run while the bank is in use."""
+    if not (path / "CURRENT").exists():
+        raise CliError(f"no bank at {path}")
+    return Bank.open(path, _TOOL_CONFIG, mode="secondary")
+
+
+def open_writer(path: Path, *, create_block_size: int | None = None) -> Bank:
+    """Open as the one writer; a clear error when another process holds the bank.
+
+    A missing bank is an error, unless `create_block_size` is given: then it is made.
+    """
+    exists = (path / "CURRENT").exists()
+    if not exists and create_block_size is None:
+        raise CliError(f"no bank at {path}")
+    config = _TOOL_CONFIG
+    if not exists:
+        config = config.model_copy(update={"block_size": create_block_size})
+    try:
+        return Bank.open(path, config, mode="read_write")
+    except BankLockedError:
+        raise CliError(
+            f"bank at {path} is held by another writer (a server?); stop it first"
+        ) from None
+
+
+# -- output --------------------------------------------------------------------------
+def console() -> Console:
+    """A console for stdout; wide when piped, so tables are not wrapped at 80 columns."""
+    width = None if sys.stdout.isatty() else 200
+    return Console(width=width, highlight=False, soft_wrap=False)
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> Table:
+    """An aligned table: numbers right, text left, no wrapping."""
+    t = Table(title=title, box=None, header_style="bold", pad_edge=False, title_justify="left")
+    numeric = [
+        bool(rows) and all(isinstance(r[i], (int, float)) for r in rows)
+        for i in range(len(columns))
+    ]
+    for name, num in zip(columns, numeric, strict=True):
+        t.add_column(name, justify="right" if num else "left", no_wrap=True)
+    for r in rows:
+        t.add_row(*(Text(str(c)) for c in r))  # Text: no markup parsing of names
+    return t
+
+
+def fields(pairs: Sequence[tuple[str, Any]]) -> Table:
+    """Aligned `name  value` lines (a two-column table without a header)."""
+    t = Table(box=None, show_header=False, pad_edge=False)
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(overflow="fold")
+    for name, value in pairs:
+        t.add_row(name, Text(str(value)))
+    return t
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def short(h: bytes, n: int = 12) -> str:
+    return h.hex()[:n]
+
+
+def when(seconds: float | None) -> str:
+    """A last-use time as `YYYY-mm-dd HH:MM:SS` (local), or '-' when unknown."""
+    if seconds is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def select_namespace(wanted: str, specs: dict[bytes, ModelSpec], labels: dict[bytes, str]) -> bytes:
+    """The root named by `wanted`: a display label, a model name, or a root hex prefix."""
+    hits = [r for r, label in labels.items() if label == wanted]
+    hits = hits or [r for r, spec in specs.items() if spec.name == wanted]
+    w = wanted.lower()
+    if not hits and len(w) >= 4 and all(c in "0123456789abcdef" for c in w):
+        hits = [r for r in specs if r.hex().startswith(w)]
+    known = ", ".join(sorted(labels.values())) or "none"
+    if not hits:
+        raise CliError(f"no namespace {wanted!r} in this bank (namespaces: {known})")
+    if len(hits) > 1:
+        names = ", ".join(sorted(labels[r] for r in hits))
+        raise CliError(f"namespace {wanted!r} is ambiguous ({names}); use a label shown by stats")
+    return hits[0]

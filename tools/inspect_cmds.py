@@ -1,0 +1,316 @@
+"""`cas-bank stats`, `ls` and `tree`: what a bank holds, read from its counters and
+its headers only (no payload is read, so they stay fast on a large bank).
+
+All of them open the bank as a RocksDB secondary (`common.open_reader`), so they run
+while a server or any other writer holds it. `show` lives in `show_cmd.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.markup import escape
+from rich.tree import Tree
+
+from cas_bank.index.access import last_use
+from cas_bank.index.tree import (
+    HeaderIndex,
+    TreeNode,
+    load_namespaces,
+    namespace_labels,
+    prefix_tree,
+)
+
+from .common import (
+    add_bank_argument,
+    add_command,
+    console,
+    fields,
+    human_bytes,
+    open_reader,
+    print_json,
+    select_namespace,
+    short,
+    table,
+    when,
+)
+
+SORT_KEYS = ("depth", "size", "chains", "last-use")
+
+
+def register(subparsers: Any) -> None:
+    p = add_command(subparsers, "stats", cmd_stats, "counters: blocks, bytes, dedup, hits")
+    add_bank_argument(p)
+
+    p = add_command(
+        subparsers,
+        "ls",
+        cmd_ls,
+        "list blocks",
+        "List blocks: namespace, depth (block index), sizes, chains through them, last use. "
+        "Sorted by namespace and depth unless --sort is given (size, chains and last-use "
+        "sort the largest / most shared / most recent first).",
+    )
+    add_bank_argument(p)
+    p.add_argument("--namespace", metavar="NAME", help="only this namespace (name or root prefix)")
+    p.add_argument("--sort", choices=SORT_KEYS, help="sort key")
+    p.add_argument("--limit", type=_positive, metavar="N", help="show at most N blocks")
+
+    p = add_command(
+        subparsers,
+        "tree",
+        cmd_tree,
+        "the prefix tree, where chains share blocks and branch",
+        "The prefix tree of every namespace. Runs of blocks where a chain goes alone are "
+        "collapsed into one line; each line shows its block range, the chains (stored "
+        "prompts) through it and its bytes.",
+    )
+    add_bank_argument(p)
+    p.add_argument("--namespace", metavar="NAME", help="only this namespace (name or root prefix)")
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+# -- stats ---------------------------------------------------------------------------
+def cmd_stats(args: argparse.Namespace) -> int:
+    with open_reader(args.bank) as bank:
+        s = bank.stats()
+        specs, bad = load_namespaces(bank.store)
+    labels = namespace_labels(specs)
+    namespaces: list[dict[str, Any]] = [
+        {
+            "name": labels[root],
+            "root": root.hex(),
+            "layers": len(spec.layers),
+            "hybrid": spec.is_hybrid,
+            "tokenizer": spec.tokenizer,
+        }
+        for root, spec in sorted(specs.items(), key=lambda kv: labels[kv[0]])
+    ]
+    if args.json:
+        out = s.model_dump()
+        out.update(
+            dedup_ratio=s.dedup_ratio,
+            hit_rate=s.hit_rate,
+            namespace_list=namespaces,
+            unreadable_namespaces=len(bad),
+        )
+        print_json(out)
+        return 0
+    names = ", ".join(n["name"] for n in namespaces) or "-"
+    rows = [
+        ("bank", str(args.bank)),
+        ("block size", f"{s.block_size} tokens"),
+        ("namespaces", f"{s.namespaces} ({names})"),
+        ("blocks", s.blocks),
+        ("states", s.states),
+        ("payload bytes", f"{human_bytes(s.payload_bytes)} ({s.payload_bytes})"),
+        ("state bytes", f"{human_bytes(s.state_bytes)} ({s.state_bytes})"),
+        ("disk bytes", human_bytes(s.disk_bytes)),
+        ("logical tokens", s.logical_tokens),
+        ("unique tokens", s.unique_tokens),
+        ("dedup ratio", f"{s.dedup_ratio:.2f}"),
+        ("stores", s.stores),
+        ("restores", s.restores),
+        ("hits / misses", f"{s.hits} / {s.misses}"),
+        ("hit rate", f"{s.hit_rate:.1%} of queried tokens"),
+        ("corrupt reads", s.corrupt_reads),
+        ("evicted", f"{s.blocks_evicted} blocks, {s.states_evicted} states"),
+    ]
+    if bad:
+        rows.append(("unreadable namespaces", len(bad)))
+    console().print(fields(rows))
+    return 0
+
+
+# -- ls ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LsRow:
+    hash: str
+    namespace: str
+    depth: int
+    payload_bytes: int
+    state_bytes: int | None
+    chains: int
+    last_use: float | None
+
+
+_SORTS: dict[str, Callable[[LsRow], Any]] = {
+    "depth": lambda r: r.depth,
+    "size": lambda r: -(r.payload_bytes + (r.state_bytes or 0)),
+    "chains": lambda r: -r.chains,
+    "last-use": lambda r: -(r.last_use if r.last_use is not None else float("-inf")),
+}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_reader(args.bank) as bank:
+        specs, _ = load_namespaces(bank.store)
+        labels = namespace_labels(specs)
+        index = HeaderIndex.load(bank.store)
+        root = select_namespace(args.namespace, specs, labels) if args.namespace else None
+        heads = [h for h in index.headers.values() if root is None or h.root == root]
+        last = last_use(bank, [h.chain_hash for h in heads])
+    rows = [
+        LsRow(
+            hash=h.chain_hash.hex(),
+            namespace=labels.get(h.root, "?" + short(h.root, 8)),
+            depth=h.index,
+            payload_bytes=h.payload_size,
+            state_bytes=h.state_size if h.has_state else None,
+            chains=index.chains_through(h.chain_hash),
+            last_use=t,
+        )
+        for h, t in zip(heads, last, strict=True)
+    ]
+    rows.sort(key=lambda r: (r.namespace, r.depth, r.hash))
+    if args.sort is not None:
+        rows.sort(key=_SORTS[args.sort])  # stable: ties keep namespace/depth order
+    total = len(rows)
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    if args.json:
+        print_json({"total": total, "blocks": [asdict(r) for r in rows]})
+        return 0
+    out = console()
+    out.print(
+        table(
+            ["hash", "namespace", "depth", "size", "state", "chains", "last use"],
+            [
+                (
+                    r.hash[:12],
+                    r.namespace,
+                    r.depth,
+                    human_bytes(r.payload_bytes),
+                    "-" if r.state_bytes is None else human_bytes(r.state_bytes),
+                    r.chains,
+                    when(r.last_use),
+                )
+                for r in rows
+            ],
+        )
+    )
+    if len(rows) < total:
+        out.print(f"({len(rows)} of {total} blocks shown)")
+    return 0
+
+
+# -- tree ----------------------------------------------------------------------------
+def _node_json(node: TreeNode) -> dict[str, Any]:
+    return {
+        "first": node.first.chain_hash.hex(),
+        "last": node.last.chain_hash.hex(),
+        "start": node.first.index,
+        "end": node.last.index,
+        "blocks": len(node.blocks),
+        "chains": node.chains,
+        "bytes": node.run_bytes,
+        "subtree_bytes": node.subtree_bytes,
+        "states": sum(1 for h in node.blocks if h.has_state),
+        "children": [_node_json(c) for c in node.children],
+    }
+
+
+def _node_label(node: TreeNode) -> str:
+    n = len(node.blocks)
+    span = (
+        f"{short(node.first.chain_hash)}"
+        if n == 1
+        else f"{short(node.first.chain_hash)}..{short(node.last.chain_hash)}"
+    )
+    where = (
+        f"block {node.first.index}" if n == 1 else f"blocks {node.first.index}-{node.last.index}"
+    )
+    states = sum(1 for h in node.blocks if h.has_state)
+    parts = [f"{span}  {where} ({n})", _plural(node.chains, "chain"), human_bytes(node.run_bytes)]
+    if states:
+        parts.append(_plural(states, "state"))
+    return ", ".join(parts)
+
+
+def _add_nodes(tree: Tree, nodes: list[TreeNode]) -> None:
+    for node in nodes:
+        _add_nodes(tree.add(_node_label(node)), node.children)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeGroup:
+    """The subtrees below one parent: a namespace root, or a block that is gone."""
+
+    title: str
+    info: dict[str, Any]
+    nodes: list[TreeNode]
+
+
+def _groups(index: HeaderIndex, labels: dict[bytes, str], only: bytes | None) -> list[TreeGroup]:
+    tops = index.tops()
+    roots = sorted(
+        {*labels, *(h.root for h in tops if h.index == 0 and h.parent == h.root)},
+        key=lambda r: (labels.get(r, "~"), r),
+    )
+    out: list[TreeGroup] = []
+    for root in roots:
+        if only is not None and root != only:
+            continue
+        nodes = prefix_tree(index, root)
+        name = labels.get(root, f"unknown namespace {short(root, 8)}")
+        chains = sum(n.chains for n in nodes)
+        blocks = _count_blocks(nodes)
+        size = sum(n.subtree_bytes for n in nodes)
+        title = (
+            f"[bold]{escape(name)}[/bold] (root {short(root, 8)}): "
+            f"{_plural(chains, 'chain')}, {_plural(blocks, 'block')}, {human_bytes(size)}"
+        )
+        info = {"namespace": name, "root": root.hex(), "chains": chains, "blocks": blocks}
+        out.append(TreeGroup(title, {**info, "bytes": size}, nodes))
+    # Blocks whose parent is gone hang below the missing parent (verify reports them).
+    for parent in sorted({h.parent for h in tops if not (h.index == 0 and h.parent == h.root)}):
+        if only is not None and not any(h.root == only for h in index.children_of(parent)):
+            continue
+        title = f"[bold]unattached[/bold]: parent {short(parent)} is not stored"
+        out.append(TreeGroup(title, {"unattached_below": parent.hex()}, prefix_tree(index, parent)))
+    return out
+
+
+def _count_blocks(nodes: list[TreeNode]) -> int:
+    total, stack = 0, list(nodes)
+    while stack:
+        node = stack.pop()
+        total += len(node.blocks)
+        stack.extend(node.children)
+    return total
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    with open_reader(args.bank) as bank:
+        specs, _ = load_namespaces(bank.store)
+        index = HeaderIndex.load(bank.store)
+    labels = namespace_labels(specs)
+    only = select_namespace(args.namespace, specs, labels) if args.namespace else None
+    groups = _groups(index, labels, only)
+    if args.json:
+        print_json([{**g.info, "children": [_node_json(n) for n in g.nodes]} for g in groups])
+        return 0
+    out = console()
+    for g in groups:
+        t = Tree(g.title)
+        _add_nodes(t, g.nodes)
+        out.print(t)
+    if not groups:
+        out.print("(no blocks)")
+    return 0
