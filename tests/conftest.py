@@ -17,12 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES
+from cas_bank.blocks import codec
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.index.chain import Header
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -111,6 +115,53 @@ def random_state(spec: ModelSpec, seed: int = 0) -> list[Any]:
     ]
 
 
+def prefix_layers(spec: ModelSpec, tokens: list[int], pad: int = 0) -> list[Any]:
+    """KV like a real model's: the vector at position t depends only on tokens[: t + 1].
+
+    So two prompts sharing a prefix have identical KV over it, and any restore can be
+    checked bit for bit against `prefix_layers(spec, prompt)` cut to `hit.tokens`.
+    """
+    n = len(tokens)
+    per_layer: list[list[np.ndarray]] = []
+    att = [ls for ls in spec.layers if ls.kind == "attention"]
+    for ls in att:
+        per_layer.append(
+            [np.zeros((*s.with_tokens(n + pad),), dtype=DTYPES[s.dtype].storage) for s in ls.arrays]
+        )
+    h = blake3.blake3(b"prefix_layers")
+    for t, tok in enumerate(tokens):
+        h.update(int(tok).to_bytes(4, "little"))
+        rng = np.random.default_rng(np.frombuffer(h.digest(), dtype=np.uint64))
+        for ls, arrays in zip(att, per_layer, strict=True):
+            for s, a in zip(ls.arrays, arrays, strict=True):
+                a[..., t, :] = _random_bits(rng, (*s.shape[:-1], s.shape[-1]), s.dtype)
+    out: list[Any] = []
+    layers = iter(per_layer)
+    for ls in spec.layers:
+        if ls.kind == "recurrent":
+            out.append(None)
+            continue
+        arrays = [_from_storage(a, s.dtype) for a, s in zip(next(layers), ls.arrays, strict=True)]
+        out.append((tuple(arrays[:3]), tuple(arrays[3:])) if ls.quantization else tuple(arrays))
+    return out
+
+
+def _random_bits(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    storage = DTYPES[dtype].storage
+    if dtype in ("float16", "float32", "float64"):
+        return rng.standard_normal(shape).astype(storage)
+    if dtype == "bfloat16":  # normal values, as bf16 bits (the top half of float32)
+        f32 = rng.standard_normal(shape, dtype=np.float32)
+        return (f32.view(np.uint32) >> 16).astype(np.uint16)
+    n = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
+    return np.frombuffer(rng.bytes(n), dtype=storage).reshape(shape)
+
+
+def _from_storage(a: np.ndarray, dtype: str) -> mx.array:
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if dtype == "bfloat16" else out
+
+
 def flat_arrays(layer: Any) -> list[mx.array]:
     """A layer entry ((k, v), quantized tuples or a state tuple) as a flat array list."""
     out: list[mx.array] = []
@@ -151,6 +202,30 @@ def state_bits(state: list[Any], spec: ModelSpec) -> list[list[bytes]]:
         for layer, ls in zip(state, spec.layers, strict=True)
         if ls.kind == "recurrent"
     ]
+
+
+def snapshot(bank: Bank) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every record of every family of a bank's store: compare to prove nothing changed."""
+    return {f.value: list(bank.store.iterate(f)) for f in Family}
+
+
+def check_every_block(store: BlockStore) -> int:
+    """Walk the headers family; every block shown must decode with its digest, and so
+    must its state when the header claims one; every parent must be shown too (or be a
+    namespace root). Returns the number of blocks. Raises AssertionError otherwise."""
+    roots = set(store.keys(Family.NAMESPACES))
+    headers = {k: Header.decode(k, v) for k, v in store.iterate(Family.HEADERS)}
+    for key, h in headers.items():
+        assert h.parent in headers or h.parent in roots, f"{key.hex()} has no parent"
+        payload = store.get(Family.BLOCKS, key)
+        assert payload is not None, f"{key.hex()} has a header but no payload"
+        codec.decode(payload, h.payload_digest)
+        assert len(payload) == h.payload_size
+        if h.state_digest is not None:
+            state = store.get(Family.STATES, key)
+            assert state is not None, f"{key.hex()} claims a state that is not there"
+            codec.decode(state, h.state_digest)
+    return len(headers)
 
 
 def tokens_of(rng: np.random.Generator, n: int, vocab: int = 1000) -> list[int]:

@@ -180,12 +180,12 @@ class RocksStore(BlockStore):
 
     # -- writes --------------------------------------------------------------------
     def put_batch(self, writes: Sequence[Write]) -> None:
+        if not writes:  # nothing to do, also after close (a second Bank.close flushes nothing)
+            return
         if self.read_only:
             raise RuntimeError(f"bank at {self.path} is open {self.mode}")
         if self._db is None:
             raise RuntimeError(f"bank at {self.path} is closed")
-        if not writes:
-            return
         wb = WriteBatch(raw_mode=True)
         for family, key, value in writes:
             if value is None:
