@@ -1,0 +1,271 @@
+"""The hot tier (`HotStore`): hot restores read nothing below it, the byte bound holds,
+writes and deletes through it are never hidden by stale entries, hot hits are counted.
+
+Reads and writes of the store below are counted by `CountingStore`, a wrapper of our
+own store interface around a real RocksDB (no mock of RocksDB); `fail_reads` turns
+any read below into an error, so a test that passes with it set read nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+from conftest import (
+    BLOCK_SIZE,
+    attention_spec,
+    hybrid_spec,
+    kv_prefix_bits,
+    layers_bits,
+    random_layers,
+    random_state,
+    state_bits,
+)
+
+from cas_bank import Bank, BankConfig
+from cas_bank.blocks import codec
+from cas_bank.blocks.hot import HotStore
+from cas_bank.blocks.rocks import RocksStore
+from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
+from cas_bank.index.evict import evict_to_budget
+
+
+class CountingStore(BlockStore):
+    """Counts what reaches the store below; can refuse reads, or run a hook after one."""
+
+    def __init__(self, inner: BlockStore) -> None:
+        self.inner = inner
+        self.read_only = inner.read_only
+        self.reads: list[tuple[Family, int]] = []  # (family, number of keys) per call
+        self.batches: list[list[Write]] = []
+        self.fail_reads = False
+        self.after_read: Callable[[Family, Sequence[bytes]], None] | None = None
+
+    def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        if self.fail_reads:
+            raise AssertionError(f"read of {len(keys)} {family.value} keys below the hot tier")
+        self.reads.append((family, len(keys)))
+        out = self.inner.get_many(family, keys)
+        hook, self.after_read = self.after_read, None  # one shot
+        if hook is not None:
+            hook(family, keys)
+        return out
+
+    def put_batch(self, writes: Sequence[Write]) -> None:
+        self.batches.append(list(writes))
+        self.inner.put_batch(writes)
+
+    def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        if self.fail_reads:
+            raise AssertionError(f"iteration of {family.value} below the hot tier")
+        return self.inner.iterate(family, values=values)
+
+    def disk_bytes(self) -> int | None:
+        return self.inner.disk_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def reset(self) -> None:
+        self.reads.clear()
+        self.batches.clear()
+
+    def writes_to(self, family: Family) -> list[Write]:
+        return [w for batch in self.batches for w in batch if w[0] is family]
+
+
+def open_counted(path: Path, config: BankConfig) -> tuple[Bank, CountingStore]:
+    """A bank whose backend is wrapped: hot tier (if any) -> CountingStore -> RocksDB."""
+    Bank.open(path, config).close()  # create it and record its settings
+    counting = CountingStore(RocksStore(path))
+    store: BlockStore = counting
+    if config.hot_bytes > 0:
+        store = HotStore(counting, config.hot_bytes)
+    return Bank(path, config, store), counting
+
+
+MiB = 1 << 20
+
+
+# -- a hot restore reads nothing below --------------------------------------------
+def test_restore_of_a_hot_prefix_reads_nothing_below(bank_path: Path) -> None:
+    spec = attention_spec()
+    bank, below = open_counted(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=MiB))
+    with bank:
+        ns = bank.namespace(spec)
+        tokens = list(range(6 * BLOCK_SIZE + 1))  # six full blocks and a tail
+        layers = random_layers(spec, len(tokens), seed=1)
+        ns.store(tokens, layers)
+        below.reset()
+        below.fail_reads = True
+        for _ in range(2):  # the first restore verifies the written-through bytes
+            hit = ns.restore(tokens)
+            assert hit is not None and hit.tokens == 6 * BLOCK_SIZE
+            assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, hit.tokens)
+        assert below.reads == [] and below.batches == []
+        below.fail_reads = False  # stats() counts namespaces below
+        assert bank.stats().hot_hits == 12
+
+
+def test_hybrid_state_is_hot_too(bank_path: Path) -> None:
+    spec = hybrid_spec()
+    bank, below = open_counted(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=MiB))
+    with bank:
+        ns = bank.namespace(spec)
+        tokens = list(range(3 * BLOCK_SIZE))
+        layers, state = random_layers(spec, len(tokens), seed=2), random_state(spec, 3)
+        ns.store(tokens, layers, {3 * BLOCK_SIZE: state})
+        below.fail_reads = True
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.tokens == 3 * BLOCK_SIZE
+        assert state_bits(hit.layers, spec) == state_bits(state, spec)
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, hit.tokens)
+
+
+def test_cold_restore_reads_below_then_fills_the_tier(bank_path: Path) -> None:
+    spec = attention_spec()
+    tokens = list(range(4 * BLOCK_SIZE))
+    layers = random_layers(spec, len(tokens), seed=4)
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE)) as first:
+        first.namespace(spec).store(tokens, layers)
+    bank, below = open_counted(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=MiB))
+    with bank:
+        ns = bank.namespace(spec)
+        assert ns.restore(tokens) is not None
+        payload_reads = sum(n for f, n in below.reads if f is Family.BLOCKS)
+        assert payload_reads == 4 and bank.stats().hot_hits == 0
+        below.fail_reads = True
+        hit = ns.restore(tokens)
+        assert hit is not None
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, hit.tokens)
+        below.fail_reads = False
+        assert bank.stats().hot_hits == 4
+
+
+def test_hot_tier_off_means_a_plain_store(bank_path: Path) -> None:
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=0)) as bank:
+        assert bank.hot is None and isinstance(bank.store, RocksStore)
+    with Bank.open(bank_path, BankConfig(hot_bytes=MiB)) as bank:
+        assert bank.hot is bank.store and isinstance(bank.store, HotStore)
+
+
+# -- the byte bound ---------------------------------------------------------------
+def test_byte_bound_and_lru_order() -> None:
+    inner = MemoryStore()
+    inner.put_batch([(Family.BLOCKS, bytes([i]) * 32, bytes(1000)) for i in range(10)])
+    hot = HotStore(inner, 3 * 1200)  # room for three 1000-byte values and their overhead
+    for i in range(10):
+        hot.get(Family.BLOCKS, bytes([i]) * 32)
+        assert hot.used_bytes <= hot.max_bytes
+    assert len(hot) == 3
+    hot.get(Family.BLOCKS, bytes([7]) * 32)  # 7 becomes the most recent
+    hot.get(Family.BLOCKS, bytes([0]) * 32)  # evicts the least recent: 8
+    cached = {k[0] for (_, k) in hot._entries}
+    assert cached == {7, 9, 0}
+
+
+def test_a_value_larger_than_the_bound_is_not_cached() -> None:
+    inner = MemoryStore()
+    inner.put_batch([(Family.BLOCKS, b"k" * 32, bytes(5000))])
+    hot = HotStore(inner, 4000)
+    assert hot.get(Family.BLOCKS, b"k" * 32) == bytes(5000)
+    assert len(hot) == 0 and hot.used_bytes == 0
+
+
+def test_bank_hot_tier_respects_hot_bytes(bank_path: Path) -> None:
+    spec = attention_spec()
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=4000)) as bank:
+        ns = bank.namespace(spec)
+        for k in range(5):
+            toks = [k + 1] * (3 * BLOCK_SIZE)
+            ns.store(toks, random_layers(spec, len(toks), seed=k))
+            ns.restore(toks)
+            assert bank.hot is not None and 0 < bank.hot.used_bytes <= 4000
+
+
+# -- coherence --------------------------------------------------------------------
+def _payload(seed: int) -> bytes:
+    import numpy as np
+
+    from cas_bank.arrays import DTYPES
+
+    return codec.encode([np.full((2, 4), seed, dtype=np.float32)], [DTYPES["float32"]])
+
+
+def test_delete_through_the_tier_invalidates() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    key, raw = b"a" * 32, _payload(1)
+    hot.put_batch([(Family.BLOCKS, key, raw)])
+    assert hot.get(Family.BLOCKS, key) == raw
+    hot.put_batch([(Family.BLOCKS, key, None)])
+    assert hot.get(Family.BLOCKS, key) is None
+    assert hot.lookup(Family.BLOCKS, key, codec.embedded_digest(raw)) is None
+
+
+def test_overwrite_replaces_raw_and_decoded() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    key, old, new = b"a" * 32, _payload(1), _payload(2)
+    hot.put_batch([(Family.BLOCKS, key, old)])
+    raw = hot.get(Family.BLOCKS, key)
+    assert raw is not None
+    hot.keep_decoded(Family.BLOCKS, key, raw, codec.embedded_digest(old), codec.decode(raw))
+    assert isinstance(hot.lookup(Family.BLOCKS, key, codec.embedded_digest(old)), codec.Decoded)
+    hot.put_batch([(Family.BLOCKS, key, new)])
+    assert hot.lookup(Family.BLOCKS, key, codec.embedded_digest(old)) == new  # raw: re-verify
+    assert hot.get(Family.BLOCKS, key) == new
+
+
+def test_decoded_view_needs_the_expected_digest() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    key, raw = b"a" * 32, _payload(1)
+    hot.put_batch([(Family.BLOCKS, key, raw)])
+    hot.keep_decoded(Family.BLOCKS, key, raw, codec.embedded_digest(raw), codec.decode(raw))
+    assert hot.lookup(Family.BLOCKS, key, b"\0" * 32) == raw  # another digest: raw, re-checked
+
+
+def test_a_read_racing_a_delete_never_caches_the_deleted_value() -> None:
+    below = CountingStore(MemoryStore())
+    hot = HotStore(below, MiB, write_through=False)
+    key = b"a" * 32
+    hot.put_batch([(Family.HEADERS, key, b"header")])
+    # The read below returns the value, then a delete lands before the tier inserts it.
+    below.after_read = lambda family, keys: hot.put_batch([(Family.HEADERS, key, None)])
+    assert hot.get(Family.HEADERS, key) == b"header"  # what that read saw
+    assert (Family.HEADERS, key) not in hot
+    assert hot.get(Family.HEADERS, key) is None
+
+
+def test_refresh_forgets_everything() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    hot.put_batch([(Family.HEADERS, b"a" * 32, b"h")])
+    assert len(hot) == 1
+    hot.refresh()
+    assert len(hot) == 0 and hot.used_bytes == 0
+
+
+def test_eviction_through_the_bank_empties_the_tier(bank_path: Path) -> None:
+    spec = attention_spec()
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=MiB)) as bank:
+        ns = bank.namespace(spec)
+        tokens = list(range(4 * BLOCK_SIZE))
+        ns.store(tokens, random_layers(spec, len(tokens), seed=5))
+        assert ns.restore(tokens) is not None
+        report = evict_to_budget(bank, 0)
+        assert report.blocks_evicted == 4
+        assert bank.hot is not None and len(bank.hot) == 0
+        assert ns.restore(tokens) is None
+        assert bank.stats().corrupt_reads == 0
+
+
+@pytest.mark.parametrize("hot_bytes", [0, MiB])
+def test_hot_hits_count_payloads_served_from_memory(bank_path: Path, hot_bytes: int) -> None:
+    spec = attention_spec()
+    config = BankConfig(block_size=BLOCK_SIZE, hot_bytes=hot_bytes)
+    with Bank.open(bank_path, config) as bank:
+        ns = bank.namespace(spec)
+        tokens = list(range(2 * BLOCK_SIZE))
+        ns.store(tokens, random_layers(spec, len(tokens), seed=6))
+        for _ in range(3):
+            ns.restore(tokens)
+        assert bank.stats().hot_hits == (6 if hot_bytes else 0)
