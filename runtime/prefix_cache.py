@@ -1,0 +1,265 @@
+"""`PrefixCache`: an mlx-lm model's prompt caches in and out of a cas_bank bank.
+
+A runtime's whole integration is two calls per prompt:
+
+    pc = PrefixCache(bank, model)                  # derives the model's spec once
+    cache, n = pc.restore(tokens)                  # fresh cache + the longest stored prefix
+    logits = pc.prefill(tokens, cache, start=n)    # prefill the rest, store what is new
+
+`restore` looks up `tokens[:-1]`, so at least one token is always left to prefill
+(the runtime needs its logits). `prefill` runs the model over `tokens[start:]` in
+chunks that end on the grid of `chunk_size` and on every boundary where a recurrent
+state must be captured, copies the states there before the next forward pass, and
+stores the new full blocks and the states in one batch when the prompt is done.
+
+State policy for hybrid models (Gated DeltaNet layers; DESIGN.md §6, implemented by
+`Namespace.plan_states` / `cas_bank.index.states.plan_boundaries`). A state costs as
+much as many blocks of KV, so a prefill captures it only at:
+  1. the deepest boundary strictly before the prompt's last token: the same prompt
+     again, or its next turn, restores all of it but the tail;
+  2. the branch point: the boundary where the prompt leaves the stored chain (the
+     end of a shared system prompt's full blocks), so that every later prompt that
+     shares that prefix restores exactly up to it;
+  3. every `BankConfig.state_stride` blocks, when set.
+Boundaries at or before `start`, or that already hold a state, are skipped. A restore
+never combines KV of length n with a state from another position: it stops at the
+deepest matched boundary that has a state.
+
+Decoding: `pc.store(prompt + response, cache, states=recorder)` stores the blocks a
+generation produced; a `StateRecorder` (`pc.recorder(cache)`, `observe()` after each
+forward pass) supplies the state at the last boundary decoding crossed.
+
+Throughput: the store is synchronous, on the caller's thread, after the last chunk:
+the KV buffers are sliced as zero-copy views, encoded (the one copy to host bytes)
+and written in one RocksDB batch. `last_prefill.store_s` against `forward_s` says
+what it cost (see the report of issue 3 for measured shares). Nothing runs behind
+the caller's back, so a restore right after a prefill always sees its blocks.
+
+Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from cas_bank.bank import Bank
+from cas_bank.blocks.hashing import as_token_array
+from cas_bank.errors import InvalidInputError
+from cas_bank.namespace import Namespace, StoreReport
+from cas_bank.spec import ModelSpec
+
+from .cache_io import cache_layers, check_cache, fill_cache, snapshot_states, tag_cache
+from .model_spec import probe_model, unwrap
+from .models import LoadedModel
+from .state_recorder import StateRecorder
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReport:
+    """What the last `prefill` did (`PrefixCache.last_prefill`)."""
+
+    start: int
+    tokens: int
+    chunk_ends: list[int]  # absolute end of every forward pass, ascending
+    captured: list[int]  # boundaries whose states were captured
+    forward_s: float  # wall time of the forward passes (evaluated)
+    store_s: float  # wall time of the store (0 when not stored)
+    stored: StoreReport | None = field(default=None, repr=False)
+
+
+def chunk_ends(n_tokens: int, start: int, chunk_size: int, boundaries: Sequence[int]) -> list[int]:
+    """Ends of the forward passes over tokens[start:n_tokens]: the multiples of
+    `chunk_size` (counted from token 0, so a restored prefill keeps the grid of the
+    prefill that stored it), the capture boundaries, and the end."""
+    ends = set(range((start // chunk_size + 1) * chunk_size, n_tokens, chunk_size))
+    ends.update(b for b in boundaries if start < b < n_tokens)
+    ends.add(n_tokens)
+    return sorted(ends)
+
+
+class PrefixCache:
+    """Restore and store an mlx-lm model's prompt caches in a `Bank`.
+
+    `model`: an mlx-lm model or a `LoadedModel`. `kv_bits` / `kv_group_size`: keep
+    attention KV quantized (mlx-lm `QuantizedKVCache`) from the first token on.
+    `chunk_size`: tokens per forward pass during prefill. `name`: overrides the
+    spec's name (the architecture by default); it is part of the namespace.
+    """
+
+    def __init__(
+        self,
+        bank: Bank,
+        model: nn.Module | LoadedModel,
+        *,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.bank = bank
+        self.model, self.loaded = unwrap(model)
+        self.info = probe_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size, name=name)
+        self.namespace: Namespace = bank.namespace(self.info.spec)
+        self.chunk_size = chunk_size
+        self.last_prefill: PrefillReport | None = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.info.spec
+
+    @property
+    def block_size(self) -> int:
+        return self.namespace.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    # -- caches --------------------------------------------------------------------
+    def new_cache(self) -> list[Any]:
+        """An empty prompt cache for this model (quantized KV if configured)."""
+        from .model_spec import new_cache
+
+        cache = new_cache(self.model, self.info.kv_bits, self.info.kv_group_size)
+        tag_cache(cache, self.spec)
+        return cache
+
+    def tokens(self, tokens: Any) -> np.ndarray:
+        """`tokens` as a 1-D int array, checked against the vocabulary."""
+        toks = as_token_array(tokens)
+        if toks.size and int(toks.max()) >= self.vocab_size:
+            bad = int(toks[np.argmax(toks >= self.vocab_size)])
+            raise InvalidInputError(
+                f"token id {bad} is beyond the vocabulary of {self.spec.name!r} "
+                f"({self.vocab_size} ids)"
+            )
+        return toks
+
+    # -- restore -------------------------------------------------------------------
+    def match(self, tokens: Any) -> int:
+        """Tokens `restore(tokens)` would cover now, without reading payloads."""
+        toks = self.tokens(tokens)
+        return self.namespace.match(toks[:-1]) if len(toks) > 1 else 0
+
+    def restore(self, tokens: Any) -> tuple[list[Any], int]:
+        """A fresh cache holding the longest stored prefix of `tokens[:-1]`, and its length.
+
+        On a miss the cache is empty and the length 0.
+        """
+        toks = self.tokens(tokens)
+        if len(toks) == 0:
+            raise InvalidInputError("restore needs at least one token")
+        cache = self.new_cache()
+        hit = self.namespace.restore(toks[:-1]) if len(toks) > 1 else None
+        if hit is None:
+            return cache, 0
+        fill_cache(self.spec, cache, hit.layers, hit.tokens)
+        return cache, hit.tokens
+
+    # -- prefill -------------------------------------------------------------------
+    def prefill(
+        self, tokens: Any, cache: list[Any], start: int = 0, *, store: bool = True
+    ) -> mx.array:
+        """Run `tokens[start:]` through the model into `cache`; the last position's logits.
+
+        `cache` must hold exactly `tokens[:start]` of this model (from `restore` or
+        `new_cache`). States are captured at the planned boundaries and, with `store`
+        (and a writable bank), the full blocks and states are stored. Returns the
+        logits of the last token, shape `[vocab]`. Bad input raises
+        `InvalidInputError` before any forward pass; nothing is stored then.
+        """
+        toks = self.tokens(tokens)
+        n = len(toks)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise InvalidInputError(f"start must be an int, got {start!r}")
+        start = int(start)
+        if not 0 <= start < n:
+            raise InvalidInputError(
+                f"start={start} must leave at least one of the {n} tokens to prefill"
+            )
+        check_cache(self.spec, cache, start)
+        boundaries = self.namespace.plan_states(toks, start) if self.spec.is_hybrid else []
+        ends = chunk_ends(n, start, self.chunk_size, boundaries)
+
+        t0 = time.perf_counter()
+        states: dict[int, list[Any]] = {}
+        logits: mx.array | None = None
+        pos = start
+        for end in ends:
+            logits = self.model(mx.array(toks[pos:end])[None], cache=cache)
+            if end in boundaries:
+                states[end] = snapshot_states(self.spec, cache)  # evaluates the chunk
+            else:
+                mx.eval([c.state for c in cache])
+            pos = end
+        assert logits is not None
+        last = logits[0, -1]
+        mx.eval(last)
+        t1 = time.perf_counter()
+
+        report = None
+        if store and not self.bank.read_only:
+            report = self.store(toks, cache, states)
+        t2 = time.perf_counter()
+        self.last_prefill = PrefillReport(
+            start=start,
+            tokens=n,
+            chunk_ends=ends,
+            captured=sorted(states),
+            forward_s=t1 - t0,
+            store_s=t2 - t1 if report is not None else 0.0,
+            stored=report,
+        )
+        return last
+
+    # -- store ---------------------------------------------------------------------
+    def recorder(self, cache: Sequence[Any]) -> StateRecorder:
+        """A `StateRecorder` on `cache`, for storing after decoding (see its module)."""
+        return StateRecorder(
+            self.spec, self.block_size, cache, stride=self.bank.config.state_stride
+        )
+
+    def store(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+    ) -> StoreReport:
+        """Store the full blocks of `tokens` from `cache` (which holds at least them).
+
+        `states`: recurrent states by boundary (per-layer lists, None for attention
+        layers), or a `StateRecorder` that captured them while decoding.
+        """
+        toks = self.tokens(tokens)
+        check_cache(self.spec, cache, self._offset(cache, len(toks)))
+        if isinstance(states, StateRecorder):
+            states = states.states_for(len(toks))
+        layers = cache_layers(self.spec, cache, len(toks))
+        return self.namespace.store(toks, layers, states)
+
+    def _offset(self, cache: Any, default: int) -> int:
+        """Tokens the cache's attention layers hold (they must agree)."""
+        if not isinstance(cache, (list, tuple)) or len(cache) != len(self.spec.layers):
+            check_cache(self.spec, cache, 0)  # raises, naming what is wrong
+        offsets = {getattr(cache[i], "offset", None) for i in self.spec.attention_layers}
+        if len(offsets) > 1:
+            raise InvalidInputError(f"the cache's attention layers disagree on length: {offsets}")
+        offset = offsets.pop() if offsets else default
+        return offset if isinstance(offset, int) else default
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixCache({self.spec.name!r}, layers={len(self.spec.layers)}, "
+            f"hybrid={self.spec.is_hybrid}, block_size={self.block_size})"
+        )
