@@ -1,0 +1,425 @@
+"""`Engine`: one model behind a queue, generating with the prefix cache.
+
+Requests that arrive together are served one at a time, in arrival order, by a
+single worker thread that owns the model and its `PrefixCache`. That is the choice
+of this runtime: an mlx-lm prompt cache holds one sequence, the CPU build has no
+spare cores for a second forward pass, and a FIFO makes every answer the one the
+same request would get alone (greedy output does not depend on the traffic). The
+queue is bounded (`max_queue`); a full queue is refused at once (`EngineBusyError`)
+rather than letting latency grow without bound.
+
+One request, on the worker:
+  restore (longest stored prefix) -> prefill the rest (stores its blocks and the
+  states the bank asks for) -> sample -> decode token by token on the same cache,
+  recording the hybrid model's state at every block boundary decoding crosses ->
+  stop at an end token, `max_tokens` or a stop string -> store prompt + response
+  (the tokens that went through the model) so that the next turn of the
+  conversation restores through this answer.
+
+Callers hand `submit` a sink: it receives a `TextDelta` per generated token (the
+text may be "" while a character or a possible stop string is incomplete), then the
+`GenerationResult`, or an exception. The sink runs on the worker thread and must
+not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from cas_bank.bank import Bank
+from cas_bank.config import BankConfig
+from cas_bank.errors import InvalidInputError
+
+from .decoding import Sampler, TextStream
+from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
+from .prefix_cache import PrefixCache
+from .tokenizer import chat_tokens, eos_token_ids
+
+log = logging.getLogger("cas_bank.engine")
+
+DEFAULT_MODEL = "tiny-hybrid"
+DEFAULT_MAX_QUEUE = 64
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked; `code` is OpenAI's error code."""
+
+    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class EngineBusyError(RuntimeError):
+    """The queue is full: try again later."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down and takes no more requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """Token ids in, sampling settings; `max_tokens=None` means up to the context end."""
+
+    prompt: Sequence[int]
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: Mapping[int, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """One generated token and the text it made final."""
+
+    token: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int] = field(repr=False)
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int  # restored from the bank, not prefilled
+    queue_s: float  # waiting for the worker
+    ttft_s: float  # from the worker taking it to the first token (restore + prefill + sample)
+    total_s: float  # from the worker taking it to the end (store included)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+Event = TextDelta | GenerationResult | BaseException
+Sink = Callable[[Event], None]
+
+
+class Job:
+    """A submitted request; `cancel()` stops it at the next token (its blocks are kept)."""
+
+    def __init__(self, request: GenerationRequest, sink: Sink) -> None:
+        self.request = request
+        self.sink = sink
+        self.enqueued_at = time.perf_counter()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    requests: int
+    failed: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_depth: int
+    busy: bool
+
+
+class Engine:
+    """Serves `loaded` from `bank` one request at a time (see the module docstring).
+
+    `owns_bank`: `close()` also closes the bank (set by `Engine.open`). `seed`: the
+    base of the per-request sampling seeds of requests that bring none.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        bank: Bank,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        seed: int = 0,
+        owns_bank: bool = False,
+    ) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.loaded = loaded
+        self.bank = bank
+        self.model_id = loaded.name
+        self.context_length = model_context_length(loaded)
+        self.prefix_cache = PrefixCache(bank, loaded)
+        self.eos_ids = eos_token_ids(loaded.tokenizer)
+        self._seed = seed
+        self._owns_bank = owns_bank
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(
+            ("requests", "failed", "prompt_tokens", "cached_tokens", "completion_tokens"), 0
+        )
+        self._busy = False
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="cas-bank-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def open(
+        cls,
+        bank_dir: str | Path,
+        model: str | Path | None = None,
+        *,
+        block_size: int | None = None,
+        seed: int = 0,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+    ) -> Engine:
+        """Open (or create) the bank at `bank_dir` and serve `model` from it.
+
+        `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
+        ...), or the path of a local mlx-lm model directory. `block_size`: None takes
+        the bank's own (64 for a new bank).
+        """
+        loaded = resolve_model(model, seed=seed)
+        config = BankConfig() if block_size is None else BankConfig(block_size=block_size)
+        bank = Bank.open(bank_dir, config)
+        try:
+            return cls(loaded, bank, max_queue=max_queue, seed=seed, owns_bank=True)
+        except BaseException:
+            bank.close()
+            raise
+
+    # -- requests ------------------------------------------------------------------
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Prompt ids for a conversation, through the model's chat template."""
+        if not messages:
+            raise RequestError("messages must not be empty", param="messages")
+        try:
+            return chat_tokens(self.loaded.tokenizer, messages)
+        except (ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"cannot render the messages: {e}", param="messages") from e
+
+    def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Prompt ids for a completion: text through the tokenizer, or ids as given."""
+        if isinstance(prompt, str):
+            return [int(t) for t in self.loaded.tokenizer.encode(prompt)]
+        return [int(t) for t in prompt]
+
+    def check(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as it will run (max_tokens resolved), or a `RequestError`."""
+        n = len(request.prompt)
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        try:
+            self.prefix_cache.tokens(request.prompt)
+        except InvalidInputError as e:
+            raise RequestError(str(e), param="prompt") from e
+        if n >= self.context_length:
+            raise RequestError(
+                f"the prompt has {n} tokens; model {self.model_id!r} has a context of "
+                f"{self.context_length} tokens and needs room for at least one more",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        room = self.context_length - n
+        if request.max_tokens is not None and request.max_tokens < 0:
+            raise RequestError(
+                f"max_tokens must be >= 0, got {request.max_tokens}", param="max_tokens"
+            )
+        limit = room if request.max_tokens is None else min(request.max_tokens, room)
+        try:  # builds the sampler once here so that bad settings fail before queueing
+            self._sampler(request)
+        except InvalidInputError as e:
+            raise RequestError(str(e)) from e
+        return GenerationRequest(
+            prompt=list(request.prompt),
+            max_tokens=limit,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            stop=request.stop,
+            logit_bias=request.logit_bias,
+        )
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> Job:
+        """Check and queue `request`; its events go to `sink` (see the module docstring)."""
+        job = Job(self.check(request), sink)
+        if self._closed:
+            raise EngineClosedError("the engine is shutting down")
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise EngineBusyError(
+                f"{self._jobs.maxsize} requests are already waiting; try again later"
+            ) from None
+        return job
+
+    def generate(
+        self, request: GenerationRequest, on_delta: Callable[[TextDelta], None] | None = None
+    ) -> GenerationResult:
+        """Submit and wait: the blocking form, for scripts and the demo."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.submit(request, events.put)
+        while True:
+            event = events.get()
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, GenerationResult):
+                return event
+            if on_delta is not None:
+                on_delta(event)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(queue_depth=self._jobs.qsize(), busy=self._busy, **self._counts)
+
+    def close(self) -> None:
+        """Finish the running request, refuse the queued ones, stop; close an owned bank."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)  # blocks only while the queue is full; the worker drains it
+        self._worker.join()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.sink(EngineClosedError("the engine shut down before this request ran"))
+        if self._owns_bank:
+            self.bank.close()
+        else:
+            self.bank.flush()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._closed:
+                job.sink(EngineClosedError("the engine shut down before this request ran"))
+                continue
+            with self._lock:
+                self._busy = True
+            try:
+                result = self._generate(job)
+            except Exception as e:  # reported to the caller; the worker keeps serving
+                log.exception("cas_bank: request failed")
+                self._count(failed=1)
+                job.sink(e)
+            else:
+                self._count(
+                    requests=1,
+                    prompt_tokens=result.prompt_tokens,
+                    cached_tokens=result.cached_tokens,
+                    completion_tokens=result.completion_tokens,
+                )
+                job.sink(result)
+            finally:
+                with self._lock:
+                    self._busy = False
+
+    def _generate(self, job: Job) -> GenerationResult:
+        request = job.request
+        assert request.max_tokens is not None, "submit resolves max_tokens"
+        started = time.perf_counter()
+        pc = self.prefix_cache
+        prompt = list(request.prompt)
+        cache, cached = pc.restore(prompt)
+        logits = pc.prefill(prompt, cache, start=cached)
+        recorder = pc.recorder(cache)
+        sampler = self._sampler(request)
+        text = TextStream(self.loaded.tokenizer, request.stop)
+        generated: list[int] = []
+        finish: FinishReason = "length"
+        ttft = 0.0
+        while len(generated) < request.max_tokens:
+            if generated:
+                logits = self.loaded.model(mx.array([[generated[-1]]]), cache=cache)[0, -1]
+                recorder.observe()  # copies the GDN state when a boundary was just reached
+            token = sampler(logits)
+            generated.append(token)
+            if len(generated) == 1:
+                ttft = time.perf_counter() - started
+            if token in self.eos_ids:
+                finish = "stop"
+                job.sink(TextDelta(token, text.finish()))
+                break
+            piece = text.add(token)
+            job.sink(TextDelta(token, piece))
+            if text.stopped:
+                finish = "stop"
+                break
+            if job.cancelled:
+                finish = "cancelled"
+                break
+        tail = text.finish()
+        if tail:
+            job.sink(TextDelta(generated[-1], tail))
+        # The last sampled token never went through the model: the cache ends before it.
+        through_model = prompt + generated[:-1]
+        block = pc.block_size
+        if len(through_model) // block > len(prompt) // block:
+            pc.store(through_model, cache, states=recorder)
+        return GenerationResult(
+            text=text.text,
+            token_ids=generated,
+            finish_reason=finish,
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            queue_s=started - job.enqueued_at,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - started,
+        )
+
+    def _sampler(self, request: GenerationRequest) -> Sampler:
+        # Requests without a seed get one from the prompt: deterministic per prompt,
+        # different across prompts.
+        seed = request.seed if request.seed is not None else self._seed + hash_ids(request.prompt)
+        return Sampler(
+            self.prefix_cache.vocab_size,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=seed,
+            logit_bias=request.logit_bias,
+        )
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counts[name] += d
+
+
+def hash_ids(ids: Sequence[int]) -> int:
+    """A stable 32-bit number for a list of ids (FNV-1a; Python's `hash` is salted)."""
+    h = 0x811C9DC5
+    for t in ids:
+        h = ((h ^ (int(t) & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def resolve_model(model: str | Path | None, *, seed: int = 0) -> LoadedModel:
+    """None or an embedded name -> `build_model`; anything else is a local directory."""
+    if model is None:
+        return build_model(DEFAULT_MODEL, seed=seed)
+    if isinstance(model, str) and model in MODEL_NAMES and not Path(model).exists():
+        return build_model(model, seed=seed)
+    return load_model(model)

@@ -1,0 +1,190 @@
+"""Prometheus metrics for the server, in the text exposition format (version 0.0.4).
+
+Written by hand rather than with `prometheus_client`: the server exposes a fixed,
+small set of values that already live elsewhere (the bank's persisted counters, the
+engine's counters), so a registry would only copy them. `render` turns a list of
+`Metric`s into the text that `/metrics` returns.
+
+The bank's counters are read from `Bank.stats()`: they persist in the bank, so after a
+restart they continue from where the last server left them (Prometheus treats a
+counter that only grows as a counter, whatever process reported it).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from cas_bank.stats import BankStats
+
+if TYPE_CHECKING:
+    from .engine import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "cas_bank_"
+
+MetricType = Literal["counter", "gauge"]
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """One metric family: a name, help text, a type and its samples (labels -> value)."""
+
+    name: str
+    help: str
+    type: MetricType
+    samples: Mapping[tuple[tuple[str, str], ...], float] = field(default_factory=dict)
+
+    @classmethod
+    def single(cls, name: str, help: str, type: MetricType, value: float) -> Metric:
+        return cls(name, help, type, {(): value})
+
+
+def render(metrics: Iterable[Metric]) -> str:
+    """The Prometheus text exposition of `metrics` (names get the `cas_bank_` prefix)."""
+    lines: list[str] = []
+    for m in metrics:
+        name = PREFIX + m.name
+        lines.append(f"# HELP {name} {_escape_help(m.help)}")
+        lines.append(f"# TYPE {name} {m.type}")
+        for labels, value in sorted(m.samples.items()):
+            lines.append(f"{name}{_labels(labels)} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def bank_metrics(stats: BankStats) -> list[Metric]:
+    """The prefix-cache counters and sizes of a bank."""
+    counters = [
+        (
+            "prefix_queried_tokens_total",
+            "Prompt tokens looked up in the prefix cache.",
+            stats.queried_tokens,
+        ),
+        (
+            "prefix_hit_tokens_total",
+            "Prompt tokens restored from the prefix cache.",
+            stats.hit_tokens,
+        ),
+        ("prefix_restores_total", "Prefix-cache lookups.", stats.restores),
+        ("prefix_hits_total", "Lookups that restored at least one block.", stats.hits),
+        ("prefix_misses_total", "Lookups that restored nothing.", stats.misses),
+        ("blocks_written_total", "KV blocks written to the bank.", stats.blocks_written),
+        (
+            "blocks_deduplicated_total",
+            "KV blocks offered that were already stored.",
+            stats.blocks_deduplicated,
+        ),
+        (
+            "states_written_total",
+            "Recurrent (GDN) states written to the bank.",
+            stats.states_written,
+        ),
+        (
+            "corrupt_reads_total",
+            "Payloads that failed verification and were served as misses.",
+            stats.corrupt_reads,
+        ),
+    ]
+    gauges = [
+        ("blocks", "KV blocks stored.", stats.blocks),
+        ("states", "Recurrent states stored.", stats.states),
+        ("payload_bytes", "Bytes of stored KV block payloads.", stats.payload_bytes),
+        ("state_bytes", "Bytes of stored recurrent states.", stats.state_bytes),
+        (
+            "stored_bytes",
+            "Bytes of stored payloads and states together.",
+            stats.payload_bytes + stats.state_bytes,
+        ),
+        ("block_size_tokens", "Tokens per block.", stats.block_size),
+        (
+            "prefix_hit_ratio",
+            "Restored tokens per queried token since the bank was created.",
+            stats.hit_rate,
+        ),
+    ]
+    out = [Metric.single(n, h, "counter", v) for n, h, v in counters]
+    out += [Metric.single(n, h, "gauge", v) for n, h, v in gauges]
+    if stats.disk_bytes is not None:
+        out.append(
+            Metric.single(
+                "disk_bytes", "Bytes the bank directory takes on disk.", "gauge", stats.disk_bytes
+            )
+        )
+    return out
+
+
+class RequestCounter:
+    """HTTP requests by endpoint and status code (thread-safe; process-local)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+
+    def add(self, endpoint: str, status: int) -> None:
+        key = (endpoint, str(status))
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def metric(self) -> Metric:
+        with self._lock:
+            samples = {
+                (("endpoint", e), ("status", s)): float(n) for (e, s), n in self._counts.items()
+            }
+        return Metric(
+            "http_requests_total", "HTTP requests by endpoint and status.", "counter", samples
+        )
+
+
+def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels)
+    return "{" + body + "}"
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def engine_metrics(stats: EngineStats) -> list[Metric]:
+    """The serving engine's counters (process-local: they restart at zero)."""
+    return [
+        Metric.single("requests_total", "Generations completed.", "counter", stats.requests),
+        Metric.single(
+            "requests_failed_total", "Generations that failed inside.", "counter", stats.failed
+        ),
+        Metric.single(
+            "prompt_tokens_total",
+            "Prompt tokens of completed generations.",
+            "counter",
+            stats.prompt_tokens,
+        ),
+        Metric.single(
+            "cached_prompt_tokens_total",
+            "Prompt tokens restored from the bank instead of prefilled.",
+            "counter",
+            stats.cached_tokens,
+        ),
+        Metric.single(
+            "completion_tokens_total", "Tokens generated.", "counter", stats.completion_tokens
+        ),
+        Metric.single("queue_depth", "Requests waiting for the model.", "gauge", stats.queue_depth),
+        Metric.single("busy", "1 while a generation runs.", "gauge", 1 if stats.busy else 0),
+    ]

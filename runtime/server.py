@@ -1,0 +1,443 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app in front of one `Engine`.
+
+Why FastAPI on uvicorn: both are widely used and actively maintained; FastAPI parses
+requests into the pydantic models of `openai_types` (pydantic is already how
+cas_bank types its config), and Starlette's `StreamingResponse` gives server-sent
+events for `stream: true` without extra code. uvicorn is its standard ASGI server.
+
+Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streaming and not),
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text). Every request
+restores its longest stored prefix before prefill and stores after (see `engine`);
+`usage.prompt_tokens_details.cached_tokens` is the number of restored tokens.
+
+Errors are OpenAI-style JSON bodies, `{"error": {"message", "type", "param", "code"}}`:
+400 for a malformed body or a request the model cannot serve (empty messages, a
+prompt beyond the context, negative max_tokens), 404 for an unknown model or path,
+503 when the queue is full or the server is stopping, 500 for a failure inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_types as oa
+from .engine import (
+    Engine,
+    EngineBusyError,
+    EngineClosedError,
+    GenerationRequest,
+    GenerationResult,
+    RequestError,
+    TextDelta,
+)
+from .metrics import CONTENT_TYPE, RequestCounter, bank_metrics, engine_metrics, render
+
+log = logging.getLogger("cas_bank.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_BANK_DIR = Path.home() / ".cache" / "cas_bank" / "bank"
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class ApiError(Exception):
+    """An error answered with `status` and an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type, code, param
+
+    def body(self) -> dict[str, Any]:
+        detail = oa.ErrorDetail(message=str(self), type=self.type, param=self.param, code=self.code)
+        return oa.ErrorBody(error=detail).model_dump()
+
+
+def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
+    """The app serving `engine`. `close_engine`: close it when the app shuts down."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if close_engine:
+            # Off the event loop: close waits for the running generation to end.
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="cas_bank", lifespan=lifespan)
+    requests = RequestCounter()
+    started = int(time.time())
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Any) -> Any:
+        response = await call_next(request)
+        path = request.url.path
+        requests.add(path if path in ROUTES else "other", response.status_code)
+        return response
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_error(e).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        err = ApiError(e.status_code, str(e.detail), type=kind)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("cas_bank: unexpected error")
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_model(name: str) -> None:
+        if name != engine.model_id:
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {engine.model_id!r}",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = engine.stats()
+        return {
+            "status": "ok",
+            "model": engine.model_id,
+            "bank": str(engine.bank.path),
+            "block_size": engine.bank.config.block_size,
+            "queue_depth": stats.queue_depth,
+            "busy": stats.busy,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> oa.ModelList:
+        return oa.ModelList(data=[oa.ModelCard(id=engine.model_id, created=started)])
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        stats = await asyncio.to_thread(engine.bank.stats)
+        body = render([*bank_metrics(stats), *engine_metrics(engine.stats()), requests.metric()])
+        return PlainTextResponse(body, media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: oa.ChatCompletionRequest) -> oa.ChatCompletion | StreamingResponse:
+        check_model(body.model)
+        prompt = _call(engine.chat_prompt, body.message_dicts())
+        run = _start(engine, _generation(prompt, body, body.token_limit()))
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return _sse(_chat_chunks(run, rid, created, engine.model_id, body.include_usage()))
+        result = await run.result()
+        return oa.ChatCompletion(
+            id=rid,
+            created=created,
+            model=engine.model_id,
+            choices=[
+                oa.ChatChoice(
+                    message=oa.AssistantMessage(content=result.text),
+                    finish_reason=_finish(result),
+                )
+            ],
+            usage=_usage(result),
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: oa.CompletionRequest) -> oa.Completion | StreamingResponse:
+        check_model(body.model)
+        prompt = _call(engine.text_prompt, body.prompt)
+        run = _start(engine, _generation(prompt, body, body.token_limit()))
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        if body.stream:
+            return _sse(
+                _completion_chunks(run, rid, created, engine.model_id, body.include_usage(), echo)
+            )
+        result = await run.result()
+        choice = oa.CompletionChoice(text=echo + result.text, finish_reason=_finish(result))
+        return oa.Completion(
+            id=rid, created=created, model=engine.model_id, choices=[choice], usage=_usage(result)
+        )
+
+    return app
+
+
+# -- running a request from the event loop ----------------------------------------------
+class _Run:
+    """A submitted job whose events arrive on this event loop's queue."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
+        loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def sink(event: Any) -> None:
+            # RuntimeError: the loop is gone (server stopped) and nobody listens.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+        self.job = engine.submit(request, sink)
+
+    async def events(self) -> AsyncIterator[TextDelta | GenerationResult]:
+        try:
+            while True:
+                event = await self._events.get()
+                if isinstance(event, BaseException):
+                    raise _api_error(event)
+                yield event
+                if isinstance(event, GenerationResult):
+                    return
+        finally:
+            self.job.cancel()  # a client that went away stops its generation
+
+    async def result(self) -> GenerationResult:
+        async for event in self.events():
+            if isinstance(event, GenerationResult):
+                return event
+        raise AssertionError("the engine ended a job without a result")
+
+
+def _start(engine: Engine, request: GenerationRequest) -> _Run:
+    try:
+        return _Run(engine, request)
+    except Exception as e:
+        raise _api_error(e) from e
+
+
+def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
+    try:
+        return fn(arg)
+    except Exception as e:
+        raise _api_error(e) from e
+
+
+def _api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        return ApiError(400, str(e), type="invalid_request_error", code=e.code, param=e.param)
+    if isinstance(e, EngineBusyError):
+        return ApiError(503, str(e), type="server_overloaded", code="queue_full")
+    if isinstance(e, EngineClosedError):
+        return ApiError(503, str(e), type="server_unavailable", code="shutting_down")
+    log.error("cas_bank: generation failed: %s: %s", type(e).__name__, e)
+    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+
+
+def _generation(prompt: list[int], body: oa.SamplingFields, limit: int | None) -> GenerationRequest:
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=limit,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+        logit_bias=body.bias_by_id() or None,
+    )
+
+
+def _validation_error(e: RequestValidationError) -> ApiError:
+    errors = e.errors()
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        why = first.get("ctx", {}).get("error", first["msg"])
+        return ApiError(
+            400,
+            f"the request body is not valid JSON: {why}",
+            type="invalid_request_error",
+            code="invalid_json",
+        )
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return ApiError(400, f"{where}{first['msg']}{more}", type="invalid_request_error", param=param)
+
+
+def _finish(result: GenerationResult) -> oa.FinishReason:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _usage(result: GenerationResult) -> oa.Usage:
+    return oa.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
+
+
+# -- streaming ------------------------------------------------------------------------
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def _data(model: Any) -> str:
+    payload = model if isinstance(model, dict) else model.model_dump(exclude_none=False)
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Ends every stream with `[DONE]`; an error after the headers went out is an event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ApiError as e:
+        yield _data(e.body())
+    yield "data: [DONE]\n\n"
+
+
+def _chat_chunks(
+    run: _Run, rid: str, created: int, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    async def chunks() -> AsyncIterator[str]:
+        first = True
+        async for event in run.events():
+            if isinstance(event, TextDelta):
+                # The first token is sent at once (with the role), even with no text
+                # yet: clients measure time to first token by it.
+                if event.text or first:
+                    delta = oa.ChatDelta(role="assistant" if first else None, content=event.text)
+                    choice = oa.ChatChunkChoice(delta=delta)
+                    yield _data(_chat_chunk(rid, created, model, [choice]))
+                    first = False
+                continue
+            choice = oa.ChatChunkChoice(delta=oa.ChatDelta(), finish_reason=_finish(event))
+            yield _data(_chat_chunk(rid, created, model, [choice]))
+            if include_usage:
+                yield _data(_chat_chunk(rid, created, model, [], usage=_usage(event)))
+
+    return _guarded(chunks())
+
+
+def _chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[oa.ChatChunkChoice],
+    usage: oa.Usage | None = None,
+) -> oa.ChatCompletionChunk:
+    return oa.ChatCompletionChunk(
+        id=rid, created=created, model=model, choices=choices, usage=usage
+    )
+
+
+def _completion_chunks(
+    run: _Run, rid: str, created: int, model: str, include_usage: bool, echo: str
+) -> AsyncIterator[str]:
+    def chunk(text: str, finish: oa.FinishReason | None) -> oa.Completion:
+        choice = oa.CompletionChoice(text=text, finish_reason=finish)
+        return oa.Completion(id=rid, created=created, model=model, choices=[choice])
+
+    async def chunks() -> AsyncIterator[str]:
+        first = True
+        async for event in run.events():
+            if isinstance(event, TextDelta):
+                if event.text or first:
+                    yield _data(chunk((echo if first else "") + event.text, None))
+                    first = False
+                continue
+            yield _data(chunk("", _finish(event)))
+            if include_usage:
+                done = oa.Completion(
+                    id=rid, created=created, model=model, choices=[], usage=_usage(event)
+                )
+                yield _data(done)
+
+    return _guarded(chunks())
+
+
+# -- running the server -------------------------------------------------------------------
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 picks a free one (read it from `getsockname`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def run_server(
+    engine: Engine,
+    sock: socket.socket,
+    *,
+    log_level: str = "warning",
+    access_log: bool = False,
+) -> None:
+    """Serve until SIGINT/SIGTERM (in the main thread); closes `engine` on the way out."""
+    app = create_app(engine, close_engine=True)
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class BackgroundServer:
+    """The server on a thread of this process (the demo's runtime); a context manager.
+
+    `url` is known once `start()` returns. `stop()` shuts the server down and closes
+    the engine (and so the bank it owns).
+    """
+
+    def __init__(self, engine: Engine, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self.engine = engine
+        self._sock = bind(host, port)
+        self.url = url_of(self._sock)
+        app = create_app(engine, close_engine=True)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server at {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
