@@ -202,10 +202,9 @@ def _orphans(bank: Bank, index: HeaderIndex) -> list[Problem]:
     return out
 
 
-def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
-    """Stored-content counters that disagree with the headers (informative only: a
-    header deleted behind the bank's back leaves its block counted)."""
-    counted = bank.counters.values()
+def _found(bank: Bank, index: HeaderIndex) -> dict[str, int]:
+    """The stored-content counters as the headers tell them (unreadable ones by their
+    records' sizes)."""
     heads = index.headers.values()
     found = {
         "blocks": len(index.headers) + len(index.unreadable),
@@ -213,7 +212,27 @@ def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
         "payload_bytes": sum(h.payload_size for h in heads),
         "state_bytes": sum(h.state_size for h in heads),
     }
-    return {k: (counted[k], v) for k, v in found.items() if counted[k] != v}
+    for key in index.unreadable:
+        raw, state = (
+            bank.store.get_many(Family.BLOCKS, [key])[0],
+            bank.store.get(Family.STATES, key),
+        )
+        found["payload_bytes"] += len(raw or b"")
+        found["states"] += state is not None
+        found["state_bytes"] += len(state or b"")
+    return found
+
+
+def _excess(bank: Bank, index: HeaderIndex) -> dict[str, int]:
+    counted = bank.counters.values()
+    return {k: counted[k] - v for k, v in _found(bank, index).items()}
+
+
+def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
+    """Stored-content counters that disagree with the headers (informative only: a
+    header deleted behind the bank's back leaves its block counted)."""
+    counted = bank.counters.values()
+    return {k: (counted[k], v) for k, v in _found(bank, index).items() if counted[k] != v}
 
 
 def _fix(
@@ -254,18 +273,22 @@ def _fix(
         deltas["states"] -= 1
         deltas["state_bytes"] -= h.state_size
         report.removed_states.append(key)
+    orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
     for p in orphans:
         family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
         raw = store.get(family, p.chain_hash)
         writes.append((family, p.chain_hash, None))
-        # The store counted a payload with its header; one left alone was counted too.
-        if family is Family.BLOCKS:
-            deltas["blocks"] -= 1
-            deltas["payload_bytes"] -= len(raw or b"")
-        else:
-            deltas["states"] -= 1
-            deltas["state_bytes"] -= len(raw or b"")
+        count, size = (
+            ("blocks", "payload_bytes") if family is Family.BLOCKS else ("states", "state_bytes")
+        )
+        orphaned[count] += 1
+        orphaned[size] += len(raw or b"")
         report.removed_orphans += 1
+    # An unclaimed record was counted if its header was lost after the store (the
+    # counters then exceed what the headers hold), not if it was written by hand:
+    # take off no more than that excess.
+    for name, excess in _excess(bank, index).items():
+        deltas[name] -= min(orphaned[name], max(0, excess))
     with bank.write_lock:
         bank.counters.add(**deltas)
         bank.write(writes)
