@@ -58,6 +58,11 @@ class AccessLog:
         self._lock = threading.Lock()
         self._last_flush = clock()
 
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Use `clock` from now on (tests order uses with a fake one); restarts the interval."""
+        self.clock = clock
+        self._last_flush = clock()
+
     def touch(self, blocks: Iterable[bytes], states: Iterable[bytes] = ()) -> None:
         """Record a use of `blocks` and of the states at the ends of `states`, now."""
         if not self.enabled:

@@ -189,7 +189,12 @@ def _commit(bank: Bank, writes: list[Write], evicted: list[Evicted]) -> None:
         bytes_evicted=payload_bytes + state_bytes,
     )
     gone = [e.chain_hash for e in evicted]
-    bank.access.forget([access_key(h, s) for h in gone for s in (False, True)])
+    # A lone state keeps its block: only the state's pending use goes.
+    bank.access.forget(
+        access_key(e.chain_hash, state)
+        for e in evicted
+        for state in ((True,) if e.kind == "state" else (False, True))
+    )
     try:
         bank.write(writes)
     except BaseException:

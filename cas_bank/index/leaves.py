@@ -90,9 +90,12 @@ class LeafIndex:
 
     def observe(self, writes: Sequence[Write]) -> None:
         """Apply a written batch: headers added, changed or deleted; access times."""
-        for family, key, value in writes:
-            if family is not Family.HEADERS:
-                continue
+        added: list[bytes] = []
+        changed: list[bytes] = []
+        # The last write of a key is what the disk holds (an eviction batch may
+        # rewrite a header for a lone state, then delete the block).
+        final = {key: value for family, key, value in writes if family is Family.HEADERS}
+        for key, value in final.items():
             if value is None:
                 self.remove(key)
                 continue
@@ -102,20 +105,28 @@ class LeafIndex:
                 continue
             node = self.nodes.get(key)
             if node is None:
-                node = self._add(key, header)
-                parent = self.nodes.get(node.parent)
-                if parent is not None:
-                    parent.children += 1
+                self._add(key, header)
+                added.append(key)
             else:
                 self.payload_bytes += header.payload_size - node.payload_size
                 self.state_bytes += header.state_size - node.state_size
                 node.payload_size, node.state_size = header.payload_size, header.state_size
                 node.has_state = header.has_state
-            self._queue(key, node)
+                changed.append(key)
+        # Parents are counted once every new node is in: a batch may hold a child
+        # before its parent.
+        for key in added:
+            parent = self.nodes.get(self.nodes[key].parent)
+            if parent is not None:
+                parent.children += 1
         for family, key, value in writes:
             t = parse_time(value) if family is Family.ACCESS and value is not None else None
             if t is not None:
                 self._touch_one(key, t)
+        for key in added + changed:
+            node = self.nodes.get(key)
+            if node is not None:
+                self._queue(key, node)
 
     def _add(self, key: bytes, header: Header) -> _Node:
         node = _Node(header.parent, header.payload_size, header.state_size, header.has_state)
@@ -140,7 +151,7 @@ class LeafIndex:
     def drop_state(self, key: bytes) -> None:
         node = self.nodes[key]
         self.state_bytes -= node.state_size
-        node.state_size, node.has_state = 0, False
+        node.state_size, node.has_state, node.state_used = 0, False, 0.0
 
     def _queue(self, key: bytes, node: _Node) -> None:
         if node.has_state and not node.state_queued:
