@@ -280,7 +280,11 @@ class Namespace:
                     return cached  # no read, no digest check: verified when it got hot
                 raw = cached
         if raw is None:
-            raw = self.bank.store.get(family, key)
+            try:
+                raw = self.bank.store.get(family, key)
+            except CorruptDataError as e:  # RocksDB's own checks failed (a damaged blob file)
+                self._corrupt(family, key, str(e))
+                return None
         if raw is None:
             if not self._evicted(family, key):
                 self._corrupt(family, key, "payload missing under a stored header")

@@ -35,6 +35,7 @@ from cas_bank import (
     Bank,
     BankConfig,
     BankSettingsError,
+    CorruptDataError,
     InvalidInputError,
     ModelSpec,
 )
@@ -543,3 +544,56 @@ def test_threads_store_and_restore_overlapping_prompts(bank: Bank, attn_spec: Mo
         hit = ns.restore(p)
         assert hit is not None and hit.tokens == len(p) // B * B
         assert layers_bits(hit.layers, attn_spec) == kv_prefix_bits(lay, attn_spec, hit.tokens)
+
+
+# -- damage below the bank: bytes flipped in RocksDB's own files -------------------
+def _flip_file(path: Path, start: float, stop: float, step: int) -> None:
+    size = path.stat().st_size
+    with path.open("r+b") as fh:
+        for off in range(int(size * start), int(size * stop), step):
+            fh.seek(off)
+            c = fh.read(1)
+            fh.seek(off)
+            fh.write(bytes([c[0] ^ 0xFF]))
+
+
+def _bank_on_disk(bank_path: Path, spec: ModelSpec, tokens: list[int]) -> None:
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        bank.namespace(spec).store(tokens, prefix_layers(spec, tokens))
+
+
+def test_damaged_blob_file_is_a_counted_miss(bank_path: Path) -> None:
+    """Payload reads skip RocksDB's checksum: our digest catches the damage."""
+    spec = attention_spec("float16", n_layers=2)
+    spec = ModelSpec(name="wide", layers=spec.layers * 8, weights_digest="w-wide")
+    tokens = tokens_of(np.random.default_rng(20), 4 * B)
+    _bank_on_disk(bank_path, spec, tokens)
+    blobs = list(bank_path.glob("*.blob"))
+    assert blobs, "payloads are expected in BlobDB files"
+    for blob in blobs:
+        _flip_file(blob, 0.5, 1.0, 97)
+    with Bank.open(bank_path) as bank:
+        hit = bank.namespace(spec).restore(tokens)
+        assert hit is None or hit.tokens < 4 * B
+        assert bank.stats().corrupt_reads == 1
+
+
+def test_damaged_table_files_raise_corrupt_data_not_locked(bank_path: Path, tmp_path: Path) -> None:
+    """RocksDB's own checksums guard the small families: damage there is reported as
+    `CorruptDataError` naming the bank (at open or on read), never as a lock."""
+    import shutil
+
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(21), 4 * B)
+    _bank_on_disk(bank_path, spec, tokens)
+    tables = sorted(bank_path.glob("*.sst"))
+    assert tables
+    for table in tables:
+        copy = tmp_path / f"copy-{table.stem}"
+        shutil.copytree(bank_path, copy)
+        _flip_file(copy / table.name, 0.0, 0.34, 7)
+        try:
+            with Bank.open(copy) as bank:
+                bank.namespace(spec).restore(tokens)
+        except CorruptDataError as e:
+            assert str(copy) in str(e)

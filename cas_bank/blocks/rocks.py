@@ -34,7 +34,7 @@ from rocksdict import (
 )
 
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
-from cas_bank.errors import BankLockedError
+from cas_bank.errors import BankLockedError, CorruptDataError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
@@ -59,6 +59,10 @@ def _db_options(durability: str) -> Options:
     if durability == "fast":
         opt.set_atomic_flush(True)
     return opt
+
+
+def _is_corruption(e: Exception) -> bool:
+    return str(e).startswith("Corruption") or " Corruption: " in str(e)
 
 
 def _walk(cf: Any, values: bool) -> Generator[tuple[bytes, bytes], None, None]:
@@ -100,7 +104,10 @@ class RocksStore(BlockStore):
             self._db: Any = self._open_db(families, durability, access)
         except Exception as e:
             self._cleanup_secondary()
-            if "lock" not in str(e).lower():
+            if _is_corruption(e):
+                raise CorruptDataError(f"bank at {self.path} is damaged: {e}") from None
+            # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
+            if "/LOCK" not in str(e):
                 raise
             if "current process" in str(e):
                 raise BankLockedError(
@@ -160,14 +167,28 @@ class RocksStore(BlockStore):
             return []
         if family not in self._cf and self._db is not None:
             return [None] * len(keys)
-        out: list[bytes | None] = self._family(family).get(list(keys))
+        cf = self._family(family)
+        try:
+            out: list[bytes | None] = cf.get(list(keys))
+        except Exception as e:
+            raise self._read_error(e, family) from None
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
         if family not in self._cf and self._db is not None:
             return None
-        out: bytes | None = self._family(family).get(key)
+        cf = self._family(family)
+        try:
+            out: bytes | None = cf.get(key)
+        except Exception as e:
+            raise self._read_error(e, family) from None
         return out
+
+    def _read_error(self, e: Exception, family: Family) -> Exception:
+        """RocksDB's own checksums (on the small families) failing is a `CorruptDataError`."""
+        if _is_corruption(e):
+            return CorruptDataError(f"bank at {self.path}: {family.value} damaged on disk: {e}")
+        return e
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         if family not in self._cf and self._db is not None:
