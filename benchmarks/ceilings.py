@@ -1,0 +1,280 @@
+"""Measuring helpers and the machine's ceilings, shared by every benchmark here.
+
+A cas_bank figure means little alone: this machine has 2 noisy cores, a reference
+BLAS and a software CRC in RocksDB. So each figure is printed beside its ceiling,
+measured in the same run on the same bytes:
+
+- memcpy: `np.copyto` into an array allocated beforehand (the hot tier's bound);
+- raw RocksDB: rocksdict get/put with the bank's own options (BlobDB for payloads,
+  RocksDB's read checksum off), no cas_bank code in between (the cold path's bound);
+- blake3: the digest every payload read verifies, in the bank's derive-key mode.
+
+Timing: `sample` runs a function a few times (an untimed `setup` before each run)
+and returns every duration; report medians (`median`) and tails (`percentile`).
+`python -m benchmarks.ceilings` prints the machine-wide ceilings alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
+
+from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
+from cas_bank.blocks.rocks import _db_options, _family_options
+from cas_bank.blocks.store import PAYLOAD_FAMILIES, Family
+
+MiB = 1 << 20
+GB = 1e9
+
+
+# -- timing ------------------------------------------------------------------------
+def sample(
+    fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None
+) -> list[float]:
+    """Seconds of `repeats` calls of `fn`, each after an untimed `setup()`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    out: list[float] = []
+    gc.collect()  # once: a full collection per repeat costs more than what is timed
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    if not xs:
+        raise ValueError("median of no samples")
+    return float(statistics.median(xs))
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between samples (numpy's default)."""
+    if not xs:
+        raise ValueError("percentile of no samples")
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / GB if seconds > 0 else float("inf")
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Bytes of every file under `path` (what the directory takes, logs and all)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def speed_fraction(seconds: float, ceiling_seconds: float) -> float:
+    """How close a measured time is to its ceiling's: 1.0 means as fast as the ceiling."""
+    return ceiling_seconds / seconds if seconds > 0 else float("inf")
+
+
+def profile_top(fn: Callable[[], object], repeats: int = 1, top: int = 10) -> list[dict[str, Any]]:
+    """Where `fn`'s time goes: the `top` functions by own time (cProfile), over `repeats` calls.
+
+    Used where a target is missed, so the report says what to attack first.
+    """
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeats):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({name})" if line else name,
+                "calls": nc,
+                "own_s": tt / repeats,
+                "cum_s": ct / repeats,
+                "own_share": tt / total if total else 0.0,
+            }
+        )
+    rows.sort(key=lambda r: r["own_s"], reverse=True)
+    return rows[:top]
+
+
+# -- memcpy and blake3 ---------------------------------------------------------------
+def memcpy_samples(nbytes: int, repeats: int = 7) -> list[float]:
+    """`np.copyto` of `nbytes` into an array allocated (and touched) beforehand."""
+    src = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 1  # fault the pages in: the ceiling is the copy, not the page faults
+    return sample(lambda: np.copyto(dst, src), repeats)
+
+
+def blake3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[float]:
+    """Digests of `nbytes` in `chunk`-sized payloads, one thread, the bank's mode."""
+    data = np.random.default_rng(1).integers(0, 255, max(chunk, 1), dtype=np.uint8).tobytes()
+    n = max(1, nbytes // chunk)
+
+    def run() -> None:
+        for _ in range(n):
+            h = blake3.blake3(derive_key_context=PAYLOAD_CONTEXT)
+            h.update(data)
+            h.digest()
+
+    return sample(run, repeats)
+
+
+# -- raw RocksDB with the bank's options ---------------------------------------------
+@contextmanager
+def raw_db(path: str | Path) -> Iterator[tuple[Any, dict[Family, Any]]]:
+    """A bank directory (or a new one) opened by rocksdict alone, with `RocksStore`'s options.
+
+    Yields the database and its column families (payload families read without
+    RocksDB's checksum, as the bank reads them). Closes every handle on exit, so the
+    directory can be opened again in this process.
+    """
+    families = {f.value: _family_options(f) for f in Family}
+    db = Rdict(str(path), options=_db_options("wal"), column_families=families)
+    fast = ReadOptions()
+    fast.set_verify_checksums(False)
+    cfs: dict[Family, Any] = {}
+    try:
+        for f in Family:
+            if f.value in families:
+                cf = db.get_column_family(f.value)
+                if f in PAYLOAD_FAMILIES:
+                    cf.set_read_options(fast)
+                cfs[f] = cf
+        yield db, cfs
+    finally:
+        for cf in cfs.values():
+            cf.close()
+        cfs.clear()
+        db.close()
+
+
+def raw_open_samples(path: str | Path, repeats: int = 5) -> list[float]:
+    """Seconds to open the database at `path` with rocksdict alone (close untimed)."""
+    out: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with raw_db(path) as (db, _cfs):
+            out.append(time.perf_counter() - t0)
+            del db
+    return out
+
+
+def raw_read_samples(
+    path: str | Path, keys: dict[Family, list[bytes]], repeats: int = 5
+) -> tuple[list[float], int]:
+    """Seconds to get `keys` (single gets, as the bank reads payloads), each run right
+    after a fresh open of the database (the open is not timed); and the bytes read."""
+    out: list[float] = []
+    nbytes = 0
+    for _ in range(repeats):
+        with raw_db(path) as (_db, cfs):
+            t0 = time.perf_counter()
+            got = [cfs[f][k] for f, ks in keys.items() for k in ks]
+            out.append(time.perf_counter() - t0)
+            nbytes = sum(len(v) for v in got)
+    return out, nbytes
+
+
+def raw_put_samples(
+    path: str | Path, batches: Sequence[Sequence[tuple[Family, bytes, bytes]]], wal: bool = True
+) -> list[float]:
+    """Seconds per batch to write `batches` into a fresh database at `path`, one
+    `WriteBatch` each (as `RocksStore.put_batch` writes), with the WAL as the bank has it."""
+    out: list[float] = []
+    with raw_db(path) as (db, _cfs):
+        handles = {f: db.get_column_family_handle(f.value) for f in Family}
+        wopt: Any = WriteOptions()
+        wopt.disable_wal = not wal
+        for batch in batches:
+            t0 = time.perf_counter()
+            wb = WriteBatch(raw_mode=True)
+            for f, k, v in batch:
+                wb.put(k, v, handles[f])
+            db.write(wb, wopt)
+            out.append(time.perf_counter() - t0)
+        db.flush()
+        handles.clear()
+    return out
+
+
+def rocks_value_samples(
+    path: str | Path, value_size: int, count: int, repeats: int = 3
+) -> dict[str, float]:
+    """Raw put and get of `count` random values of `value_size` bytes in the blocks family:
+    put, read after a reopen, and warm read (the same values again), in GB/s."""
+    rng = np.random.default_rng(2)
+    values = [rng.integers(0, 255, value_size, dtype=np.uint8).tobytes() for _ in range(count)]
+    keys = [i.to_bytes(8, "big") + b"k" * 24 for i in range(count)]
+    total = value_size * count
+    put = raw_put_samples(
+        path, [[(Family.BLOCKS, k, v) for k, v in zip(keys, values, strict=True)]]
+    )
+    cold, _ = raw_read_samples(path, {Family.BLOCKS: keys}, repeats)
+    with raw_db(path) as (_db, cfs):
+        cf = cfs[Family.BLOCKS]
+        _ = [cf[k] for k in keys]
+        warm = sample(lambda: [cf[k] for k in keys], repeats)
+    return {
+        "value_bytes": value_size,
+        "values": count,
+        "put_gbps": gbps(total, put[0]),
+        "read_after_reopen_gbps": gbps(total, median(cold)),
+        "warm_read_gbps": gbps(total, median(warm)),
+    }
+
+
+# -- the machine's ceilings ------------------------------------------------------------
+def machine_ceilings(
+    workdir: Path, *, memcpy_bytes: int = 64 * MiB, rocks_mib: int = 64
+) -> dict[str, Any]:
+    """The machine-wide ceilings: memcpy, blake3, raw RocksDB at two value sizes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    mem = memcpy_samples(memcpy_bytes, 7)
+    b3 = blake3_samples(min(memcpy_bytes, 64 * MiB), MiB, 5)
+    out: dict[str, Any] = {
+        "memcpy_bytes": memcpy_bytes,
+        "memcpy_gbps": gbps(memcpy_bytes, median(mem)),
+        "blake3_gbps": gbps(max(1, min(memcpy_bytes, 64 * MiB) // MiB) * MiB, median(b3)),
+        "rocks": [],
+    }
+    for size in (256 * 1024, MiB):
+        count = max(1, rocks_mib * MiB // size)
+        out["rocks"].append(rocks_value_samples(workdir / f"raw-{size}", size, count))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Print the machine's ceilings (tiny sizes with `--quick`)."""
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ceilings", description=main.__doc__)
+    p.add_argument("--quick", action="store_true", help="a few MiB only (smoke test)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cas_bank_ceilings_") as tmp:
+        if args.quick:
+            res = machine_ceilings(Path(tmp), memcpy_bytes=2 * MiB, rocks_mib=2)
+        else:
+            res = machine_ceilings(Path(tmp))
+    print(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
