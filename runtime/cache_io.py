@@ -123,15 +123,17 @@ def _check_array(a: Any, shape: tuple[int, ...], s: ArraySpec, where: str) -> No
         )
 
 
-def _flat_kv(entry: KVCache | QuantizedKVCache) -> list[mx.array]:
+def _flat_kv(entry: Any) -> list[mx.array]:
+    e: Any = entry  # mlx-lm declares these None until the first update
     if isinstance(entry, QuantizedKVCache):
-        return [*entry.keys, *entry.values]
-    return [entry.keys, entry.values]
+        return [*e.keys, *e.values]
+    return [e.keys, e.values]
 
 
 def cache_layers(spec: ModelSpec, cache: Sequence[Any], n_tokens: int) -> list[Any]:
     """The attention layers' arrays (whole buffers) for `Namespace.store`; None elsewhere."""
     out: list[Any] = []
+    entry: Any
     for i, (entry, ls) in enumerate(zip(cache, spec.layers, strict=True)):
         if ls.kind != "attention":
             out.append(None)
@@ -141,10 +143,11 @@ def cache_layers(spec: ModelSpec, cache: Sequence[Any], n_tokens: int) -> list[A
                 f"layer {i} of the cache holds {entry.offset} tokens, fewer than the "
                 f"{n_tokens} tokens to store"
             )
+        e: Any = entry  # mlx-lm declares these None until the first update
         if isinstance(entry, QuantizedKVCache):
-            out.append((tuple(entry.keys), tuple(entry.values)))
+            out.append((tuple(e.keys), tuple(e.values)))
         else:
-            out.append((entry.keys, entry.values))
+            out.append((e.keys, e.values))
     return out
 
 
@@ -168,14 +171,16 @@ def fill_cache(spec: ModelSpec, cache: Sequence[Any], layers: Sequence[Any], n: 
     on the next update (it never writes into these). Recurrent states are replaced,
     never written in place, by the model.
     """
+    entry: Any
     for i, (entry, ls, layer) in enumerate(zip(cache, spec.layers, layers, strict=True)):
         assert layer is not None, f"restore returned nothing for layer {i}"
         if ls.kind == "attention":
             keys, values = layer
+            e: Any = entry  # mlx-lm declares these None until the first update
             if isinstance(entry, QuantizedKVCache):
-                entry.keys, entry.values = tuple(keys), tuple(values)
+                e.keys, e.values = tuple(keys), tuple(values)
             else:
-                entry.keys, entry.values = keys, values
-            entry.offset = n
+                e.keys, e.values = keys, values
+            e.offset = n
         else:
             entry.cache = list(layer)

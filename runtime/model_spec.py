@@ -100,9 +100,11 @@ def new_cache(model: nn.Module, kv_bits: int | None, kv_group_size: int) -> list
 def layer_spec_of(entry: Any, index: int) -> LayerSpec:
     """The layout of one cache object that has seen at least one token."""
     check_cache_class(entry, index)
+    # mlx-lm declares its cache arrays as None until the first update: read them as Any.
+    e: Any = entry
     if isinstance(entry, QuantizedKVCache):
-        kq, ks, _ = entry.keys
-        vq, _, _ = entry.values
+        kq, ks, _ = e.keys
+        vq, _, _ = e.values
         per_word = 32 // entry.bits
         return LayerSpec.quantized_attention(
             kv_heads=kq.shape[1],
@@ -114,10 +116,10 @@ def layer_spec_of(entry: Any, index: int) -> LayerSpec:
         )
     if isinstance(entry, KVCache):
         return LayerSpec.attention(
-            kv_heads=entry.keys.shape[1],
-            head_dim=entry.keys.shape[-1],
-            dtype=dtype_of(entry.keys).name,
-            v_head_dim=entry.values.shape[-1],
+            kv_heads=e.keys.shape[1],
+            head_dim=e.keys.shape[-1],
+            dtype=dtype_of(e.keys).name,
+            v_head_dim=e.values.shape[-1],
         )
     arrays = list(entry.cache)
     if any(a is None for a in arrays):

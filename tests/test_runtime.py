@@ -24,7 +24,7 @@ from runtime_helpers import (
     wide,
 )
 
-from cas_bank import Bank, InvalidInputError
+from cas_bank import Bank, BankConfig, InvalidInputError
 
 
 def counters(bank: Bank) -> dict[str, int]:
@@ -274,4 +274,20 @@ def test_store_refuses_a_cache_shorter_than_the_tokens() -> None:
         before = counters(bank)
         with pytest.raises(InvalidInputError, match="fewer than"):
             pc.store([*toks, 1, 2], cache)
+        assert counters(bank) == before
+
+
+def test_a_read_only_bank_restores_and_stores_nothing(tmp_path: Any) -> None:
+    toks = random_tokens(np.random.default_rng(15), 40)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=16)) as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"))
+        pc.prefill(toks, pc.new_cache())
+        before = counters(bank)
+    with Bank.open(tmp_path / "bank", mode="read_only") as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"))
+        longer = [*toks, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+        cache, n = pc.restore(longer)
+        assert n == 32
+        pc.prefill(longer, cache, n)
+        assert pc.last_prefill is not None and pc.last_prefill.stored is None
         assert counters(bank) == before
