@@ -13,6 +13,7 @@ import pytest
 from cas_bank.runtime import PrefixCache, StateRecorder, load_model, save_model, spec_for_model
 from cas_bank.runtime.models import model_config
 from cas_bank.runtime.prefix_cache import chunk_ends
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 from runtime_helpers import (
@@ -155,6 +156,37 @@ def test_store_after_decoding_with_a_state_recorder() -> None:
             pc.model(mx.array([[t]]), cache=ref)
         reference = forward(pc, ref, turn, len(full), [len(turn)])
         assert bit_equal(restored, reference)
+
+
+def test_state_recorder_under_mlx_lm_generate_step() -> None:
+    """Observed at every yield of generate_step (which runs one step ahead), the
+    recorder labels every state with the position the cache really held."""
+    rng = np.random.default_rng(16)
+    prompt = random_tokens(rng, 40)
+    with temp_bank(16) as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"))
+        cache = pc.new_cache()
+        first = int(mx.argmax(pc.prefill(prompt, cache)).item())
+        rec = pc.recorder(cache)
+        steps = generate_step(mx.array([first]), pc.model, prompt_cache=cache, max_tokens=30)
+        response = [first]
+        for token, _ in steps:
+            response.append(token)
+            rec.observe()
+        full = prompt + response
+        assert cache[1].offset == len(full) == 71
+        assert rec.captured == [48, 64]
+        pc.store(full, cache, states=rec)
+
+        turn = [*full, *random_tokens(rng, 3)]
+        cache2, n = pc.restore(turn)
+        assert n == 64
+        restored = pc.prefill(turn, cache2, n, store=False)
+        ref = pc.new_cache()
+        forward(pc, ref, prompt, 0, [32, 40])
+        for t in response:
+            pc.model(mx.array([[t]]), cache=ref)
+        assert bit_equal(restored, forward(pc, ref, turn, len(full), [len(turn)]))
 
 
 def test_recorder_keeps_the_two_deepest_boundaries() -> None:
