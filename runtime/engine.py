@@ -279,6 +279,10 @@ class Engine:
             if on_delta is not None:
                 on_delta(event)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def stats(self) -> EngineStats:
         with self._lock:
             return EngineStats(queue_depth=self._jobs.qsize(), busy=self._busy, **self._counts)

@@ -22,13 +22,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -51,9 +51,7 @@ from .metrics import CONTENT_TYPE, RequestCounter, bank_metrics, engine_metrics,
 
 log = logging.getLogger("cas_bank.server")
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_BANK_DIR = Path.home() / ".cache" / "cas_bank" / "bank"
+LOOPBACK = "127.0.0.1"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -401,7 +399,22 @@ def run_server(
     """Serve until SIGINT/SIGTERM (in the main thread); closes `engine` on the way out."""
     app = create_app(engine, close_engine=True)
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (the engine and bank are closed
+    # by then), then re-raises the signal to the handler it found. Found handlers that
+    # only note it make a stop by signal a clean exit rather than a kill or a
+    # KeyboardInterrupt traceback.
+    received: list[int] = []
+    previous = {
+        sig: signal.signal(sig, lambda s, _f: received.append(s))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not engine.closed:  # uvicorn failed before its lifespan shutdown ran
+            engine.close()
 
 
 class BackgroundServer:
@@ -411,7 +424,7 @@ class BackgroundServer:
     the engine (and so the bank it owns).
     """
 
-    def __init__(self, engine: Engine, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    def __init__(self, engine: Engine, host: str = LOOPBACK, port: int = 0) -> None:
         self.engine = engine
         self._sock = bind(host, port)
         self.url = url_of(self._sock)

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from cas_bank.errors import CasBankError
 
-from . import bundle, gc_cmd, inspect_cmds, show_cmd, verify_cmd
+from . import bundle, gc_cmd, inspect_cmds, serve_cmd, show_cmd, verify_cmd
 from .common import ArgumentParser, CliError
 
 # The command groups, in the order `cas-bank --help` lists them.
@@ -26,6 +26,7 @@ from .common import ArgumentParser, CliError
 # arguments; the handler takes the parsed args and returns the exit status. Then
 # import the module above and append it here. Raise `common.CliError` for user errors.
 COMMAND_MODULES: list[ModuleType] = [
+    serve_cmd,
     inspect_cmds,
     show_cmd,
     verify_cmd,

@@ -1,0 +1,346 @@
+"""The OpenAI-compatible server, as a real process on a loopback port.
+
+`cas-bank serve --port 0 --json` runs in a subprocess on a bank in a tmp dir, with
+the embedded tiny hybrid model and 16-token blocks; the tests talk to it over HTTP
+(httpx, and the `openai` client). Request counts are small and every call has a
+timeout, so a hung server fails a test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny-hybrid"
+BLOCK = 16
+TIMEOUT = 60.0
+SYSTEM = "You are a careful assistant for a team of engineers. " * 6  # ~320 tokens
+# Printable ASCII only (no end token): replies run to max_tokens and their text
+# re-encodes to the same byte tokens, as a trained model's text would.
+ASCII_BIAS = {str(i): 100.0 for i in range(32, 127)}
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    bank: Path
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def start_server(bank: Path, log: Path) -> Server:
+    """`cas-bank serve` on a free loopback port; returns once it answers /health."""
+    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "serve", "--json", "--port", "0"]
+    cmd += ["--host", "127.0.0.1", "--bank", str(bank), "--block-size", str(BLOCK)]
+    with open(log, "a") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ)
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the ready line: {"url": ..., "model": ..., "bank": ...}
+    if not line:
+        proc.wait(timeout=10)
+        raise AssertionError(f"the server did not start:\n{log.read_text()}")
+    url = json.loads(line)["url"]
+    server = Server(proc, url, bank, log)
+    try:
+        httpx.get(f"{url}/health", timeout=TIMEOUT).raise_for_status()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("server")
+    s = start_server(root / "bank", root / "server.log")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def chat(url: str, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def cached(response: dict[str, Any]) -> int:
+    return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def conversation(user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+# -- prefix reuse -------------------------------------------------------------------------
+def test_the_same_prompt_again_restores_all_its_full_blocks(server: Server) -> None:
+    first = chat(server.url, conversation("same prompt twice, please"))
+    second = chat(server.url, conversation("same prompt twice, please"))
+    n = first["usage"]["prompt_tokens"]
+    assert cached(first) == 0
+    # Everything but the last token is looked up; a restore stops on a block boundary.
+    assert cached(second) == (n - 1) // BLOCK * BLOCK
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+
+
+def test_the_next_turn_restores_through_the_previous_answer(server: Server) -> None:
+    messages = conversation("turn one of a conversation")
+    first = chat(server.url, messages, max_tokens=24, logit_bias=ASCII_BIAS)
+    assert first["choices"][0]["finish_reason"] == "length"
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and turn two"},
+    ]
+    second = chat(server.url, messages)
+    # 24 decoded tokens cross at least one block boundary past the first prompt; its
+    # blocks and the state there were stored after the answer.
+    assert cached(second) > first["usage"]["prompt_tokens"]
+
+
+def test_agents_sharing_a_system_prompt_restore_it(server: Server) -> None:
+    """The first agent stores the system prompt; the second one's miss stores the state
+    where the agents' prompts branch; every later agent restores up to that branch."""
+    answers = [chat(server.url, conversation(f"agent {i} reporting")) for i in range(3)]
+    system_blocks = len(SYSTEM) // BLOCK * BLOCK  # the shared bytes' full blocks, at least
+    assert cached(answers[2]) >= system_blocks
+    assert all(a["usage"]["prompt_tokens"] > system_blocks for a in answers)
+
+
+def test_a_restarted_server_restores_what_the_last_one_stored(tmp_path: Path) -> None:
+    bank, log = tmp_path / "bank", tmp_path / "server.log"
+    messages = conversation("remember me across a restart")
+    first_server = start_server(bank, log)
+    try:
+        before = chat(first_server.url, messages)
+    finally:
+        first_server.stop()
+    assert first_server.proc.returncode == 0, log.read_text()
+    second_server = start_server(bank, log)
+    try:
+        after = chat(second_server.url, messages)
+        metrics = httpx.get(f"{second_server.url}/metrics", timeout=TIMEOUT).text
+    finally:
+        second_server.stop()
+    n = before["usage"]["prompt_tokens"]
+    assert cached(before) == 0
+    assert cached(after) == (n - 1) // BLOCK * BLOCK
+    assert after["choices"][0]["message"] == before["choices"][0]["message"]
+    # The bank's counters persist: the hit is in the new process's metrics.
+    assert _metric(metrics, "cas_bank_prefix_hit_tokens_total") == cached(after)
+    assert _metric(metrics, "cas_bank_blocks") > 0
+
+
+# -- the OpenAI client ----------------------------------------------------------------------
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT)
+
+
+def test_openai_client_chat_and_completions_with_and_without_streaming(server: Server) -> None:
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    messages: Any = conversation("hello through the openai client")
+
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert whole.object == "chat.completion"
+    assert whole.usage is not None and whole.usage.completion_tokens >= 1
+    assert whole.usage.prompt_tokens_details is not None
+    text = whole.choices[0].message.content
+
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == text  # greedy: the same request gives the same answer
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details is not None
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+
+    prompt = "A completion prompt that is long enough to fill a few blocks of tokens."
+    done = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6)
+    assert done.object == "text_completion"
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt.encode())
+    pieces = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, stream=True))
+    assert "".join(p.choices[0].text for p in pieces if p.choices) == done.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_stop_strings_end_the_answer_before_them(server: Server) -> None:
+    messages = conversation("count the letters")
+    free = chat(server.url, messages, max_tokens=16, logit_bias=ASCII_BIAS)
+    text = free["choices"][0]["message"]["content"]
+    stop = text[5:7]  # a stop string that occurs in the free answer
+    cut = chat(server.url, messages, max_tokens=16, logit_bias=ASCII_BIAS, stop=[stop])
+    assert cut["choices"][0]["message"]["content"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+# -- bad requests ---------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny-hybrid", "messages": [', 400),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+    ),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+    ),
+    (
+        "negative max_tokens",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+        400,
+    ),
+    (
+        "prompt longer than the context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x" * 33_000, "max_tokens": 1},
+        400,
+    ),
+    (
+        "token id beyond the vocabulary",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 99999]},
+        400,
+    ),
+    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400),
+    ("no such endpoint", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404),
+]
+
+
+@pytest.mark.parametrize(
+    ("why", "path", "body", "status"), BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(
+    server: Server, why: str, path: str, body: Any, status: int
+) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(
+            f"{server.url}{path}",
+            content=body,
+            headers={"Content-Type": "application/json"},
+            timeout=TIMEOUT,
+        )
+    else:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=TIMEOUT)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    ok = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "still there?", "max_tokens": 2},
+        timeout=TIMEOUT,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_error_messages_name_the_problem(server: Server) -> None:
+    long = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x" * 33_000},
+        timeout=TIMEOUT,
+    ).json()["error"]
+    assert long["code"] == "context_length_exceeded" and "33000 tokens" in long["message"]
+    unknown = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=TIMEOUT,
+    ).json()["error"]
+    assert unknown["code"] == "model_not_found" and "gpt-17" in unknown["message"]
+    negative = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+        timeout=TIMEOUT,
+    ).json()["error"]
+    assert negative["param"] == "max_tokens"
+
+
+# -- concurrency ----------------------------------------------------------------------------
+def test_concurrent_clients_get_the_answers_they_would_get_alone(server: Server) -> None:
+    # Distinct from their first byte on: no request shares a block with another, so
+    # each one's answer cannot depend on which of the others ran before it.
+    prompts = [f"{chr(65 + i)}: concurrent request number {i}, please answer" for i in range(6)]
+
+    def complete(prompt: str) -> tuple[str, str]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 10}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["finish_reason"]
+
+    serial = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        together = list(pool.map(complete, prompts))
+    assert together == serial
+    assert len({text for text, _ in serial}) > 1  # the prompts really differ in output
+
+
+# -- health, models, metrics ----------------------------------------------------------------
+def test_health_models_and_metrics(server: Server) -> None:
+    health = httpx.get(f"{server.url}/health", timeout=TIMEOUT).json()
+    assert health["status"] == "ok" and health["model"] == MODEL
+    assert health["block_size"] == BLOCK
+    chat(server.url, conversation("metrics please"))
+    chat(server.url, conversation("metrics please"))
+    r = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT)
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in (
+        "cas_bank_prefix_queried_tokens_total",
+        "cas_bank_prefix_hit_tokens_total",
+        "cas_bank_blocks_written_total",
+        "cas_bank_stored_bytes",
+        "cas_bank_corrupt_reads_total",
+        "cas_bank_requests_total",
+    ):
+        assert f"# TYPE {name} " in text, name
+    assert _metric(text, "cas_bank_prefix_hit_tokens_total") > 0
+    assert _metric(text, "cas_bank_blocks_written_total") > 0
+    assert _metric(text, "cas_bank_corrupt_reads_total") == 0
+    assert _metric(text, "cas_bank_requests_total") >= 2
+    assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no sample of {name} in:\n{text}")

@@ -1,0 +1,179 @@
+"""`cas-bank serve` (the OpenAI-compatible server) and `cas-bank demo` (the main job).
+
+`serve` opens (or creates) the bank directory, builds or loads the model and serves
+it until SIGINT/SIGTERM. Its one line on stdout says where it listens (`--json`: the
+same as a JSON object), so a script can start it with `--port 0` and read the port.
+The bank keeps every prefix across restarts of the server on the same `--bank`.
+
+`demo` plays a fleet of agents against the server, restarts it, plays one more turn
+and prints what the bank saved (see `cas_bank.runtime.demo`). Without `--bank` it
+works in a temporary directory, so every run starts clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cas_bank.errors import BankLockedError
+
+from .common import CliError, add_command, console, print_json
+
+# The commands' defaults live here (not in the runtime modules, whose imports, MLX and
+# FastAPI, would slow down every other command's start).
+DEFAULT_BANK_DIR = Path.home() / ".cache" / "cas_bank" / "bank"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEMO_AGENTS = 4
+DEMO_TURNS = 3
+DEMO_MAX_TOKENS = 32
+DEMO_BLOCK_SIZE = 64
+
+
+def register(subparsers: Any) -> None:
+    serve = add_command(
+        subparsers,
+        "serve",
+        _serve,
+        help="serve a model over an OpenAI-compatible HTTP API, with the bank as prefix cache",
+    )
+    serve.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local mlx-lm model directory, or an embedded model name "
+        "(default: the embedded tiny-hybrid with a byte tokenizer)",
+    )
+    serve.add_argument(
+        "--bank",
+        type=Path,
+        default=DEFAULT_BANK_DIR,
+        help=f"bank directory, created if missing (default: {DEFAULT_BANK_DIR})",
+    )
+    serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one")
+    serve.add_argument(
+        "--block-size",
+        type=_positive,
+        default=None,
+        help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
+    )
+    serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
+    serve.add_argument(
+        "--max-queue", type=_positive, default=64, help="requests that may wait for the model"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
+
+    play = add_command(
+        subparsers,
+        "demo",
+        _demo,
+        help="the main job: agents sharing a system prompt, a restart, what the bank saved",
+    )
+    play.add_argument("--agents", type=_positive, default=DEMO_AGENTS, help="agents")
+    play.add_argument(
+        "--turns", type=_positive, default=DEMO_TURNS, help="turns before the restart"
+    )
+    play.add_argument(
+        "--bank", type=Path, default=None, help="bank directory (default: a temporary one)"
+    )
+    play.add_argument(
+        "--max-tokens", type=_positive, default=DEMO_MAX_TOKENS, help="tokens per reply"
+    )
+    play.add_argument(
+        "--block-size", type=_positive, default=DEMO_BLOCK_SIZE, help="tokens per block"
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cas_bank.runtime.engine import Engine
+    from cas_bank.runtime.server import bind, run_server, url_of
+
+    args.bank.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        engine = Engine.open(
+            args.bank,
+            args.model,
+            block_size=args.block_size,
+            seed=args.seed,
+            max_queue=args.max_queue,
+        )
+    except BankLockedError:
+        raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        engine.close()
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    url = url_of(sock)
+    if args.json:
+        ready = {"url": url, "model": engine.model_id, "bank": str(args.bank)}
+        print(json.dumps(ready), flush=True)
+    else:
+        print(
+            f"cas-bank serve: {engine.model_id} at {url}/v1 (bank {args.bank}, "
+            f"block size {engine.bank.config.block_size})",
+            flush=True,
+        )
+    run_server(engine, sock, log_level=args.log_level)  # closes the engine when it stops
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cas_bank.runtime.demo import report_tables, run_demo
+
+    out = console()
+    steps = args.agents * (args.turns + 1) + args.agents
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out if not args.json else console_stderr(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("starting the server", total=steps)
+
+        def step(message: str) -> None:
+            bar.update(task, advance=1, description=message)
+
+        report = run_demo(
+            args.agents,
+            args.turns,
+            bank_dir=args.bank,
+            max_tokens=args.max_tokens,
+            block_size=args.block_size,
+            progress=step,
+        )
+    if args.json:
+        print_json(report.as_dict())
+        return 0
+    for t in report_tables(report):
+        out.print(t)
+        out.print()
+    return 0
+
+
+def console_stderr() -> Console:
+    return Console(file=sys.stderr)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
