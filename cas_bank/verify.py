@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family, Write
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.access import access_key
 from cas_bank.index.chain import Header
 from cas_bank.index.tree import HeaderIndex, load_namespaces
@@ -161,9 +162,11 @@ def _check_block(
                 )
             )
 
-    raw = bank.store.get(Family.BLOCKS, h.chain_hash)
     report.blocks_checked += 1
-    if raw is None:
+    raw, unreadable = read_record(bank, Family.BLOCKS, h.chain_hash)
+    if unreadable is not None:
+        out.append(problem("payload_corrupt", unreadable))
+    elif raw is None:
         out.append(problem("payload_missing", "no payload under this header"))
     else:
         report.bytes_checked += len(raw)
@@ -178,15 +181,30 @@ def _check_block(
             out.append(problem("payload_corrupt", "payload digest mismatch"))
 
     if h.state_digest is not None:
-        state = bank.store.get(Family.STATES, h.chain_hash)
         report.states_checked += 1
-        if state is None:
+        state, unreadable = read_record(bank, Family.STATES, h.chain_hash)
+        if unreadable is not None:
+            out.append(problem("state_corrupt", unreadable))
+        elif state is None:
             out.append(problem("state_missing", "the header announces a state; none is stored"))
         else:
             report.bytes_checked += len(state)
             if not codec.verify(state, h.state_digest):
                 out.append(problem("state_corrupt", "state digest mismatch"))
     return out
+
+
+def read_record(bank: Bank, family: Family, key: bytes) -> tuple[bytes | None, str | None]:
+    """A payload or state, or why RocksDB itself could not read it (its own checksum
+    on a damaged file): that is a corrupt record to report, not a reason to stop."""
+    try:
+        return bank.store.get(family, key), None
+    except CorruptDataError as e:
+        return None, f"unreadable: {e}"
+
+
+def _size(bank: Bank, family: Family, key: bytes) -> int:
+    return len(read_record(bank, family, key)[0] or b"")
 
 
 def _orphans(bank: Bank, index: HeaderIndex) -> list[Problem]:
@@ -213,11 +231,8 @@ def _found(bank: Bank, index: HeaderIndex) -> dict[str, int]:
         "state_bytes": sum(h.state_size for h in heads),
     }
     for key in index.unreadable:
-        raw, state = (
-            bank.store.get_many(Family.BLOCKS, [key])[0],
-            bank.store.get(Family.STATES, key),
-        )
-        found["payload_bytes"] += len(raw or b"")
+        state = read_record(bank, Family.STATES, key)[0]
+        found["payload_bytes"] += _size(bank, Family.BLOCKS, key)
         found["states"] += state is not None
         found["state_bytes"] += len(state or b"")
     return found
@@ -244,7 +259,6 @@ def _fix(
     report: VerifyReport,
 ) -> None:
     """Delete what `verify` found, in one batch with the counters it changes."""
-    store = bank.store
     writes: list[Write] = []
     deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
     for key in sorted(remove):
@@ -252,10 +266,9 @@ def _fix(
         if h is not None:
             payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
         else:  # an unreadable header: size what is there
-            raw = store.get(Family.BLOCKS, key)
-            state = store.get(Family.STATES, key)
-            payload_size = len(raw) if raw is not None else 0
-            state_size = len(state) if state is not None else 0
+            state = read_record(bank, Family.STATES, key)[0]
+            payload_size = _size(bank, Family.BLOCKS, key)
+            state_size = len(state or b"")
             has_state = state is not None
         writes += [(f, key, None) for f in (Family.HEADERS, Family.BLOCKS, Family.STATES)]
         writes += [(Family.ACCESS, access_key(key, state), None) for state in (False, True)]
@@ -276,13 +289,12 @@ def _fix(
     orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
     for p in orphans:
         family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
-        raw = store.get(family, p.chain_hash)
         writes.append((family, p.chain_hash, None))
         count, size = (
             ("blocks", "payload_bytes") if family is Family.BLOCKS else ("states", "state_bytes")
         )
         orphaned[count] += 1
-        orphaned[size] += len(raw or b"")
+        orphaned[size] += _size(bank, family, p.chain_hash)
         report.removed_orphans += 1
     # An unclaimed record was counted if its header was lost after the store (the
     # counters then exceed what the headers hold), not if it was written by hand:

@@ -20,6 +20,7 @@ from cas_bank.index.access import last_use
 from cas_bank.index.chain import Header
 from cas_bank.index.tree import HeaderIndex, load_namespaces, namespace_labels, resolve_prefix
 from cas_bank.spec import ModelSpec
+from cas_bank.verify import read_record
 
 from .common import (
     CliError,
@@ -67,8 +68,12 @@ def decode_text(spec: ModelSpec | None, ids: list[int]) -> str | None:
     return str(ByteTokenizer(vocab_size=vocab).decode(ids))
 
 
-def _payload(raw: bytes | None, expected: bytes, size: int) -> tuple[str, codec.Decoded | None]:
+def _payload(
+    raw: bytes | None, expected: bytes, size: int, error: str | None
+) -> tuple[str, codec.Decoded | None]:
     """Digest status of a stored payload and, if it is intact, its decoded arrays."""
+    if error is not None:
+        return f"corrupt ({error})", None
     if raw is None:
         return "missing", None
     if len(raw) != size:
@@ -119,15 +124,17 @@ def cmd_show(args: argparse.Namespace) -> int:
             raise CliError(f"block {key.hex()}: {index.unreadable[key]}")
         h = index.headers[key]
         specs, _ = load_namespaces(bank.store)
-        raw = bank.store.get(Family.BLOCKS, key)
-        raw_state = bank.store.get(Family.STATES, key) if h.has_state else None
+        raw, raw_error = read_record(bank, Family.BLOCKS, key)
+        raw_state, state_error = (
+            read_record(bank, Family.STATES, key) if h.has_state else (None, None)
+        )
         last = last_use(bank, [key])[0]
     spec = specs.get(h.root)
     labels = namespace_labels(specs)
-    status, block = _payload(raw, h.payload_digest, h.payload_size)
+    status, block = _payload(raw, h.payload_digest, h.payload_size, raw_error)
     state_status, state = "none", None
     if h.state_digest is not None:
-        state_status, state = _payload(raw_state, h.state_digest, h.state_size)
+        state_status, state = _payload(raw_state, h.state_digest, h.state_size, state_error)
     ids = h.token_ids()
     info = _info(h, index, labels, spec, last)
     info.update(
