@@ -31,9 +31,12 @@ forward pass) supplies the state at the last boundary decoding crossed.
 
 Throughput: the store is synchronous, on the caller's thread, after the last chunk:
 the KV buffers are sliced as zero-copy views, encoded (the one copy to host bytes)
-and written in one RocksDB batch. `last_prefill.store_s` against `forward_s` says
-what it cost (see the report of issue 3 for measured shares). Nothing runs behind
-the caller's back, so a restore right after a prefill always sees its blocks.
+and written in one RocksDB batch. Measured here (2 CPU cores, WAL on, block 64) it
+is 0.1-2% of the prefill's time: 0.12 s of 72 s for 1024 tokens of medium-qwen3
+(25 MB stored), 0.05 s of 56 s for 512 tokens of medium-hybrid, 0.04 s of 4.6 s for
+4096 tokens of tiny-qwen3; so it stays on the caller's thread, and nothing runs
+behind the caller's back: a restore right after a prefill always sees its blocks.
+`last_prefill.store_s` against `forward_s` shows the share for any model.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -56,7 +59,7 @@ from cas_bank.namespace import Namespace, StoreReport
 from cas_bank.spec import ModelSpec
 
 from .cache_io import cache_layers, check_cache, fill_cache, snapshot_states, tag_cache
-from .model_spec import probe_model, unwrap
+from .model_spec import new_cache, probe_model, unwrap
 from .models import LoadedModel
 from .state_recorder import StateRecorder
 
@@ -129,8 +132,6 @@ class PrefixCache:
     # -- caches --------------------------------------------------------------------
     def new_cache(self) -> list[Any]:
         """An empty prompt cache for this model (quantized KV if configured)."""
-        from .model_spec import new_cache
-
         cache = new_cache(self.model, self.info.kv_bits, self.info.kv_group_size)
         tag_cache(cache, self.spec)
         return cache
