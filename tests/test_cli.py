@@ -133,11 +133,13 @@ def test_show_a_hybrid_block_with_its_state(built: BuiltBank) -> None:
     assert sorted(r["shape"] for r in states) == [[1, 2, 4, 4]] * 2 + [[1, 3, 24]] * 2
     out = cas_bank("show", built.path, chain[3].hex()[:12], check=True).stdout
     assert f"stored at token {4 * BLOCK_SIZE}" in out and "recurrent" in out
+    assert "tokenizer 'org/some-hf-tokenizer' is not one the tools decode" in out
 
 
 def test_show_a_shared_block_lists_its_branches(built: BuiltBank) -> None:
     data = cas_bank_json("show", built.path, built.chains["agent0"][2].hex()[:12])
-    assert data["chains"] == 4
+    assert data["chains"] == 4 and data["tokenizer"] == "byte:512"
+    assert data["text"] == bytes(built.prompts["agent0"][8:12]).decode()
     assert sorted(data["children"]) == sorted(
         built.chains[a][3].hex() for a in ("agent0", "agent2", "agent3")
     )

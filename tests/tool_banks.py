@@ -3,9 +3,10 @@
 `build_bank` makes one real bank (RocksDB in a tmp dir, block size 4) holding three
 namespaces:
 - `tiny-attn` (attention only, `tokenizer="bytes"`): two unrelated text prompts;
-- `tiny-hybrid` (GDN + attention): one chain with states at two boundaries;
-- `fleet` (attention only): four agents whose prompts share a 3-block system prompt,
-  two of them also a 4th block, so the prefix tree branches twice.
+- `tiny-hybrid` (GDN + attention, a tokenizer the tools do not load): one chain with
+  states at two boundaries;
+- `fleet` (attention only, `tokenizer="byte:512"`): four agents whose prompts share a
+  3-block system prompt, two of them also a 4th block, so the prefix tree branches twice.
 `cas_bank` runs the installed `cas-bank` console script in a subprocess.
 """
 
@@ -36,7 +37,13 @@ def attn_text_spec() -> ModelSpec:
 
 
 def fleet_spec() -> ModelSpec:
-    return attention_spec(name="fleet")
+    """Recorded as the runtime records its byte tokenizer."""
+    return attention_spec(name="fleet").model_copy(update={"tokenizer": "byte:512"})
+
+
+def hybrid_text_spec() -> ModelSpec:
+    """A tokenizer the tools do not load (a Hugging Face name)."""
+    return hybrid_spec().model_copy(update={"tokenizer": "org/some-hf-tokenizer"})
 
 
 def fleet_prompts() -> list[list[int]]:
@@ -94,7 +101,7 @@ def build_bank(path: Path) -> BuiltBank:
             built.chains[name] = attn.store(toks, layers).chain
             built.prompts[name], built.layers[name] = toks, layers
 
-        hyb = bank.namespace(hybrid_spec())
+        hyb = bank.namespace(hybrid_text_spec())
         toks = list(range(500, 500 + 5 * BLOCK_SIZE))
         layers = chain_layers(hyb, toks)
         states = {

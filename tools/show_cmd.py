@@ -9,6 +9,7 @@ text; and whether a recurrent state is stored at its end boundary.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from rich.text import Text
@@ -53,9 +54,11 @@ def register(subparsers: Any) -> None:
 
 
 def decode_text(spec: ModelSpec | None, ids: list[int]) -> str | None:
-    """The text of `ids` where the namespace names a tokenizer the tools know: "bytes"
-    (the embedded models' `ByteTokenizer`). None otherwise."""
-    if spec is None or spec.tokenizer != "bytes":
+    """The text of `ids` where the namespace names a tokenizer the tools can build: the
+    embedded models' `ByteTokenizer`, recorded as "bytes" or "byte:<vocab size>".
+    None otherwise (a Hugging Face tokenizer is not loaded by the tools)."""
+    name = spec.tokenizer if spec is not None else None
+    if name is None or not (name == "bytes" or re.fullmatch(r"byte:\d+", name)):
         return None
     # Imported here: `show` is the only command that needs the runtime package.
     from cas_bank.runtime.tokenizer import (  # type: ignore[import-not-found,unused-ignore]
@@ -63,8 +66,9 @@ def decode_text(spec: ModelSpec | None, ids: list[int]) -> str | None:
         ByteTokenizer,
     )
 
-    # Ids above the model's specials decode as reserved names; size the vocab to fit.
-    vocab = max([MIN_VOCAB_SIZE, *(i + 1 for i in ids)])
+    recorded = int(name.split(":")[1]) if ":" in name else MIN_VOCAB_SIZE
+    # Ids past the vocabulary (a damaged block) still show, as reserved names.
+    vocab = max([MIN_VOCAB_SIZE, recorded, *(i + 1 for i in ids)])
     return str(ByteTokenizer(vocab_size=vocab).decode(ids))
 
 
@@ -168,6 +172,7 @@ def _info(
         "namespace": labels.get(h.root, f"unknown namespace {short(h.root, 8)}"),
         "root": h.root.hex(),
         "model": spec.name if spec else None,
+        "tokenizer": spec.tokenizer if spec else None,
         "depth": h.index,
         "token_range": [h.index * block_size, (h.index + 1) * block_size],
         "parent": None if parent_is_root else h.parent.hex(),
@@ -206,6 +211,8 @@ def _print_human(info: dict[str, Any]) -> None:
     ]
     if info["text"] is not None:
         rows.append(("text", repr(info["text"])))
+    elif info["tokenizer"] is not None:
+        rows.append(("text", f"(tokenizer {info['tokenizer']!r} is not one the tools decode)"))
     out = console()
     out.print(fields(rows))
     if info["layers"]:
