@@ -43,38 +43,49 @@ class Sampler:
         seed: int = 0,
         logit_bias: Mapping[int, float] | None = None,
     ) -> None:
-        if temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise InvalidInputError(f"top_p must be in (0, 1], got {top_p}")
+        self.check(vocab_size, temperature=temperature, top_p=top_p, logit_bias=logit_bias)
         self.temperature = temperature
         self.top_p = top_p
         self._bias: mx.array | None = None
         if logit_bias:
-            bad = sorted(i for i in logit_bias if not 0 <= i < vocab_size)
-            if bad:
-                raise InvalidInputError(
-                    f"logit_bias names token id {bad[0]}, outside the vocabulary "
-                    f"(0..{vocab_size - 1})"
-                )
             dense = [0.0] * vocab_size
             for token_id, bias in logit_bias.items():
                 dense[token_id] = float(bias)
             self._bias = mx.array(dense, dtype=mx.float32)
-        self._key = mx.random.key(seed)
+        self._key = mx.random.key(seed % (1 << 64))  # any int: OpenAI seeds may be negative
+
+    @staticmethod
+    def check(
+        vocab_size: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+    ) -> None:
+        """Raise `InvalidInputError` for settings a sampler would refuse (no MLX work:
+        callers on other threads than the model's may use it)."""
+        if temperature < 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {top_p}")
+        bad = sorted(i for i in (logit_bias or {}) if not 0 <= i < vocab_size)
+        if bad:
+            raise InvalidInputError(
+                f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab_size - 1})"
+            )
 
     def __call__(self, logits: mx.array) -> int:
         scores = logits.reshape(-1).astype(mx.float32)
         if self._bias is not None:
             scores = scores + self._bias
         if self.temperature == 0:
-            return int(mx.argmax(scores).item())
+            return int(mx.argmax(scores))
         logprobs = scores - mx.logsumexp(scores)
         if self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         self._key, step_key = mx.random.split(self._key)
         token = mx.random.categorical(logprobs * (1.0 / self.temperature), key=step_key)
-        return int(token.item())
+        return int(token)
 
 
 class TextStream:

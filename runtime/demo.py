@@ -121,7 +121,7 @@ class DemoReport:
     agents: int
     turns: int
     block_size: int
-    bank_dir: str
+    bank_dir: str | None  # None: a temporary bank, removed at the end
     system_prompt_tokens: int
     rows: list[TurnRow] = field(default_factory=list)
     bank_stored_bytes: int = 0  # KV payloads + states, as the bank counts them
@@ -171,7 +171,7 @@ def run_demo(
             agents=agents,
             turns=turns,
             block_size=block_size,
-            bank_dir=str(path),
+            bank_dir=str(path) if bank_dir is not None else None,
             system_prompt_tokens=len(tokenizer.encode(system_prompt())),
         )
         conversations = [[{"role": "system", "content": system_prompt()}] for _ in range(agents)]
@@ -217,11 +217,15 @@ def session_snapshot_bytes(model: Any, tokens: list[int], file: Path) -> int:
         model(mx.array(tokens[start : start + 512])[None], cache=cache)
         mx.eval([c.state for c in cache])
     for c in cache:
+        if not isinstance(c, (KVCache, QuantizedKVCache)):
+            continue
+        kv: Any = c  # mlx-lm's attributes are untyped (None until the first update)
+        n = kv.offset
         if isinstance(c, QuantizedKVCache):
-            c.keys = tuple(a[..., : c.offset, :] for a in c.keys)
-            c.values = tuple(a[..., : c.offset, :] for a in c.values)
-        elif isinstance(c, KVCache):
-            c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            kv.keys = tuple(a[..., :n, :] for a in kv.keys)
+            kv.values = tuple(a[..., :n, :] for a in kv.values)
+        else:
+            kv.keys, kv.values = kv.keys[..., :n, :], kv.values[..., :n, :]
     save_prompt_cache(str(file), cache)
     return file.stat().st_size
 

@@ -237,10 +237,17 @@ class Engine:
                 f"max_tokens must be >= 0, got {request.max_tokens}", param="max_tokens"
             )
         limit = room if request.max_tokens is None else min(request.max_tokens, room)
-        try:  # builds the sampler once here so that bad settings fail before queueing
-            self._sampler(request)
+        try:  # bad settings fail here, before queueing (MLX work stays on the worker)
+            Sampler.check(
+                self.prefix_cache.vocab_size,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                logit_bias=request.logit_bias,
+            )
         except InvalidInputError as e:
-            raise RequestError(str(e)) from e
+            raise RequestError(
+                str(e), param="logit_bias" if "logit_bias" in str(e) else None
+            ) from e
         return GenerationRequest(
             prompt=list(request.prompt),
             max_tokens=limit,
@@ -396,8 +403,10 @@ class Engine:
 
     def _sampler(self, request: GenerationRequest) -> Sampler:
         # Requests without a seed get one from the prompt: deterministic per prompt,
-        # different across prompts.
-        seed = request.seed if request.seed is not None else self._seed + hash_ids(request.prompt)
+        # different across prompts (greedy decoding needs none).
+        seed = request.seed
+        if seed is None:
+            seed = self._seed + (hash_ids(request.prompt) if request.temperature > 0 else 0)
         return Sampler(
             self.prefix_cache.vocab_size,
             temperature=request.temperature,

@@ -130,7 +130,7 @@ class RequestCounter:
 
     def metric(self) -> Metric:
         with self._lock:
-            samples = {
+            samples: dict[tuple[tuple[str, str], ...], float] = {
                 (("endpoint", e), ("status", s)): float(n) for (e, s), n in self._counts.items()
             }
         return Metric(

@@ -267,7 +267,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     errors = e.errors()
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
-        why = first.get("ctx", {}).get("error", first["msg"])
+        ctx = first.get("ctx")
+        why = ctx.get("error", first["msg"]) if isinstance(ctx, dict) else first["msg"]
         return ApiError(
             400,
             f"the request body is not valid JSON: {why}",

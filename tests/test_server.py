@@ -207,6 +207,18 @@ def test_stop_strings_end_the_answer_before_them(server: Server) -> None:
     assert cut["choices"][0]["finish_reason"] == "stop"
 
 
+def test_sampling_with_a_seed_repeats_and_other_seeds_differ(server: Server) -> None:
+    messages = conversation("sample something")
+
+    def sample(seed: int) -> str:
+        r = chat(server.url, messages, max_tokens=12, temperature=1.0, top_p=0.9, seed=seed)
+        return str(r["choices"][0]["message"]["content"])
+
+    first = sample(7)
+    assert sample(7) == first
+    assert len({first, sample(8), sample(9), sample(-1)}) > 1
+
+
 # -- bad requests ---------------------------------------------------------------------------
 BAD_REQUESTS = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny-hybrid", "messages": [', 400),
