@@ -212,6 +212,7 @@ def run(workdir: Path, s: ScaleSettings) -> dict[str, Any]:
     }
     reopen["ratio"] = reopen["big_s"] / reopen["small_s"]
     reopen["fraction_of_raw"] = reopen["raw_big_s"] / reopen["big_s"]
+    reopen["profile"] = profile_top(lambda: Bank.open(big, _config(s.block_size)).close(), 3, 6)
     phases["reopen"] = time.perf_counter() - t0
     t0 = time.perf_counter()
 

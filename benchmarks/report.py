@@ -1,0 +1,476 @@
+"""The report of `benchmarks.run`: targets judged, RESULTS.md written, ttft.png drawn.
+
+Pure functions of the results dict (as `results.json` holds it), so a report can be
+re-rendered from a saved JSON: `python -m benchmarks.report benchmarks/results.json`.
+Every target row says met or missed; nothing is left out because it looks bad.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+WAY_LABELS = {
+    "cold": "cold prefill",
+    "mlx_lm_file": "mlx-lm prompt-cache file",
+    "cas_bank_rocksdb": "cas_bank, RocksDB after reopen",
+    "cas_bank_hot": "cas_bank, hot tier",
+}
+
+
+def _ms(s: float | None) -> str:
+    return "–" if s is None else f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}"
+
+
+def _mb(n: int | None) -> str:
+    return "–" if n is None else f"{n / 1e6:.2f}"
+
+
+def _top(profile: list[dict[str, Any]], n: int = 4) -> str:
+    return "; ".join(f"{r['function']} {r['own_share']:.0%}" for r in profile[:n])
+
+
+def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 7 against the measured figures: one row per place measured."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, measured: str, met: bool, where: str, why: str = "") -> None:
+        rows.append(
+            {"target": target, "measured": measured, "met": bool(met), "where": where, "why": why}
+        )
+
+    for c in r.get("ttft", {}).get("cases", []):
+        where = f"{c['model']}, {c['tokens']} tokens"
+        f = c["fractions"]
+        add(
+            "restore from RocksDB >= 0.5x raw read + memcpy",
+            f"{f['rocksdb_restore_of_ceiling']:.2f}x "
+            f"({_ms(c['restore_s']['cas_bank_rocksdb'])} ms vs "
+            f"{_ms(c['ceilings']['raw_read_plus_memcpy_s'])} ms)",
+            f["rocksdb_restore_of_ceiling"] >= 0.5,
+            where,
+            _top(c.get("profile_rocks", [])),
+        )
+        add(
+            "hot-tier restore >= 0.5x memcpy",
+            f"{f['hot_restore_of_memcpy']:.2f}x ({_ms(c['restore_s']['cas_bank_hot'])} ms vs "
+            f"{_ms(c['ceilings']['memcpy_s'])} ms)",
+            f["hot_restore_of_memcpy"] >= 0.5,
+            where,
+            _top(c.get("profile", [])),
+        )
+        add(
+            "restore faster than loading the mlx-lm file",
+            f"file load / restore = {f['file_load_over_rocksdb_restore']:.2f} "
+            f"({_ms(c['restore_s']['mlx_lm_file'])} vs "
+            f"{_ms(c['restore_s']['cas_bank_rocksdb'])} ms)",
+            f["file_load_over_rocksdb_restore"] > 1.0,
+            where,
+            _top(c.get("profile_rocks", [])),
+        )
+    fl = r.get("fleet")
+    if fl:
+        b = fl["bytes"]
+        add(
+            "fleet bytes on disk <= 1.1x lower bound",
+            f"{b['ratio_to_lower_bound']:.3f}x ({_mb(b['cas_bank_dir'])} MB vs "
+            f"{_mb(b['lower_bound'])} MB; "
+            f"session files {_mb(b['session_files_latest'])} MB)",
+            b["ratio_to_lower_bound"] <= 1.1,
+            f"{fl['settings']['agents']} agents x {fl['settings']['turns']} turns",
+        )
+    sc = r.get("scale")
+    if sc:
+        lk = sc["lookup"]
+        add(
+            "lookup of a 32k-token prompt <= 1 ms p50",
+            f"{_ms(lk['hit']['p50_s'])} ms p50, {_ms(lk['hit']['p99_s'])} ms p99",
+            lk["hit"]["p50_s"] <= 1e-3,
+            f"{lk['tokens']} tokens, block_size {lk['block_size']} ({lk['blocks']} blocks), "
+            f"{sc['big_blocks']} blocks in the bank",
+            _top(lk.get("profile", [])),
+        )
+        add(
+            "lookup of a 32k-token prompt <= 1 ms p50",
+            f"{_ms(lk['bs64']['hit']['p50_s'])} ms p50, {_ms(lk['bs64']['hit']['p99_s'])} ms p99",
+            lk["bs64"]["hit"]["p50_s"] <= 1e-3,
+            f"{lk['tokens']} tokens, block_size 64 ({lk['bs64']['blocks']} blocks)",
+        )
+        ro = sc["reopen"]
+        add(
+            "reopen at 1M blocks <= 2x at 1k",
+            f"{ro['ratio']:.2f}x ({_ms(ro['big_s'])} vs {_ms(ro['small_s'])} ms)",
+            ro["ratio"] <= 2.0,
+            f"{sc['big_blocks']} vs {sc['small_blocks']} blocks",
+            _top(ro.get("profile", [])),
+        )
+    ov = r.get("store_overhead")
+    if ov:
+        add(
+            "store path adds <= 10% to a cold prefill (medium model)",
+            f"{ov['added']:+.1%} A/B ({ov['with_bank_s']:.2f} vs {ov['without_bank_s']:.2f} s); "
+            f"store alone {ov['store_share']:.2%} of the forward",
+            ov["added"] <= 0.10,
+            f"{ov['model']}, {ov['tokens']} tokens, {ov['repeats']} pairs",
+        )
+    return rows
+
+
+def write_plot(r: dict[str, Any], path: Path) -> None:
+    """TTFT against prompt length, one panel per model, one line per way (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = r.get("ttft", {}).get("cases", [])
+    models = list(dict.fromkeys(c["model"] for c in cases))
+    fig, axes = plt.subplots(
+        1, max(1, len(models)), figsize=(5.5 * max(1, len(models)), 4.2), squeeze=False
+    )
+    for ax, model in zip(axes[0], models, strict=False):
+        mine = sorted((c for c in cases if c["model"] == model), key=lambda c: c["tokens"])
+        xs = [c["tokens"] for c in mine]
+        for way, label in WAY_LABELS.items():
+            ax.plot(xs, [c["ttft_s"][way] * 1e3 for c in mine], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("time to first token (ms, median)")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    m = r.get("machine", {})
+    fig.suptitle(
+        f"cas_bank TTFT, {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '')}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*out, ""]
+
+
+def write_markdown(r: dict[str, Any], path: Path) -> None:
+    path.write_text("\n".join(render(r)) + "\n")
+
+
+def render(r: dict[str, Any]) -> list[str]:
+    m = r["machine"]
+    v = m["versions"]
+    L = [
+        "# cas_bank benchmarks: side by side",
+        "",
+        f"Written by `{r['command']}` ({r['mode']} sizes) on {m['date']}, commit {m['commit']}, "
+        f"in {r['total_s']:.0f} s. Every figure below comes from this one run; ratios compare "
+        "figures measured minutes apart on the same machine.",
+        "",
+        "## Machine",
+        "",
+    ]
+    L += _table(
+        ["what", "value"],
+        [
+            ["CPU", m["cpu"]],
+            ["cores (usable)", f"{m['cores']} ({m['cores_usable']})"],
+            ["memory", f"{m['memory_gib']} GiB"],
+            ["OS", m["os"]],
+            ["python", m["python"]],
+            ["mlx / mlx-lm", f"{v['mlx']} / {v['mlx-lm']}"],
+            ["rocksdict / numpy / blake3", f"{v['rocksdict']} / {v['numpy']} / {v['blake3']}"],
+            [
+                "load average (1, 5, 15 min) at start / end",
+                f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])} / "
+                f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_end'])}",
+            ],
+        ],
+    )
+    L += ["## Targets", ""]
+    L += _table(
+        ["target", "where", "measured", "status"],
+        [
+            [t["target"], t["where"], t["measured"], "met" if t["met"] else "**missed**"]
+            for t in r["targets"]
+        ],
+    )
+    missed = [t for t in r["targets"] if not t["met"] and t.get("why")]
+    if missed:
+        L += ["Where the time goes in a missed target (cProfile, own time, top functions):", ""]
+        L += [f"- {t['target']} ({t['where']}): {t['why']}" for t in missed] + [""]
+
+    c = r["ceilings"]
+    L += ["## Ceilings of this machine", ""]
+    rows = [
+        [
+            "memcpy (`np.copyto` into an allocated array)",
+            f"{c['memcpy_gbps']:.2f} GB/s",
+            f"{_mb(c['memcpy_bytes'])} MB",
+        ],
+        ["blake3, one thread, derive-key mode", f"{c['blake3_gbps']:.2f} GB/s", "1 MiB inputs"],
+    ]
+    for rk in c["rocks"]:
+        size = f"{rk['values']} x {rk['value_bytes'] // 1024} KiB"
+        rows += [
+            ["raw rocksdict put (bank options, WAL)", f"{rk['put_gbps']:.2f} GB/s", size],
+            [
+                "raw rocksdict get after reopen (no checksum)",
+                f"{rk['read_after_reopen_gbps']:.2f} GB/s",
+                size,
+            ],
+            ["raw rocksdict get, warm", f"{rk['warm_read_gbps']:.2f} GB/s", size],
+        ]
+    L += _table(["ceiling", "figure", "size"], rows)
+    L += _ttft_section(r)
+    L += _overhead_section(r)
+    L += _fleet_section(r)
+    L += _scale_section(r)
+    L += _notes(r)
+    return L
+
+
+def _ttft_section(r: dict[str, Any]) -> list[str]:
+    t = r.get("ttft")
+    if not t:
+        return []
+    L = ["## Time to first token", "", "![TTFT against prompt length](ttft.png)", ""]
+    rows = []
+    for c in t["cases"]:
+        for way, label in WAY_LABELS.items():
+            rows.append(
+                [
+                    c["model"],
+                    str(c["tokens"]),
+                    label,
+                    _ms(c["ttft_s"][way]),
+                    _ms(c["restore_s"].get(way)),
+                    str(c["restored"][way]),
+                    _mb(c["bytes_on_disk"].get(way)),
+                    "–" if way == "cold" else f"{c['logits_max_diff'][way]:.1e}",
+                ]
+            )
+    L += _table(
+        [
+            "model",
+            "prompt",
+            "way",
+            "TTFT ms",
+            "restore/load ms",
+            "tokens reused",
+            "MB on disk",
+            "logits vs cold",
+        ],
+        rows,
+    )
+    rows = []
+    for c in t["cases"]:
+        f, ce = c["fractions"], c["ceilings"]
+        rows.append(
+            [
+                c["model"],
+                str(c["tokens"]),
+                _mb(c["kv_bytes"]),
+                f"{_ms(c['restore_s']['cas_bank_rocksdb'])} / "
+                f"{_ms(ce['raw_read_plus_memcpy_s'])} = {f['rocksdb_restore_of_ceiling']:.2f}",
+                f"{_ms(c['restore_s']['cas_bank_hot'])} / {_ms(ce['memcpy_s'])} = "
+                f"{f['hot_restore_of_memcpy']:.2f}",
+                f"{f['file_load_over_rocksdb_restore']:.2f}",
+                f"{c['hot_hits_per_request']:.0f}",
+                f"{c['store']['store_s'] * 1e3:.1f} ms ({f['store_share_of_prefill']:.1%})",
+            ]
+        )
+    L += [
+        "Against the ceilings, on the same bytes "
+        "(restore ms / ceiling ms = fraction of the ceiling's speed):",
+        "",
+    ]
+    L += _table(
+        [
+            "model",
+            "prompt",
+            "KV MB",
+            "RocksDB restore vs raw read + memcpy",
+            "hot restore vs memcpy",
+            "file load / RocksDB restore",
+            "hot hits per request",
+            "store (share of its prefill)",
+        ],
+        rows,
+    )
+    if t.get("problems"):
+        L += ["**Problems found:**", ""] + [f"- {p}" for p in t["problems"]] + [""]
+    return L
+
+
+def _overhead_section(r: dict[str, Any]) -> list[str]:
+    o = r.get("store_overhead")
+    if not o:
+        return []
+    L = ["## What storing adds to a cold prefill", ""]
+    L += _table(
+        [
+            "model",
+            "tokens",
+            "pairs",
+            "without bank s",
+            "with bank s",
+            "added",
+            "store alone s",
+            "store / forward",
+        ],
+        [
+            [
+                o["model"],
+                str(o["tokens"]),
+                str(o["repeats"]),
+                f"{o['without_bank_s']:.2f}",
+                f"{o['with_bank_s']:.2f}",
+                f"{o['added']:+.1%}",
+                f"{o['store_s']:.4f}",
+                f"{o['store_share']:.2%}",
+            ]
+        ],
+    )
+    return L
+
+
+def _fleet_section(r: dict[str, Any]) -> list[str]:
+    f = r.get("fleet")
+    if not f:
+        return []
+    s, b, t = f["settings"], f["bytes"], f["ttft"]
+    L = [
+        "## Fleet",
+        "",
+        f"{s['agents']} agents on {s['model']}, a {s['system_tokens']}-token shared system prompt, "
+        f"{s['distinct_tokens']} distinct tokens per agent per turn, {s['turns']} turns: "
+        f"{f['requests']} requests in {f['serve_s']:.0f} s.",
+        "",
+    ]
+    L += _table(
+        ["figure", "value"],
+        [
+            ["cas_bank directory (every file)", f"{_mb(b['cas_bank_dir'])} MB"],
+            ["  of which tables and blob files", f"{_mb(b['cas_bank_tables_and_blobs'])} MB"],
+            ["lower bound (distinct KV once + kept states)", f"{_mb(b['lower_bound'])} MB"],
+            [
+                "  distinct KV / states kept",
+                f"{_mb(b['lower_bound_kv'])} MB / {b['states_kept']} states, "
+                f"{_mb(b['lower_bound_states'])} MB",
+            ],
+            ["ratio to the lower bound", f"{b['ratio_to_lower_bound']:.3f}"],
+            [
+                "mlx-lm session files, latest per agent",
+                f"{_mb(b['session_files_latest'])} MB ({b['session_over_cas_bank']:.1f}x cas_bank)",
+            ],
+            ["mlx-lm session files, every turn kept", f"{_mb(b['session_files_all_turns'])} MB"],
+            ["hit rate (tokens restored / tokens asked)", f"{f['hit_rate']:.1%}"],
+            [
+                "TTFT p50 / p99 / max",
+                f"{_ms(t['p50_s'])} / {_ms(t['p99_s'])} / {_ms(t['max_s'])} ms",
+            ],
+            [
+                "TTFT p50 / p99 of requests that hit",
+                f"{_ms(t['warm_p50_s'])} / {_ms(t['warm_p99_s'])} ms",
+            ],
+            ["requests that restored nothing", str(t["misses"])],
+            [
+                "p50 split: restore / forward / store",
+                " / ".join(_ms(x) + " ms" for x in f["split_p50_s"].values()),
+            ],
+        ],
+    )
+    return L
+
+
+def _scale_section(r: dict[str, Any]) -> list[str]:
+    sc = r.get("scale")
+    if not sc:
+        return []
+    st, ro, lk = sc["store"], sc["reopen"], sc["lookup"]
+    L = [
+        "## Scale",
+        "",
+        f"{sc['big_blocks']} blocks of {sc['settings']['block_size']} tokens (tiny payloads) "
+        f"written in {sc['build_s']:.0f} s ({_mb(sc['big_dir_bytes'])} MB on disk), beside a "
+        f"bank of {sc['small_blocks']}.",
+        "",
+    ]
+    L += _table(
+        ["figure", "cas_bank", "ceiling", "fraction of ceiling"],
+        [
+            [
+                "store, blocks/s (all batches)",
+                f"{st['blocks_per_s']:.0f}",
+                f"{st['raw_put_blocks_per_s']:.0f} raw put",
+                f"{st['fraction_of_raw']:.2f}",
+            ],
+            [
+                "store, blocks/s first / last 8 batches",
+                f"{st['first_batches_blocks_per_s']:.0f} / {st['last_batches_blocks_per_s']:.0f}",
+                "",
+                "",
+            ],
+            [
+                "reopen 1M-block bank, ms",
+                _ms(ro["big_s"]),
+                _ms(ro["raw_big_s"]) + " raw open",
+                f"{ro['fraction_of_raw']:.2f}",
+            ],
+            ["reopen small bank, ms", _ms(ro["small_s"]), _ms(ro["raw_small_s"]) + " raw open", ""],
+            [
+                f"lookup {lk['tokens']} tokens hit ({lk['blocks']} blocks) p50 / p99 ms",
+                f"{_ms(lk['hit']['p50_s'])} / {_ms(lk['hit']['p99_s'])}",
+                _ms(lk["ceiling_p50_s"]) + " blake3 chain + raw multi-get",
+                f"{lk['fraction_of_ceiling']:.2f}",
+            ],
+            [
+                f"lookup {lk['tokens']} tokens miss p50 / p99 ms",
+                f"{_ms(lk['miss']['p50_s'])} / {_ms(lk['miss']['p99_s'])}",
+                "",
+                "",
+            ],
+            [
+                f"lookup at block_size 64 ({lk['bs64']['blocks']} blocks) p50 / p99 ms",
+                f"{_ms(lk['bs64']['hit']['p50_s'])} / {_ms(lk['bs64']['hit']['p99_s'])}",
+                _ms(lk["bs64"]["ceiling_p50_s"]),
+                f"{lk['bs64']['fraction_of_ceiling']:.2f}",
+            ],
+        ],
+    )
+    return L
+
+
+def _notes(r: dict[str, Any]) -> list[str]:
+    wall = ", ".join(f"{k} {v:.0f} s" for k, v in r["wall_s"].items())
+    return [
+        "## How these were measured",
+        "",
+        "- Medians of a few repeats; `results.json` keeps the settings and the raw figures. "
+        f"Wall time per part: {wall}.",
+        "- Prompts are L+1 tokens: the file and the bank reuse the same L tokens and both "
+        "prefill one. The models are the embedded ones with seeded random weights, float32, "
+        "on MLX's CPU build.",
+        "- 'RocksDB after reopen' closes and reopens the bank before each request; the OS "
+        "page cache stays warm, as it does for the mlx-lm file it is compared with. The hot "
+        "tier is the same request again in the same process (its hits are counted, and checked).",
+        "- Each cas_bank request is `PrefixCache.restore` then `PrefixCache.prefill` of the "
+        "rest (which also looks up what to store). Logits of every way are compared with the "
+        "cold prefill's.",
+        "- The machine has 2 cores and other work ran beside this run (see the load averages): "
+        "compare figures within this run, not across runs.",
+    ]
+
+
+if __name__ == "__main__":
+    data = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(sys.argv[1]).parent
+    write_markdown(data, out / "RESULTS.md")
+    write_plot(data, out / "ttft.png")

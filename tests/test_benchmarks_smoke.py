@@ -1,0 +1,54 @@
+"""The benchmarks still run: every module's `main` at its tiniest sizes, and the report.
+
+Not a speed test (speed is what `make bench` reports); this keeps `benchmarks/` from
+rotting as the library changes under it, and checks what the benchmarks check of
+themselves: every way of reaching the first token gives the cold prefill's logits
+and restores what it should.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level package beside cas_bank
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import ceilings, fleet, run, scale, ttft
+
+
+def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path: Path) -> None:
+    c = ceilings.main(["--quick"])
+    assert c["memcpy_gbps"] > 0 and c["blake3_gbps"] > 0 and len(c["rocks"]) == 2
+
+    t = ttft.main(["--tiny"])
+    assert t["problems"] == []
+    for case in t["cases"]:
+        for way in ("mlx_lm_file", "cas_bank_rocksdb", "cas_bank_hot"):
+            assert case["restored"][way] == case["tokens"] - 1
+            assert case["logits_max_diff"][way] <= 1e-3
+        assert case["hot_hits_per_request"] >= 1  # the hot way really was served hot
+
+    f = fleet.main(["--tiny"])
+    s = f["settings"]
+    assert f["requests"] == s["agents"] * s["turns"]
+    # From the third request of turn 1 on, the shared system prompt is restored.
+    assert all(r["restored"] >= s["system_tokens"] for r in f["per_request"][2:])
+    assert f["bytes"]["lower_bound"] > 0 and f["bytes"]["session_files_latest"] > 0
+
+    sc = scale.main(["--tiny"])
+    assert sc["big_blocks"] == scale.tiny_settings().blocks
+    assert sc["lookup"]["matched_tokens"] == sc["lookup"]["tokens"]
+
+    out = tmp_path / "report"
+    res = run.main(["--quick", "--out", str(out), "--workdir", str(tmp_path)])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["mode"] == "quick" and saved["targets"] == res["targets"]
+    md = (out / "RESULTS.md").read_text()
+    assert "## Machine" in md and "## Targets" in md and saved["machine"]["cpu"] in md
+    rows = [line for line in md.splitlines() if line.endswith("| met |") or "**missed**" in line]
+    assert len(rows) == len(res["targets"]) >= 7
+    assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
