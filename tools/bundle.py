@@ -27,7 +27,7 @@ from .common import (
     CliError,
     add_bank_argument,
     add_command,
-    console,
+    emit,
     fields,
     human_bytes,
     open_reader,
@@ -135,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
     else:
-        console().print(
+        emit(
             fields(
                 [
                     (
@@ -171,7 +171,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
     else:
-        console().print(
+        emit(
             fields(
                 [
                     (

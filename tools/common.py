@@ -94,6 +94,15 @@ def console() -> Console:
     return Console(width=width, highlight=False, soft_wrap=False)
 
 
+def emit(*renderables: Any) -> None:
+    """Print tables and text to stdout, without the trailing blanks rich pads rows with."""
+    out = console()
+    with out.capture() as captured:
+        for r in renderables:
+            out.print(r)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
 def print_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -27,7 +27,7 @@ from cas_bank.index.tree import (
 from .common import (
     add_bank_argument,
     add_command,
-    console,
+    emit,
     fields,
     human_bytes,
     open_reader,
@@ -130,7 +130,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     ]
     if bad:
         rows.append(("unreadable namespaces", len(bad)))
-    console().print(fields(rows))
+    emit(fields(rows))
     return 0
 
 
@@ -183,8 +183,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"total": total, "blocks": [asdict(r) for r in rows]})
         return 0
-    out = console()
-    out.print(
+    out: list[Any] = []
+    out.append(
         table(
             ["hash", "namespace", "depth", "size", "state", "chains", "last use"],
             [
@@ -202,7 +202,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     )
     if len(rows) < total:
-        out.print(f"({len(rows)} of {total} blocks shown)")
+        out.append(f"({len(rows)} of {total} blocks shown)")
+    emit(*out)
     return 0
 
 
@@ -306,11 +307,12 @@ def cmd_tree(args: argparse.Namespace) -> int:
     if args.json:
         print_json([{**g.info, "children": [_node_json(n) for n in g.nodes]} for g in groups])
         return 0
-    out = console()
+    out: list[Any] = []
     for g in groups:
         t = Tree(g.title)
         _add_nodes(t, g.nodes)
-        out.print(t)
+        out.append(t)
     if not groups:
-        out.print("(no blocks)")
+        out.append("(no blocks)")
+    emit(*out)
     return 0

@@ -27,7 +27,7 @@ from .common import (
     CliError,
     add_bank_argument,
     add_command,
-    console,
+    emit,
     fields,
     human_bytes,
     open_reader,
@@ -213,10 +213,10 @@ def _print_human(info: dict[str, Any]) -> None:
         rows.append(("text", repr(info["text"])))
     elif info["tokenizer"] is not None:
         rows.append(("text", f"(tokenizer {info['tokenizer']!r} is not one the tools decode)"))
-    out = console()
-    out.print(fields(rows))
+    out: list[Any] = []
+    out.append(fields(rows))
     if info["layers"]:
-        out.print(
+        out.append(
             table(
                 ["from", "layer", "kind", "array", "shape", "dtype", "bytes"],
                 [
@@ -234,4 +234,5 @@ def _print_human(info: dict[str, Any]) -> None:
             )
         )
     else:
-        out.print(Text("(payload not decoded: see its digest status)"))
+        out.append(Text("(payload not decoded: see its digest status)"))
+    emit(*out)

@@ -17,7 +17,7 @@ from cas_bank.verify import VerifyReport, verify
 from .common import (
     add_bank_argument,
     add_command,
-    console,
+    emit,
     fields,
     human_bytes,
     open_reader,
@@ -79,9 +79,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report_json(report, labels))
         return status
-    out = console()
+    out: list[Any] = []
     if report.problems:
-        out.print(
+        out.append(
             table(
                 ["problem", "block", "namespace", "depth", "detail"],
                 [
@@ -99,8 +99,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     summary = [
         (
             "checked",
-            f"{report.blocks_checked} blocks, {report.states_checked} states, "
-            f"{human_bytes(report.bytes_checked)}",
+            f"{_plural(report.blocks_checked, 'block')}, "
+            f"{_plural(report.states_checked, 'state')}, {human_bytes(report.bytes_checked)}",
         ),
         ("problems", len(report.problems)),
     ]
@@ -117,7 +117,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         summary.append(("fix", f"run `cas-bank verify {args.bank} --fix` to remove them"))
     for name, (counter, found) in report.counter_drift.items():
         summary.append((f"counter {name}", f"says {counter}, headers hold {found}"))
-    out.print(fields(summary))
+    out.append(fields(summary))
+    emit(*out)
     return status
 
 
