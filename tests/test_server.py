@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from cas_bank.runtime import build_model, save_model
 
 MODEL = "tiny-hybrid"
 BLOCK = 16
@@ -51,10 +52,10 @@ class Server:
             self.proc.stdout.close()
 
 
-def start_server(bank: Path, log: Path) -> Server:
+def start_server(bank: Path, log: Path, *extra: str) -> Server:
     """`cas-bank serve` on a free loopback port; returns once it answers /health."""
     cmd = [sys.executable, "-m", "cas_bank.tools.cli", "serve", "--json", "--port", "0"]
-    cmd += ["--host", "127.0.0.1", "--bank", str(bank), "--block-size", str(BLOCK)]
+    cmd += ["--host", "127.0.0.1", "--bank", str(bank), "--block-size", str(BLOCK), *extra]
     with open(log, "a") as err:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ)
@@ -155,6 +156,21 @@ def test_a_restarted_server_restores_what_the_last_one_stored(tmp_path: Path) ->
     # The bank's counters persist: the hit is in the new process's metrics.
     assert _metric(metrics, "cas_bank_prefix_hit_tokens_total") == cached(after)
     assert _metric(metrics, "cas_bank_blocks") > 0
+
+
+def test_serving_a_local_model_directory(tmp_path: Path) -> None:
+    model_dir = save_model(build_model("tiny-qwen3", seed=3), tmp_path / "my-model")
+    s = start_server(tmp_path / "bank", tmp_path / "server.log", "--model", str(model_dir))
+    try:
+        models = httpx.get(f"{s.url}/v1/models", timeout=TIMEOUT).json()
+        body = {"model": "my-model", "prompt": "a local model " * 4, "max_tokens": 4}
+        first = httpx.post(f"{s.url}/v1/completions", json=body, timeout=TIMEOUT).json()
+        second = httpx.post(f"{s.url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    finally:
+        s.stop()
+    assert [m["id"] for m in models["data"]] == ["my-model"]
+    assert cached(first) == 0 and cached(second) > 0
+    assert second["choices"] == first["choices"]
 
 
 # -- the OpenAI client ----------------------------------------------------------------------
@@ -323,6 +339,28 @@ def test_concurrent_clients_get_the_answers_they_would_get_alone(server: Server)
         together = list(pool.map(complete, prompts))
     assert together == serial
     assert len({text for text, _ in serial}) > 1  # the prompts really differ in output
+
+
+def test_a_client_that_goes_away_stops_its_generation(server: Server) -> None:
+    before = _metric(
+        httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text, "cas_bank_completion_tokens_total"
+    )
+    body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 5000, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i >= 3:
+                break
+    # 5000 tokens would take minutes: the next request is served at once instead.
+    ok = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": "next", "max_tokens": 2},
+        timeout=TIMEOUT,
+    )
+    assert ok.status_code == 200
+    after = _metric(
+        httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text, "cas_bank_completion_tokens_total"
+    )
+    assert after - before < 1000
 
 
 # -- health, models, metrics ----------------------------------------------------------------
