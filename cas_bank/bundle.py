@@ -39,6 +39,7 @@ from cas_bank.blocks.hashing import (
 from cas_bank.blocks.store import Family, Write
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.evict import enforce_budget
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -341,7 +342,10 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             states_written=states_written,
             **deltas,
         )
+        # Imported blocks count as used now, as a store's do: eviction keeps them longest.
+        bank.access.touch(hashes, [e.header.chain_hash for e in bundle.entries if e.state])
         bank.write(writes)
+        enforce_budget(bank)
     return ImportReport(
         namespace=bundle.spec.name,
         blocks=len(hashes),

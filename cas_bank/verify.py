@@ -303,5 +303,11 @@ def _fix(
         deltas[name] -= min(orphaned[name], max(0, excess))
     with bank.write_lock:
         bank.counters.add(**deltas)
+        # Pending last uses of what goes must not be written after it is gone.
+        bank.access.forget(
+            [access_key(k, s) for k in report.removed_blocks for s in (False, True)]
+            + [access_key(k, True) for k in report.removed_states]
+        )
+        bank.suspect.difference_update(report.removed_blocks)
         bank.write(writes)
     report.fixed = True

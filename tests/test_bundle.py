@@ -26,6 +26,7 @@ from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
 from cas_bank.bundle import BUNDLE_CONTEXT, import_bundle, read_bundle
 from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.access import last_use
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,16 @@ def test_export_import_restore_gives_identical_hybrid_arrays(
     spec = hybrid_spec()
     with Bank.open(target) as bank:
         assert bank.config.block_size == BLOCK_SIZE
+        # Imported blocks and states count as used at import (eviction keeps them).
+        chain = built.chains["hybrid"]
+        assert all(t is not None for t in last_use(bank, chain))
+        assert [t is not None for t in last_use(bank, chain, states=True)] == [
+            False,
+            True,
+            False,
+            True,
+            False,
+        ]
         ns = bank.namespace(spec)
         hit = ns.restore(built.prompts["hybrid"])
         assert hit is not None and hit.tokens == 4 * BLOCK_SIZE  # deepest stored state
