@@ -9,7 +9,13 @@ longer reachable, then says what it removed. Exit status 1 when problems were fo
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from cas_bank.index.tree import load_namespaces, namespace_labels
 from cas_bank.verify import VerifyReport, verify
@@ -43,6 +49,29 @@ def register(subparsers: Any) -> None:
     p.add_argument("--fix", action="store_true", help="remove what is corrupt or unreachable")
 
 
+@contextmanager
+def _progress() -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr when it is a terminal (verify reads every
+    payload, which takes a while on a large bank); nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    with Progress(
+        TextColumn("verifying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("verify", total=None)
+
+        def tick(done: int, total: int) -> None:
+            if done == total or done % 256 == 0:
+                bar.update(task, completed=done, total=total)
+
+        yield tick
+
+
 def report_json(report: VerifyReport, labels: dict[bytes, str]) -> dict[str, Any]:
     return {
         "ok": report.ok,
@@ -71,8 +100,8 @@ def report_json(report: VerifyReport, labels: dict[bytes, str]) -> dict[str, Any
 
 def cmd_verify(args: argparse.Namespace) -> int:
     bank = open_writer(args.bank) if args.fix else open_reader(args.bank)
-    with bank:
-        report = verify(bank, fix=args.fix)
+    with bank, _progress() as tick:
+        report = verify(bank, fix=args.fix, progress=tick)
         specs, _ = load_namespaces(bank.store)
     labels = namespace_labels(specs)
     status = 0 if report.ok else 1
