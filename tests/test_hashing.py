@@ -17,6 +17,7 @@ from cas_bank import InvalidInputError, LayerSpec, ModelSpec
 from cas_bank.blocks.hashing import (
     BLOCK_CONTEXT,
     HASH_FORMAT_VERSION,
+    PAYLOAD_CONTEXT,
     ROOT_CONTEXT,
     as_token_array,
     chain_hashes,
@@ -168,3 +169,12 @@ def test_bad_tokens_are_named(tokens: object, message: str) -> None:
     with pytest.raises(InvalidInputError) as err:
         as_token_array(tokens)
     assert message in str(err.value)
+
+
+def test_large_inputs_hash_the_same_on_threads() -> None:
+    """Parts of 1 MiB and more go to blake3's thread pool: the digest must not change."""
+    big = np.random.default_rng(3).bytes(3 << 20)
+    single = blake3.blake3(derive_key_context=PAYLOAD_CONTEXT, max_threads=1)
+    single.update(b"head")
+    single.update(big)
+    assert digest(b"head", memoryview(big)) == single.digest()
