@@ -70,6 +70,33 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             _top(c.get("profile_rocks", [])),
         )
+    for c in r.get("restore", {}).get("cases", []):
+        where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({_mb(c['kv_bytes'])} MB)"
+        f = c["fractions"]
+        add(
+            "restore from RocksDB >= 0.5x raw read + memcpy",
+            f"{f['rocksdb_restore_of_ceiling']:.2f}x ({_ms(c['rocksdb_restore_s'])} ms vs "
+            f"{_ms(c['raw_read_s'] + c['memcpy_s'])} ms)",
+            f["rocksdb_restore_of_ceiling"] >= 0.5,
+            where,
+            _top(c["profile_rocks"]),
+        )
+        add(
+            "hot-tier restore >= 0.5x memcpy",
+            f"{f['hot_restore_of_memcpy']:.2f}x ({_ms(c['hot_restore_s'])} ms vs "
+            f"{_ms(c['memcpy_s'])} ms)",
+            f["hot_restore_of_memcpy"] >= 0.5,
+            where,
+            _top(c["profile"]),
+        )
+        add(
+            "restore faster than loading the mlx-lm file",
+            f"file load / restore = {f['file_load_over_rocksdb_restore']:.2f} "
+            f"({_ms(c['file_load_s'])} vs {_ms(c['rocksdb_restore_s'])} ms)",
+            f["file_load_over_rocksdb_restore"] > 1.0,
+            where,
+            _top(c["profile_rocks"]),
+        )
     fl = r.get("fleet")
     if fl:
         b = fl["bytes"]
@@ -229,6 +256,7 @@ def render(r: dict[str, Any]) -> list[str]:
         ]
     L += _table(["ceiling", "figure", "size"], rows)
     L += _ttft_section(r)
+    L += _restore_section(r)
     L += _overhead_section(r)
     L += _fleet_section(r)
     L += _scale_section(r)
@@ -306,6 +334,51 @@ def _ttft_section(r: dict[str, Any]) -> list[str]:
     )
     if t.get("problems"):
         L += ["**Problems found:**", ""] + [f"- {p}" for p in t["problems"]] + [""]
+    return L
+
+
+def _restore_section(r: dict[str, Any]) -> list[str]:
+    rs = r.get("restore")
+    if not rs:
+        return []
+    L = [
+        "## Restore alone at the medium models' sizes",
+        "",
+        "The medium models' real cache layouts filled with random KV (no prefill needed): "
+        "time to a ready, evaluated cache. GB/s are of the cache's bytes.",
+        "",
+    ]
+    rows = []
+    for c in rs["cases"]:
+        g, f = c["gbps"], c["fractions"]
+        rows.append(
+            [
+                c["model"],
+                str(c["tokens"]),
+                _mb(c["kv_bytes"]),
+                f"{_ms(c['file_load_s'])} ({g['file_load']:.2f})",
+                f"{_ms(c['rocksdb_restore_s'])} ({g['rocksdb_restore']:.2f})",
+                f"{_ms(c['raw_read_s'])} + {_ms(c['memcpy_s'])} "
+                f"({f['rocksdb_restore_of_ceiling']:.2f})",
+                f"{_ms(c['hot_restore_s'])} ({g['hot_restore']:.2f})",
+                f"{_ms(c['memcpy_s'])} ({f['hot_restore_of_memcpy']:.2f})",
+                f"{_mb(c['bytes_on_disk']['mlx_lm_file'])} / {_mb(c['bytes_on_disk']['cas_bank'])}",
+            ]
+        )
+    L += _table(
+        [
+            "model",
+            "tokens",
+            "MB",
+            "mlx-lm file load ms (GB/s)",
+            "RocksDB restore ms (GB/s)",
+            "raw read + memcpy ms (fraction)",
+            "hot restore ms (GB/s)",
+            "memcpy ms (fraction)",
+            "MB on disk: file / bank",
+        ],
+        rows,
+    )
     return L
 
 

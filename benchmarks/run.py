@@ -34,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fleet, scale, ttft
+from benchmarks import fleet, restore, scale, ttft
 from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.report import evaluate_targets, write_markdown, write_plot
 
@@ -103,6 +103,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         return {
             "ttft": ttft.tiny_settings(),
+            "restore": restore.tiny_settings(),
             "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
             "fleet": fleet.tiny_settings(),
             "scale": scale.tiny_settings(),
@@ -117,6 +118,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         t = replace(t, models=tuple(m.strip() for m in args.models.split(",") if m.strip()))
     if args.lengths:
         t = replace(t, lengths=tuple(int(x) for x in args.lengths.split(",")))
+    r = restore.RestoreSettings()
+    if args.large:
+        r = replace(r, lengths=(1024, 4096, 16384))
     overhead = (
         {"model": "medium-qwen3", "tokens": 1024, "repeats": 3}
         if args.large
@@ -128,6 +132,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     s = scale.ScaleSettings(blocks=args.blocks)
     return {
         "ttft": t,
+        "restore": r,
         "overhead": overhead,
         "fleet": f,
         "scale": s,
@@ -148,6 +153,7 @@ def run_all(p: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     part("ceilings", lambda: machine_ceilings(workdir / "ceilings", **p["ceilings"]))
     part("ttft", lambda: ttft.run(workdir / "ttft", p["ttft"]))
+    part("restore", lambda: restore.run(workdir / "restore", p["restore"]))
     if p["overhead"] is not None:
         o = p["overhead"]
         part(

@@ -35,6 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from cas_bank.runtime import LoadedModel, PrefixCache, build_model
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from benchmarks.ceilings import (
@@ -106,11 +107,8 @@ def kv_bytes(cache: Sequence[Any]) -> int:
     """Bytes of a cache's arrays (trimmed), what a restore has to produce."""
     total = 0
     for c in trimmed(cache):
-        st = c.state
-        arrays = [
-            a for a in (st if isinstance(st, (list, tuple)) else [st]) if isinstance(a, mx.array)
-        ]
-        total += sum(a.nbytes for a in arrays)
+        # state: (keys, values, offset) for KV; ([conv, recurrent], padding, lengths) for GDN.
+        total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
     return total
 
 
@@ -299,7 +297,7 @@ def store_overhead(
     lm = build_model(model_name)
     prompt = np.random.default_rng(7).integers(0, 256, length).astype(np.uint32)
     without, with_bank, store_s, forward_s = [], [], [], []
-    cold_prefill(lm.model, prompt)  # warm-up: first-call costs are no part of either side
+    cold_prefill(lm.model, prompt[:64])  # warm-up: first-call costs are no part of either side
     for i in range(repeats):
         t0 = time.perf_counter()
         cold_prefill(lm.model, prompt)

@@ -1,0 +1,211 @@
+"""Restore alone at the medium models' sizes, with synthetic KV: no prefill needed.
+
+The TTFT benchmark runs real prefills, so by default it uses the tiny models, whose
+caches are a few MB: there a restore's fixed costs (Python, MLX allocations, one
+RocksDB get per block) weigh more than its bytes. Real models move tens to hundreds
+of MB. This measures the same three reuse paths at those sizes, on the medium
+models' real cache layouts (from `PrefixCache`'s probe of the model), filled with
+random arrays of the right shapes and dtypes:
+
+- mlx-lm file: `save_prompt_cache` of the cache, then `load_prompt_cache` + evaluation;
+- cas_bank from RocksDB after a reopen: `PrefixCache.restore` + evaluation;
+- cas_bank from the hot tier: the same again in the same process;
+
+beside the ceilings on the same bytes (raw rocksdict get after a reopen + memcpy;
+memcpy). Only the time to a ready cache is compared: the forward after it is the
+same for every path (see the TTFT benchmark for whole requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from cas_bank.runtime import PrefixCache, build_model
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from benchmarks.ceilings import (
+    dir_bytes,
+    median,
+    memcpy_samples,
+    profile_top,
+    raw_read_samples,
+    speed_fraction,
+)
+from benchmarks.ttft import eval_cache, kv_bytes
+from cas_bank import Bank, BankConfig
+from cas_bank.arrays import dtype_named
+from cas_bank.blocks.store import Family
+
+
+@dataclass(frozen=True)
+class RestoreSettings:
+    models: tuple[str, ...] = ("medium-qwen3", "medium-hybrid")
+    lengths: tuple[int, ...] = (1024, 4096)
+    repeats: int = 5
+    block_size: int = 64
+
+
+def _random(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> mx.array:
+    a = mx.array(rng.standard_normal(shape, dtype=np.float32)).astype(dtype_named(dtype).mx_dtype)
+    mx.eval(a)
+    return a
+
+
+def synthetic_cache(
+    pc: PrefixCache, n: int, rng: np.random.Generator
+) -> tuple[list[Any], dict[int, Any]]:
+    """A cache of `pc`'s model holding `n` tokens of random KV (and random recurrent
+    states), and the states at boundary `n` as `PrefixCache.store` takes them."""
+    cache = pc.new_cache()
+    state: list[Any] = []
+    for entry, ls in zip(cache, pc.spec.layers, strict=True):
+        arrays = [
+            _random(a.with_tokens(n) if ls.kind == "attention" else a.shape, a.dtype, rng)
+            for a in ls.arrays
+        ]
+        if ls.kind == "attention":
+            if ls.quantization is not None:
+                raise ValueError("synthetic caches are for plain KV only")
+            entry.keys, entry.values = arrays
+            entry.offset = n
+            state.append(None)
+        else:
+            entry.cache = list(arrays)
+            state.append(tuple(arrays))
+    return cache, ({n: state} if pc.spec.is_hybrid else {})
+
+
+def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[str, Any]:
+    """File load, RocksDB restore and hot restore of `length` tokens of `name`'s cache."""
+    lm = build_model(name)
+    rng = np.random.default_rng(length)
+    prompt = rng.integers(0, 256, length + 1).astype(np.uint32)
+    path = workdir / f"bank-{name}-{length}"
+    file = workdir / f"{name}-{length}.safetensors"
+    with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
+        pc = PrefixCache(bank, lm)
+        cache, states = synthetic_cache(pc, length, rng)
+        nbytes = kv_bytes(cache)
+        t0 = time.perf_counter()
+        pc.store(prompt[:-1], cache, states)
+        store_s = time.perf_counter() - t0
+        save_prompt_cache(str(file), cache)
+        keys = pc.namespace.chain(prompt[:-1])
+        hybrid = pc.spec.is_hybrid
+    del cache, states
+
+    load_t = []
+    for _ in range(s.repeats):
+        t0 = time.perf_counter()
+        eval_cache(load_prompt_cache(str(file)))
+        load_t.append(time.perf_counter() - t0)
+    rocks_t, hot_t = [], []
+    for _ in range(s.repeats):
+        with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
+            pc = PrefixCache(bank, lm)
+            t0 = time.perf_counter()
+            restored, n = pc.restore(prompt)
+            eval_cache(restored)
+            rocks_t.append(time.perf_counter() - t0)
+            del restored
+    with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
+        pc = PrefixCache(bank, lm)
+        eval_cache(pc.restore(prompt)[0])  # makes it hot
+        before = bank.stats().hot_hits
+        for _ in range(s.repeats):
+            t0 = time.perf_counter()
+            restored, n = pc.restore(prompt)
+            eval_cache(restored)
+            hot_t.append(time.perf_counter() - t0)
+            del restored
+        hot_hits = (bank.stats().hot_hits - before) / s.repeats
+        profile_hot = profile_top(lambda: eval_cache(pc.restore(prompt)[0]), 2, 6)
+    with Bank.open(path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
+        pc = PrefixCache(bank, lm)
+        profile_rocks = profile_top(lambda: eval_cache(pc.restore(prompt)[0]), 2, 6)
+
+    nb = n // s.block_size
+    read_keys = {Family.BLOCKS: list(keys[:nb])}
+    if hybrid:
+        read_keys[Family.STATES] = [keys[nb - 1]]
+    raw_t, raw_bytes = raw_read_samples(path, read_keys, s.repeats)
+    mem_t = memcpy_samples(nbytes, max(7, s.repeats))
+    rocks, hot, load = median(rocks_t), median(hot_t), median(load_t)
+    ceiling = median(raw_t) + median(mem_t)
+    return {
+        "model": name,
+        "tokens": length,
+        "restored": n,
+        "kv_bytes": nbytes,
+        "hot_hits_per_request": hot_hits,
+        "store_s": store_s,
+        "file_load_s": load,
+        "rocksdb_restore_s": rocks,
+        "hot_restore_s": hot,
+        "raw_read_s": median(raw_t),
+        "raw_read_bytes": raw_bytes,
+        "memcpy_s": median(mem_t),
+        "bytes_on_disk": {"mlx_lm_file": file.stat().st_size, "cas_bank": dir_bytes(path)},
+        "fractions": {
+            "rocksdb_restore_of_ceiling": speed_fraction(rocks, ceiling),
+            "hot_restore_of_memcpy": speed_fraction(hot, median(mem_t)),
+            "file_load_over_rocksdb_restore": load / rocks,
+        },
+        "gbps": {
+            "file_load": nbytes / load / 1e9,
+            "rocksdb_restore": nbytes / rocks / 1e9,
+            "hot_restore": nbytes / hot / 1e9,
+        },
+        "profile_rocks": profile_rocks,
+        "profile": profile_hot,
+    }
+
+
+def run(workdir: Path, s: RestoreSettings) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases = []
+    for name in s.models:
+        for length in s.lengths:
+            c = measure(name, length, s, workdir)
+            if c["restored"] != length:
+                raise RuntimeError(f"{name}: restored {c['restored']} of {length} tokens")
+            cases.append(c)
+    return {"settings": asdict(s), "cases": cases}
+
+
+def tiny_settings() -> RestoreSettings:
+    return RestoreSettings(models=("tiny-qwen3", "tiny-hybrid"), lengths=(64,), repeats=1)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the restore-at-size benchmark alone and print its figures as JSON."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.restore", description=main.__doc__)
+    p.add_argument("--models", default=",".join(RestoreSettings.models))
+    p.add_argument("--lengths", default=",".join(map(str, RestoreSettings.lengths)))
+    p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
+    args = p.parse_args(argv)
+    s = (
+        tiny_settings()
+        if args.tiny
+        else RestoreSettings(
+            models=tuple(args.models.split(",")),
+            lengths=tuple(int(x) for x in args.lengths.split(",")),
+        )
+    )
+    with tempfile.TemporaryDirectory(prefix="cas_bank_restore_") as tmp:
+        res = run(Path(tmp), s)
+    print(json.dumps(res, indent=2, default=str))
+    return res
+
+
+if __name__ == "__main__":
+    main()
