@@ -151,6 +151,7 @@ def write_plot(r: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     cases = r.get("ttft", {}).get("cases", [])
     models = list(dict.fromkeys(c["model"] for c in cases))
@@ -164,6 +165,7 @@ def write_plot(r: dict[str, Any], path: Path) -> None:
             ax.plot(xs, [c["ttft_s"][way] * 1e3 for c in mine], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("time to first token (ms, median)")

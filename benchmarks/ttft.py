@@ -156,10 +156,7 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
         raise ValueError(f"length {length} is not a multiple of block_size {s.block_size}")
     case = Case(model=lm.name, tokens=length + 1)
     model = lm.model
-    vocab = int(lm.tokenizer.vocab_size) if hasattr(lm.tokenizer, "vocab_size") else 256
-    prompt = (
-        np.random.default_rng(length).integers(0, min(vocab, 256), length + 1).astype(np.uint32)
-    )
+    prompt = np.random.default_rng(length).integers(0, 256, length + 1).astype(np.uint32)
     workdir.mkdir(parents=True, exist_ok=True)
 
     # (a) cold prefill.
