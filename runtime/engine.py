@@ -29,9 +29,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 
@@ -40,6 +39,18 @@ from cas_bank.config import BankConfig
 from cas_bank.errors import InvalidInputError
 
 from .decoding import Sampler, TextStream
+from .generation import (
+    EngineBusyError,
+    EngineClosedError,
+    EngineStats,
+    Event,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestError,
+    Sink,
+    TextDelta,
+)
 from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
 from .prefix_cache import PrefixCache
 from .tokenizer import chat_tokens, eos_token_ids
@@ -48,66 +59,6 @@ log = logging.getLogger("cas_bank.engine")
 
 DEFAULT_MODEL = "tiny-hybrid"
 DEFAULT_MAX_QUEUE = 64
-
-FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked; `code` is OpenAI's error code."""
-
-    def __init__(self, message: str, *, code: str = "invalid_request", param: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-class EngineBusyError(RuntimeError):
-    """The queue is full: try again later."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down and takes no more requests."""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """Token ids in, sampling settings; `max_tokens=None` means up to the context end."""
-
-    prompt: Sequence[int]
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logit_bias: Mapping[int, float] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """One generated token and the text it made final."""
-
-    token: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    text: str
-    token_ids: list[int] = field(repr=False)
-    finish_reason: FinishReason
-    prompt_tokens: int
-    cached_tokens: int  # restored from the bank, not prefilled
-    queue_s: float  # waiting for the worker
-    ttft_s: float  # from the worker taking it to the first token (restore + prefill + sample)
-    total_s: float  # from the worker taking it to the end (store included)
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-Event = TextDelta | GenerationResult | BaseException
-Sink = Callable[[Event], None]
 
 
 class Job:
@@ -125,17 +76,6 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    requests: int
-    failed: int
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    queue_depth: int
-    busy: bool
 
 
 class Engine:

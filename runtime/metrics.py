@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 from cas_bank.stats import BankStats
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .generation import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "cas_bank_"

@@ -19,8 +19,6 @@ prompt beyond the context, negative max_tokens), 404 for an unknown model or pat
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import signal
 import socket
@@ -38,41 +36,24 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_types as oa
-from .engine import (
-    Engine,
-    EngineBusyError,
-    EngineClosedError,
-    GenerationRequest,
-    GenerationResult,
-    RequestError,
-    TextDelta,
-)
+from .engine import Engine
+from .generation import GenerationRequest
 from .metrics import CONTENT_TYPE, RequestCounter, bank_metrics, engine_metrics, render
+from .responses import (
+    ApiError,
+    api_error,
+    chat_chunks,
+    completion_chunks,
+    finish_reason,
+    sse,
+    start_run,
+    usage_of,
+)
 
 log = logging.getLogger("cas_bank.server")
 
 LOOPBACK = "127.0.0.1"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-
-
-class ApiError(Exception):
-    """An error answered with `status` and an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str,
-        code: str | None = None,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.type, self.code, self.param = status, type, code, param
-
-    def body(self) -> dict[str, Any]:
-        detail = oa.ErrorDetail(message=str(self), type=self.type, param=self.param, code=self.code)
-        return oa.ErrorBody(error=detail).model_dump()
 
 
 def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
@@ -97,7 +78,7 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         return response
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
@@ -152,10 +133,10 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
     async def chat(body: oa.ChatCompletionRequest) -> oa.ChatCompletion | StreamingResponse:
         check_model(body.model)
         prompt = _call(engine.chat_prompt, body.message_dicts())
-        run = _start(engine, _generation(prompt, body, body.token_limit()))
+        run = start_run(engine, _generation(prompt, body, body.token_limit()))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(_chat_chunks(run, rid, created, engine.model_id, body.include_usage()))
+            return sse(chat_chunks(run, rid, created, engine.model_id, body.include_usage()))
         result = await run.result()
         return oa.ChatCompletion(
             id=rid,
@@ -164,91 +145,37 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             choices=[
                 oa.ChatChoice(
                     message=oa.AssistantMessage(content=result.text),
-                    finish_reason=_finish(result),
+                    finish_reason=finish_reason(result),
                 )
             ],
-            usage=_usage(result),
+            usage=usage_of(result),
         )
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: oa.CompletionRequest) -> oa.Completion | StreamingResponse:
         check_model(body.model)
         prompt = _call(engine.text_prompt, body.prompt)
-        run = _start(engine, _generation(prompt, body, body.token_limit()))
+        run = start_run(engine, _generation(prompt, body, body.token_limit()))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
         if body.stream:
-            return _sse(
-                _completion_chunks(run, rid, created, engine.model_id, body.include_usage(), echo)
+            return sse(
+                completion_chunks(run, rid, created, engine.model_id, body.include_usage(), echo)
             )
         result = await run.result()
-        choice = oa.CompletionChoice(text=echo + result.text, finish_reason=_finish(result))
+        choice = oa.CompletionChoice(text=echo + result.text, finish_reason=finish_reason(result))
         return oa.Completion(
-            id=rid, created=created, model=engine.model_id, choices=[choice], usage=_usage(result)
+            id=rid, created=created, model=engine.model_id, choices=[choice], usage=usage_of(result)
         )
 
     return app
-
-
-# -- running a request from the event loop ----------------------------------------------
-class _Run:
-    """A submitted job whose events arrive on this event loop's queue."""
-
-    def __init__(self, engine: Engine, request: GenerationRequest) -> None:
-        loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Any] = asyncio.Queue()
-
-        def sink(event: Any) -> None:
-            # RuntimeError: the loop is gone (server stopped) and nobody listens.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._events.put_nowait, event)
-
-        self.job = engine.submit(request, sink)
-
-    async def events(self) -> AsyncIterator[TextDelta | GenerationResult]:
-        try:
-            while True:
-                event = await self._events.get()
-                if isinstance(event, BaseException):
-                    raise _api_error(event)
-                yield event
-                if isinstance(event, GenerationResult):
-                    return
-        finally:
-            self.job.cancel()  # a client that went away stops its generation
-
-    async def result(self) -> GenerationResult:
-        async for event in self.events():
-            if isinstance(event, GenerationResult):
-                return event
-        raise AssertionError("the engine ended a job without a result")
-
-
-def _start(engine: Engine, request: GenerationRequest) -> _Run:
-    try:
-        return _Run(engine, request)
-    except Exception as e:
-        raise _api_error(e) from e
 
 
 def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
     try:
         return fn(arg)
     except Exception as e:
-        raise _api_error(e) from e
-
-
-def _api_error(e: BaseException) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, RequestError):
-        return ApiError(400, str(e), type="invalid_request_error", code=e.code, param=e.param)
-    if isinstance(e, EngineBusyError):
-        return ApiError(503, str(e), type="server_overloaded", code="queue_full")
-    if isinstance(e, EngineClosedError):
-        return ApiError(503, str(e), type="server_unavailable", code="shutting_down")
-    log.error("cas_bank: generation failed: %s: %s", type(e).__name__, e)
-    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error")
+        raise api_error(e) from e
 
 
 def _generation(prompt: list[int], body: oa.SamplingFields, limit: int | None) -> GenerationRequest:
@@ -280,96 +207,6 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return ApiError(400, f"{where}{first['msg']}{more}", type="invalid_request_error", param=param)
-
-
-def _finish(result: GenerationResult) -> oa.FinishReason:
-    return "length" if result.finish_reason == "length" else "stop"
-
-
-def _usage(result: GenerationResult) -> oa.Usage:
-    return oa.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
-
-
-# -- streaming ------------------------------------------------------------------------
-def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
-
-
-def _data(model: Any) -> str:
-    payload = model if isinstance(model, dict) else model.model_dump(exclude_none=False)
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-async def _guarded(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Ends every stream with `[DONE]`; an error after the headers went out is an event."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except ApiError as e:
-        yield _data(e.body())
-    yield "data: [DONE]\n\n"
-
-
-def _chat_chunks(
-    run: _Run, rid: str, created: int, model: str, include_usage: bool
-) -> AsyncIterator[str]:
-    async def chunks() -> AsyncIterator[str]:
-        first = True
-        async for event in run.events():
-            if isinstance(event, TextDelta):
-                # The first token is sent at once (with the role), even with no text
-                # yet: clients measure time to first token by it.
-                if event.text or first:
-                    delta = oa.ChatDelta(role="assistant" if first else None, content=event.text)
-                    choice = oa.ChatChunkChoice(delta=delta)
-                    yield _data(_chat_chunk(rid, created, model, [choice]))
-                    first = False
-                continue
-            choice = oa.ChatChunkChoice(delta=oa.ChatDelta(), finish_reason=_finish(event))
-            yield _data(_chat_chunk(rid, created, model, [choice]))
-            if include_usage:
-                yield _data(_chat_chunk(rid, created, model, [], usage=_usage(event)))
-
-    return _guarded(chunks())
-
-
-def _chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    choices: list[oa.ChatChunkChoice],
-    usage: oa.Usage | None = None,
-) -> oa.ChatCompletionChunk:
-    return oa.ChatCompletionChunk(
-        id=rid, created=created, model=model, choices=choices, usage=usage
-    )
-
-
-def _completion_chunks(
-    run: _Run, rid: str, created: int, model: str, include_usage: bool, echo: str
-) -> AsyncIterator[str]:
-    def chunk(text: str, finish: oa.FinishReason | None) -> oa.Completion:
-        choice = oa.CompletionChoice(text=text, finish_reason=finish)
-        return oa.Completion(id=rid, created=created, model=model, choices=[choice])
-
-    async def chunks() -> AsyncIterator[str]:
-        first = True
-        async for event in run.events():
-            if isinstance(event, TextDelta):
-                if event.text or first:
-                    yield _data(chunk((echo if first else "") + event.text, None))
-                    first = False
-                continue
-            yield _data(chunk("", _finish(event)))
-            if include_usage:
-                done = oa.Completion(
-                    id=rid, created=created, model=model, choices=[], usage=_usage(event)
-                )
-                yield _data(done)
-
-    return _guarded(chunks())
 
 
 # -- running the server -------------------------------------------------------------------
