@@ -1,0 +1,264 @@
+"""A hypothesis state machine over store / restore / evict / reopen on a tiny hybrid
+model (block_size 2-4, a budget of a few blocks, with and without a hot tier).
+
+KV and states are a pure function of the token prefix (as a model's are), so the
+machine knows what every restore must return. After every step:
+- every stored block's parent is stored, or it is a namespace root;
+- payload + state bytes are within `max_bytes`;
+- the counters equal a recount from the headers; payloads, states and access
+  records exist exactly for the headers that claim them;
+- a built leaf index agrees with one rebuilt from disk.
+Every restore returns exactly the restore point the disk holds (the deepest matched
+boundary with a state, so never a chain with a hole and never a state without every
+block below it), with arrays equal to the stored ones for every returned token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from conftest import bits, hybrid_spec, layers_bits, state_bits
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cas_bank import Bank, BankConfig
+from cas_bank.blocks.hot import HotStore
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.index.access import STATE_SUFFIX
+from cas_bank.index.chain import Header
+from cas_bank.index.evict import evict_to_budget
+from cas_bank.index.leaves import LeafIndex
+
+SPEC = hybrid_spec()
+ATTENTION = [ls for ls in SPEC.layers if ls.kind == "attention"]
+prompts = st.lists(st.integers(0, 2), min_size=0, max_size=12)  # few ids: shared prefixes
+
+
+def _rng(kind: str, prefix: tuple[int, ...]) -> np.random.Generator:
+    seed = hashlib.blake2b(repr((kind, prefix)).encode(), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(seed, "little"))
+
+
+def kv_of(tokens: list[int]) -> list[Any]:
+    """Per-layer KV where token p's rows depend only on tokens[: p + 1]."""
+    rows = [
+        _rng("kv", tuple(tokens[: p + 1])).standard_normal((2 * len(ATTENTION), 2, 8), np.float32)
+        for p in range(len(tokens))
+    ]
+    stacked = (
+        np.stack(rows, axis=2) if rows else np.zeros((2 * len(ATTENTION), 2, 0, 8), np.float32)
+    )
+    out: list[Any] = []
+    j = 0
+    for ls in SPEC.layers:
+        if ls.kind == "recurrent":
+            out.append(None)
+            continue
+        k = mx.array(stacked[j][None]).astype(mx.bfloat16)
+        v = mx.array(stacked[j + 1][None]).astype(mx.bfloat16)
+        out.append((k, v))
+        j += 2
+    return out
+
+
+def state_of(prefix: list[int]) -> list[Any]:
+    rng = _rng("state", tuple(prefix))
+    return [
+        tuple(
+            mx.array(rng.standard_normal(s.shape, np.float32)).astype(
+                mx.bfloat16 if s.dtype == "bfloat16" else mx.float32
+            )
+            for s in ls.arrays
+        )
+        if ls.kind == "recurrent"
+        else None
+        for ls in SPEC.layers
+    ]
+
+
+def disk(bank: Bank) -> BlockStore:
+    """The store below the hot tier: what is really kept."""
+    return bank.store.inner if isinstance(bank.store, HotStore) else bank.store
+
+
+class EvictionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="cas_bank_evict_machine_"))
+        self.bank: Bank | None = None
+        self.now = 0.0
+        self.stored: list[list[int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    @initialize(
+        block_size=st.integers(2, 4),
+        max_bytes=st.integers(2000, 8000),
+        hot_bytes=st.sampled_from([0, 3000, 1 << 20]),
+    )
+    def open_bank(self, block_size: int, max_bytes: int, hot_bytes: int) -> None:
+        self.config = BankConfig(block_size=block_size, max_bytes=max_bytes, hot_bytes=hot_bytes)
+        self._open()
+
+    def _open(self) -> None:
+        self.bank = Bank.open(self.dir / "bank", self.config)
+        self.bank.access.set_clock(self.clock)
+        self.ns = self.bank.namespace(SPEC)
+
+    def teardown(self) -> None:
+        if self.bank is not None:
+            self.bank.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def b(self) -> Bank:
+        assert self.bank is not None
+        return self.bank
+
+    # -- rules ---------------------------------------------------------------------
+    @rule(tokens=prompts, picks=st.sets(st.integers(1, 6), max_size=3), skip_last=st.booleans())
+    def store(self, tokens: list[int], picks: set[int], skip_last: bool) -> None:
+        self.now += 1
+        bs = self.config.block_size
+        boundaries = {p * bs for p in picks if p * bs <= len(tokens)}
+        if not skip_last and len(tokens) >= bs:  # as the runtime does: the deepest boundary
+            boundaries.add(len(tokens) // bs * bs)
+        states = {b: state_of(tokens[:b]) for b in boundaries}
+        evicted = self.b.counters.values()["blocks_evicted"]
+        self.ns.store(tokens, kv_of(tokens), states)
+        self.stored.append(tokens)
+        event(f"store: evicted={self.b.counters.values()['blocks_evicted'] > evicted}")
+
+    @precondition(lambda self: bool(self.stored))
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 2), max_size=3))
+    def restore_stored(self, data: st.DataObject, tail: list[int]) -> None:
+        """A prompt stored before, maybe with a few more tokens: the usual case."""
+        self.restore(data.draw(st.sampled_from(self.stored)) + tail)
+
+    @rule(tokens=prompts)
+    def restore(self, tokens: list[int]) -> None:
+        self.now += 1
+        expected = self._restore_point(tokens)
+        hit = self.ns.restore(tokens)
+        event(f"restore: hit={expected > 0}")
+        if expected == 0:
+            assert hit is None
+            return
+        assert hit is not None and hit.tokens == expected
+        want_kv = [
+            (bits(k[..., :expected, :]), bits(v[..., :expected, :]))
+            for k, v in (layer for layer in kv_of(tokens) if layer is not None)
+        ]
+        assert [tuple(x) for x in layers_bits(hit.layers, SPEC)] == want_kv
+        assert state_bits(hit.layers, SPEC) == state_bits(state_of(tokens[:expected]), SPEC)
+
+    @rule(budget=st.integers(0, 8000))
+    def evict(self, budget: int) -> None:
+        before = self._stored_bytes()
+        report = evict_to_budget(self.b, budget)
+        event(f"evict: removed something={bool(report.evicted)}")
+        assert report.bytes_before == before
+        assert report.bytes_after == self._stored_bytes() <= budget
+
+    @rule()
+    def reopen(self) -> None:
+        self.b.close()
+        self._open()
+
+    # -- invariants ------------------------------------------------------------------
+    @invariant()
+    def chains_have_no_holes(self) -> None:
+        if self.bank is None:
+            return
+        hs = self._headers()
+        for h in hs.values():
+            assert h.parent == self.ns.root or h.parent in hs
+
+    @invariant()
+    def within_budget(self) -> None:
+        if self.bank is None:
+            return
+        assert self._stored_bytes() <= self.config.max_bytes  # type: ignore[operator]
+
+    @invariant()
+    def counters_match_a_recount(self) -> None:
+        if self.bank is None:
+            return
+        hs = list(self._headers().values())
+        v = self.b.counters.values()
+        assert v["blocks"] == len(hs)
+        assert v["states"] == sum(h.has_state for h in hs)
+        assert v["payload_bytes"] == sum(h.payload_size for h in hs)
+        assert v["state_bytes"] == sum(h.state_size for h in hs)
+
+    @invariant()
+    def records_match_their_headers(self) -> None:
+        if self.bank is None:
+            return
+        store = disk(self.b)
+        hs = self._headers()
+        assert set(store.keys(Family.BLOCKS)) == set(hs)
+        assert set(store.keys(Family.STATES)) == {k for k, h in hs.items() if h.has_state}
+        for key in store.keys(Family.ACCESS):
+            owner = hs.get(key[:32])
+            assert owner is not None, "an access record outlived its block"
+            if key.endswith(STATE_SUFFIX) and len(key) == 33:
+                assert owner.has_state, "an access record outlived its state"
+
+    @invariant()
+    def leaf_index_matches_a_rebuild(self) -> None:
+        if self.bank is None or self.b.access.index is None:
+            return
+        rebuilt = LeafIndex()
+        rebuilt.load(disk(self.b))
+
+        def shape(index: LeafIndex) -> dict[bytes, tuple[Any, ...]]:
+            return {
+                k: (n.parent, n.children, n.payload_size, n.state_size, n.has_state)
+                for k, n in index.nodes.items()
+            }
+
+        assert shape(self.b.access.index) == shape(rebuilt)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _headers(self) -> dict[bytes, Header]:
+        return {k: Header.decode(k, v) for k, v in disk(self.b).iterate(Family.HEADERS)}
+
+    def _stored_bytes(self) -> int:
+        return sum(h.payload_size + h.state_size for h in self._headers().values())
+
+    def _restore_point(self, tokens: list[int]) -> int:
+        """Tokens a restore must cover, from what is on disk."""
+        hs = self._headers()
+        parent, deepest = self.ns.root, 0
+        for i, h in enumerate(self.ns.chain(tokens)):
+            header = hs.get(h)
+            if header is None or header.parent != parent:
+                break
+            parent = h
+            if header.has_state:
+                deepest = i + 1
+        return deepest * self.config.block_size
+
+
+EvictionMachine.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestEvictionMachine = EvictionMachine.TestCase
