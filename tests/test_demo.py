@@ -74,7 +74,7 @@ def test_cas_bank_demo_prints_the_tables(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the demo's temporary bank goes
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    for expected in ("prompt tokens", "cached tokens", "TTFT ms", "after restart", "hit rate"):
+    for expected in ("prompt", "cached", "prefilled", "TTFT ms", "after restart", "hit rate"):
         assert expected in done.stdout, done.stdout
     # Without --bank the bank is temporary, and removed (MLX keeps its own "mlx" dir there).
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("cas_bank")] == []
