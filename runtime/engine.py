@@ -169,7 +169,6 @@ class Engine:
                 f"the prompt has {n} tokens; model {self.model_id!r} has a context of "
                 f"{self.context_length} tokens and needs room for at least one more",
                 code="context_length_exceeded",
-                param="messages",
             )
         room = self.context_length - n
         if request.max_tokens is not None and request.max_tokens < 0:

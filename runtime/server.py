@@ -53,6 +53,10 @@ from .responses import (
 log = logging.getLogger("cas_bank.server")
 
 LOOPBACK = "127.0.0.1"
+# Replies of requests that set no max_tokens stop here (as in mlx-lm's server): on a
+# CPU, a model that never emits its end token would otherwise hold the queue for the
+# whole context.
+DEFAULT_MAX_TOKENS = 512
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -181,7 +185,7 @@ def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
 def _generation(prompt: list[int], body: oa.SamplingFields, limit: int | None) -> GenerationRequest:
     return GenerationRequest(
         prompt=prompt,
-        max_tokens=limit,
+        max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,

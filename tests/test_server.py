@@ -23,6 +23,13 @@ import httpx
 import openai
 import pytest
 from cas_bank.runtime import build_model, save_model
+from cas_bank.runtime.engine import Engine
+from cas_bank.runtime.generation import (
+    EngineBusyError,
+    EngineClosedError,
+    GenerationRequest,
+    GenerationResult,
+)
 
 MODEL = "tiny-hybrid"
 BLOCK = 16
@@ -361,6 +368,32 @@ def test_a_client_that_goes_away_stops_its_generation(server: Server) -> None:
         httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text, "cas_bank_completion_tokens_total"
     )
     assert after - before < 1000
+
+
+def test_a_full_queue_refuses_at_once_and_close_refuses_what_waits(tmp_path: Path) -> None:
+    """The engine in this process: one slot in the queue, a long generation running."""
+    engine = Engine.open(tmp_path / "bank", block_size=BLOCK, max_queue=1)
+    events: list[list[object]] = [[], [], []]
+    long = GenerationRequest(prompt=[1, 2, 3, 4, 5], max_tokens=2000)
+    jobs, refused = [], 0
+    try:
+        for i in range(3):
+            try:
+                jobs.append(engine.submit(long, events[i].append))
+            except EngineBusyError as e:
+                assert "already waiting" in str(e)
+                refused += 1
+    finally:
+        for job in jobs[:1]:
+            job.cancel()  # the running one stops at its next token
+        engine.close()
+    assert refused >= 1  # the worker holds one job and the queue one more
+    results = [e for ev in events for e in ev if isinstance(e, GenerationResult)]
+    closed = [e for ev in events for e in ev if isinstance(e, EngineClosedError)]
+    assert len(results) + len(closed) == len(jobs)
+    assert all(r.finish_reason == "cancelled" for r in results)
+    with pytest.raises(EngineClosedError):
+        engine.submit(long, lambda _e: None)
 
 
 # -- health, models, metrics ----------------------------------------------------------------
