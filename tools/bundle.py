@@ -2,7 +2,7 @@
 namespace) between banks as a portable, digest-checked bundle file, e.g. to prewarm
 another machine's bank with a shared system prompt.
 
-Export opens the bank as a secondary (it runs beside a live writer); import needs
+Export opens the bank read-only (it runs beside a live writer); import needs
 the writer's lock and writes everything in one batch after checking the whole bundle.
 """
 
@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cas_bank import Bank
 from cas_bank.bundle import (
+    ExportReport,
     chain_for_tokens,
     chain_to_leaf,
     export_chain,
@@ -30,9 +32,9 @@ from .common import (
     emit,
     fields,
     human_bytes,
-    open_reader,
     open_writer,
     print_json,
+    read_bank,
     select_namespace,
 )
 
@@ -97,32 +99,35 @@ def read_token_file(path: Path) -> list[int]:
     return ids
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    with open_reader(args.bank) as bank:
-        if args.leaf is not None:
-            index = HeaderIndex.load(bank.store)
-            chain = chain_to_leaf(bank, resolve_prefix(args.leaf, index.keys()))
+def _export(bank: Bank, args: argparse.Namespace, tokens: list[int] | None) -> ExportReport:
+    if tokens is None:
+        index = HeaderIndex.load(bank.store)
+        chain = chain_to_leaf(bank, resolve_prefix(args.leaf, index.keys()))
+    else:
+        specs, _ = load_namespaces(bank.store)
+        labels = namespace_labels(specs)
+        if args.namespace is not None:
+            root = select_namespace(args.namespace, specs, labels)
+        elif len(specs) == 1:
+            root = next(iter(specs))
         else:
-            tokens = read_token_file(args.tokens)
-            specs, _ = load_namespaces(bank.store)
-            labels = namespace_labels(specs)
-            if args.namespace is not None:
-                root = select_namespace(args.namespace, specs, labels)
-            elif len(specs) == 1:
-                root = next(iter(specs))
-            else:
-                names = ", ".join(sorted(labels.values())) or "none"
-                raise CliError(f"give --namespace: the bank has several ({names})")
-            chain = chain_for_tokens(bank, root, tokens)
-            if not chain:
-                raise CliError(
-                    f"no stored block matches the first {bank.config.block_size} tokens of "
-                    f"{args.tokens} in namespace {labels[root]}"
-                )
-        try:
-            report = export_chain(bank, chain, args.output)
-        except OSError as e:
-            raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+            names = ", ".join(sorted(labels.values())) or "none"
+            raise CliError(f"give --namespace: the bank has several ({names})")
+        chain = chain_for_tokens(bank, root, tokens)
+        if not chain:
+            raise CliError(
+                f"no stored block matches the first {bank.config.block_size} tokens of "
+                f"{args.tokens} in namespace {labels[root]}"
+            )
+    try:
+        return export_chain(bank, chain, args.output)
+    except OSError as e:
+        raise CliError(f"cannot write {args.output}: {e.strerror or e}") from None
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    tokens = read_token_file(args.tokens) if args.leaf is None else None
+    report = read_bank(args.bank, lambda bank: _export(bank, args, tokens), payloads=True)
     info = {
         "bundle": str(report.path),
         "namespace": report.namespace,

@@ -1,7 +1,7 @@
 """`cas-bank stats`, `ls` and `tree`: what a bank holds, read from its counters and
 its headers only (no payload is read, so they stay fast on a large bank).
 
-All of them open the bank as a RocksDB secondary (`common.open_reader`), so they run
+All of them open the bank as a RocksDB secondary (`common.read_bank`), so they run
 while a server or any other writer holds it. `show` lives in `show_cmd.py`.
 """
 
@@ -15,7 +15,9 @@ from typing import Any
 from rich.markup import escape
 from rich.tree import Tree
 
+from cas_bank import Bank
 from cas_bank.index.access import last_use
+from cas_bank.index.chain import Header
 from cas_bank.index.tree import (
     HeaderIndex,
     TreeNode,
@@ -30,8 +32,8 @@ from .common import (
     emit,
     fields,
     human_bytes,
-    open_reader,
     print_json,
+    read_bank,
     select_namespace,
     short,
     table,
@@ -84,9 +86,7 @@ def _positive(text: str) -> int:
 
 # -- stats ---------------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace) -> int:
-    with open_reader(args.bank) as bank:
-        s = bank.stats()
-        specs, bad = load_namespaces(bank.store)
+    s, (specs, bad) = read_bank(args.bank, lambda bank: (bank.stats(), load_namespaces(bank.store)))
     labels = namespace_labels(specs)
     namespaces: list[dict[str, Any]] = [
         {
@@ -155,13 +155,15 @@ _SORTS: dict[str, Callable[[LsRow], Any]] = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_reader(args.bank) as bank:
+    def look(bank: Bank) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None]]:
         specs, _ = load_namespaces(bank.store)
         labels = namespace_labels(specs)
         index = HeaderIndex.load(bank.store)
         root = select_namespace(args.namespace, specs, labels) if args.namespace else None
         heads = [h for h in index.headers.values() if root is None or h.root == root]
-        last = last_use(bank, [h.chain_hash for h in heads])
+        return labels, index, heads, last_use(bank, [h.chain_hash for h in heads])
+
+    labels, index, heads, last = read_bank(args.bank, look)
     rows = [
         LsRow(
             hash=h.chain_hash.hex(),
@@ -298,9 +300,9 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    with open_reader(args.bank) as bank:
-        specs, _ = load_namespaces(bank.store)
-        index = HeaderIndex.load(bank.store)
+    (specs, _), index = read_bank(
+        args.bank, lambda bank: (load_namespaces(bank.store), HeaderIndex.load(bank.store))
+    )
     labels = namespace_labels(specs)
     only = select_namespace(args.namespace, specs, labels) if args.namespace else None
     groups = _groups(index, labels, only)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from rich.text import Text
 
+from cas_bank import Bank
 from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
@@ -30,8 +32,8 @@ from .common import (
     emit,
     fields,
     human_bytes,
-    open_reader,
     print_json,
+    read_bank,
     short,
     table,
     when,
@@ -120,19 +122,49 @@ def _layers(
     return rows
 
 
+@dataclass(frozen=True, slots=True)
+class _Look:
+    """What `show` reads of one block, in one view of the bank."""
+
+    header: Header
+    index: HeaderIndex
+    specs: dict[bytes, ModelSpec]
+    raw: bytes | None
+    raw_error: str | None
+    raw_state: bytes | None
+    state_error: str | None
+    last: float | None
+
+
+def _look(bank: Bank, prefix: str) -> _Look:
+    index = HeaderIndex.load(bank.store)
+    key = resolve_prefix(prefix, index.keys())
+    if key in index.unreadable:
+        raise CliError(f"block {key.hex()}: {index.unreadable[key]}")
+    h = index.headers[key]
+    raw, raw_error = read_record(bank, Family.BLOCKS, key)
+    raw_state, state_error = read_record(bank, Family.STATES, key) if h.has_state else (None, None)
+    return _Look(
+        h,
+        index,
+        load_namespaces(bank.store)[0],
+        raw,
+        raw_error,
+        raw_state,
+        state_error,
+        last_use(bank, [key])[0],
+    )
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    with open_reader(args.bank) as bank:
-        index = HeaderIndex.load(bank.store)
-        key = resolve_prefix(args.hash, index.keys())
-        if key in index.unreadable:
-            raise CliError(f"block {key.hex()}: {index.unreadable[key]}")
-        h = index.headers[key]
-        specs, _ = load_namespaces(bank.store)
-        raw, raw_error = read_record(bank, Family.BLOCKS, key)
-        raw_state, state_error = (
-            read_record(bank, Family.STATES, key) if h.has_state else (None, None)
-        )
-        last = last_use(bank, [key])[0]
+    look = read_bank(args.bank, lambda bank: _look(bank, args.hash), payloads=True)
+    h, index, specs, last = look.header, look.index, look.specs, look.last
+    raw, raw_error, raw_state, state_error = (
+        look.raw,
+        look.raw_error,
+        look.raw_state,
+        look.state_error,
+    )
     spec = specs.get(h.root)
     labels = namespace_labels(specs)
     status, block = _payload(raw, h.payload_digest, h.payload_size, raw_error)
