@@ -87,6 +87,18 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
             "Payloads that failed verification and were served as misses.",
             stats.corrupt_reads,
         ),
+        (
+            "hot_hits_total",
+            "Payloads served from the in-process hot tier (no RocksDB read).",
+            stats.hot_hits,
+        ),
+        ("blocks_evicted_total", "KV blocks evicted to keep the budget.", stats.blocks_evicted),
+        (
+            "states_evicted_total",
+            "Recurrent states evicted (on their own or with their block).",
+            stats.states_evicted,
+        ),
+        ("bytes_evicted_total", "Payload and state bytes evicted.", stats.bytes_evicted),
     ]
     gauges = [
         ("blocks", "KV blocks stored.", stats.blocks),
