@@ -179,16 +179,16 @@ def _commit(bank: Bank, writes: list[Write], evicted: list[Evicted]) -> None:
     states = sum(1 for e in evicted if e.state_bytes > 0)
     payload_bytes = sum(e.payload_bytes for e in evicted)
     state_bytes = sum(e.state_bytes for e in evicted)
-    bank.counters.add(
-        blocks=-blocks,
-        states=-states,
-        payload_bytes=-payload_bytes,
-        state_bytes=-state_bytes,
-        blocks_evicted=blocks,
-        states_evicted=states,
-        bytes_evicted=payload_bytes + state_bytes,
-    )
-    gone = [e.chain_hash for e in evicted]
+    deltas = {
+        "blocks": -blocks,
+        "states": -states,
+        "payload_bytes": -payload_bytes,
+        "state_bytes": -state_bytes,
+        "blocks_evicted": blocks,
+        "states_evicted": states,
+        "bytes_evicted": payload_bytes + state_bytes,
+    }
+    bank.counters.add(**deltas)  # the batch below carries them
     # A lone state keeps its block: only the state's pending use goes.
     bank.access.forget(
         access_key(e.chain_hash, state)
@@ -198,6 +198,7 @@ def _commit(bank: Bank, writes: list[Write], evicted: list[Evicted]) -> None:
     try:
         bank.write(writes)
     except BaseException:
+        bank.counters.add(**{k: -v for k, v in deltas.items()})
         bank.access.index = None  # no longer mirrors the disk: rebuild on next use
         raise
-    bank.suspect.difference_update(gone)
+    bank.suspect.difference_update(e.chain_hash for e in evicted if e.kind == "block")
