@@ -69,8 +69,8 @@ def test_the_demo_restores_shared_prompts_and_conversations_across_a_restart(
 
 
 def test_cas_bank_demo_prints_the_tables(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "demo", "--agents", "2", "--turns", "1"]
-    cmd += ["--max-tokens", "4", "--block-size", str(BLOCK)]
+    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "demo", "--agents", "1", "--turns", "1"]
+    cmd += ["--max-tokens", "2", "--block-size", str(BLOCK)]
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the demo's temporary bank goes
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
