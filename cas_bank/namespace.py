@@ -87,6 +87,8 @@ class Namespace:
         Blocks already present are not written again. Everything new goes in one
         atomic batch. Bad input raises `InvalidInputError` before anything is written.
         """
+        if self.bank.read_only:
+            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
         toks = as_token_array(tokens)
         n = len(toks)
         arrays = check_layers(self.spec, layers, n)
@@ -162,7 +164,7 @@ class Namespace:
                     deltas["states"] += 1
                     deltas["state_bytes"] += len(payload)
             writes += [(Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items()]
-            bank.counters.add(
+            counted = dict(
                 stores=1,
                 logical_tokens=len(hashes) * self.block_size,
                 blocks_written=written,
@@ -170,9 +172,15 @@ class Namespace:
                 states_written=states_written,
                 **deltas,
             )
+            bank.counters.add(**counted)
             # The whole chain was used now; the states written or offered too.
             bank.access.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
-            bank.write(writes)
+            try:
+                bank.write(writes)
+            except Exception:
+                # Nothing was stored: the counters must not say otherwise.
+                bank.counters.add(**{k: -v for k, v in counted.items()})
+                raise
             bank.suspect.difference_update(hashes[i] for i in headers)
             enforce_budget(bank)
 

@@ -416,8 +416,10 @@ def test_read_only_and_secondary_read_beside_the_writer(
             assert follower.stats().blocks == 5
             ro = frozen.namespace(attn_spec)
             assert ro.match(first) == 2 * B and ro.match(second) == 0
-            with pytest.raises(RuntimeError, match="read_only"):
-                ro.store(first, prefix_layers(attn_spec, first))
+            stats = frozen.stats()
+            with pytest.raises(RuntimeError, match="is open read-only: it cannot store"):
+                ro.store(second, prefix_layers(attn_spec, second))
+            assert frozen.stats() == stats
         assert ns.restore(second) is not None
 
 
