@@ -114,7 +114,7 @@ def test_missing_payloads_and_unreadable_headers_are_problems(tmp_path: Path) ->
         ]
     )
     store.close()
-    with Bank.open(built.path, mode="secondary") as bank:
+    with Bank.open(built.path, mode="read_only") as bank:
         report = verify(bank)
     kinds = {(p.kind, p.chain_hash) for p in report.problems}
     assert ("payload_missing", text0[5]) in kinds
