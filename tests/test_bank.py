@@ -37,6 +37,7 @@ from cas_bank import (
     BankSettingsError,
     CorruptDataError,
     InvalidInputError,
+    LayerSpec,
     ModelSpec,
 )
 from cas_bank.blocks.rocks import RocksStore
@@ -72,6 +73,14 @@ def test_restore_is_bit_identical(bank: Bank, dtype: str) -> None:
 def test_restore_quantized_kv_tuples(bank: Bank) -> None:
     rng = np.random.default_rng(1)
     store_and_check_restore(bank, quantized_spec(), tokens_of(rng, 3 * B))
+
+
+def test_restore_with_a_value_dim_unlike_the_key_dim(bank: Bank) -> None:
+    """Keys and values of different widths (v_head_dim), in bf16."""
+    layer = LayerSpec.attention(kv_heads=2, head_dim=16, dtype="bfloat16", v_head_dim=8)
+    spec = ModelSpec(name="mla-like", layers=(layer, layer, layer), weights_digest="w-mla")
+    rng = np.random.default_rng(22)
+    store_and_check_restore(bank, spec, tokens_of(rng, 3 * B + 1), pad=2)
 
 
 def test_restore_from_strided_input_arrays(bank: Bank) -> None:

@@ -58,6 +58,10 @@ def _pieces(a: np.ndarray) -> list[memoryview]:
     """
     if a.flags.c_contiguous:
         return [memoryview(a).cast("B")] if a.size else []  # type: ignore[arg-type]
+    if a.strides[-1] != a.itemsize:
+        # Strided on the last axis (a transposed view): rows are not contiguous, and
+        # splitting down to single elements would cost a view each. Copy once instead.
+        return [memoryview(np.ascontiguousarray(a)).cast("B")]  # type: ignore[arg-type]
     out: list[memoryview] = []
     for sub in a:
         out.extend(_pieces(sub))
