@@ -204,10 +204,17 @@ class Namespace:
         """Tokens a restore would cover, without reading payloads."""
         return restore_blocks(self.matched(tokens), self.spec.is_hybrid) * self.block_size
 
-    def plan_states(self, tokens: Any, start: int, stride: int | None = None) -> list[int]:
+    def plan_states(
+        self,
+        tokens: Any,
+        start: int,
+        stride: int | None = None,
+        hints: Sequence[int] = (),
+    ) -> list[int]:
         """Boundaries where a prefill of `tokens` from `start` should capture states.
 
-        Empty for attention-only models. See `index.states` for the policy.
+        `hints`: token positions where later prompts are likely to branch (e.g. the end
+        of a system prompt). Empty for attention-only models. See `index.states`.
         """
         if not self.spec.is_hybrid:
             return []
@@ -220,6 +227,7 @@ class Namespace:
             matched_blocks=len(matched),
             stored_states={h.end for h in matched if h.has_state},
             stride=stride if stride is not None else self.bank.config.state_stride,
+            hints=hints,
         )
 
     # -- restore -------------------------------------------------------------------

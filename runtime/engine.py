@@ -24,6 +24,7 @@ not block.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -149,6 +150,24 @@ class Engine:
         except (ValueError, TypeError, KeyError) as e:
             raise RequestError(f"cannot render the messages: {e}", param="messages") from e
 
+    def branch_hints(
+        self, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int]
+    ) -> tuple[int, ...]:
+        """Where later prompts likely leave this one: the end of its leading system
+        messages (the prompt a fleet of agents shares), as a token position."""
+        head = 0
+        while head < len(messages) and messages[head].get("role") in ("system", "developer"):
+            head += 1
+        if head == 0 or head == len(messages):
+            return ()
+        rendered = chat_tokens(self.loaded.tokenizer, messages[:head])
+        shared = 0  # templates may append a generation prompt: keep the common prefix
+        for a, b in zip(rendered, prompt, strict=False):
+            if a != b:
+                break
+            shared += 1
+        return (shared,) if shared else ()
+
     def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids for a completion: text through the tokenizer, or ids as given."""
         if isinstance(prompt, str):
@@ -187,15 +206,7 @@ class Engine:
             raise RequestError(
                 str(e), param="logit_bias" if "logit_bias" in str(e) else None
             ) from e
-        return GenerationRequest(
-            prompt=list(request.prompt),
-            max_tokens=limit,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=request.seed,
-            stop=request.stop,
-            logit_bias=request.logit_bias,
-        )
+        return dataclasses.replace(request, prompt=list(request.prompt), max_tokens=limit)
 
     def submit(self, request: GenerationRequest, sink: Sink) -> Job:
         """Check and queue `request`; its events go to `sink` (see the module docstring)."""
@@ -294,7 +305,7 @@ class Engine:
         pc = self.prefix_cache
         prompt = list(request.prompt)
         cache, cached = pc.restore(prompt)
-        logits = pc.prefill(prompt, cache, start=cached)
+        logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints)
         recorder = pc.recorder(cache)
         sampler = self._sampler(request)
         text = TextStream(self.loaded.tokenizer, request.stop)

@@ -41,6 +41,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logit_bias: Mapping[int, float] | None = None
+    branch_hints: tuple[int, ...] = ()  # prompt positions later prompts likely branch at
 
 
 @dataclass(frozen=True, slots=True)

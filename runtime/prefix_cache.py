@@ -20,7 +20,10 @@ much as many blocks of KV, so a prefill captures it only at:
   2. the branch point: the boundary where the prompt leaves the stored chain (the
      end of a shared system prompt's full blocks), so that every later prompt that
      shares that prefix restores exactly up to it;
-  3. every `BankConfig.state_stride` blocks, when set.
+  3. every `BankConfig.state_stride` blocks, when set;
+  4. the deepest boundary at or below each of `prefill`'s `hints`: positions the
+     runtime knows to be likely branch points (the server passes the end of a chat's
+     system messages), so even the second agent sharing a system prompt restores it.
 Boundaries at or before `start`, or that already hold a state, are skipped. A restore
 never combines KV of length n with a state from another position: it stops at the
 deepest matched boundary that has a state.
@@ -170,12 +173,19 @@ class PrefixCache:
 
     # -- prefill -------------------------------------------------------------------
     def prefill(
-        self, tokens: Any, cache: list[Any], start: int = 0, *, store: bool = True
+        self,
+        tokens: Any,
+        cache: list[Any],
+        start: int = 0,
+        *,
+        store: bool = True,
+        hints: Sequence[int] = (),
     ) -> mx.array:
         """Run `tokens[start:]` through the model into `cache`; the last position's logits.
 
         `cache` must hold exactly `tokens[:start]` of this model (from `restore` or
-        `new_cache`). States are captured at the planned boundaries and, with `store`
+        `new_cache`). States are captured at the planned boundaries (`hints`: likely
+        branch points, see the module docstring) and, with `store`
         (and a writable bank), the full blocks and states are stored. Returns the
         logits of the last token, shape `[vocab]`. Bad input raises
         `InvalidInputError` before any forward pass; nothing is stored then.
@@ -190,7 +200,9 @@ class PrefixCache:
                 f"start={start} must leave at least one of the {n} tokens to prefill"
             )
         check_cache(self.spec, cache, start)
-        boundaries = self.namespace.plan_states(toks, start) if self.spec.is_hybrid else []
+        boundaries = (
+            self.namespace.plan_states(toks, start, hints=hints) if self.spec.is_hybrid else []
+        )
         ends = chunk_ends(n, start, self.chunk_size, boundaries)
 
         t0 = time.perf_counter()

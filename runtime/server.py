@@ -136,8 +136,10 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: oa.ChatCompletionRequest) -> oa.ChatCompletion | StreamingResponse:
         check_model(body.model)
-        prompt = _call(engine.chat_prompt, body.message_dicts())
-        run = start_run(engine, _generation(prompt, body, body.token_limit()))
+        messages = body.message_dicts()
+        prompt = _call(engine.chat_prompt, messages)
+        hints = engine.branch_hints(messages, prompt)
+        run = start_run(engine, _generation(prompt, body, body.token_limit(), hints))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return sse(chat_chunks(run, rid, created, engine.model_id, body.include_usage()))
@@ -182,7 +184,9 @@ def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
         raise api_error(e) from e
 
 
-def _generation(prompt: list[int], body: oa.SamplingFields, limit: int | None) -> GenerationRequest:
+def _generation(
+    prompt: list[int], body: oa.SamplingFields, limit: int | None, hints: tuple[int, ...] = ()
+) -> GenerationRequest:
     return GenerationRequest(
         prompt=prompt,
         max_tokens=DEFAULT_MAX_TOKENS if limit is None else limit,
@@ -191,6 +195,7 @@ def _generation(prompt: list[int], body: oa.SamplingFields, limit: int | None) -
         seed=body.seed,
         stop=body.stop_list(),
         logit_bias=body.bias_by_id() or None,
+        branch_hints=hints,
     )
 
 

@@ -10,13 +10,16 @@ The capture policy (`plan_boundaries`) names the boundaries a prefill should sto
      again, or its next turn, restores all but the tail;
   2. the branch point: the boundary where the prompt leaves the stored chain, so the
      next agent sharing the same system prompt restores exactly to its end;
-  3. every `stride` blocks, when a stride is set.
+  3. every `stride` blocks, when a stride is set;
+  4. the deepest boundary at or below each hint: a position the runtime knows to be a
+     likely branch point (the end of a chat's system prompt), so that even the second
+     agent sharing it restores exactly up to it.
 Boundaries at or before the restore start, or that already hold a state, are skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from cas_bank.index.chain import Header
 
@@ -39,6 +42,7 @@ def plan_boundaries(
     matched_blocks: int,
     stored_states: set[int],
     stride: int | None = None,
+    hints: Iterable[int] = (),
 ) -> list[int]:
     """Token boundaries (ascending) where a prefill of `n_tokens` should capture states.
 
@@ -49,6 +53,7 @@ def plan_boundaries(
     if n_tokens > 1:
         wanted.add(((n_tokens - 1) // block_size) * block_size)
     wanted.add(matched_blocks * block_size)
+    wanted.update((h // block_size) * block_size for h in hints if 0 < h <= n_tokens)
     if stride:
         step = stride * block_size
         wanted.update(range(step, n_tokens, step))
