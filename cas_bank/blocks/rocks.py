@@ -65,11 +65,11 @@ def _is_corruption(e: Exception) -> bool:
     return str(e).startswith("Corruption") or " Corruption: " in str(e)
 
 
-def _walk(cf: Any, values: bool) -> Generator[tuple[bytes, bytes], None, None]:
+def _walk(cf: Any, values: bool, read_opt: Any) -> Generator[tuple[bytes, bytes], None, None]:
     if values:
-        yield from cf.items()
+        yield from cf.items(read_opt=read_opt)
     else:
-        for k in cf.keys():  # noqa: SIM118 (a RocksDB iterator, not a dict)
+        for k in cf.keys(read_opt=read_opt):
             yield k, b""
 
 
@@ -120,7 +120,7 @@ class RocksStore(BlockStore):
             ) from None
         self._cf: dict[Family, Any] = {}
         self._handles: dict[Family, Any] = {}
-        fast_reads = ReadOptions()
+        fast_reads = self._fast_reads = ReadOptions()
         fast_reads.set_verify_checksums(False)
         for f in Family:
             if f.value not in families:
@@ -193,7 +193,10 @@ class RocksStore(BlockStore):
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         if family not in self._cf and self._db is not None:
             return iter(())
-        walk = _walk(self._family(family), values)
+        # Iterators ignore the family's read options: payload walks (which read every
+        # blob value, even for keys only) pass the unchecked ones, ~6x faster here.
+        read_opt = self._fast_reads if family in PAYLOAD_FAMILIES else None
+        walk = _walk(self._family(family), values, read_opt)
         # A RocksDB iterator keeps the database (and its LOCK) alive: close() ends
         # every walk still open, so that the directory can be reopened.
         self._walks.add(walk)
