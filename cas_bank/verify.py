@@ -1,12 +1,13 @@
 """`verify`: check everything a bank holds, and with `fix=True` remove what is broken.
 
-Checked, per block (headers family first, then one read per payload):
+Checked, per block (the headers family first, then one pass over each payload family):
 - the header decodes, and its chain hash recomputes from its parent and tokens;
 - its chain link: block 0's parent is its namespace root and that namespace is
   recorded; any other block's parent is a stored block one index up, same namespace;
 - its payload is stored, has the size and digest its header names;
 - the state its header announces is stored and matches its digest.
-Then the payload and state families are listed for records no header claims.
+Records of the payload and state families that no header claims are found in the
+same pass.
 
 A block that fails any block-level check is *bad*; every block below a bad block can
 never be restored (a lookup stops at the first broken link) and is *unreachable*.
@@ -89,109 +90,155 @@ def verify(
     """Check every header, link, payload and state of `bank`; see the module docstring.
 
     `fix=True` needs a bank opened read-write. `progress(done, total)` is called as
-    blocks are checked.
+    payloads are checked.
     """
     if fix and bank.read_only:
         raise RuntimeError(f"verify --fix needs the bank at {bank.path} opened read-write")
-    store = bank.store
     report = VerifyReport()
-    specs, bad_specs = load_namespaces(store)
+    specs, bad_specs = load_namespaces(bank.store)
     for root, why in sorted(bad_specs.items()):
         report.problems.append(Problem("bad_namespace", root, why))
-    index = HeaderIndex.load(store)
+    index = HeaderIndex.load(bank.store)
     for key, why in sorted(index.unreadable.items()):
         report.problems.append(Problem("bad_header", key, why))
 
-    bad: set[bytes] = set(index.unreadable)
-    bad_state: set[bytes] = set()
-    headers = sorted(index.headers.values(), key=lambda h: (h.root, h.index, h.chain_hash))
-    for n, h in enumerate(headers):
-        found = _check_block(bank, index, specs, h, report)
-        if any(p.kind not in _STATE_ONLY for p in found):
-            bad.add(h.chain_hash)
-        elif found:
-            bad_state.add(h.chain_hash)
-        report.problems.extend(found)
-        if progress is not None:
-            progress(n + 1, len(headers))
+    found: list[Problem] = []
+    for h in index.headers.values():
+        found += _check_link(index, specs, h)
+    total = len(index.headers) + sum(1 for h in index.headers.values() if h.has_state)
+    ticks = _Ticks(total, progress)
+    orphans = _scan(bank, index, Family.BLOCKS, report, found, ticks)
+    orphans += _scan(bank, index, Family.STATES, report, found, ticks)
 
+    bad = set(index.unreadable) | {p.chain_hash for p in found if p.kind not in _STATE_ONLY}
+    bad_state = {p.chain_hash for p in found if p.kind in _STATE_ONLY} - bad
     unreachable = index.descendants(bad) - bad
-    for key in sorted(unreachable, key=lambda k: (index.headers[k].index, k)):
+    for key in unreachable:
         h = index.headers[key]
-        report.problems.append(
-            Problem("unreachable", key, "below a bad block", index=h.index, root=h.root)
-        )
-    orphans = _orphans(bank, index)
-    report.problems.extend(orphans)
+        found.append(Problem("unreachable", key, "below a bad block", index=h.index, root=h.root))
+    # In chain order, so a reader can follow each chain down to where it breaks.
+    found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
+    report.problems += found + orphans
     if fix and report.problems:
-        _fix(bank, index, bad | unreachable, bad_state - bad - unreachable, orphans, report)
-        index = HeaderIndex.load(store)
+        _fix(bank, index, bad | unreachable, bad_state - unreachable, orphans, report)
+        index = HeaderIndex.load(bank.store)
     report.counter_drift = _drift(bank, index)
     return report
 
 
-def _check_block(
-    bank: Bank,
-    index: HeaderIndex,
-    specs: dict[bytes, ModelSpec],
-    h: Header,
-    report: VerifyReport,
-) -> list[Problem]:
-    def problem(kind: ProblemKind, detail: str) -> Problem:
-        return Problem(kind, h.chain_hash, detail, index=h.index, root=h.root)
+class _Ticks:
+    def __init__(self, total: int, progress: Callable[[int, int], None] | None) -> None:
+        self.done, self.total, self.progress = 0, total, progress
 
+    def __call__(self) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _problem(h: Header, kind: ProblemKind, detail: str) -> Problem:
+    return Problem(kind, h.chain_hash, detail, index=h.index, root=h.root)
+
+
+def _check_link(index: HeaderIndex, specs: dict[bytes, ModelSpec], h: Header) -> list[Problem]:
+    """The header's own chain hash and its link to its parent (no payload read)."""
     out: list[Problem] = []
     if hash_block(h.parent, h.tokens) != h.chain_hash:
-        out.append(problem("hash_mismatch", "chain hash does not recompute from parent and tokens"))
+        out.append(
+            _problem(h, "hash_mismatch", "chain hash does not recompute from parent and tokens")
+        )
     if h.index == 0:
         if h.parent != h.root:
-            out.append(problem("bad_link", "block 0's parent is not its namespace root"))
+            out.append(_problem(h, "bad_link", "block 0's parent is not its namespace root"))
         elif h.root not in specs:
             out.append(
-                problem("unknown_namespace", f"namespace {h.root.hex()[:16]} is not recorded")
+                _problem(h, "unknown_namespace", f"namespace {h.root.hex()[:16]} is not recorded")
             )
-    else:
-        parent = index.headers.get(h.parent)
-        if parent is None and h.parent not in index.unreadable:
-            out.append(problem("dangling", f"parent {h.parent.hex()[:16]} is not stored"))
-        elif parent is not None and (parent.index != h.index - 1 or parent.root != h.root):
-            out.append(
-                problem(
-                    "bad_link",
-                    f"parent {h.parent.hex()[:16]} is block {parent.index} of another chain",
-                )
-            )
-
-    report.blocks_checked += 1
-    raw, unreadable = read_record(bank, Family.BLOCKS, h.chain_hash)
-    if unreadable is not None:
-        out.append(problem("payload_corrupt", unreadable))
-    elif raw is None:
-        out.append(problem("payload_missing", "no payload under this header"))
-    else:
-        report.bytes_checked += len(raw)
-        if len(raw) != h.payload_size:
-            out.append(
-                problem(
-                    "payload_corrupt",
-                    f"payload is {len(raw)} bytes, the header says {h.payload_size}",
-                )
-            )
-        elif not codec.verify(raw, h.payload_digest):
-            out.append(problem("payload_corrupt", "payload digest mismatch"))
-
-    if h.state_digest is not None:
-        report.states_checked += 1
-        state, unreadable = read_record(bank, Family.STATES, h.chain_hash)
-        if unreadable is not None:
-            out.append(problem("state_corrupt", unreadable))
-        elif state is None:
-            out.append(problem("state_missing", "the header announces a state; none is stored"))
-        else:
-            report.bytes_checked += len(state)
-            if not codec.verify(state, h.state_digest):
-                out.append(problem("state_corrupt", "state digest mismatch"))
+        return out
+    parent = index.headers.get(h.parent)
+    if parent is None and h.parent not in index.unreadable:
+        out.append(_problem(h, "dangling", f"parent {h.parent.hex()[:16]} is not stored"))
+    elif parent is not None and (parent.index != h.index - 1 or parent.root != h.root):
+        detail = f"parent {h.parent.hex()[:16]} is block {parent.index} of another chain"
+        out.append(_problem(h, "bad_link", detail))
     return out
+
+
+def _check_record(
+    h: Header, family: Family, raw: bytes | None, unreadable: str | None
+) -> Problem | None:
+    """A payload (or state) against the size and digest its header names."""
+    state = family is Family.STATES
+    size, digest = (h.state_size, h.state_digest) if state else (h.payload_size, h.payload_digest)
+    corrupt: ProblemKind = "state_corrupt" if state else "payload_corrupt"
+    if unreadable is not None:
+        return _problem(h, corrupt, unreadable)
+    if raw is None:
+        what = "the header announces a state; none is stored" if state else "no payload"
+        return _problem(h, "state_missing" if state else "payload_missing", what)
+    if len(raw) != size:
+        return _problem(h, corrupt, f"{len(raw)} bytes stored, the header says {size}")
+    if not codec.verify(raw, digest):
+        return _problem(h, corrupt, "digest mismatch")
+    return None
+
+
+def _scan(
+    bank: Bank,
+    index: HeaderIndex,
+    family: Family,
+    report: VerifyReport,
+    found: list[Problem],
+    tick: Callable[[], None],
+) -> list[Problem]:
+    """Check every record of a payload family against its header, in one pass.
+
+    One pass over the family's (key, value) pairs: RocksDB's iterator reads every blob
+    value even to list keys, so listing, then reading each record, would read them all
+    twice. Returns the records no header claims. If RocksDB fails mid-way (a damaged
+    file), the records not reached yet are read one by one, so one damaged record is
+    reported as such and the rest are still checked.
+    """
+    expected = {k: h for k, h in index.headers.items() if family is Family.BLOCKS or h.has_state}
+    seen: set[bytes] = set()
+    orphans: list[Problem] = []
+    orphan_kind: ProblemKind = "orphan_payload" if family is Family.BLOCKS else "orphan_state"
+    try:
+        for key, raw in bank.store.iterate(family):
+            seen.add(key)
+            if key in index.unreadable:
+                continue
+            h = expected.get(key)
+            if h is None:
+                what = "payload without a header" if family is Family.BLOCKS else "unannounced"
+                orphans.append(Problem(orphan_kind, key, what))
+                continue
+            _count(report, family, len(raw))
+            problem = _check_record(h, family, raw, None)
+            if problem is not None:
+                found.append(problem)
+            tick()
+        complete = True
+    except CorruptDataError:
+        complete = False
+    for key, h in expected.items():
+        if key in seen:
+            continue
+        record, unreadable = (None, None) if complete else read_record(bank, family, key)
+        _count(report, family, len(record) if record is not None else None)
+        problem = _check_record(h, family, record, unreadable)
+        if problem is not None:
+            found.append(problem)
+        tick()
+    return orphans
+
+
+def _count(report: VerifyReport, family: Family, size: int | None) -> None:
+    if family is Family.BLOCKS:
+        report.blocks_checked += 1
+    else:
+        report.states_checked += 1
+    report.bytes_checked += size or 0
 
 
 def read_record(bank: Bank, family: Family, key: bytes) -> tuple[bytes | None, str | None]:
@@ -205,19 +252,6 @@ def read_record(bank: Bank, family: Family, key: bytes) -> tuple[bytes | None, s
 
 def _size(bank: Bank, family: Family, key: bytes) -> int:
     return len(read_record(bank, family, key)[0] or b"")
-
-
-def _orphans(bank: Bank, index: HeaderIndex) -> list[Problem]:
-    """Payloads and states that no (readable or unreadable) header claims."""
-    out: list[Problem] = []
-    for key in bank.store.keys(Family.BLOCKS):
-        if key not in index.headers and key not in index.unreadable:
-            out.append(Problem("orphan_payload", key, "payload without a header"))
-    for key in bank.store.keys(Family.STATES):
-        h = index.headers.get(key)
-        if key not in index.unreadable and (h is None or h.state_digest is None):
-            out.append(Problem("orphan_state", key, "state no header announces"))
-    return out
 
 
 def _found(bank: Bank, index: HeaderIndex) -> dict[str, int]:
