@@ -31,6 +31,7 @@ from cas_bank.index.chain import Header
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 BLOCK_SIZE = 4  # small blocks keep arrays tiny while exercising many blocks
+PYTHON = sys.executable  # the interpreter for child processes
 
 
 # -- specs ------------------------------------------------------------------------
@@ -271,6 +272,3 @@ def quant_spec() -> ModelSpec:
 @pytest.fixture
 def hyb_spec() -> ModelSpec:
     return hybrid_spec()
-
-
-PYTHON = sys.executable
