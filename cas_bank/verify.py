@@ -203,24 +203,29 @@ def _scan(
     seen: set[bytes] = set()
     orphans: list[Problem] = []
     orphan_kind: ProblemKind = "orphan_payload" if family is Family.BLOCKS else "orphan_state"
-    try:
-        for key, raw in bank.store.iterate(family):
-            seen.add(key)
-            if key in index.unreadable:
-                continue
-            h = expected.get(key)
-            if h is None:
-                what = "payload without a header" if family is Family.BLOCKS else "unannounced"
-                orphans.append(Problem(orphan_kind, key, what))
-                continue
-            _count(report, family, len(raw))
-            problem = _check_record(h, family, raw, None)
-            if problem is not None:
-                found.append(problem)
-            tick()
-        complete = True
-    except CorruptDataError:
-        complete = False
+    walk = iter(bank.store.iterate(family))
+    complete = False
+    while True:
+        try:
+            key, raw = next(walk)
+        except StopIteration:
+            complete = True
+            break
+        except Exception:  # RocksDB failed mid-walk (a damaged file): read the rest singly
+            break
+        seen.add(key)
+        if key in index.unreadable:
+            continue
+        h = expected.get(key)
+        if h is None:
+            what = "payload without a header" if family is Family.BLOCKS else "unannounced"
+            orphans.append(Problem(orphan_kind, key, what))
+            continue
+        _count(report, family, len(raw))
+        problem = _check_record(h, family, raw, None)
+        if problem is not None:
+            found.append(problem)
+        tick()
     for key, h in expected.items():
         if key in seen:
             continue
