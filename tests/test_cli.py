@@ -254,3 +254,21 @@ def test_tools_run_beside_a_live_writer_and_leave_it_unharmed(tmp_path: Path) ->
         ns = bank.namespace(wide)
         for i in range(stored):
             assert ns.match(_writer_tokens(i)) == 16
+
+
+def test_large_tables_are_laid_out_like_rich_ones(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `RICH_TABLE_ROWS` rows `table` formats text itself (rich takes ~2 ms a row):
+    the output must be the same."""
+    from cas_bank.tools import common
+
+    cols = ["hash", "namespace", "depth", "size", "chains"]
+    rows = [("ab12", "fleet", 3, "640 B", 12), ("cd3456", "tiny-hybrid", 10, "1.2 KiB", 1)]
+    outputs = []
+    for limit in (len(rows), len(rows) - 1):
+        monkeypatch.setattr(common, "RICH_TABLE_ROWS", limit)
+        common.emit(common.table(cols, rows))
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert outputs[0].splitlines()[1] == "ab12    fleet            3  640 B        12"
