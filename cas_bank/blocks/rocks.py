@@ -8,7 +8,10 @@ Durability: `wal` (default) writes every batch to the write-ahead log, so a stor
 returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
 atomically: a crash may lose the stores since the last flush, never half a batch.
 A `read_only` open is frozen at open time; a `secondary` open follows the writer with
-`refresh()` and never takes the writer's lock.
+`refresh()` and never takes the writer's lock. RocksDB cannot read BlobDB values
+through a secondary instance (it crashes the process: facebook/rocksdb#13296), so a
+secondary store reads the payload families through a read-only instance that
+`refresh()` reopens right after catching up: payloads are never older than headers.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import gc
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -133,6 +137,21 @@ class RocksStore(BlockStore):
                 self._handles[f] = self._db.get_column_family_handle(f.value)
         self._write_opt: Any = cast(Any, WriteOptions())
         self._write_opt.disable_wal = durability == "fast"  # a property at run time
+        self._durability = durability
+        self._payload_reader: RocksStore | None = None
+        if mode == "secondary":
+            self._payload_reader = self._open_payload_reader()
+
+    def _open_payload_reader(self) -> RocksStore:
+        # The writer may delete a file (compaction) while a read-only open lists them.
+        for attempt in range(5):
+            try:
+                return RocksStore(self.path, mode="read_only", durability=self._durability)
+            except Exception as e:
+                if "No such file" not in str(e) or attempt == 4:
+                    raise
+                time.sleep(0.01 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _open_db(self, families: dict[str, Options], durability: str, access: Any) -> Any:
         def attempt() -> Any:
@@ -165,6 +184,8 @@ class RocksStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
+        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+            return self._payload_reader.get_many(family, keys)
         if family not in self._cf and self._db is not None:
             return [None] * len(keys)
         cf = self._family(family)
@@ -175,6 +196,8 @@ class RocksStore(BlockStore):
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
+        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+            return self._payload_reader.get(family, key)
         if family not in self._cf and self._db is not None:
             return None
         cf = self._family(family)
@@ -191,6 +214,8 @@ class RocksStore(BlockStore):
         return e
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+            return self._payload_reader.iterate(family, values=values)
         if family not in self._cf and self._db is not None:
             return iter(())
         # Iterators ignore the family's read options: payload walks (which read every
@@ -235,6 +260,9 @@ class RocksStore(BlockStore):
     def refresh(self) -> None:
         if self.mode == "secondary" and self._db is not None:
             self._db.try_catch_up_with_primary()
+            if self._payload_reader is not None:
+                old, self._payload_reader = self._payload_reader, self._open_payload_reader()
+                old.close()
 
     def disk_bytes(self) -> int | None:
         if self._db is None:
@@ -256,6 +284,9 @@ class RocksStore(BlockStore):
         """Close for real: drop every family handle so RocksDB releases its LOCK."""
         if self._db is None:
             return
+        if self._payload_reader is not None:
+            self._payload_reader.close()
+            self._payload_reader = None
         self.flush()
         for walk in list(self._walks):
             # ValueError: running in another thread right now; it ends with the db.
