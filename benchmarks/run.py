@@ -36,7 +36,9 @@ from typing import Any
 
 from benchmarks import fleet, restore, scale, ttft
 from benchmarks.ceilings import MiB, machine_ceilings
-from benchmarks.report import evaluate_targets, write_markdown, write_plot
+from benchmarks.plot import write_plot
+from benchmarks.report import write_markdown
+from benchmarks.targets import evaluate_targets
 
 HERE = Path(__file__).resolve().parent
 
@@ -121,7 +123,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     r = restore.RestoreSettings()
     if args.large:
         r = replace(r, lengths=(1024, 4096, 16384))
-    overhead = (
+    overhead: dict[str, Any] | None = (
         {"model": "medium-qwen3", "tokens": 1024, "repeats": 3}
         if args.large
         else {"model": "medium-qwen3", "tokens": 256, "repeats": 2}

@@ -1,0 +1,143 @@
+"""The targets of issue 7, judged against a results dict (as `results.json` holds it).
+
+One row per place a target was measured (every TTFT case, every restore size, the
+fleet, both lookup block sizes, the reopen, the store overhead), each met or missed;
+a missed one carries the top functions of its profile. Also the small formatters
+the report shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WAY_LABELS = {
+    "cold": "cold prefill",
+    "mlx_lm_file": "mlx-lm prompt-cache file",
+    "cas_bank_rocksdb": "cas_bank, RocksDB after reopen",
+    "cas_bank_hot": "cas_bank, hot tier",
+}
+
+
+def ms(s: float | None) -> str:
+    return "–" if s is None else f"{s * 1e3:.3f}" if s < 0.01 else f"{s * 1e3:.1f}"
+
+
+def mb(n: int | None) -> str:
+    return "–" if n is None else f"{n / 1e6:.2f}"
+
+
+def top_functions(profile: list[dict[str, Any]], n: int = 4) -> str:
+    return "; ".join(f"{r['function']} {r['own_share']:.0%}" for r in profile[:n])
+
+
+def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 7 against the measured figures: one row per place measured."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, measured: str, met: bool, where: str, why: str = "") -> None:
+        rows.append(
+            {"target": target, "measured": measured, "met": bool(met), "where": where, "why": why}
+        )
+
+    for c in r.get("ttft", {}).get("cases", []):
+        where = f"{c['model']}, {c['tokens']} tokens"
+        f = c["fractions"]
+        add(
+            "restore from RocksDB >= 0.5x raw read + memcpy",
+            f"{f['rocksdb_restore_of_ceiling']:.2f}x "
+            f"({ms(c['restore_s']['cas_bank_rocksdb'])} ms vs "
+            f"{ms(c['ceilings']['raw_read_plus_memcpy_s'])} ms)",
+            f["rocksdb_restore_of_ceiling"] >= 0.5,
+            where,
+            top_functions(c.get("profile_rocks", [])),
+        )
+        add(
+            "hot-tier restore >= 0.5x memcpy",
+            f"{f['hot_restore_of_memcpy']:.2f}x ({ms(c['restore_s']['cas_bank_hot'])} ms vs "
+            f"{ms(c['ceilings']['memcpy_s'])} ms)",
+            f["hot_restore_of_memcpy"] >= 0.5,
+            where,
+            top_functions(c.get("profile", [])),
+        )
+        add(
+            "restore faster than loading the mlx-lm file",
+            f"file load / restore = {f['file_load_over_rocksdb_restore']:.2f} "
+            f"({ms(c['restore_s']['mlx_lm_file'])} vs "
+            f"{ms(c['restore_s']['cas_bank_rocksdb'])} ms)",
+            f["file_load_over_rocksdb_restore"] > 1.0,
+            where,
+            top_functions(c.get("profile_rocks", [])),
+        )
+    for c in r.get("restore", {}).get("cases", []):
+        where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
+        f = c["fractions"]
+        add(
+            "restore from RocksDB >= 0.5x raw read + memcpy",
+            f"{f['rocksdb_restore_of_ceiling']:.2f}x ({ms(c['rocksdb_restore_s'])} ms vs "
+            f"{ms(c['raw_read_s'] + c['memcpy_s'])} ms)",
+            f["rocksdb_restore_of_ceiling"] >= 0.5,
+            where,
+            top_functions(c["profile_rocks"]),
+        )
+        add(
+            "hot-tier restore >= 0.5x memcpy",
+            f"{f['hot_restore_of_memcpy']:.2f}x ({ms(c['hot_restore_s'])} ms vs "
+            f"{ms(c['memcpy_s'])} ms)",
+            f["hot_restore_of_memcpy"] >= 0.5,
+            where,
+            top_functions(c["profile"]),
+        )
+        add(
+            "restore faster than loading the mlx-lm file",
+            f"file load / restore = {f['file_load_over_rocksdb_restore']:.2f} "
+            f"({ms(c['file_load_s'])} vs {ms(c['rocksdb_restore_s'])} ms)",
+            f["file_load_over_rocksdb_restore"] > 1.0,
+            where,
+            top_functions(c["profile_rocks"]),
+        )
+    fl = r.get("fleet")
+    if fl:
+        b = fl["bytes"]
+        add(
+            "fleet bytes on disk <= 1.1x lower bound",
+            f"{b['ratio_to_lower_bound']:.3f}x ({mb(b['cas_bank_dir'])} MB vs "
+            f"{mb(b['lower_bound'])} MB; "
+            f"session files {mb(b['session_files_latest'])} MB)",
+            b["ratio_to_lower_bound"] <= 1.1,
+            f"{fl['settings']['agents']} agents x {fl['settings']['turns']} turns",
+        )
+    sc = r.get("scale")
+    if sc:
+        lk = sc["lookup"]
+        add(
+            "lookup of a 32k-token prompt <= 1 ms p50",
+            f"{ms(lk['hit']['p50_s'])} ms p50, {ms(lk['hit']['p99_s'])} ms p99",
+            lk["hit"]["p50_s"] <= 1e-3,
+            f"{lk['tokens']} tokens, block_size {lk['block_size']} ({lk['blocks']} blocks), "
+            f"{sc['big_blocks']} blocks in the bank",
+            top_functions(lk.get("profile", [])),
+        )
+        add(
+            "lookup of a 32k-token prompt <= 1 ms p50",
+            f"{ms(lk['bs64']['hit']['p50_s'])} ms p50, {ms(lk['bs64']['hit']['p99_s'])} ms p99",
+            lk["bs64"]["hit"]["p50_s"] <= 1e-3,
+            f"{lk['tokens']} tokens, block_size 64 ({lk['bs64']['blocks']} blocks)",
+        )
+        ro = sc["reopen"]
+        add(
+            "reopen at 1M blocks <= 2x at 1k",
+            f"{ro['ratio']:.2f}x ({ms(ro['big_s'])} vs {ms(ro['small_s'])} ms)",
+            ro["ratio"] <= 2.0,
+            f"{sc['big_blocks']} vs {sc['small_blocks']} blocks",
+            top_functions(ro.get("profile", [])),
+        )
+    ov = r.get("store_overhead")
+    if ov:
+        add(
+            "store path adds <= 10% to a cold prefill (medium model)",
+            f"{ov['added']:+.1%} A/B ({ov['with_bank_s']:.2f} vs {ov['without_bank_s']:.2f} s); "
+            f"store alone {ov['store_share']:.2%} of the forward",
+            ov["added"] <= 0.10,
+            f"{ov['model']}, {ov['tokens']} tokens, {ov['repeats']} pairs",
+        )
+    return rows
