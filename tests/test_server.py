@@ -136,8 +136,14 @@ def test_agents_sharing_a_system_prompt_restore_it(server: Server) -> None:
     """The first agent's prefill captures the state at the end of the system message's
     full blocks (a branch hint from the chat structure), so from the second agent on
     every agent restores the whole shared system prompt."""
-    answers = [chat(server.url, conversation(f"agent {i} reporting")) for i in range(3)]
-    system_blocks = len(SYSTEM) // BLOCK * BLOCK  # the shared bytes' full blocks, at least
+    # A system prompt of its own: the module's server already holds SYSTEM's blocks.
+    system = "You review pull requests for a storage engine, briefly. " * 6
+
+    def agent(i: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": system}, {"role": "user", "content": f"agent {i}"}]
+
+    answers = [chat(server.url, agent(i)) for i in range(3)]
+    system_blocks = len(system) // BLOCK * BLOCK  # the shared bytes' full blocks, at least
     assert cached(answers[0]) == 0
     assert cached(answers[1]) >= system_blocks
     assert cached(answers[2]) >= system_blocks
