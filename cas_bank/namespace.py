@@ -18,7 +18,7 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family, Write
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
 from cas_bank.index.evict import enforce_budget
 from cas_bank.index.layout import (
     Assembler,
@@ -201,8 +201,26 @@ class Namespace:
         return longest_chain(self.bank.store, self.root, self.chain(tokens))
 
     def match(self, tokens: Any) -> int:
-        """Tokens a restore would cover, without reading payloads."""
-        return restore_blocks(self.matched(tokens), self.spec.is_hybrid) * self.block_size
+        """Tokens a restore would cover, without reading payloads.
+
+        Reads only what it needs: the chain's stored length by binary search and, for a
+        hybrid model, headers from its end back to the deepest one with a state.
+        """
+        hashes = self.chain(tokens)
+        store = self.bank.store
+        end = stored_prefix(store, hashes)
+        if not self.spec.is_hybrid:
+            return end * self.block_size
+        window = 8  # states sit near chain ends (the policy puts them there)
+        while end > 0:
+            lo = max(0, end - window)
+            headers = read_headers(store, hashes[lo:end])
+            for i in range(end - lo - 1, -1, -1):
+                header = headers[i]
+                if header is not None and header.has_state:
+                    return (lo + i + 1) * self.block_size
+            end = lo
+        return 0
 
     def plan_states(
         self,

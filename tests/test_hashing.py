@@ -161,7 +161,7 @@ def test_hashes_name_whole_prefixes(a: list[int], b: list[int]) -> None:
         (np.array([1.0, 2.0]), "token ids must be integers; got dtype float64"),
         (np.array([1, -3]), "token id -3 is outside [0, 2**32)"),
         (np.array([2**40], dtype=np.uint64), "token id 1099511627776 is outside [0, 2**32)"),
-        (mx.array([1.5, 2.0]), "token ids must be integers; got dtype float64"),
+        (mx.array([1.5, 2.0]), "token ids must be integers; got dtype float32"),
         (mx.array([1, -2]), "token id -2 is outside [0, 2**32)"),
     ],
 )

@@ -29,6 +29,7 @@ from typing import Any, Literal, cast
 
 from rocksdict import (
     AccessType,
+    BlockBasedOptions,
     DBCompressionType,
     Options,
     Rdict,
@@ -53,6 +54,11 @@ def _family_options(family: Family) -> Options:
         opt.set_blob_compression_type(DBCompressionType.none())
         opt.set_compression_type(DBCompressionType.none())
         opt.set_enable_blob_gc(True)
+    # Bloom filters: a lookup of a block that is not stored (every miss, and the binary
+    # search of `stored_prefix`) is answered without reading table blocks.
+    table = BlockBasedOptions()
+    table.set_bloom_filter(10, False)
+    opt.set_block_based_table_factory(table)
     return opt
 
 

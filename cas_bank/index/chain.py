@@ -112,15 +112,36 @@ def read_headers(store: BlockStore, hashes: Sequence[bytes]) -> list[Header | No
     return out
 
 
-def longest_chain(store: BlockStore, root: bytes, hashes: Sequence[BlockHash]) -> list[Header]:
-    """Headers of the longest stored prefix of the chain `hashes` (one multi-get).
+def stored_prefix(store: BlockStore, hashes: Sequence[BlockHash]) -> int:
+    """How many leading blocks of the chain `hashes` have a header: a binary search.
 
-    Stops at the first block that is missing or whose header does not link to the
-    block before it: a chain is never returned with a hole.
+    Valid because stored chains are prefix-closed: a block is written only with or
+    after its parent, and eviction and repair remove leaves (or whole subtrees) only.
+    A 32k-token miss then costs ~log2(blocks) point reads, not a read per block.
+    """
+    lo, hi = 0, len(hashes)  # blocks below lo are stored; blocks from hi on are not
+    if hi and store.get(Family.HEADERS, hashes[-1]) is not None:
+        return hi  # the whole chain: the common case of a prompt sent again
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if store.get(Family.HEADERS, hashes[mid]) is not None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def longest_chain(store: BlockStore, root: bytes, hashes: Sequence[BlockHash]) -> list[Header]:
+    """Headers of the longest stored prefix of the chain `hashes`.
+
+    `stored_prefix` finds its length, then one multi-get reads its headers. Stops at
+    the first block whose header is unreadable or does not link to the block before
+    it: a chain is never returned with a hole.
     """
     matched: list[Header] = []
     parent = root
-    for i, header in enumerate(read_headers(store, hashes)):
+    found = hashes[: stored_prefix(store, hashes)]
+    for i, header in enumerate(read_headers(store, found)):
         if header is None or header.parent != parent or header.index != i:
             break
         matched.append(header)
