@@ -322,8 +322,9 @@ def report_tables(report: DemoReport) -> list[Table]:
         f"{report.system_prompt_tokens} tokens)",
         title_justify="left",
         caption="cached: prompt tokens restored from the bank (whole blocks, up to a "
-        "boundary with a stored GDN state). The second agent's first turn stores the state "
-        "where the agents' prompts branch; every later agent restores the shared prompt.",
+        "boundary with a stored GDN state). The first agent's prefill stores the state at "
+        "the end of the system prompt's full blocks (the chat's branch point), so every "
+        "later agent restores the shared prompt.",
         caption_justify="left",
         box=box.SIMPLE_HEAD,
     )

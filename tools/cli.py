@@ -38,7 +38,7 @@ COMMAND_MODULES: list[ModuleType] = [
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="cas-bank",
-        description="Inspect, verify and move the blocks of a cas_bank prefix-cache bank. "
+        description="Serve models with a cas_bank prefix cache, and inspect, verify, move and prune the blocks of a bank. "
         "Hashes may be given by a unique hex prefix.",
     )
     parser.add_argument(
