@@ -38,8 +38,8 @@ COMMAND_MODULES: list[ModuleType] = [
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="cas-bank",
-        description="Serve models with a cas_bank prefix cache, and inspect, verify, move and prune the blocks of a bank. "
-        "Hashes may be given by a unique hex prefix.",
+        description="Serve models with a cas_bank prefix cache, and inspect, verify, move "
+        "and prune the blocks of a bank. Hashes may be given by a unique hex prefix.",
     )
     parser.add_argument(
         "--debug", action="store_true", help="show a traceback for unexpected errors"
