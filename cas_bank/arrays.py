@@ -6,6 +6,7 @@ is named by a short string (`"bfloat16"`) everywhere it is recorded on disk.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -85,14 +86,35 @@ class Destination:
 
     Restore copies every block once, straight into memory MLX owns (DESIGN.md §7).
     Only valid for an array nobody else holds yet; `array` is what to hand out.
+    Build several with `allocate`: one evaluation fills them all.
     """
 
     __slots__ = ("_dtype", "_storage", "array", "view")
 
     def __init__(self, shape: tuple[int, ...], dtype: DType) -> None:
-        storage_mx = mx.uint16 if dtype.name == "bfloat16" else dtype.mx_dtype
-        storage = mx.zeros(shape, dtype=storage_mx)
-        mx.eval(storage)
+        self._bind(_zeros(shape, dtype), shape, dtype, evaluated=False)
+
+    @classmethod
+    def allocate(cls, wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[Destination]:
+        """One destination per (shape, dtype), allocated by a single `mx.eval`.
+
+        MLX has no uninitialized allocation (`mx.empty` is `mx.zeros`), so the zero
+        fill stays; one evaluation instead of one per array saves its fixed costs.
+        """
+        storages = [_zeros(shape, dtype) for shape, dtype in wanted]
+        mx.eval(*storages)
+        out = []
+        for storage, (shape, dtype) in zip(storages, wanted, strict=True):
+            d = cls.__new__(cls)
+            d._bind(storage, shape, dtype, evaluated=True)
+            out.append(d)
+        return out
+
+    def _bind(
+        self, storage: mx.array, shape: tuple[int, ...], dtype: DType, *, evaluated: bool
+    ) -> None:
+        if not evaluated:
+            mx.eval(storage)
         view = np.asarray(storage)
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             # MLX did not export a plain buffer: assemble in numpy and copy once more.
@@ -109,3 +131,8 @@ class Destination:
         if self._storage is None:
             return from_numpy(self.view, self._dtype)
         return self.array
+
+
+def _zeros(shape: tuple[int, ...], dtype: DType) -> mx.array:
+    """An unevaluated zero array holding `dtype`'s bits (bf16 as uint16)."""
+    return mx.zeros(shape, dtype=mx.uint16 if dtype.name == "bfloat16" else dtype.mx_dtype)

@@ -138,18 +138,25 @@ class Assembler:
         self.block_size = block_size
         n = n_blocks * block_size
         self.specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
-        self.dests = [Destination(s.with_tokens(n), dtype_named(s.dtype)) for s in self.specs]
+        self.dests = Destination.allocate(
+            [(s.with_tokens(n), dtype_named(s.dtype)) for s in self.specs]
+        )
+        self._views = [d.view for d in self.dests]
+        # What each array of a block must be, checked before its copy.
+        self._fits = [
+            (s.with_tokens(block_size), d.view.dtype)
+            for s, d in zip(self.specs, self.dests, strict=True)
+        ]
 
     def put(self, index: int, block: Decoded) -> None:
-        if len(block.arrays) != len(self.dests):
-            raise CorruptDataError(
-                f"block holds {len(block.arrays)} arrays, expected {len(self.dests)}"
-            )
-        lo, hi = index * self.block_size, (index + 1) * self.block_size
-        for src, dest, s in zip(block.arrays, self.dests, self.specs, strict=True):
-            if src.shape != s.with_tokens(self.block_size) or src.dtype != dest.view.dtype:
+        arrays = block.arrays
+        if len(arrays) != len(self._views):
+            raise CorruptDataError(f"block holds {len(arrays)} arrays, expected {len(self._views)}")
+        at = (..., slice(index * self.block_size, (index + 1) * self.block_size), slice(None))
+        for src, view, (shape, dtype) in zip(arrays, self._views, self._fits, strict=True):
+            if src.shape != shape or src.dtype != dtype:
                 raise CorruptDataError(f"block array of shape {src.shape} does not fit the spec")
-            np.copyto(dest.view[..., lo:hi, :], src)
+            np.copyto(view[at], src)
 
     def layers(self, n_blocks: int) -> list[tuple[Any, ...] | None]:
         """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers."""
