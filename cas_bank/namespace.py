@@ -326,7 +326,7 @@ class Namespace:
                 if block is None:
                     break
                 try:
-                    assembler.put(i, block)
+                    assembler.put(i, block, later=from_hot)
                 except CorruptDataError as e:
                     self._corrupt(Family.BLOCKS, key, str(e))
                     break

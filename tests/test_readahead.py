@@ -1,6 +1,7 @@
 """Read-ahead: the background reader alone, and restores of blocks large enough that
 `Namespace.restore` reads them ahead (bit-identical results, corruption still a
-counted miss, the reader stopped when a restore stops early).
+counted miss, the reader stopped when a restore stops early); and hot restores large
+enough that the assembler copies them on two threads.
 
 Real RocksDB under tmp_path and real MLX arrays; blocks of 256 KiB (the smallest that
 read ahead), four of them.
@@ -20,6 +21,7 @@ from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import Family
 from cas_bank.index.chain import read_headers
+from cas_bank.index.layout import _TWO_THREADS_FROM
 
 BIG = 64  # tokens per block: 2 arrays x 64 tokens x 8 heads x 128 x fp16 = 256 KiB
 
@@ -111,3 +113,24 @@ def test_read_ahead_stops_at_a_corrupt_block(bank_path: Path, how: str) -> None:
         assert bank.stats().corrupt_reads == 1
         assert chain[2] in bank.suspect
     assert not _readers()
+
+
+def test_a_large_hot_restore_copied_on_two_threads_is_bit_identical(bank_path: Path) -> None:
+    spec = big_spec()
+    n_blocks = _TWO_THREADS_FROM // (256 * 1024)  # just enough bytes for the second thread
+    tokens = tokens_of(np.random.default_rng(41), n_blocks * BIG + 5)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=BIG, hot_bytes=64 << 20)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)  # written through: every block is hot
+        first = ns.restore(tokens)
+        second = ns.restore(tokens)  # decoded views this time: no check, no read
+        assert first is not None and second is not None
+        want = kv_prefix_bits(layers, spec, n_blocks * BIG)
+        assert layers_bits(first.layers, spec) == want == layers_bits(second.layers, spec)
+        assert bank.stats().hot_hits == 2 * n_blocks
+        # Fresh arrays each time: nothing shared between two restores.
+        k1, k2 = first.layers[0][0], second.layers[0][0]  # type: ignore[index]
+        k1[..., :1, :] = 0
+        assert layers_bits(second.layers, spec) == want
+        assert k2 is not k1

@@ -8,6 +8,7 @@ state arrays. Both go through `blocks.codec`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_nump
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.spec import LayerSpec, ModelSpec
+
+_TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, starting a thread costs more than it saves
 
 
 def _flatten_kv(layer: Any) -> list[Any]:
@@ -131,7 +134,12 @@ def encode_state(state_arrays: list[mx.array], compression: Compression) -> byte
 
 
 class Assembler:
-    """Copies decoded blocks straight into fresh MLX arrays (one copy per block)."""
+    """Copies decoded blocks straight into fresh MLX arrays (one copy per block).
+
+    A block put `later` (one already in memory, from the hot tier) is copied when the
+    arrays are handed out, on two threads when there is enough to copy: one core
+    alone does not reach the memory bandwidth, and `np.copyto` releases the GIL.
+    """
 
     def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int) -> None:
         self.spec = spec
@@ -147,19 +155,60 @@ class Assembler:
             (s.with_tokens(block_size), d.view.dtype)
             for s, d in zip(self.specs, self.dests, strict=True)
         ]
+        self._later: list[tuple[int, list[np.ndarray]]] = []
+        self._later_bytes = 0
 
-    def put(self, index: int, block: Decoded) -> None:
+    def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
+        """Check `block` against the spec (`CorruptDataError` if it does not fit) and
+        copy it in as block `index`, now or (`later`) when `layers` is called."""
         arrays = block.arrays
         if len(arrays) != len(self._views):
             raise CorruptDataError(f"block holds {len(arrays)} arrays, expected {len(self._views)}")
-        at = (..., slice(index * self.block_size, (index + 1) * self.block_size), slice(None))
-        for src, view, (shape, dtype) in zip(arrays, self._views, self._fits, strict=True):
+        for src, (shape, dtype) in zip(arrays, self._fits, strict=True):
             if src.shape != shape or src.dtype != dtype:
                 raise CorruptDataError(f"block array of shape {src.shape} does not fit the spec")
-            np.copyto(view[at], src)
+        if later:
+            self._later.append((index, arrays))
+            self._later_bytes += sum(a.nbytes for a in arrays)
+        else:
+            self._copy([(index, arrays)], 0, len(self._views))
+
+    def _copy(self, blocks: list[tuple[int, list[np.ndarray]]], lo: int, hi: int) -> None:
+        """Copy arrays lo..hi-1 of `blocks` into place."""
+        size = self.block_size
+        views = self._views[lo:hi]
+        for index, arrays in blocks:
+            at = (..., slice(index * size, (index + 1) * size), slice(None))
+            for src, view in zip(arrays[lo:hi], views, strict=True):
+                np.copyto(view[at], src)
+
+    def _copy_later(self, n_blocks: int) -> None:
+        blocks = [b for b in self._later if b[0] < n_blocks]
+        n = len(self._views)
+        self._later, later_bytes, self._later_bytes = [], self._later_bytes, 0
+        if later_bytes < _TWO_THREADS_FROM or n < 2:
+            self._copy(blocks, 0, n)
+            return
+        failed: list[BaseException] = []
+
+        def second_half() -> None:
+            try:
+                self._copy(blocks, n // 2, n)
+            except BaseException as e:  # re-raised below, on the caller's thread
+                failed.append(e)
+
+        helper = threading.Thread(target=second_half, name="cas_bank-copy")
+        helper.start()
+        try:
+            self._copy(blocks, 0, n // 2)
+        finally:
+            helper.join()
+        if failed:
+            raise failed[0]
 
     def layers(self, n_blocks: int) -> list[tuple[Any, ...] | None]:
         """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers."""
+        self._copy_later(n_blocks)
         n = n_blocks * self.block_size
         arrays = [d.finish() for d in self.dests]
         if arrays and arrays[0].shape[-2] != n:
