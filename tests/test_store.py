@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from cas_bank.blocks.store import BlockStore, Family, MemoryStore
 BIG = bytes(range(256)) * 400  # 100 KiB: above BlobDB's min blob size
 
 
-class StoreConformance:
+class StoreConformance(ABC):
     """Behaviour every `BlockStore` backend must show. Subclasses define `make`."""
 
     persistent = False
@@ -39,8 +40,9 @@ class StoreConformance:
         finally:
             s.close()
 
+    @abstractmethod
     def make(self, tmp_path: Path) -> BlockStore:
-        raise NotImplementedError
+        """A new, empty store of the backend under test, living under `tmp_path`."""
 
     def test_absent_keys_read_as_none(self, store: BlockStore) -> None:
         assert store.get_many(Family.HEADERS, [b"a", b"b"]) == [None, None]
