@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import kv_prefix_bits, layers_bits, prefix_layers, tokens_of
-from test_bank import _corrupt
+from test_bank_corruption import _corrupt
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
