@@ -1,0 +1,152 @@
+"""Reading payloads for a restore: hot tier first, then the store, every payload
+checked against its header's digest, big chains read one block ahead.
+
+A payload that is missing under its header or fails its digest is a miss that is
+counted (`corrupt_reads`), marked suspect (the next store of it rewrites it) and
+logged, never an exception in the runtime's face and never wrong data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
+from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.layout import Assembler, decode_state
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+
+# A payload decoded and verified, None if absent, or why it failed; and whether it was hot.
+_Fetched = tuple[codec.Decoded | CorruptDataError | None, bool]
+
+log = logging.getLogger("cas_bank")
+
+
+class PayloadReader:
+    """Reads and verifies one namespace's block and state payloads."""
+
+    def __init__(self, bank: Bank, spec: ModelSpec) -> None:
+        self.bank = bank
+        self.spec = spec
+
+    def assemble(self, headers: Sequence[Header], assembler: Assembler) -> tuple[int, int]:
+        """Reads, verifies and copies the payloads of `headers` in order, up to the first
+        missing or corrupt one; returns (blocks assembled, hot-tier hits).
+
+        From the first payload read from the store on, if enough bytes remain, the rest
+        are read and verified on a background thread one block ahead (`ReadAhead`)
+        while this one copies.
+        """
+        items = [(h.chain_hash, h.payload_digest) for h in headers]
+        hot_hits = 0
+        ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
+        results: Iterator[_Fetched] | None = None
+        i = 0
+        try:
+            for i, (key, expected) in enumerate(items):
+                if results is None:
+                    value, from_hot = self._fetch(Family.BLOCKS, key, expected)
+                    if not from_hot and worth_reading_ahead(
+                        [h.payload_size for h in headers[i + 1 :]]
+                    ):
+                        ahead = ReadAhead(self._fetch_block, items[i + 1 :], depth=1)
+                        results = iter(ahead)
+                else:
+                    value, from_hot = next(results)
+                hot_hits += from_hot
+                block = self._verified(Family.BLOCKS, key, value)
+                if block is None:
+                    break
+                try:
+                    assembler.put(i, block, later=from_hot)
+                except CorruptDataError as e:
+                    self._corrupt(Family.BLOCKS, key, str(e))
+                    break
+            else:
+                i = len(items)
+        finally:
+            if ahead is not None:
+                ahead.close()
+        return i, hot_hits
+
+    def _fetch(self, family: Family, key: bytes, expected: bytes) -> _Fetched:
+        """A payload decoded and checked against `expected`, None if absent, or the
+        `CorruptDataError` it failed with; and whether it came from the hot tier.
+
+        Counts nothing, so it may run on a read-ahead thread.
+        """
+        hot = self.bank.hot
+        if hot is not None:
+            cached = hot.lookup(family, key, expected)
+            if isinstance(cached, codec.Decoded):
+                return cached, True  # no digest check: verified when it got hot
+            raw, from_hot = cached, cached is not None
+        else:
+            raw, from_hot = None, False
+        try:
+            if raw is None:
+                raw = self.bank.store.get(family, key)
+                if raw is None:
+                    return None, False
+            block = codec.decode(raw, expected)
+        except CorruptDataError as e:  # the digest, or RocksDB's own checks, failed
+            return e, from_hot
+        if hot is not None:
+            hot.keep_decoded(family, key, raw, expected, block)
+        return block, from_hot
+
+    def _fetch_block(self, item: tuple[bytes, bytes]) -> _Fetched:
+        return self._fetch(Family.BLOCKS, *item)
+
+    def _verified(
+        self, family: Family, key: bytes, fetched: codec.Decoded | CorruptDataError | None
+    ) -> codec.Decoded | None:
+        """The block `_fetch` returned, or None after counting why there is none."""
+        if isinstance(fetched, codec.Decoded):
+            return fetched
+        if fetched is not None:
+            self._corrupt(family, key, str(fetched))
+        elif not self._evicted(family, key):
+            self._corrupt(family, key, "payload missing under a stored header")
+        return None
+
+    def _read(self, family: Family, key: bytes, expected: bytes) -> codec.Decoded | None:
+        fetched, from_hot = self._fetch(family, key, expected)
+        if from_hot:
+            self.bank.counters.add(hot_hits=1)
+        return self._verified(family, key, fetched)
+
+    def _evicted(self, family: Family, key: bytes) -> bool:
+        """Whether a payload missing under a header just read was evicted since (a miss)."""
+        header = read_headers(self.bank.store, [key])[0]
+        return header is None or (family is Family.STATES and not header.has_state)
+
+    def read_state(self, header: Header) -> list[mx.array] | None:
+        assert header.state_digest is not None
+        block = self._read(Family.STATES, header.chain_hash, header.state_digest)
+        if block is None:
+            return None
+        try:
+            return decode_state(self.spec, block)
+        except CorruptDataError as e:
+            self._corrupt(Family.STATES, header.chain_hash, str(e))
+            return None
+
+    def _corrupt(self, family: Family, key: bytes, why: str) -> None:
+        self.bank.counters.add(corrupt_reads=1)
+        self.bank.suspect.add(key)
+        log.warning(
+            "cas_bank: %s %s failed verification (%s); served as a miss",
+            family.value,
+            key.hex()[:16],
+            why,
+        )
