@@ -2,12 +2,32 @@
 
 `PrefixCache` is the integration (restore before prefill, store after); the models
 module builds the embedded tiny models and loads local mlx-lm directories.
+
+The names below are imported on first use: `cas_bank.runtime.tokenizer` (what the
+inspection tools need to decode a block's text) then loads without mlx-lm.
 """
 
-from cas_bank.runtime.model_spec import spec_for_model
-from cas_bank.runtime.models import LoadedModel, build_model, load_model, save_model
-from cas_bank.runtime.prefix_cache import PrefillReport, PrefixCache
-from cas_bank.runtime.state_recorder import StateRecorder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cas_bank.runtime.model_spec import spec_for_model
+    from cas_bank.runtime.models import LoadedModel, build_model, load_model, save_model
+    from cas_bank.runtime.prefix_cache import PrefillReport, PrefixCache
+    from cas_bank.runtime.state_recorder import StateRecorder
+
+_HOMES = {
+    "spec_for_model": "model_spec",
+    "LoadedModel": "models",
+    "build_model": "models",
+    "load_model": "models",
+    "save_model": "models",
+    "PrefillReport": "prefix_cache",
+    "PrefixCache": "prefix_cache",
+    "StateRecorder": "state_recorder",
+}
 
 __all__ = [
     "LoadedModel",
@@ -19,3 +39,12 @@ __all__ = [
     "save_model",
     "spec_for_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
