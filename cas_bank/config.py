@@ -26,7 +26,8 @@ class BankConfig(BaseModel):
 
     durability: Literal["wal", "fast"] = "wal"
     """`wal`: every store survives a crash once `store` returns. `fast`: no WAL, atomic
-    flushes; a crash may lose the last unflushed stores, never half a block."""
+    flushes; RocksDB flushes when a family's memtable fills (64 MiB by default) and at
+    close, so a crash may lose the stores since the last flush, never half a block."""
 
     max_bytes: int | None = Field(default=None, ge=0)
     """Disk budget for payloads and states; None means unbounded."""
