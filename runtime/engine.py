@@ -160,7 +160,11 @@ class Engine:
             head += 1
         if head == 0 or head == len(messages):
             return ()
-        rendered = chat_tokens(self.loaded.tokenizer, messages[:head])
+        try:
+            rendered = chat_tokens(self.loaded.tokenizer, messages[:head])
+        except Exception:  # some templates refuse a conversation without a user turn
+            log.debug("no branch hint: the template cannot render the system messages alone")
+            return ()
         shared = 0  # templates may append a generation prompt: keep the common prefix
         for a, b in zip(rendered, prompt, strict=False):
             if a != b:
