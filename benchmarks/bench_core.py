@@ -35,6 +35,7 @@ import lz4.block
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.ceilings import median, sample
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks import codec
 from cas_bank.blocks.rocks import RocksStore
@@ -58,14 +59,7 @@ def timed(
     fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None
 ) -> float:
     """Median seconds of `repeats` calls of `fn`, each after an untimed `setup()`."""
-    out = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return median(sample(fn, repeats, setup))
 
 
 def memcpy_seconds(chunks: Sequence[bytes], repeats: int) -> float:
@@ -307,32 +301,13 @@ def bench_lz4() -> list[str]:
     rng = np.random.default_rng(0)
     normal = rng.standard_normal(4 * MiB // 2).astype(np.float16).tobytes()
     lines = [f"  random normal fp16 (4 MiB): ratio {lz4_ratio(normal):.3f}"]
-    try:
-        from mlx_lm.models.cache import make_prompt_cache
-        from mlx_lm.utils import _get_classes
-    except ImportError:
-        return [*lines, "  (mlx-lm not installed: no model cache measured)"]
-    cfg = dict(
-        model_type="qwen3",
-        hidden_size=256,
-        num_hidden_layers=4,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        rms_norm_eps=1e-6,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    )
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
+    from cas_bank.runtime.models import build_model
+    from mlx_lm.models.cache import make_prompt_cache
+
     for dtype in (mx.float16, mx.bfloat16):
-        model.set_dtype(dtype)
+        model = build_model("tiny-qwen3", seed=0, dtype=dtype).model
         cache = make_prompt_cache(model)
-        tokens = mx.array([[int(t) for t in rng.integers(0, 1024, 512)]])
+        tokens = mx.array([[int(t) for t in rng.integers(0, 256, 512)]])
         model(tokens, cache=cache)
         parts = []
         for c in cache:
@@ -343,7 +318,7 @@ def bench_lz4() -> list[str]:
         data = b"".join(parts)
         name = "fp16" if dtype == mx.float16 else "bf16"
         lines.append(
-            f"  tiny qwen3 (random weights) KV cache, {name}, 512 tokens "
+            f"  tiny-qwen3 (random weights) KV cache, {name}, 512 tokens "
             f"({len(data) / MiB:.1f} MiB): ratio {lz4_ratio(data):.3f}"
         )
     return lines
