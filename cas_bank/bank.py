@@ -106,10 +106,25 @@ class Bank:
 
     # -- bookkeeping ---------------------------------------------------------------
     def write(self, writes: list[Write]) -> None:
-        """One atomic batch, carrying the counters changed with it and pending last uses."""
-        batch = writes + self.access.drain() + self.counters.writes()
+        """One atomic batch, carrying the counters changed with it and pending last uses.
+
+        Called with `write_lock` held (stores, eviction, repair)."""
+        batch = writes + self._live_uses(writes) + self.counters.writes()
         self.store.put_batch(batch)
         self.access.observe(batch)
+
+    def _live_uses(self, writes: list[Write]) -> list[Write]:
+        """Pending last uses, less those of blocks evicted since they were recorded.
+
+        A restore records its uses without the write lock, so it may record a block
+        that an eviction has just removed: that record would outlive its block.
+        """
+        drained = self.access.drain()
+        index = self.access.index  # built by the first eviction; none before, none evicted
+        if index is None or not drained:
+            return drained
+        written = {key for family, key, value in writes if family is Family.HEADERS and value}
+        return [w for w in drained if w[1][:32] in index.nodes or w[1][:32] in written]
 
     def stats(self) -> BankStats:
         v = self.counters.values()
@@ -127,10 +142,19 @@ class Bank:
         self.store.refresh()
         self.counters.reload(self.store)
 
-    def flush(self) -> None:
-        """Persist the activity counters and last uses now (they also ride along stores)."""
-        if not self.read_only:
-            self.store.put_batch(self.access.drain() + self.counters.writes())
+    def flush(self, *, wait: bool = True) -> None:
+        """Persist the activity counters and last uses now (they also ride along stores).
+
+        `wait=False` (a restore's periodic flush) skips the flush while a store holds the
+        write lock: that store's batch carries the same records, and cutting in between
+        its recording of uses and its write would write them without its blocks.
+        """
+        if self.read_only or not self.write_lock.acquire(blocking=wait):
+            return
+        try:
+            self.store.put_batch(self._live_uses([]) + self.counters.writes())
+        finally:
+            self.write_lock.release()
 
     def close(self) -> None:
         """Persist counters and release the directory (its lock too)."""

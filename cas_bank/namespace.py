@@ -111,7 +111,12 @@ class Namespace:
 
         with bank.write_lock:
             # Another thread may have written some of these since the first look.
-            current = read_headers(bank.store, hashes) if (payloads or state_payloads) else existing
+            damaged: set[int] = set()  # header records present but unreadable
+            current = (
+                read_headers(bank.store, hashes, damaged)
+                if (payloads or state_payloads)
+                else existing
+            )
             # Eviction may have removed a block seen at the first look: cut it again,
             # or the new blocks below it would leave a hole in the chain.
             lost = [i for i, h in enumerate(current) if h is None and i not in payloads]
@@ -143,7 +148,11 @@ class Namespace:
                 writes.append((Family.BLOCKS, hashes[i], payload))
                 written += 1
                 bytes_written += len(payload)
-                if old is None:
+                if i in damaged:
+                    # Repairing a damaged header: the counters already hold this block.
+                    stale = bank.store.get(Family.BLOCKS, hashes[i])
+                    deltas["payload_bytes"] += len(payload) - len(stale or b"")
+                elif old is None:
                     deltas["blocks"] += 1
                     deltas["payload_bytes"] += len(payload)
                 else:
@@ -286,10 +295,14 @@ class Namespace:
             state_at = [hashes[n_blocks - 1]] if state is not None else []
             self.bank.access.touch(hashes[:n_blocks], state_at)
             if self.bank.access.due():
-                self.bank.flush()
+                self.bank.flush(wait=False)
         if not n_blocks or assembler is None:
             return None
         kv = assembler.layers(n_blocks)
         if state is not None:
             kv = merge_layers(kv, group_layers(self.spec, None, state))
+        # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
+        # thread's MLX stream, and runtimes may restore on one thread and prefill on
+        # another. The views share their buffers, so this copies nothing.
+        mx.eval(kv)
         return Hit(tokens=n_blocks * self.block_size, layers=kv, blocks=hashes[:n_blocks])

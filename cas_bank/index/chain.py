@@ -98,10 +98,17 @@ class Header:
         )
 
 
-def read_headers(store: BlockStore, hashes: Sequence[bytes]) -> list[Header | None]:
-    """Headers of `hashes` in one multi-get; None where absent or unreadable."""
+def read_headers(
+    store: BlockStore, hashes: Sequence[bytes], damaged: set[int] | None = None
+) -> list[Header | None]:
+    """Headers of `hashes` in one multi-get; None where absent or unreadable.
+
+    `damaged`, when given, receives the positions of records present but unreadable.
+    """
     out: list[Header | None] = []
-    for h, raw in zip(hashes, store.get_many(Family.HEADERS, list(hashes)), strict=True):
+    for i, (h, raw) in enumerate(
+        zip(hashes, store.get_many(Family.HEADERS, list(hashes)), strict=True)
+    ):
         if raw is None:
             out.append(None)
             continue
@@ -109,6 +116,8 @@ def read_headers(store: BlockStore, hashes: Sequence[bytes]) -> list[Header | No
             out.append(Header.decode(h, raw))
         except CorruptDataError:
             out.append(None)
+            if damaged is not None:
+                damaged.add(i)
     return out
 
 
