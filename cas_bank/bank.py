@@ -73,14 +73,14 @@ class Bank:
         path = Path(path)
         config = config or BankConfig()
         store = RocksStore(path, mode=mode, durability=config.durability)
-        try:
+        try:  # anything failing here must not keep the directory's LOCK
             config = _check_settings(store, path, config)
+            if config.hot_bytes > 0:
+                return cls(path, config, HotStore(store, config.hot_bytes))
+            return cls(path, config, store)
         except BaseException:
             store.close()
             raise
-        if config.hot_bytes > 0:
-            return cls(path, config, HotStore(store, config.hot_bytes))
-        return cls(path, config, store)
 
     # -- namespaces ----------------------------------------------------------------
     def namespace(self, spec: ModelSpec) -> Namespace:
