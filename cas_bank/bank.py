@@ -49,7 +49,10 @@ class Bank:
         self.counters = Counters(store)
         # One writer lock per bank: stores decide what is new and write it atomically.
         self.write_lock = threading.RLock()
-        self.suspect: set[bytes] = set()  # chain hashes whose payloads failed to verify
+        # Chain hashes whose block payload (or state) failed to verify: the next store of
+        # them rewrites that record, even though its header says it is there.
+        self.suspect: set[bytes] = set()
+        self.suspect_states: set[bytes] = set()
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
         self.hot = store if isinstance(store, HotStore) else None
         # Last uses, recorded in memory and written in batches (see index.evict).

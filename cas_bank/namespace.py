@@ -106,7 +106,7 @@ class Namespace:
         for b, st in checked_states.items():
             i = b // self.block_size - 1
             h = existing[i]
-            if h is None or not h.has_state or hashes[i] in bank.suspect:
+            if h is None or not h.has_state or hashes[i] in bank.suspect_states:
                 state_payloads[i] = encode_state(st, compression)
 
         with bank.write_lock:
@@ -125,6 +125,7 @@ class Namespace:
                 payloads.update({i: cutter.payload(i, compression) for i in lost})
             writes: list[Write] = []
             headers: dict[int, Header] = {}
+            state_writes: list[int] = []
             written = bytes_written = states_written = 0
             deltas = {"payload_bytes": 0, "state_bytes": 0, "blocks": 0, "states": 0}
             for i, payload in payloads.items():
@@ -160,9 +161,10 @@ class Namespace:
             for i, payload in state_payloads.items():
                 base = headers.get(i) or current[i]
                 assert base is not None, "a state's block is stored with it or before it"
-                if base.has_state and hashes[i] not in bank.suspect:
+                if base.has_state and hashes[i] not in bank.suspect_states:
                     continue
                 headers[i] = base.with_state(codec.embedded_digest(payload), len(payload))
+                state_writes.append(i)
                 writes.append((Family.STATES, hashes[i], payload))
                 states_written += 1
                 bytes_written += len(payload)
@@ -189,7 +191,8 @@ class Namespace:
                 # Nothing was stored: the counters must not say otherwise.
                 bank.counters.add(**{k: -v for k, v in counted.items()})
                 raise
-            bank.suspect.difference_update(hashes[i] for i in headers)
+            bank.suspect.difference_update(hashes[i] for i in payloads if i in headers)
+            bank.suspect_states.difference_update(hashes[i] for i in state_writes)
             enforce_budget(bank)
 
         return StoreReport(

@@ -348,5 +348,6 @@ def _fix(
             + [access_key(k, True) for k in report.removed_states]
         )
         bank.suspect.difference_update(report.removed_blocks)
+        bank.suspect_states.difference_update([*report.removed_blocks, *report.removed_states])
         bank.write(writes)
     report.fixed = True

@@ -101,7 +101,8 @@ def test_corrupt_state_steps_back_to_an_intact_one(bank_path: Path, hyb_spec: Mo
         assert state_bits(hit.layers, hyb_spec) == state_bits(states[B], hyb_spec)
         assert layers_bits(hit.layers, hyb_spec) == kv_prefix_bits(layers, hyb_spec, B)
         assert bank.stats().corrupt_reads == 1
-        ns.store(tokens, layers, {3 * B: states[3 * B]})  # heals the state
+        report = ns.store(tokens, layers, {3 * B: states[3 * B]})  # heals the state
+        assert (report.states_written, report.blocks_written) == (1, 0)  # the state alone
         hit = ns.restore(tokens)
         assert hit is not None and hit.tokens == 3 * B
         assert state_bits(hit.layers, hyb_spec) == state_bits(states[3 * B], hyb_spec)

@@ -202,3 +202,4 @@ def _commit(bank: Bank, writes: list[Write], evicted: list[Evicted]) -> None:
         bank.access.index = None  # no longer mirrors the disk: rebuild on next use
         raise
     bank.suspect.difference_update(e.chain_hash for e in evicted if e.kind == "block")
+    bank.suspect_states.difference_update(e.chain_hash for e in evicted)

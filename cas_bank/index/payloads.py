@@ -143,7 +143,7 @@ class PayloadReader:
 
     def _corrupt(self, family: Family, key: bytes, why: str) -> None:
         self.bank.counters.add(corrupt_reads=1)
-        self.bank.suspect.add(key)
+        (self.bank.suspect_states if family is Family.STATES else self.bank.suspect).add(key)
         log.warning(
             "cas_bank: %s %s failed verification (%s); served as a miss",
             family.value,
