@@ -112,8 +112,13 @@ class Bank:
         """One atomic batch, carrying the counters changed with it and pending last uses.
 
         Called with `write_lock` held (stores, eviction, repair)."""
-        batch = writes + self._live_uses(writes) + self.counters.writes()
-        self.store.put_batch(batch)
+        uses = self._live_uses(writes)
+        batch = writes + uses + self.counters.writes()
+        try:
+            self.store.put_batch(batch)
+        except BaseException:
+            self.access.requeue(uses)  # the uses happened; they go with the next batch
+            raise
         self.access.observe(batch)
 
     def _live_uses(self, writes: list[Write]) -> list[Write]:
@@ -155,7 +160,12 @@ class Bank:
         if self.read_only or not self.write_lock.acquire(blocking=wait):
             return
         try:
-            self.store.put_batch(self._live_uses([]) + self.counters.writes())
+            uses = self._live_uses([])
+            try:
+                self.store.put_batch(uses + self.counters.writes())
+            except BaseException:
+                self.access.requeue(uses)
+                raise
         finally:
             self.write_lock.release()
 

@@ -6,10 +6,12 @@ blocks; a damaged header is repaired without counting its block twice."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 from conftest import (
     flat_arrays,
     hybrid_spec,
@@ -20,7 +22,7 @@ from test_evict import counted, recount
 
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
-from cas_bank.blocks.store import Family
+from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.index.evict import evict_to_budget
 
 B = 4
@@ -98,3 +100,39 @@ def test_a_damaged_header_is_repaired_without_counting_its_block_twice(bank_path
         report = ns.store(tokens, prefix_layers(spec, tokens))
         assert report.blocks_written == 1  # the damaged block, rewritten
         assert counted(bank) == recount(bank)
+
+
+class RefusingWrites(BlockStore):
+    """Our own store wrapper whose writes fail (a full disk, say); reads pass through."""
+
+    def __init__(self, inner: BlockStore) -> None:
+        self.inner = inner
+
+    def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        return self.inner.get_many(family, keys)
+
+    def put_batch(self, writes: Sequence[Write]) -> None:
+        raise OSError("No space left on device")
+
+    def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        return self.inner.iterate(family, values=values)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_last_uses_survive_a_failed_write(bank_path: Path) -> None:
+    spec = hybrid_spec()
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        ns = bank.namespace(spec)
+        tokens = list(range(2 * B))
+        key = ns.store(tokens, prefix_layers(spec, tokens)).chain[0]
+        bank.access.touch([key])
+        inner, bank.store = bank.store, RefusingWrites(bank.store)
+        with pytest.raises(OSError):
+            bank.flush()
+        assert bank.access.pending(key) is not None  # kept for the next batch
+        bank.store = inner
+        bank.flush()
+        assert bank.access.pending(key) is None
+        assert bank.store.get(Family.ACCESS, key) is not None

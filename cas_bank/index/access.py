@@ -87,6 +87,15 @@ class AccessLog:
             self._last_flush = self.clock()
         return [(Family.ACCESS, k, TIME.pack(t)) for k, t in pending.items()]
 
+    def requeue(self, writes: Sequence[Write]) -> None:
+        """Put drained uses back after their batch failed (newer uses win)."""
+        with self._lock:
+            for _family, key, value in writes:
+                if value is not None:
+                    t = TIME.unpack(value)[0]
+                    if self._pending.get(key, -1.0) < t:
+                        self._pending[key] = t
+
     def pending(self, key: bytes) -> float | None:
         return self._pending.get(key)
 
