@@ -125,8 +125,9 @@ class Namespace:
                 payloads.update({i: cutter.payload(i, compression) for i in lost})
             writes: list[Write] = []
             headers: dict[int, Header] = {}
-            state_writes: list[int] = []
-            written = bytes_written = states_written = 0
+            block_writes: list[int] = []  # positions whose block payload is written
+            state_writes: list[int] = []  # positions whose state is written
+            bytes_written = 0
             deltas = {"payload_bytes": 0, "state_bytes": 0, "blocks": 0, "states": 0}
             for i, payload in payloads.items():
                 old = current[i]
@@ -146,8 +147,8 @@ class Namespace:
                     state_size=old.state_size if old else 0,
                 )
                 headers[i] = header
+                block_writes.append(i)
                 writes.append((Family.BLOCKS, hashes[i], payload))
-                written += 1
                 bytes_written += len(payload)
                 if i in damaged:
                     # Repairing a damaged header: the counters already hold this block.
@@ -166,7 +167,6 @@ class Namespace:
                 headers[i] = base.with_state(codec.embedded_digest(payload), len(payload))
                 state_writes.append(i)
                 writes.append((Family.STATES, hashes[i], payload))
-                states_written += 1
                 bytes_written += len(payload)
                 if base.has_state:
                     deltas["state_bytes"] += len(payload) - base.state_size
@@ -174,6 +174,7 @@ class Namespace:
                     deltas["states"] += 1
                     deltas["state_bytes"] += len(payload)
             writes += [(Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items()]
+            written, states_written = len(block_writes), len(state_writes)
             counted = dict(
                 stores=1,
                 logical_tokens=len(hashes) * self.block_size,
@@ -191,7 +192,7 @@ class Namespace:
                 # Nothing was stored: the counters must not say otherwise.
                 bank.counters.add(**{k: -v for k, v in counted.items()})
                 raise
-            bank.suspect.difference_update(hashes[i] for i in payloads if i in headers)
+            bank.suspect.difference_update(hashes[i] for i in block_writes)
             bank.suspect_states.difference_update(hashes[i] for i in state_writes)
             enforce_budget(bank)
 
