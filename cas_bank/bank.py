@@ -160,12 +160,7 @@ class Bank:
         if self.read_only or not self.write_lock.acquire(blocking=wait):
             return
         try:
-            uses = self._live_uses([])
-            try:
-                self.store.put_batch(uses + self.counters.writes())
-            except BaseException:
-                self.access.requeue(uses)
-                raise
+            self.write([])
         finally:
             self.write_lock.release()
 
