@@ -6,6 +6,8 @@ tests fails, the hash format changed: bump HASH_FORMAT_VERSION, never the vector
 
 from __future__ import annotations
 
+import os
+
 import blake3
 import mlx.core as mx
 import numpy as np
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank import InvalidInputError, LayerSpec, ModelSpec
+from cas_bank.blocks import hashing
 from cas_bank.blocks.hashing import (
     BLOCK_CONTEXT,
     HASH_FORMAT_VERSION,
@@ -178,3 +181,26 @@ def test_large_inputs_hash_the_same_on_threads() -> None:
     single.update(b"head")
     single.update(big)
     assert digest(b"head", memoryview(big)) == single.digest()
+
+
+def test_native_chain_helper_is_built() -> None:
+    """`pip install -e .` builds cas_bank._chain (setup.py); without it lookups fall back
+    to a Python loop ~5x slower. CAS_BANK_PURE_PYTHON=1 turns it off on purpose."""
+    if os.environ.get("CAS_BANK_PURE_PYTHON"):
+        pytest.skip("the native helper is turned off")
+    assert hashing._native_chain is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    root=st.binary(min_size=32, max_size=32),
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=700),
+    block_size=st.sampled_from([1, 2, 4, 16, 64, 248, 256, 300]),
+)
+def test_native_and_python_chains_agree(root: bytes, tokens: list[int], block_size: int) -> None:
+    """Every input, every block size (one or several BLAKE3 chunks per block)."""
+    data = np.array(tokens, dtype="<u4").tobytes()
+    want = hashing.chain_hashes_python(root, data, block_size)
+    assert chain_hashes(root, tokens, block_size) == want
+    if want:
+        assert want[0] == hash_block(root, np.array(tokens[:block_size], dtype=np.uint32))
