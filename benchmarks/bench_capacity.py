@@ -168,7 +168,7 @@ def index_and_evict(root: Path, n_blocks: int) -> dict[str, Any]:
         blocks = bank.stats().blocks
     with Bank.open(path, BankConfig(hot_bytes=0)) as bank:
         t0 = time.perf_counter()
-        leaf_index(bank)
+        leaf_index(bank.store, bank.access)
         build = time.perf_counter() - t0
         total = bank.stats().payload_bytes
         t0 = time.perf_counter()

@@ -11,6 +11,8 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -18,10 +20,12 @@ from typing import TYPE_CHECKING
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode, RocksStore
-from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
 from cas_bank.index.access import AccessLog
+from cas_bank.index.evict import EvictionReport, evict_to_budget
+from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
@@ -47,12 +51,11 @@ class Bank:
         self.store = store
         self.read_only = store.read_only
         self.counters = Counters(store)
-        # One writer lock per bank: stores decide what is new and write it atomically.
+        # One writer lock per bank: a transaction holds it (see `transaction`).
         self.write_lock = threading.RLock()
-        # Chain hashes whose block payload (or state) failed to verify: the next store of
-        # them rewrites that record, even though its header says it is there.
-        self.suspect: set[bytes] = set()
-        self.suspect_states: set[bytes] = set()
+        self._in_transaction = False
+        # Blocks and states whose payload failed to verify: the next store rewrites them.
+        self.suspects = Suspects()
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
         self.hot = store if isinstance(store, HotStore) else None
         # Last uses, recorded in memory and written in batches (see index.evict).
@@ -62,25 +65,31 @@ class Bank:
     @classmethod
     def open(
         cls,
-        path: str | Path,
+        path: str | Path | BlockStore,
         config: BankConfig | None = None,
         *,
         mode: AccessMode = "read_write",
     ) -> Bank:
-        """Create or reopen the bank at `path`.
+        """Create or reopen the bank at `path`, or in the store given.
 
-        `mode`: `read_write` (the one writer), `read_only` (frozen at open) or
-        `secondary` (follows a live writer, see `refresh`). A `block_size` left unset in
-        `config` is taken from the bank on disk; one set explicitly must match it.
+        `path`: a bank directory (RocksDB), or a `BlockStore` of any backend; the bank
+        owns it from now on and closes it. `mode`: `read_write` (the one writer),
+        `read_only` (frozen at open) or `secondary` (follows a live writer, see
+        `refresh`); a store given brings its own. A `block_size` left unset in `config`
+        is taken from the bank on disk; one set explicitly must match it.
         """
-        path = Path(path)
         config = config or BankConfig()
-        store = RocksStore(path, mode=mode, durability=config.durability)
+        if isinstance(path, BlockStore):
+            store: BlockStore = path
+            where = Path(getattr(store, "path", type(store).__name__))
+        else:
+            where = Path(path)
+            store = RocksStore(where, mode=mode, durability=config.durability)
         try:  # anything failing here must not keep the directory's LOCK
-            config = _check_settings(store, path, config)
+            config = _check_settings(store, where, config)
             if config.hot_bytes > 0:
-                return cls(path, config, HotStore(store, config.hot_bytes))
-            return cls(path, config, store)
+                return cls(where, config, HotStore(store, config.hot_bytes))
+            return cls(where, config, store)
         except BaseException:
             store.close()
             raise
@@ -95,7 +104,8 @@ class Bank:
         if ns is None:
             root = namespace_root(spec.fingerprint, self.config.block_size)
             if not self.read_only and self.store.get(Family.NAMESPACES, root) is None:
-                self.store.put_batch([(Family.NAMESPACES, root, spec.model_dump_json().encode())])
+                with self.transaction(budget=False) as tx:
+                    tx.put(Family.NAMESPACES, root, spec.model_dump_json().encode())
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
         return ns
@@ -107,32 +117,46 @@ class Bank:
             for root, raw in self.store.iterate(Family.NAMESPACES)
         }
 
-    # -- bookkeeping ---------------------------------------------------------------
-    def write(self, writes: list[Write]) -> None:
-        """One atomic batch, carrying the counters changed with it and pending last uses.
+    # -- writing -------------------------------------------------------------------
+    @contextmanager
+    def transaction(self, *, budget: bool = True) -> Iterator[Transaction]:
+        """The one way to change the bank: `with bank.transaction() as tx:`.
 
-        Called with `write_lock` held (stores, eviction, repair)."""
-        uses = self._live_uses(writes)
-        batch = writes + uses + self.counters.writes()
-        try:
-            self.store.put_batch(batch)
-        except BaseException:
-            self.access.requeue(uses)  # the uses happened; they go with the next batch
-            raise
-        self.access.observe(batch)
-
-    def _live_uses(self, writes: list[Write]) -> list[Write]:
-        """Pending last uses, less those of blocks evicted since they were recorded.
-
-        A restore records its uses without the write lock, so it may record a block
-        that an eviction has just removed: that record would outlive its block.
+        Holds the write lock; gather writes, counter deltas, uses, forgets and suspect
+        clears on `tx`. Leaving the block commits them in one batch (an exception
+        aborts: nothing is written, nothing in memory changes); then, with `budget`,
+        the bank is evicted down to `config.max_bytes` (a transaction of its own).
+        See `index.txn`. Transactions do not nest.
         """
-        drained = self.access.drain()
-        index = self.access.index  # built by the first eviction; none before, none evicted
-        if index is None or not drained:
-            return drained
-        written = {key for family, key, value in writes if family is Family.HEADERS and value}
-        return [w for w in drained if w[1][:32] in index.nodes or w[1][:32] in written]
+        if self.read_only:
+            raise RuntimeError(f"bank at {self.path} is open read-only: it cannot write")
+        with self.write_lock:
+            if self._in_transaction:
+                raise RuntimeError("a transaction is already open on this bank")
+            tx = Transaction(self.store, self.counters, self.access, self.suspects)
+            self._in_transaction = True
+            try:
+                try:
+                    yield tx
+                except BaseException:
+                    tx.abort()
+                    raise
+                if not tx.done:  # the body may have aborted it (nothing to write)
+                    tx.commit()
+            finally:
+                self._in_transaction = False
+            if budget:
+                self._enforce_budget()
+
+    def _enforce_budget(self) -> EvictionReport | None:
+        """Evict if the counters say the bank is over `config.max_bytes`."""
+        limit = self.config.max_bytes
+        if limit is None:
+            return None
+        v = self.counters.values()
+        if v["payload_bytes"] + v["state_bytes"] <= limit:
+            return None
+        return evict_to_budget(self, limit)
 
     def stats(self) -> BankStats:
         v = self.counters.values()
@@ -160,7 +184,9 @@ class Bank:
         if self.read_only or not self.write_lock.acquire(blocking=wait):
             return
         try:
-            self.write([])
+            if not self._in_transaction:  # a flush inside a transaction is its commit
+                with self.transaction(budget=False):
+                    pass
         finally:
             self.write_lock.release()
 

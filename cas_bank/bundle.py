@@ -36,10 +36,15 @@ from cas_bank.blocks.hashing import (
     hash_block,
     namespace_root,
 )
-from cas_bank.blocks.store import Family, Write
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.chain import Header, longest_chain, read_headers
-from cas_bank.index.evict import enforce_budget
+from cas_bank.index.chain import (
+    Header,
+    block_rewrite,
+    longest_chain,
+    read_headers,
+    state_write_delta,
+)
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -296,9 +301,11 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
     """Check the bundle (a path, or one `read_bundle` checked) completely, then add
     what `bank` lacks in one batch.
 
-    Blocks already stored are kept as they are; a stored block without a state gets
-    the bundle's state. Raises `CorruptDataError` for a damaged bundle and
-    `InvalidInputError` for one made with another block size; nothing is written then.
+    Blocks already stored intact are kept as they are; a stored block without a state
+    gets the bundle's state; a stored payload or state that is missing or fails its
+    digest is replaced by the bundle's (an import repairs what it covers). Raises
+    `CorruptDataError` for a damaged bundle and `InvalidInputError` for one made with
+    another block size; nothing is written then.
     """
     if bank.read_only:
         raise RuntimeError(f"import needs the bank at {bank.path} opened read-write")
@@ -310,48 +317,97 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             f"block_size={bank.config.block_size}"
         )
     hashes = [e.header.chain_hash for e in bundle.entries]
-    with bank.write_lock:
-        current = read_headers(bank.store, hashes)
-        writes: list[Write] = []
-        if bank.store.get(Family.NAMESPACES, bundle.root) is None:
-            writes.append((Family.NAMESPACES, bundle.root, bundle.spec.model_dump_json().encode()))
-        deltas = dict.fromkeys(("blocks", "states", "payload_bytes", "state_bytes"), 0)
-        written = states_written = bytes_written = 0
-        for entry, old in zip(bundle.entries, current, strict=True):
+    with bank.transaction() as tx:
+        damaged: set[int] = set()
+        current = read_headers(tx.store, hashes, damaged)
+        if tx.store.get(Family.NAMESPACES, bundle.root) is None:
+            tx.put(Family.NAMESPACES, bundle.root, bundle.spec.model_dump_json().encode())
+        bad_blocks, bad_states = _damaged_records(tx.store, bundle.entries, current)
+        blocks_in: list[bytes] = []  # block payloads written (new, or repairing a bad one)
+        states_in: list[bytes] = []
+        bytes_written = 0
+        for i, (entry, old) in enumerate(zip(bundle.entries, current, strict=True)):
             h, key = entry.header, entry.header.chain_hash
-            if old is None:
-                writes += [(Family.BLOCKS, key, entry.payload), (Family.HEADERS, key, h.encode())]
-                deltas["blocks"] += 1
-                deltas["payload_bytes"] += len(entry.payload)
-                written += 1
+            # Absent, damaged, failing its digest now or on an earlier read: rewritten.
+            rewrite = old is None or key in bad_blocks or bank.suspects.block(key)
+            kept_state = (
+                old is not None
+                and old.has_state
+                and key not in bad_states
+                and not bank.suspects.state(key)
+            )
+            write_state = entry.state is not None and not kept_state
+            base = old
+            if rewrite:  # the bundle's payload, under the state the block has (if any)
+                deltas, extra = block_rewrite(tx.store, key, old, i in damaged, len(entry.payload))
+                tx.add(**deltas)
+                tx.extend(extra)
+                tx.put(Family.BLOCKS, key, entry.payload)
+                blocks_in.append(key)
                 bytes_written += len(entry.payload)
-            if entry.state is not None and (old is None or not old.has_state):
-                writes.append((Family.STATES, key, entry.state))
-                if old is not None:
-                    writes.append(
-                        (Family.HEADERS, key, old.with_state(h.state_digest, h.state_size).encode())
-                    )
-                deltas["states"] += 1
-                deltas["state_bytes"] += len(entry.state)
-                states_written += 1
+                base = h.with_state(old.state_digest, old.state_size) if old else h.with_state(None)
+            if write_state and entry.state is not None:
+                assert base is not None
+                tx.put(Family.STATES, key, entry.state)
+                tx.add(**state_write_delta(base, len(entry.state)))
+                base = base.with_state(h.state_digest, h.state_size)
+                states_in.append(key)
                 bytes_written += len(entry.state)
-        bank.counters.add(
+            if rewrite or write_state:
+                assert base is not None
+                tx.put(Family.HEADERS, key, base.encode())
+        written = len(blocks_in)
+        tx.add(
             logical_tokens=bundle.tokens,
             blocks_written=written,
             blocks_deduplicated=len(hashes) - written,
-            states_written=states_written,
-            **deltas,
+            states_written=len(states_in),
         )
         # Imported blocks count as used now, as a store's do: eviction keeps them longest.
-        bank.access.touch(hashes, [e.header.chain_hash for e in bundle.entries if e.state])
-        bank.write(writes)
-        enforce_budget(bank)
+        tx.touch(hashes, [e.header.chain_hash for e in bundle.entries if e.state])
+        tx.clear_suspect(blocks=blocks_in, states=states_in)
     return ImportReport(
         namespace=bundle.spec.name,
         blocks=len(hashes),
         blocks_written=written,
         blocks_existing=len(hashes) - written,
-        states_written=states_written,
+        states_written=len(states_in),
         bytes_written=bytes_written,
         leaf=hashes[-1],
     )
+
+
+def _damaged_records(
+    store: BlockStore, entries: list[BundleEntry], current: list[Header | None]
+) -> tuple[set[bytes], set[bytes]]:
+    """Chain hashes whose stored payload (or state) the bundle would keep but which is
+    missing or fails its header's digest: the import rewrites them from the bundle."""
+    bad_blocks: set[bytes] = set()
+    bad_states: set[bytes] = set()
+    for family, bad in ((Family.BLOCKS, bad_blocks), (Family.STATES, bad_states)):
+        state = family is Family.STATES
+        held = [
+            (e.header.chain_hash, h)
+            for e, h in zip(entries, current, strict=True)
+            if h is not None and (h.has_state and e.state is not None if state else True)
+        ]
+        for (key, h), raw in zip(held, _read_all(store, family, [k for k, _ in held]), strict=True):
+            digest = h.state_digest if state else h.payload_digest
+            size = h.state_size if state else h.payload_size
+            if raw is None or len(raw) != size or digest is None or not codec.verify(raw, digest):
+                bad.add(key)
+    return bad_blocks, bad_states
+
+
+def _read_all(store: BlockStore, family: Family, keys: list[bytes]) -> list[bytes | None]:
+    """Values of `keys`, None for one the store cannot read (its own checksum failed)."""
+    try:
+        return store.get_many(family, keys)
+    except CorruptDataError:
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(store.get(family, key))
+            except CorruptDataError:
+                out.append(None)
+        return out

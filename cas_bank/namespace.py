@@ -17,9 +17,15 @@ import mlx.core as mx
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
-from cas_bank.blocks.store import Family, Write
-from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
-from cas_bank.index.evict import enforce_budget
+from cas_bank.blocks.store import Family
+from cas_bank.index.chain import (
+    Header,
+    block_rewrite,
+    longest_chain,
+    read_headers,
+    state_write_delta,
+    stored_prefix,
+)
 from cas_bank.index.layout import (
     Assembler,
     BlockCutter,
@@ -96,8 +102,9 @@ class Namespace:
         bank = self.bank
         compression = bank.config.compression
 
+        suspects = bank.suspects
         existing = read_headers(bank.store, hashes)
-        missing = [i for i, h in enumerate(existing) if h is None or hashes[i] in bank.suspect]
+        missing = [i for i, h in enumerate(existing) if h is None or suspects.block(hashes[i])]
         payloads: dict[int, bytes] = {}
         if missing:
             cutter = BlockCutter(self.spec, arrays, self.block_size)
@@ -106,14 +113,14 @@ class Namespace:
         for b, st in checked_states.items():
             i = b // self.block_size - 1
             h = existing[i]
-            if h is None or not h.has_state or hashes[i] in bank.suspect_states:
+            if h is None or not h.has_state or suspects.state(hashes[i]):
                 state_payloads[i] = encode_state(st, compression)
 
-        with bank.write_lock:
+        with bank.transaction() as tx:
             # Another thread may have written some of these since the first look.
             damaged: set[int] = set()  # header records present but unreadable
             current = (
-                read_headers(bank.store, hashes, damaged)
+                read_headers(tx.store, hashes, damaged)
                 if (payloads or state_payloads)
                 else existing
             )
@@ -123,15 +130,13 @@ class Namespace:
             if lost and (payloads or state_payloads):
                 cutter = BlockCutter(self.spec, arrays, self.block_size)
                 payloads.update({i: cutter.payload(i, compression) for i in lost})
-            writes: list[Write] = []
             headers: dict[int, Header] = {}
             block_writes: list[int] = []  # positions whose block payload is written
             state_writes: list[int] = []  # positions whose state is written
             bytes_written = 0
-            deltas = {"payload_bytes": 0, "state_bytes": 0, "blocks": 0, "states": 0}
             for i, payload in payloads.items():
                 old = current[i]
-                if old is not None and hashes[i] not in bank.suspect:
+                if old is not None and not suspects.block(hashes[i]):
                     continue
                 parent = self.root if i == 0 else hashes[i - 1]
                 lo = i * self.block_size
@@ -148,53 +153,35 @@ class Namespace:
                 )
                 headers[i] = header
                 block_writes.append(i)
-                writes.append((Family.BLOCKS, hashes[i], payload))
+                tx.put(Family.BLOCKS, hashes[i], payload)
                 bytes_written += len(payload)
-                if i in damaged:
-                    # Repairing a damaged header: the counters already hold this block.
-                    stale = bank.store.get(Family.BLOCKS, hashes[i])
-                    deltas["payload_bytes"] += len(payload) - len(stale or b"")
-                elif old is None:
-                    deltas["blocks"] += 1
-                    deltas["payload_bytes"] += len(payload)
-                else:
-                    deltas["payload_bytes"] += len(payload) - old.payload_size
+                deltas, extra = block_rewrite(tx.store, hashes[i], old, i in damaged, len(payload))
+                tx.add(**deltas)
+                tx.extend(extra)
             for i, payload in state_payloads.items():
                 base = headers.get(i) or current[i]
                 assert base is not None, "a state's block is stored with it or before it"
-                if base.has_state and hashes[i] not in bank.suspect_states:
+                if base.has_state and not suspects.state(hashes[i]):
                     continue
                 headers[i] = base.with_state(codec.embedded_digest(payload), len(payload))
                 state_writes.append(i)
-                writes.append((Family.STATES, hashes[i], payload))
+                tx.put(Family.STATES, hashes[i], payload)
                 bytes_written += len(payload)
-                if base.has_state:
-                    deltas["state_bytes"] += len(payload) - base.state_size
-                else:
-                    deltas["states"] += 1
-                    deltas["state_bytes"] += len(payload)
-            writes += [(Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items()]
+                tx.add(**state_write_delta(base, len(payload)))
+            tx.extend((Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items())
             written, states_written = len(block_writes), len(state_writes)
-            counted = dict(
+            tx.add(
                 stores=1,
                 logical_tokens=len(hashes) * self.block_size,
                 blocks_written=written,
                 blocks_deduplicated=len(hashes) - written,
                 states_written=states_written,
-                **deltas,
             )
-            bank.counters.add(**counted)
             # The whole chain was used now; the states written or offered too.
-            bank.access.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
-            try:
-                bank.write(writes)
-            except Exception:
-                # Nothing was stored: the counters must not say otherwise.
-                bank.counters.add(**{k: -v for k, v in counted.items()})
-                raise
-            bank.suspect.difference_update(hashes[i] for i in block_writes)
-            bank.suspect_states.difference_update(hashes[i] for i in state_writes)
-            enforce_budget(bank)
+            tx.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
+            tx.clear_suspect(
+                blocks=[hashes[i] for i in block_writes], states=[hashes[i] for i in state_writes]
+            )
 
         return StoreReport(
             tokens=n,
@@ -286,7 +273,7 @@ class Namespace:
                 break
             n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
 
-        self.bank.counters.add(
+        self.bank.counters.count(
             restores=1,
             queried_tokens=len(toks),
             hit_tokens=n_blocks * self.block_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict
 
@@ -82,12 +82,19 @@ class BankStats(BaseModel):
 
 
 class Counters:
-    """Thread-safe counters; `writes()` returns the records that persist them."""
+    """Thread-safe counters and the values last persisted.
+
+    Two ways to change them: `count` for activity a read observes (restores, hits,
+    corrupt reads: no batch of its own, persisted with the next transaction), and a
+    transaction (`index.txn.Transaction`), the only writer of the stored-content
+    counters: it `stage`s the records its batch carries and, once the batch is
+    written, `commit`s its deltas. A failed batch changes nothing.
+    """
 
     def __init__(self, store: BlockStore) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(NAMES, 0)
-        self._dirty: set[str] = set()
+        self._persisted = dict.fromkeys(NAMES, 0)
         self.reload(store)
 
     def reload(self, store: BlockStore) -> None:
@@ -95,21 +102,36 @@ class Counters:
         with self._lock:
             for name, value in zip(NAMES, raw, strict=True):
                 self._values[name] = _U64.unpack(value)[0] if value else 0
-            self._dirty.clear()
+            self._persisted = dict(self._values)
 
-    def add(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
+        """Add to activity counters (only those: stored content changes in transactions)."""
+        stored = set(deltas) - set(ACTIVITY)
+        if stored:
+            raise ValueError(f"{sorted(stored)} change only in a transaction")
         with self._lock:
             for name, d in deltas.items():
                 self._values[name] = max(0, self._values[name] + d)
-                self._dirty.add(name)
 
-    def writes(self, names: Iterable[str] | None = None) -> list[Write]:
-        """Records for the changed counters (or `names`); marks them clean."""
+    def stage(self, deltas: Mapping[str, int]) -> dict[str, int]:
+        """The values, `deltas` applied, of every counter that differs from its persisted
+        value: what a batch carries. Changes nothing."""
         with self._lock:
-            chosen = set(self._dirty if names is None else names)
-            self._dirty -= chosen
-            return [(Family.META, _PREFIX + n.encode(), _U64.pack(self._values[n])) for n in chosen]
+            after = {n: max(0, v + deltas.get(n, 0)) for n, v in self._values.items()}
+            return {n: v for n, v in after.items() if v != self._persisted[n]}
+
+    def commit(self, deltas: Mapping[str, int], written: Mapping[str, int]) -> None:
+        """After a batch carrying `written` (from `stage`) was written: apply `deltas`."""
+        with self._lock:
+            for name, d in deltas.items():
+                self._values[name] = max(0, self._values[name] + d)
+            self._persisted.update(written)
 
     def values(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+
+def counter_writes(values: Mapping[str, int]) -> list[Write]:
+    """The meta records that persist `values` (name -> value)."""
+    return [(Family.META, _PREFIX + n.encode(), _U64.pack(v)) for n, v in values.items()]

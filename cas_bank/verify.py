@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Literal
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import hash_block
-from cas_bank.blocks.store import Family, Write
+from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.access import access_key
-from cas_bank.index.chain import Header
+from cas_bank.index.chain import Header, block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
 from cas_bank.spec import ModelSpec
 
@@ -297,57 +296,49 @@ def _fix(
     orphans: list[Problem],
     report: VerifyReport,
 ) -> None:
-    """Delete what `verify` found, in one batch with the counters it changes."""
-    writes: list[Write] = []
-    deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
-    for key in sorted(remove):
-        h = index.headers.get(key)
-        if h is not None:
-            payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
-        else:  # an unreadable header: size what is there
-            state = read_record(bank, Family.STATES, key)[0]
-            payload_size = _size(bank, Family.BLOCKS, key)
-            state_size = len(state or b"")
-            has_state = state is not None
-        writes += [(f, key, None) for f in (Family.HEADERS, Family.BLOCKS, Family.STATES)]
-        writes += [(Family.ACCESS, access_key(key, state), None) for state in (False, True)]
-        deltas["blocks"] -= 1
-        deltas["payload_bytes"] -= payload_size
-        if has_state:
+    """Delete what `verify` found, in one transaction with the counters it changes."""
+    with bank.transaction(budget=False) as tx:
+        deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
+        for key in sorted(remove):
+            h = index.headers.get(key)
+            if h is not None:
+                payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
+            else:  # an unreadable header: size what is there
+                state = read_record(bank, Family.STATES, key)[0]
+                payload_size = _size(bank, Family.BLOCKS, key)
+                state_size = len(state or b"")
+                has_state = state is not None
+            tx.extend(block_deletes(key))
+            deltas["blocks"] -= 1
+            deltas["payload_bytes"] -= payload_size
+            if has_state:
+                deltas["states"] -= 1
+                deltas["state_bytes"] -= state_size
+            report.removed_blocks.append(key)
+        for key in sorted(drop_state):
+            h = index.headers[key]
+            tx.extend(state_deletes(h))
             deltas["states"] -= 1
-            deltas["state_bytes"] -= state_size
-        report.removed_blocks.append(key)
-    for key in sorted(drop_state):
-        h = index.headers[key]
-        writes.append((Family.STATES, key, None))
-        writes.append((Family.ACCESS, access_key(key, True), None))
-        writes.append((Family.HEADERS, key, h.with_state(None).encode()))
-        deltas["states"] -= 1
-        deltas["state_bytes"] -= h.state_size
-        report.removed_states.append(key)
-    orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
-    for p in orphans:
-        family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
-        writes.append((family, p.chain_hash, None))
-        count, size = (
-            ("blocks", "payload_bytes") if family is Family.BLOCKS else ("states", "state_bytes")
-        )
-        orphaned[count] += 1
-        orphaned[size] += _size(bank, family, p.chain_hash)
-        report.removed_orphans += 1
-    # An unclaimed record was counted if its header was lost after the store (the
-    # counters then exceed what the headers hold), not if it was written by hand:
-    # take off no more than that excess.
-    for name, excess in _excess(bank, index).items():
-        deltas[name] -= min(orphaned[name], max(0, excess))
-    with bank.write_lock:
-        bank.counters.add(**deltas)
+            deltas["state_bytes"] -= h.state_size
+            report.removed_states.append(key)
+        orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
+        for p in orphans:
+            family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
+            tx.delete(family, p.chain_hash)
+            blocks = family is Family.BLOCKS
+            count, size = ("blocks", "payload_bytes") if blocks else ("states", "state_bytes")
+            orphaned[count] += 1
+            orphaned[size] += _size(bank, family, p.chain_hash)
+            report.removed_orphans += 1
+        # An unclaimed record was counted if its header was lost after the store (the
+        # counters then exceed what the headers hold), not if it was written by hand:
+        # take off no more than that excess.
+        for name, excess in _excess(bank, index).items():
+            deltas[name] -= min(orphaned[name], max(0, excess))
+        tx.add(**deltas)
         # Pending last uses of what goes must not be written after it is gone.
-        bank.access.forget(
-            [access_key(k, s) for k in report.removed_blocks for s in (False, True)]
-            + [access_key(k, True) for k in report.removed_states]
+        tx.forget(blocks=report.removed_blocks, states=report.removed_states)
+        tx.clear_suspect(
+            blocks=report.removed_blocks, states=[*report.removed_blocks, *report.removed_states]
         )
-        bank.suspect.difference_update(report.removed_blocks)
-        bank.suspect_states.difference_update([*report.removed_blocks, *report.removed_states])
-        bank.write(writes)
     report.fixed = True

@@ -61,8 +61,8 @@ def test_export_import_restore_gives_identical_hybrid_arrays(
         assert bank.config.block_size == BLOCK_SIZE
         # Imported blocks and states count as used at import (eviction keeps them).
         chain = built.chains["hybrid"]
-        assert all(t is not None for t in last_use(bank, chain))
-        assert [t is not None for t in last_use(bank, chain, states=True)] == [
+        assert all(t is not None for t in last_use(bank.store, bank.access, chain))
+        assert [t is not None for t in last_use(bank.store, bank.access, chain, states=True)] == [
             False,
             True,
             False,

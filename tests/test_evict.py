@@ -31,9 +31,9 @@ from test_hot import open_counted
 from cas_bank import Bank, BankConfig, InvalidInputError, Namespace, StoreReport
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.index.access import TIME, access_key
+from cas_bank.index.access import TIME, access_key, last_use
 from cas_bank.index.chain import Header
-from cas_bank.index.evict import Evicted, evict_to_budget, last_use
+from cas_bank.index.evict import Evicted, evict_to_budget
 from cas_bank.index.leaves import LeafIndex
 
 B = BLOCK_SIZE
@@ -309,13 +309,14 @@ def test_restores_write_nothing_until_the_flush_interval(bank_path: Path) -> Non
         ns.restore(toks)  # the interval has passed: one batch with the last uses
         assert len(below.batches) == 1
         assert sorted(k for _, k, _ in below.writes_to(Family.ACCESS)) == sorted(chain)
-        assert last_use(bank, chain) == [10.0] * 3
+        assert last_use(bank.store, bank.access, chain) == [10.0] * 3
         clock.now = 11.0
         ns.restore(toks)
-        assert len(below.batches) == 1 and last_use(bank, chain) == [11.0] * 3  # pending
+        # pending
+        assert len(below.batches) == 1 and last_use(bank.store, bank.access, chain) == [11.0] * 3
     assert len(below.batches) == 2  # close wrote them
     with Bank.open(bank_path) as again:
-        assert last_use(again, chain) == [11.0] * 3
+        assert last_use(again.store, again.access, chain) == [11.0] * 3
 
 
 def test_pending_uses_ride_along_the_next_store(bank_path: Path) -> None:
@@ -345,11 +346,11 @@ def test_last_use_reader(bank_path: Path) -> None:
         chain = store_at(clock, 3, ns, list(range(2 * B)), 1, {2 * B: random_state(spec)}).chain
         clock.now = 9
         ns.restore(list(range(2 * B)))
-        assert last_use(bank, chain) == [9.0, 9.0]
-        assert last_use(bank, chain, states=True) == [None, 9.0]
-        assert last_use(bank, [BlockHash(bytes(32))]) == [None]
+        assert last_use(bank.store, bank.access, chain) == [9.0, 9.0]
+        assert last_use(bank.store, bank.access, chain, states=True) == [None, 9.0]
+        assert last_use(bank.store, bank.access, [BlockHash(bytes(32))]) == [None]
     with Bank.open(bank_path, mode="read_only") as reader:
-        assert last_use(reader, chain) == [9.0, 9.0]
+        assert last_use(reader.store, reader.access, chain) == [9.0, 9.0]
         assert reader.access.enabled is False
 
 
@@ -369,7 +370,7 @@ def test_a_payload_evicted_under_a_restore_is_a_miss_not_corruption(bank_path: P
         hit = ns.restore(toks)
         assert hit is not None and hit.tokens == B and hit.blocks == chain[:1]
         assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, B)
-        assert bank.stats().corrupt_reads == 0 and not bank.suspect
+        assert bank.stats().corrupt_reads == 0 and not bank.suspects.blocks()
 
 
 def test_a_block_evicted_under_a_store_is_written_again(bank_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_read_ahead_stops_at_a_corrupt_block(bank_path: Path, how: str) -> None:
         assert hit is not None and hit.tokens == 2 * BIG
         assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, 2 * BIG)
         assert bank.stats().corrupt_reads == 1
-        assert chain[2] in bank.suspect and not bank.suspect_states
+        assert chain[2] in bank.suspects.blocks() and not bank.suspects.states()
     assert not _readers()
 
 

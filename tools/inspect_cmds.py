@@ -161,7 +161,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         index = HeaderIndex.load(bank.store)
         root = select_namespace(args.namespace, specs, labels) if args.namespace else None
         heads = [h for h in index.headers.values() if root is None or h.root == root]
-        return labels, index, heads, last_use(bank, [h.chain_hash for h in heads])
+        last = last_use(bank.store, bank.access, [h.chain_hash for h in heads])
+        return labels, index, heads, last
 
     labels, index, heads, last = read_bank(args.bank, look)
     rows = [

@@ -152,7 +152,7 @@ def _look(bank: Bank, prefix: str) -> _Look:
         raw_error,
         raw_state,
         state_error,
-        last_use(bank, [key])[0],
+        last_use(bank.store, bank.access, [key])[0],
     )
 
 

@@ -20,10 +20,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from cas_bank.blocks.store import Family, Write
+from cas_bank.blocks.store import BlockStore, Family, Write
 
 if TYPE_CHECKING:
-    from cas_bank.bank import Bank
     from cas_bank.index.leaves import LeafIndex
 
 TIME = struct.Struct("<d")
@@ -116,16 +115,19 @@ class AccessLog:
             index.observe(writes)
 
 
-def last_use(bank: Bank, hashes: Sequence[bytes], *, states: bool = False) -> list[float | None]:
+def last_use(
+    store: BlockStore, access: AccessLog, hashes: Sequence[bytes], *, states: bool = False
+) -> list[float | None]:
     """Last use of each block (or of the state at its end), None where none is known.
 
-    Uses recorded in memory and not yet written count; no scan, one multi-get.
+    Uses recorded in memory (`access`) and not yet written count; no scan, one
+    multi-get from `store`.
     """
     keys = [access_key(h, states) for h in hashes]
-    out = [bank.access.pending(k) for k in keys]
+    out = [access.pending(k) for k in keys]
     missing = [i for i, t in enumerate(out) if t is None]
     if missing:
-        raw = bank.store.get_many(Family.ACCESS, [keys[i] for i in missing])
+        raw = store.get_many(Family.ACCESS, [keys[i] for i in missing])
         for i, value in zip(missing, raw, strict=True):
             if value is not None and len(value) == TIME.size:
                 out[i] = TIME.unpack(value)[0]

@@ -30,39 +30,36 @@ kept current from then on.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from cas_bank.blocks.hashing import BlockHash
-from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.access import AccessLog, access_key, last_use
-from cas_bank.index.chain import Header
+from cas_bank.index.access import AccessLog
+from cas_bank.index.chain import Header, block_deletes, state_deletes
 from cas_bank.index.leaves import LeafIndex
-
-if TYPE_CHECKING:
-    from cas_bank.bank import Bank
-
-__all__ = [
-    "AccessLog",
-    "Evicted",
-    "EvictionReport",
-    "enforce_budget",
-    "evict_to_budget",
-    "last_use",
-    "leaf_index",
-]
+from cas_bank.index.txn import Transaction
 
 
-def leaf_index(bank: Bank) -> LeafIndex:
+class Writer(Protocol):
+    """What eviction needs of a bank: its store, its last uses, its transactions."""
+
+    store: BlockStore
+    access: AccessLog
+
+    def transaction(self, *, budget: bool = True) -> AbstractContextManager[Transaction]: ...
+
+
+def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
     """The bank's leaf index, built on first use by walking headers and access records."""
-    log = bank.access
-    if log.index is None:
+    if access.index is None:
         index = LeafIndex()
-        index.load(bank.store)
-        log.index = index  # touches from now on reach it directly
-        index.touch_each(log.pending_items())  # and those from before
-    return log.index
+        index.load(store)
+        access.index = index  # touches from now on reach it directly
+        index.touch_each(access.pending_items())  # and those from before
+    return access.index
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,98 +105,54 @@ class EvictionReport:
         return sum(e.size for e in self.evicted)
 
 
-def evict_to_budget(bank: Bank, max_bytes: int) -> EvictionReport:
+def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
     """Evict in the documented order until payload + state bytes <= `max_bytes`.
 
     Used after a store when `BankConfig.max_bytes` is exceeded, and offline by
-    `cas-bank gc`. One atomic batch for all the deletes and the counters.
+    `cas-bank gc`. One transaction for all the deletes and the counters.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise InvalidInputError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
-    if bank.read_only:
-        raise RuntimeError(f"bank at {bank.path} is open read-only: it cannot evict")
-    with bank.write_lock:
-        index = leaf_index(bank)
+    with bank.transaction(budget=False) as tx:
+        access = bank.access
+        index = leaf_index(tx.store, access)
         before = index.total
         evicted: list[Evicted] = []
-        writes: list[Write] = []
         while index.total > max_bytes:
             victim = index.pop_victim()
             if victim is None:
                 break
+            if not evicted:  # the index runs ahead of the disk: if the batch fails, rebuild it
+                tx.on_abort(lambda: setattr(access, "index", None))
             kind, key, node = victim
             h = BlockHash(key)
             if kind == "state":
-                writes += _state_deletes(bank.store, key)
+                raw = tx.store.get(Family.HEADERS, key)
+                assert raw is not None, "the leaf index lists only stored headers"
+                tx.extend(state_deletes(Header.decode(key, raw)))
+                tx.forget(states=[key])
+                tx.clear_suspect(states=[key])
                 evicted.append(Evicted("state", h, 0, node.state_size, node.state_used))
                 index.drop_state(key)
             else:
-                writes += [
-                    (Family.HEADERS, key, None),
-                    (Family.BLOCKS, key, None),
-                    (Family.ACCESS, key, None),
-                ]
-                if node.has_state:
-                    writes += [
-                        (Family.STATES, key, None),
-                        (Family.ACCESS, access_key(key, True), None),
-                    ]
+                tx.extend(block_deletes(key, with_state=node.has_state))
+                tx.forget(blocks=[key])
+                tx.clear_suspect(blocks=[key], states=[key])
                 evicted.append(Evicted("block", h, node.payload_size, node.state_size, node.used))
                 index.remove(key)
-        if evicted:
-            _commit(bank, writes, evicted)
-        return EvictionReport(max_bytes, before, index.total, evicted)
-
-
-def enforce_budget(bank: Bank) -> EvictionReport | None:
-    """After a store: evict if the counters say the bank is over `config.max_bytes`."""
-    limit = bank.config.max_bytes
-    if limit is None:
-        return None
-    v = bank.counters.values()
-    if v["payload_bytes"] + v["state_bytes"] <= limit:
-        return None
-    return evict_to_budget(bank, limit)
-
-
-def _state_deletes(store: BlockStore, key: bytes) -> list[Write]:
-    """The writes that remove a block's state and clear its header's state flag."""
-    raw = store.get(Family.HEADERS, key)
-    assert raw is not None, "the leaf index lists only stored headers"
-    header = Header.decode(key, raw).with_state(None)
-    return [
-        (Family.STATES, key, None),
-        (Family.ACCESS, access_key(key, True), None),
-        (Family.HEADERS, key, header.encode()),
-    ]
-
-
-def _commit(bank: Bank, writes: list[Write], evicted: list[Evicted]) -> None:
-    blocks = sum(1 for e in evicted if e.kind == "block")
-    states = sum(1 for e in evicted if e.state_bytes > 0)
-    payload_bytes = sum(e.payload_bytes for e in evicted)
-    state_bytes = sum(e.state_bytes for e in evicted)
-    deltas = {
-        "blocks": -blocks,
-        "states": -states,
-        "payload_bytes": -payload_bytes,
-        "state_bytes": -state_bytes,
-        "blocks_evicted": blocks,
-        "states_evicted": states,
-        "bytes_evicted": payload_bytes + state_bytes,
-    }
-    bank.counters.add(**deltas)  # the batch below carries them
-    # A lone state keeps its block: only the state's pending use goes.
-    bank.access.forget(
-        access_key(e.chain_hash, state)
-        for e in evicted
-        for state in ((True,) if e.kind == "state" else (False, True))
-    )
-    try:
-        bank.write(writes)
-    except BaseException:
-        bank.counters.add(**{k: -v for k, v in deltas.items()})
-        bank.access.index = None  # no longer mirrors the disk: rebuild on next use
-        raise
-    bank.suspect.difference_update(e.chain_hash for e in evicted if e.kind == "block")
-    bank.suspect_states.difference_update(e.chain_hash for e in evicted)
+        payload_bytes = sum(e.payload_bytes for e in evicted)
+        state_bytes = sum(e.state_bytes for e in evicted)
+        blocks = sum(1 for e in evicted if e.kind == "block")
+        states = sum(1 for e in evicted if e.state_bytes > 0)
+        tx.add(
+            blocks=-blocks,
+            states=-states,
+            payload_bytes=-payload_bytes,
+            state_bytes=-state_bytes,
+            blocks_evicted=blocks,
+            states_evicted=states,
+            bytes_evicted=payload_bytes + state_bytes,
+        )
+        if not evicted:
+            tx.abort()  # nothing to write: the pending uses stay pending
+    return EvictionReport(max_bytes, before, index.total, evicted)

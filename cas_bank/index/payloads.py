@@ -122,7 +122,7 @@ class PayloadReader:
     def _read(self, family: Family, key: bytes, expected: bytes) -> codec.Decoded | None:
         fetched, from_hot = self._fetch(family, key, expected)
         if from_hot:
-            self.bank.counters.add(hot_hits=1)
+            self.bank.counters.count(hot_hits=1)
         return self._verified(family, key, fetched)
 
     def _evicted(self, family: Family, key: bytes) -> bool:
@@ -142,8 +142,8 @@ class PayloadReader:
             return None
 
     def _corrupt(self, family: Family, key: bytes, why: str) -> None:
-        self.bank.counters.add(corrupt_reads=1)
-        (self.bank.suspect_states if family is Family.STATES else self.bank.suspect).add(key)
+        self.bank.counters.count(corrupt_reads=1)
+        self.bank.suspects.mark(key, state=family is Family.STATES)
         log.warning(
             "cas_bank: %s %s failed verification (%s); served as a miss",
             family.value,
