@@ -16,9 +16,11 @@ if TYPE_CHECKING:
     from cas_bank.runtime.model_spec import spec_for_model
     from cas_bank.runtime.models import LoadedModel, build_model, load_model, save_model
     from cas_bank.runtime.prefix_cache import PrefillReport, PrefixCache
+    from cas_bank.runtime.prompt_cache_adapter import BankPromptCache
     from cas_bank.runtime.state_recorder import StateRecorder
 
 _HOMES = {
+    "BankPromptCache": "prompt_cache_adapter",
     "spec_for_model": "model_spec",
     "LoadedModel": "models",
     "build_model": "models",
@@ -30,6 +32,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "BankPromptCache",
     "LoadedModel",
     "PrefillReport",
     "PrefixCache",

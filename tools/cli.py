@@ -16,7 +16,7 @@ from types import ModuleType
 
 from cas_bank.errors import CasBankError
 
-from . import bundle, gc_cmd, inspect_cmds, serve_cmd, show_cmd, verify_cmd
+from . import bundle, gc_cmd, inspect_cmds, mlx_lm_cmd, serve_cmd, show_cmd, verify_cmd
 from .common import ArgumentParser, CliError
 
 # The command groups, in the order `cas-bank --help` lists them.
@@ -27,6 +27,7 @@ from .common import ArgumentParser, CliError
 # import the module above and append it here. Raise `common.CliError` for user errors.
 COMMAND_MODULES: list[ModuleType] = [
     serve_cmd,
+    mlx_lm_cmd,
     inspect_cmds,
     show_cmd,
     verify_cmd,
@@ -53,7 +54,12 @@ def build_parser() -> ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit status (0 ok, 1 problems found, 2 bad usage)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # A command that takes another program's arguments (mlx-lm-server) sets
+    # `extra_args`: what cas-bank does not know goes to it in `args.extra`.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         status: int = args.handler(args)
         return status

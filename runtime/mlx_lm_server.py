@@ -1,0 +1,133 @@
+"""mlx-lm's own HTTP server with a bank as its prompt cache (`cas-bank mlx-lm-server`).
+
+This runs `mlx_lm.server.main` itself: its argument parser, `ModelProvider`,
+`ResponseGenerator` (the sequential and the batched generation paths), `APIHandler`
+and HTTP server, all unchanged. The one thing swapped is `mlx_lm.server.run`, the
+seven-line function that makes an `LRUPromptCache` and starts the generator: ours
+makes a `BankPromptCache` on the model the provider loaded instead, and uses an HTTP
+server class that prints the address it bound (so `--port 0` works for scripts).
+
+SIGTERM stops the server the way Ctrl-C does (mlx-lm shuts its HTTP server down and
+joins its generation thread); the bank is closed after that, on every exit path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from cas_bank.bank import Bank
+from cas_bank.errors import InvalidInputError
+
+from .prompt_cache_adapter import BankPromptCache
+
+READY = "cas-bank mlx-lm-server: listening on"
+
+
+def _mlx_lm_server() -> Any:
+    """`mlx_lm.server` (untyped; imported when a server starts, not with the tools)."""
+    return importlib.import_module("mlx_lm.server")
+
+
+def announcing_server(json_line: bool) -> type[ThreadingHTTPServer]:
+    """mlx-lm's server class, printing one ready line once it listens."""
+
+    class AnnouncingServer(ThreadingHTTPServer):
+        def server_activate(self) -> None:
+            super().server_activate()
+            host, port = self.server_address[:2]
+            shown = f"[{host!s}]" if ":" in str(host) else str(host)
+            url = f"http://{shown}:{port}"
+            if json_line:
+                print(json.dumps({"url": url, "port": port}), flush=True)
+            else:
+                print(f"{READY} {url}", flush=True)
+
+    return AnnouncingServer
+
+
+def make_run(bank: Bank, *, json_line: bool = False) -> Callable[..., None]:
+    """A replacement for `mlx_lm.server.run` that serves from `bank`."""
+    mls = _mlx_lm_server()
+
+    def run(
+        host: str,
+        port: int,
+        model_provider: Any,
+        server_class: Any = None,
+        handler_class: Any = None,
+    ) -> None:
+        args = model_provider.cli_args
+        if args.model is None:
+            raise InvalidInputError(
+                "cas-bank mlx-lm-server needs --model: the bank keeps the caches of the "
+                "model it is started with"
+            )
+        model_provider.load_default()
+        prompt_cache = BankPromptCache(
+            bank,
+            model_provider.model,
+            model_key=model_provider.model_key,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+        )
+        generator = mls.ResponseGenerator(model_provider, prompt_cache)
+        try:
+            mls._run_http_server(
+                host,
+                port,
+                generator,
+                server_class=server_class or announcing_server(json_line),
+                handler_class=handler_class or mls.APIHandler,
+            )
+        finally:
+            if generator.generation_available():  # an exit other than Ctrl-C / SIGTERM
+                generator.stop_and_join()
+
+    return run
+
+
+@contextmanager
+def _swapped_run(run: Callable[..., None]) -> Iterator[None]:
+    mls = _mlx_lm_server()
+
+    original = mls.run
+    mls.run = run
+    try:
+        yield
+    finally:
+        mls.run = original
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve(bank: Bank, mlx_lm_args: Sequence[str], *, json_line: bool = False) -> None:
+    """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
+
+    Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank.
+    """
+    mls = _mlx_lm_server()
+
+    argv = sys.argv
+    sys.argv = ["mlx_lm.server", *mlx_lm_args]
+    try:
+        with _swapped_run(make_run(bank, json_line=json_line)), _sigterm_as_interrupt():
+            mls.main()
+    finally:
+        sys.argv = argv

@@ -1,0 +1,264 @@
+"""`BankPromptCache`: a bank behind the interface of mlx-lm's `LRUPromptCache`.
+
+mlx-lm's server (`mlx_lm.server.ResponseGenerator`) keeps prompt caches in an
+`LRUPromptCache`: it calls `fetch_nearest_cache(model_key, tokens)` before a prompt
+and `insert_cache(model_key, tokens, cache, cache_type=...)` after it (and, on its
+batched path, at the end of each chat segment: the system prompt, the user turns).
+A `BankPromptCache` answers the same calls from a cas_bank bank, so mlx-lm's own
+server code runs on the bank unchanged, and its caches survive restarts and are
+shared block by block between prompts:
+
+    prompt_cache = BankPromptCache(Bank.open("bank"), model)  # where LRUPromptCache(...) was
+    ResponseGenerator(model_provider, prompt_cache)
+
+- `fetch_nearest_cache` restores the longest stored prefix of `tokens[:-1]` into a
+  fresh mlx-lm cache and returns it with the tokens left to prefill (at least one:
+  mlx-lm's `generate_step` refuses an empty prompt); `(None, tokens)` on a miss.
+- `insert_cache` stores the full blocks of the tokens the cache holds (its offset;
+  the last sampled token has not been through the model) and, for a hybrid model,
+  the recurrent state when the cache ends exactly on a block boundary. Blocks already
+  stored are not written again.
+- Quantized KV: a cache whose attention layers are `QuantizedKVCache` goes to the
+  namespace of its bits and group size (mlx-lm's `--kv-bits` quantizes a cache once
+  it passes `--quantized-kv-start`, so one server may insert both kinds); a fetch
+  restores from whichever namespace covers more of the prompt.
+
+What the interface cannot carry (said in the README too): mlx-lm prefills on its own,
+so a hybrid model's recurrent states at the block boundaries inside a prompt are never
+seen: only the state at the exact end of an inserted cache is, and it is stored only
+when that end is a boundary. `trim_to(n_sequences=...)` has no meaning for a bank of
+blocks (it holds no sequences) and is refused; `trim_to(n_bytes=...)` evicts the
+bank (least recently used leaves first) to that many payload and state bytes.
+`len()`, `stats_by_type()` count the sequences this object inserted by cache type,
+`nbytes` is the bank's stored bytes (all namespaces).
+
+A cache failure never stops serving: `fetch_nearest_cache` and `insert_cache` run on
+mlx-lm's generation thread, so an error there (an unsupported cache class, a failed
+write) is logged and counted in `stats()`, and the request goes on uncached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Final
+
+from mlx_lm.models.cache import QuantizedKVCache
+
+from cas_bank.bank import Bank
+from cas_bank.errors import InvalidInputError
+from cas_bank.index.evict import evict_to_budget
+
+from .cache_io import snapshot_states
+from .model_spec import check_cache_class
+from .models import LoadedModel
+from .prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    # mypy cannot see `mlx.nn.Module` through the package's star imports.
+    from mlx.nn.layers.base import Module
+
+log = logging.getLogger("cas_bank.mlx_lm")
+
+# mlx-lm's cache types, in the order its LRUPromptCache reports them.
+CACHE_TYPES: Final = ("assistant", "user", "system")
+
+# `model_key` default: accept every key mlx-lm passes (one model per server).
+ANY_MODEL: Final = object()
+
+QuantKey = tuple[int, int] | None  # (bits, group size) of quantized KV, None for plain
+
+
+@dataclass
+class AdapterStats:
+    """What a `BankPromptCache` did in this process."""
+
+    fetches: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    fetched_tokens: int = 0
+    inserts: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    other_model: int = 0  # calls for another model_key: a miss, nothing stored
+    failures: int = 0  # fetches or inserts that failed (logged), served uncached
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class BankPromptCache:
+    """A `Bank` with the interface of mlx-lm's `LRUPromptCache` (see the module docstring).
+
+    `model`: the mlx-lm model the server runs (or a `LoadedModel`). `model_key`: the
+    key mlx-lm passes for it (its `ModelProvider.model_key`); calls with another key
+    are misses and store nothing. By default every key is taken as this model's.
+    `kv_bits` / `kv_group_size`: the quantized KV the server may produce (its
+    `--kv-bits`, `--kv-group-size`), so fetches look in that namespace from the start.
+    """
+
+    def __init__(
+        self,
+        bank: Bank,
+        model: Module | LoadedModel,
+        *,
+        model_key: Hashable = ANY_MODEL,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        name: str | None = None,
+    ) -> None:
+        self.bank = bank
+        self.model = model
+        self.model_key = model_key
+        self.name = name
+        self._prefix: dict[QuantKey, PrefixCache] = {None: PrefixCache(bank, model, name=name)}
+        if kv_bits is not None:
+            self._prefix_for((kv_bits, kv_group_size))
+        self._counts = {t: 0 for t in CACHE_TYPES}
+        self._bytes = {t: 0 for t in CACHE_TYPES}
+        self.counters = AdapterStats()
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The `PrefixCache` of unquantized KV (the model's own spec)."""
+        return self._prefix[None]
+
+    @property
+    def block_size(self) -> int:
+        return self.prefix_cache.block_size
+
+    # -- mlx-lm's interface -----------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(self._counts.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Payload and state bytes the bank holds (every namespace)."""
+        v = self.bank.counters.values()
+        return int(v["payload_bytes"] + v["state_bytes"])
+
+    def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[Any, Any]:
+        """`(cache, rest)`: a fresh cache holding the longest stored prefix of
+        `tokens[:-1]` and the tokens after it; `(None, tokens)` on a miss."""
+        if not self._accepts(model):
+            return None, tokens
+        self.counters.fetches += 1
+        try:
+            found = self._restore(tokens)
+        except Exception:
+            log.exception("cas_bank: restoring a prompt failed; it is prefilled uncached")
+            self.counters.failures += 1
+            return None, tokens
+        self.counters.fetched_tokens += len(tokens)
+        if found is None:
+            return None, tokens
+        cache, n = found
+        self.counters.hits += 1
+        self.counters.hit_tokens += n
+        return cache, tokens[n:]
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: Sequence[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        """Store the full blocks of the tokens `prompt_cache` holds (see the module)."""
+        if not self._accepts(model):
+            return
+        if cache_type not in self._counts:
+            log.warning("cas_bank: unknown cache_type %r counted as 'assistant'", cache_type)
+            cache_type = "assistant"
+        self.counters.inserts += 1
+        self._counts[cache_type] += 1
+        try:
+            written, nbytes = self._store(tokens, prompt_cache)
+        except Exception:
+            log.exception("cas_bank: storing a prompt cache failed; nothing of it is kept")
+            self.counters.failures += 1
+            return
+        self.counters.blocks_written += written
+        self.counters.bytes_written += nbytes
+        self._bytes[cache_type] += nbytes
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Evict the bank to `n_bytes` (least recently used leaves first)."""
+        if n_sequences is not None:
+            raise InvalidInputError(
+                "trim_to(n_sequences=...): a bank holds blocks shared between prompts, not "
+                "sequences; bound it by bytes (trim_to(n_bytes=...) or BankConfig.max_bytes)"
+            )
+        if n_bytes is not None and not self.bank.read_only:
+            evict_to_budget(self.bank, max(0, int(n_bytes)))
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        """Per cache type: sequences inserted by this object and the bytes they wrote."""
+        return {t: {"n_sequences": self._counts[t], "n_bytes": self._bytes[t]} for t in CACHE_TYPES}
+
+    def stats(self) -> dict[str, int]:
+        """Fetches, hits, restored tokens, inserts, bytes written, failures."""
+        return self.counters.as_dict()
+
+    # -- the work ---------------------------------------------------------------------
+    def _accepts(self, model: Any) -> bool:
+        if self.model_key is ANY_MODEL or model == self.model_key:
+            return True
+        self.counters.other_model += 1
+        return False
+
+    def _prefix_for(self, key: QuantKey) -> PrefixCache:
+        pc = self._prefix.get(key)
+        if pc is None:
+            assert key is not None
+            bits, group = key
+            pc = PrefixCache(
+                self.bank, self.model, kv_bits=bits, kv_group_size=group, name=self.name
+            )
+            self._prefix[key] = pc
+        return pc
+
+    def _restore(self, tokens: Sequence[int]) -> tuple[list[Any], int] | None:
+        if len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
+            return None  # nothing to restore, or a key that is not token ids (vision)
+        candidates = list(self._prefix.values())
+        if len(candidates) > 1:  # look before reading: restore only the best one
+            candidates = [max(candidates, key=lambda pc: pc.match(tokens))]
+        cache, n = candidates[0].restore(tokens)
+        return (cache, n) if n else None
+
+    def _store(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, int]:
+        for i, entry in enumerate(cache):
+            check_cache_class(entry, i)  # refuses what the bank cannot hold, by name
+        quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
+        pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
+        held = self._held(pc, cache)
+        n = min(held, len(tokens))
+        if n < pc.block_size:
+            return 0, 0
+        states = None
+        if pc.spec.is_hybrid:
+            if n != held or n % pc.block_size:
+                # The recurrent state is at `held`; without a boundary there, a hybrid
+                # restore could use none of these blocks (the README says why).
+                n = (n // pc.block_size) * pc.block_size
+            else:
+                states = {n: snapshot_states(pc.spec, cache)}
+        report = pc.store(list(tokens[:n]), cache, states)
+        return report.blocks_written, report.bytes_written
+
+    @staticmethod
+    def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:
+        """Tokens the cache holds: its attention layers' offset."""
+        layers = pc.spec.attention_layers
+        if not layers:
+            raise InvalidInputError(f"{pc.spec.name!r} has no attention layer to read a length")
+        offset = getattr(cache[layers[0]], "offset", None)
+        if not isinstance(offset, int):
+            raise InvalidInputError("the cache's first attention layer has no int offset")
+        return offset
+
+    def __repr__(self) -> str:
+        return f"BankPromptCache({self.bank!r}, {self.prefix_cache.spec.name!r})"

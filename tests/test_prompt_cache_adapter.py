@@ -1,0 +1,130 @@
+"""`BankPromptCache` in process: mlx-lm's `LRUPromptCache` interface, driven by
+mlx-lm's own `generate_step` on tiny real models (plain, quantized KV, hybrid)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from cas_bank.runtime import BankPromptCache
+from cas_bank.runtime.prompt_cache_adapter import CACHE_TYPES
+from hf_models import wide
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import LRUPromptCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from runtime_helpers import close, random_tokens, temp_bank, tiny
+
+from cas_bank.errors import InvalidInputError
+
+BLOCK = 16
+KEY = ("model-dir", None, None)  # what mlx-lm's ModelProvider passes as model_key
+
+
+def test_the_interface_is_that_of_mlx_lms_lru_prompt_cache() -> None:
+    for name in ("fetch_nearest_cache", "insert_cache", "trim_to", "stats_by_type", "__len__"):
+        ours = inspect.signature(getattr(BankPromptCache, name))
+        theirs = inspect.signature(getattr(LRUPromptCache, name))
+        assert [(p.name, p.kind) for p in ours.parameters.values()] == [
+            (p.name, p.kind) for p in theirs.parameters.values()
+        ], name
+    assert isinstance(inspect.getattr_static(BankPromptCache, "nbytes"), property)
+
+
+def run(model: Any, prompt: list[int], cache: list[Any], n: int = 4) -> tuple[list[int], Any]:
+    """mlx-lm's generate_step, greedy: the tokens and the first step's log-probs."""
+    tokens: list[int] = []
+    first = None
+    argmax = make_sampler(0.0)
+    steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=n, sampler=argmax)
+    for token, logprobs in steps:
+        first = logprobs if first is None else first
+        tokens.append(int(token))
+    return tokens, first
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_bits"), [("tiny-qwen3", None), ("tiny-qwen3", 4), ("tiny-hybrid", None)]
+)
+def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
+    name: str, kv_bits: int | None
+) -> None:
+    loaded = wide(name) if kv_bits else tiny(name)
+    model = loaded.model
+    rng = __import__("numpy").random.default_rng(3)
+    prompt = random_tokens(rng, 3 * BLOCK + 5)
+    with temp_bank(BLOCK) as bank:
+        pc = BankPromptCache(bank, loaded, model_key=KEY, kv_bits=kv_bits, kv_group_size=32)
+        assert pc.fetch_nearest_cache(KEY, prompt) == (None, prompt)
+        cache = make_prompt_cache(model)
+        if kv_bits:  # as mlx-lm's server does with --kv-bits and --quantized-kv-start 0
+            cache = [c.to_quantized(group_size=32, bits=kv_bits) for c in cache]
+        generated, _ = run(model, prompt, cache)
+        held = prompt + generated  # generate_step has fed every token it yielded
+        pc.insert_cache(KEY, held, cache)
+        assert len(pc) == 1 and pc.stats_by_type()["assistant"]["n_sequences"] == 1
+        assert pc.nbytes > 0 and pc.stats()["failures"] == 0
+
+        follow = held + random_tokens(rng, 7)
+        restored, rest = pc.fetch_nearest_cache(KEY, follow)
+        if loaded.config.get("model_type") == "qwen3_next":
+            # mlx-lm prefilled on its own: the only recurrent state seen is the one at
+            # the end of the inserted cache, not on a boundary: nothing to restore.
+            assert (len(held) % BLOCK, restored, rest) == (len(held) % BLOCK, None, follow)
+            return
+        n = len(follow) - len(rest)
+        assert n == (len(held) // BLOCK) * BLOCK and rest == follow[n:]
+        assert pc.stats()["hit_tokens"] == n
+        again, logprobs = run(model, rest, restored)
+        fresh = make_prompt_cache(model)
+        if kv_bits:
+            fresh = [c.to_quantized(group_size=32, bits=kv_bits) for c in fresh]
+        expected, fresh_logprobs = run(model, follow, fresh)
+        assert close(logprobs, fresh_logprobs, "float32")
+        assert again == expected
+
+
+def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> None:
+    loaded = tiny("tiny-hybrid")
+    rng = __import__("numpy").random.default_rng(4)
+    system = random_tokens(rng, 2 * BLOCK)
+    with temp_bank(BLOCK) as bank:
+        pc = BankPromptCache(bank, loaded)
+        cache = make_prompt_cache(loaded.model)
+        loaded.model(mx.array(system)[None], cache=cache)  # a "system" segment, prefilled
+        pc.insert_cache(KEY, system, cache, cache_type="system")
+        assert pc.stats_by_type()["system"] == {"n_sequences": 1, "n_bytes": pc.nbytes}
+        prompt = system + random_tokens(rng, 9)
+        restored, rest = pc.fetch_nearest_cache(KEY, prompt)
+        assert restored is not None and rest == prompt[2 * BLOCK :]
+        _, logprobs = run(loaded.model, rest, restored, n=1)
+        _, fresh = run(loaded.model, prompt, make_prompt_cache(loaded.model), n=1)
+        assert close(logprobs, fresh, "float32")
+
+
+def test_other_models_unsupported_caches_and_trim(caplog: pytest.LogCaptureFixture) -> None:
+    loaded = tiny("tiny-qwen3")
+    rng = __import__("numpy").random.default_rng(5)
+    tokens = random_tokens(rng, 3 * BLOCK)
+    with temp_bank(BLOCK) as bank:
+        pc = BankPromptCache(bank, loaded, model_key=KEY)
+        cache = make_prompt_cache(loaded.model)
+        loaded.model(mx.array(tokens)[None], cache=cache)
+        # Another model's key: a miss, and nothing is stored.
+        pc.insert_cache(("other", None, None), tokens, cache)
+        assert pc.nbytes == 0 and pc.stats()["other_model"] == 1
+        assert pc.fetch_nearest_cache(("other", None, None), tokens) == (None, tokens)
+        # A cache the bank cannot hold is logged and skipped: serving goes on.
+        rotating = [RotatingKVCache(max_size=8) for _ in cache]
+        with caplog.at_level(logging.ERROR, logger="cas_bank.mlx_lm"):
+            pc.insert_cache(KEY, tokens, rotating)
+        assert pc.stats()["failures"] == 1 and "RotatingKVCache" in caplog.text
+        pc.insert_cache(KEY, tokens, cache, cache_type="user")
+        assert pc.nbytes > 0 and set(pc.stats_by_type()) == set(CACHE_TYPES)
+        with pytest.raises(InvalidInputError, match="not sequences"):
+            pc.trim_to(n_sequences=1)
+        pc.trim_to(n_bytes=0)  # evicts every block
+        assert pc.nbytes == 0
+        assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)

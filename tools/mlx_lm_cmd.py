@@ -1,0 +1,70 @@
+"""`cas-bank mlx-lm-server`: mlx-lm's own server, with the bank as its prompt cache.
+
+    cas-bank mlx-lm-server --bank DIR --model PATH [any other mlx_lm.server argument]
+
+Everything after cas-bank's own options (`--bank`, `--block-size`, `--max-bytes`,
+`--json`) goes to `mlx_lm.server`'s argument parser as it is; see
+`cas_bank.runtime.mlx_lm_server` for what runs. One line on stdout says where the
+server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cas_bank.errors import BankLockedError
+
+from .common import CliError, add_command
+from .serve_cmd import DEFAULT_BANK_DIR, _positive
+
+
+def register(subparsers: Any) -> None:
+    cmd = add_command(
+        subparsers,
+        "mlx-lm-server",
+        _run,
+        help="run mlx-lm's own HTTP server (mlx_lm.server) with the bank as its prompt cache",
+        description="Run mlx_lm.server with a cas_bank bank as its prompt cache. Arguments "
+        "not listed here (--model, --port, --kv-bits, ...) are mlx_lm.server's own.",
+    )
+    cmd.add_argument(
+        "--bank",
+        type=Path,
+        default=DEFAULT_BANK_DIR,
+        help=f"bank directory, created if missing (default: {DEFAULT_BANK_DIR})",
+    )
+    cmd.add_argument(
+        "--block-size",
+        type=_positive,
+        default=None,
+        help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
+    )
+    cmd.add_argument(
+        "--max-bytes",
+        type=_positive,
+        default=None,
+        help="evict the bank to this many payload and state bytes (default: no bound)",
+    )
+    cmd.set_defaults(extra_args=True)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cas_bank.runtime.mlx_lm_server import serve
+
+    from cas_bank import Bank, BankConfig
+
+    settings: dict[str, Any] = {}
+    if args.block_size is not None:
+        settings["block_size"] = args.block_size
+    if args.max_bytes is not None:
+        settings["max_bytes"] = args.max_bytes
+    args.bank.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        bank = Bank.open(args.bank, BankConfig(**settings))
+    except BankLockedError:
+        raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
+    with bank:
+        serve(bank, list(args.extra), json_line=args.json)
+    return 0
