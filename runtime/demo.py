@@ -44,10 +44,9 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, sa
 from rich import box
 from rich.table import Table
 
-from .engine import DEFAULT_MODEL, Engine
-from .models import build_model
+from .engine import DEFAULT_MODEL, Engine, resolve_model
 from .server import BackgroundServer
-from .tokenizer import END_OF_MESSAGE_ID, ByteTokenizer
+from .tokenizer import END_OF_MESSAGE_ID, AnyTokenizer, ByteTokenizer, chat_tokens
 
 _TOOLS = [
     ("search_docs", "query: string, limit: integer = 5", "Full-text search over the team wiki."),
@@ -154,8 +153,12 @@ def run_demo(
     bank_dir: str | Path | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    model: str | Path | None = None,
 ) -> DemoReport:
     """Play the demo (see the module docstring); `progress` is called after each step.
+
+    `model`: an embedded model name or a local mlx-lm model directory (its own
+    tokenizer and chat template are used); None for the embedded tiny hybrid.
 
     Steps: `agents * (turns + 1)` requests, then `agents` snapshot measurements.
     `bank_dir=None` uses a temporary directory, removed at the end.
@@ -166,9 +169,10 @@ def run_demo(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     step = progress or (lambda _msg: None)
     with _bank_location(bank_dir) as path:
-        tokenizer = ByteTokenizer()
+        loaded = resolve_model(model, seed=seed)
+        tokenizer = loaded.tokenizer
         report = DemoReport(
-            model=DEFAULT_MODEL,
+            model=loaded.name,
             agents=agents,
             turns=turns,
             block_size=block_size,
@@ -180,17 +184,26 @@ def run_demo(
         def play(server: BackgroundServer, phase: str, turn: int) -> None:
             for agent, messages in enumerate(conversations):
                 messages.append({"role": "user", "content": user_message(agent, turn)})
-                reply, row = _chat(server.url, messages, max_tokens, phase, agent, turn)
+                reply, row = _chat(
+                    server.url,
+                    messages,
+                    max_tokens,
+                    phase,
+                    agent,
+                    turn,
+                    tokenizer,
+                    server.engine.model_id,
+                )
                 messages.append({"role": "assistant", "content": reply})
                 report.rows.append(row)
                 step(f"{phase}: agent {agent} turn {turn + 1}")
 
-        server = _start(path, block_size, seed)
+        server = _start(path, block_size, seed, model)
         for turn in range(turns):
             play(server, "before restart", turn)
         t0 = time.perf_counter()
         server.stop()  # closes the engine and the bank
-        server = _start(path, block_size, seed)
+        server = _start(path, block_size, seed, model)
         report.restart_s = time.perf_counter() - t0
         try:
             play(server, "after restart", turns)
@@ -200,12 +213,11 @@ def run_demo(
             server.stop()
         report.bank_disk_bytes = _dir_bytes(path)
 
-        model = build_model(DEFAULT_MODEL, seed=seed)
         with tempfile.TemporaryDirectory(prefix="cas_bank_snapshots_") as snap_dir:
             for agent, messages in enumerate(conversations):
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+                ids = _conversation_ids(tokenizer, messages)
                 file = Path(snap_dir) / f"agent{agent}.safetensors"
-                report.snapshot_bytes += session_snapshot_bytes(model.model, ids, file)
+                report.snapshot_bytes += session_snapshot_bytes(loaded.model, ids, file)
                 report.snapshot_tokens += len(ids)
                 step(f"snapshot of agent {agent}")
         return report
@@ -231,8 +243,17 @@ def session_snapshot_bytes(model: Any, tokens: list[int], file: Path) -> int:
     return file.stat().st_size
 
 
-def _start(path: Path, block_size: int, seed: int) -> BackgroundServer:
-    engine = Engine.open(path, DEFAULT_MODEL, block_size=block_size, seed=seed)
+def _conversation_ids(tokenizer: AnyTokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The whole conversation's ids, through the model's own chat template."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    return chat_tokens(tokenizer, messages)  # ends with a generation prompt: a few more ids
+
+
+def _start(
+    path: Path, block_size: int, seed: int, model: str | Path | None = None
+) -> BackgroundServer:
+    engine = Engine.open(path, model or DEFAULT_MODEL, block_size=block_size, seed=seed)
     try:
         return BackgroundServer(engine).start()
     except BaseException:
@@ -241,17 +262,26 @@ def _start(path: Path, block_size: int, seed: int) -> BackgroundServer:
 
 
 def _chat(
-    url: str, messages: list[dict[str, str]], max_tokens: int, phase: str, agent: int, turn: int
+    url: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    phase: str,
+    agent: int,
+    turn: int,
+    tokenizer: AnyTokenizer,
+    model_id: str,
 ) -> tuple[str, TurnRow]:
     """One streamed chat completion; the reply and its row (TTFT measured here)."""
-    body = {
-        "model": DEFAULT_MODEL,
+    body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "logit_bias": demo_logit_bias(),
     }
+    # The byte tokenizer's printable ids; a trained tokenizer's ids mean other things.
+    if isinstance(tokenizer, ByteTokenizer):
+        body["logit_bias"] = demo_logit_bias()
+    body["model"] = model_id
     request = urllib.request.Request(
         f"{url}/v1/chat/completions",
         data=json.dumps(body).encode(),

@@ -20,11 +20,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 
+from .models import LoadedModel, weights_digest
 from .prompt_cache_adapter import BankPromptCache
 
 READY = "cas-bank mlx-lm-server: listening on"
@@ -52,6 +54,22 @@ def announcing_server(json_line: bool) -> type[ThreadingHTTPServer]:
     return AnnouncingServer
 
 
+def loaded_model(model_provider: Any) -> LoadedModel:
+    """The provider's model as a `LoadedModel`: the namespace then records its
+    tokenizer's directory, and `cas-bank show` decodes blocks through it."""
+    path = Path(str(model_provider.cli_args.model))
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    model = model_provider.model
+    return LoadedModel(
+        model=model,
+        config=config,
+        name=path.name,
+        tokenizer=model_provider.tokenizer,
+        weights_digest=weights_digest(model),
+    )
+
+
 def make_run(bank: Bank, *, json_line: bool = False) -> Callable[..., None]:
     """A replacement for `mlx_lm.server.run` that serves from `bank`."""
     mls = _mlx_lm_server()
@@ -72,7 +90,7 @@ def make_run(bank: Bank, *, json_line: bool = False) -> Callable[..., None]:
         model_provider.load_default()
         prompt_cache = BankPromptCache(
             bank,
-            model_provider.model,
+            loaded_model(model_provider),
             model_key=model_provider.model_key,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,

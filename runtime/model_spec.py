@@ -26,6 +26,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -230,6 +231,9 @@ def _tokenizer_name(loaded: LoadedModel | None) -> str | None:
     if isinstance(tok, ByteTokenizer):
         return f"byte:{tok.vocab_size}"
     path = getattr(tok, "name_or_path", None)
+    if path and Path(str(path)).is_dir():
+        # Absolute, so `cas-bank show` finds the model's own tokenizer from anywhere.
+        return str(Path(str(path)).resolve())
     return str(path) if path else type(tok).__name__
 
 

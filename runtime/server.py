@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_types as oa
 from .engine import Engine
+from .explain_route import explain_request
 from .generation import GenerationRequest
 from .metrics import CONTENT_TYPE, RequestCounter, bank_metrics, engine_metrics, render
 from .responses import (
@@ -57,7 +58,14 @@ LOOPBACK = "127.0.0.1"
 # CPU, a model that never emits its end token would otherwise hold the queue for the
 # whole context.
 DEFAULT_MAX_TOKENS = 512
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/explain",
+    "/health",
+    "/metrics",
+)
 
 
 def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
@@ -173,6 +181,18 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         return oa.Completion(
             id=rid, created=created, model=engine.model_id, choices=[choice], usage=usage_of(result)
         )
+
+    @app.post("/v1/explain")
+    async def explain_prompt(request: Request) -> JSONResponse:
+        """Why this prompt would (not) hit: see `explain_route`."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise ApiError(400, f"not valid JSON: {e}", type="invalid_request_error") from e
+        try:
+            return JSONResponse(await asyncio.to_thread(explain_request, engine, body))
+        except Exception as e:
+            raise api_error(e) from e
 
     return app
 

@@ -16,7 +16,16 @@ from types import ModuleType
 
 from cas_bank.errors import CasBankError
 
-from . import bundle, gc_cmd, inspect_cmds, mlx_lm_cmd, serve_cmd, show_cmd, verify_cmd
+from . import (
+    bundle,
+    explain_cmd,
+    gc_cmd,
+    inspect_cmds,
+    mlx_lm_cmd,
+    serve_cmd,
+    show_cmd,
+    verify_cmd,
+)
 from .common import ArgumentParser, CliError
 
 # The command groups, in the order `cas-bank --help` lists them.
@@ -30,6 +39,7 @@ COMMAND_MODULES: list[ModuleType] = [
     mlx_lm_cmd,
     inspect_cmds,
     show_cmd,
+    explain_cmd,
     verify_cmd,
     bundle,
     gc_cmd,

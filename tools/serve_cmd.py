@@ -94,6 +94,13 @@ def register(subparsers: Any) -> None:
     play.add_argument(
         "--block-size", type=_positive, default=DEMO_BLOCK_SIZE, help="tokens per block"
     )
+    play.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local mlx-lm model directory (its tokenizer and chat template), or an "
+        "embedded model name (default: the embedded tiny-hybrid)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -155,6 +162,7 @@ def _demo(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             block_size=args.block_size,
             progress=step,
+            model=args.model,
         )
     if args.json:
         print_json(report.as_dict())

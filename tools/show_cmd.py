@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -53,13 +54,26 @@ def register(subparsers: Any) -> None:
     )
     add_bank_argument(p)
     p.add_argument("hash", metavar="HASH", help="block hash or a unique hex prefix of it")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="decode the tokens with the tokenizer.json in DIR (default: the model "
+        "directory the namespace records, when it is still there)",
+    )
 
 
-def decode_text(spec: ModelSpec | None, ids: list[int]) -> str | None:
-    """The text of `ids` where the namespace names a tokenizer the tools can build: the
-    embedded models' `ByteTokenizer`, recorded as "bytes" or "byte:<vocab size>".
-    None otherwise (a Hugging Face tokenizer is not loaded by the tools)."""
+def decode_text(
+    spec: ModelSpec | None, ids: list[int], tokenizer: Path | None = None
+) -> str | None:
+    """The text of `ids` through the namespace's tokenizer, where the tools can build it:
+    the embedded models' `ByteTokenizer` (recorded as "bytes" or "byte:<vocab size>"),
+    or a Hugging Face `tokenizer.json` in the model directory the namespace records
+    (or in `tokenizer`, a directory given by the user). None otherwise."""
     name = spec.tokenizer if spec is not None else None
+    if tokenizer is not None or (name is not None and Path(name).is_dir()):
+        return _hf_decode(tokenizer or Path(str(name)), ids)
     if name is None or not (name == "bytes" or re.fullmatch(r"byte:\d+", name)):
         return None
     # Imported here: `show` is the only command that needs the runtime package.
@@ -72,6 +86,20 @@ def decode_text(spec: ModelSpec | None, ids: list[int]) -> str | None:
     # Ids past the vocabulary (a damaged block) still show, as reserved names.
     vocab = max([MIN_VOCAB_SIZE, recorded, *(i + 1 for i in ids)])
     return str(ByteTokenizer(vocab_size=vocab).decode(ids))
+
+
+def _hf_decode(directory: Path, ids: list[int]) -> str | None:
+    """`ids` through the model's own tokenizer.json (the `tokenizers` library, which
+    mlx-lm's transformers brings; no transformers import, nothing downloaded)."""
+    file = directory / "tokenizer.json"
+    if not file.is_file():
+        raise CliError(f"no tokenizer.json in {directory}")
+    from tokenizers import Tokenizer  # type: ignore[import-untyped,unused-ignore]
+
+    tok = Tokenizer.from_file(str(file))
+    if any(i >= tok.get_vocab_size() for i in ids):
+        return None  # not this model's tokenizer, or a damaged block
+    return str(tok.decode(ids, skip_special_tokens=False))
 
 
 def _payload(
@@ -181,7 +209,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         else {"bytes": h.state_size, "digest": h.state_digest.hex(), "status": state_status},
         layers=_layers(spec, block, state),
         tokens=ids,
-        text=decode_text(spec, ids),
+        text=decode_text(spec, ids, args.tokenizer),
     )
     if args.json:
         print_json(info)

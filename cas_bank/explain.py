@@ -1,0 +1,235 @@
+"""Why a prompt did (not) hit: how far its chain matched, and what stopped a restore.
+
+`explain(bank, root, tokens)` walks the chain of `tokens` in namespace `root` the
+way `Namespace.restore(tokens)` does, and says for each thing that can end a
+restore where it happened:
+
+- `matched_blocks`: leading full blocks whose headers are stored;
+- at the first block that is not: `diverged_at`, the first token where the prompt
+  leaves a stored sibling block (the stored block under the same parent that shares
+  the most leading tokens with the prompt's block, and the token ids on each side),
+  or, when no stored block continues the chain there, "absent" (never stored here,
+  or evicted: the bank keeps no record of what it evicted, only how much, which
+  `blocks_evicted` carries);
+- the tail: tokens after the last full block are never a block (`tail_tokens`);
+- for a hybrid model, `state_at`: the deepest matched boundary with a stored state
+  (a restore stops there) and `boundaries_without_state`: the matched boundaries
+  below the chain's end that hold none;
+- `corrupt`: matched blocks (and the state a restore would use) whose payload fails
+  its digest or cannot be read; a restore stops before the first one.
+
+`restorable_tokens` is what `Namespace.restore(tokens)` would return now. A runtime
+restores `tokens[:-1]` of a prompt (`PrefixCache.restore`), so explain a prompt by
+its tokens less the last one to see what a request gets. Reads every header once to
+find sibling blocks (as `cas-bank tree` does): a diagnostic, not a hot-path call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import as_token_array, chain_hashes
+from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index.tree import HeaderIndex
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+
+StopReason = Literal["complete", "diverged", "absent", "no_state", "corrupt"]
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where the prompt's block leaves the stored block most like it."""
+
+    block: int  # index of the prompt's block that is not stored
+    token: int  # absolute position of the first differing token
+    prompt_token: int
+    stored_token: int
+    sibling: str  # hex chain hash of the stored block it left
+
+
+@dataclass(frozen=True, slots=True)
+class CorruptRecord:
+    block: int
+    chain_hash: str
+    record: Literal["payload", "state"]
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    tokens: int
+    block_size: int
+    full_blocks: int
+    tail_tokens: int  # tokens after the last full block: never stored as a block
+    matched_blocks: int
+    restorable_tokens: int
+    stop: StopReason  # what ended the restore
+    hybrid: bool
+    divergence: Divergence | None = None
+    missing_block: str | None = None  # hex chain hash of the first unstored block
+    state_at: int | None = None  # hybrid: deepest matched boundary with a state
+    boundaries_without_state: list[int] = field(default_factory=list)
+    corrupt: list[CorruptRecord] = field(default_factory=list)
+    blocks_evicted: int = 0  # by this bank so far (it keeps no list of them)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["summary"] = self.summary()
+        return out
+
+    def summary(self) -> list[str]:
+        """The explanation in sentences."""
+        bs = self.block_size
+        lines = [
+            f"{self.matched_blocks} of {self.full_blocks} full blocks matched "
+            f"({self.matched_blocks * bs} of {self.tokens} tokens); a restore covers "
+            f"{self.restorable_tokens}."
+        ]
+        d = self.divergence
+        if d is not None:
+            lines.append(
+                f"the chain diverges in block {d.block} at token {d.token}: the prompt has "
+                f"id {d.prompt_token}, the stored block {d.sibling[:16]} has {d.stored_token}."
+            )
+        elif self.missing_block is not None:
+            evicted = (
+                f"; this bank has evicted {self.blocks_evicted} blocks, it may be one"
+                if self.blocks_evicted
+                else "; this bank has evicted nothing, so it was never stored"
+            )
+            lines.append(
+                f"block {self.matched_blocks} ({self.missing_block[:16]}) is absent and no "
+                f"stored block continues the chain there{evicted}."
+            )
+        if self.hybrid and self.matched_blocks:
+            if self.state_at is None:
+                lines.append("no matched boundary holds a recurrent state: nothing to restore.")
+            elif self.boundaries_without_state:
+                lines.append(
+                    f"the deepest matched boundary with a state is token {self.state_at}; "
+                    f"boundaries {_ranges(self.boundaries_without_state)} hold none."
+                )
+        for c in self.corrupt:
+            lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
+        if self.tail_tokens:
+            lines.append(f"the last {self.tail_tokens} tokens fill no whole block.")
+        return lines
+
+
+def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = None) -> Explanation:
+    """Explain `Namespace.restore(tokens)` in namespace `root` (see the module)."""
+    toks = as_token_array(tokens)
+    bs = bank.config.block_size
+    store = bank.store
+    hashes = chain_hashes(root, toks, bs)
+    matched = longest_chain(store, root, hashes)
+    k = len(matched)
+    raw_spec = store.get(Family.NAMESPACES, root)
+    hybrid = raw_spec is not None and ModelSpec.model_validate_json(raw_spec).is_hybrid
+    divergence, missing = None, None
+    if k < len(hashes):
+        missing = hashes[k].hex()
+        parent = matched[-1].chain_hash if matched else root
+        index = index or HeaderIndex.load(store)
+        divergence = _divergence(index.children_of(parent), toks[k * bs : (k + 1) * bs], k, bs)
+
+    corrupt: list[CorruptRecord] = []
+    good = k
+    for i, h in enumerate(matched):
+        why = _check(bank, Family.BLOCKS, h.chain_hash, h.payload_digest)
+        if why is not None:
+            corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "payload", why))
+            good = i
+            break
+
+    state_at, without, usable = None, [], good
+    if hybrid:
+        usable = 0
+        for i in range(good - 1, -1, -1):
+            h = matched[i]
+            if not h.has_state:
+                without.append(h.end)
+                continue
+            assert h.state_digest is not None
+            why = _check(bank, Family.STATES, h.chain_hash, h.state_digest)
+            if why is None:
+                state_at, usable = h.end, i + 1
+                break
+            corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "state", why))
+            without.append(h.end)
+        without.sort()
+
+    stop: StopReason = "complete"
+    if corrupt:
+        stop = "corrupt"
+    elif hybrid and usable < good:
+        stop = "no_state"
+    elif divergence is not None:
+        stop = "diverged"
+    elif missing is not None:
+        stop = "absent"
+    return Explanation(
+        tokens=len(toks),
+        block_size=bs,
+        full_blocks=len(hashes),
+        tail_tokens=len(toks) - len(hashes) * bs,
+        matched_blocks=k,
+        restorable_tokens=usable * bs,
+        stop=stop,
+        hybrid=hybrid,
+        divergence=divergence,
+        missing_block=missing,
+        state_at=state_at,
+        boundaries_without_state=without,
+        corrupt=corrupt,
+        blocks_evicted=bank.counters.values()["blocks_evicted"],
+    )
+
+
+def _divergence(siblings: list[Header], block: Any, index: int, bs: int) -> Divergence | None:
+    """The first differing token against the sibling sharing the most leading tokens."""
+    best: tuple[int, Header] | None = None
+    ids = [int(t) for t in block]
+    for h in siblings:
+        theirs = h.token_ids()
+        same = next((j for j, (a, b) in enumerate(zip(ids, theirs, strict=False)) if a != b), None)
+        if same is None:
+            continue  # same tokens, other hash: not a divergence in the tokens
+        if best is None or same > best[0]:
+            best = (same, h)
+    if best is None:
+        return None
+    j, h = best
+    return Divergence(
+        block=index,
+        token=index * bs + j,
+        prompt_token=ids[j],
+        stored_token=h.token_ids()[j],
+        sibling=h.chain_hash.hex(),
+    )
+
+
+def _check(bank: Bank, family: Family, key: bytes, digest: bytes) -> str | None:
+    """Why the record fails (missing, unreadable, digest mismatch), or None if it is good."""
+    try:
+        raw = bank.store.get(family, key)
+    except CorruptDataError as e:
+        return f"is unreadable ({e})"
+    if raw is None:
+        return "is missing"
+    if not codec.verify(raw, digest):
+        return "fails its digest"
+    return None
+
+
+def _ranges(values: list[int]) -> str:
+    if len(values) <= 4:
+        return ", ".join(map(str, values))
+    return f"{values[0]}, {values[1]}, ..., {values[-1]} ({len(values)} of them)"
