@@ -70,7 +70,9 @@ def loaded_model(model_provider: Any) -> LoadedModel:
     )
 
 
-def make_run(bank: Bank, *, json_line: bool = False) -> Callable[..., None]:
+def make_run(
+    bank: Bank, *, json_line: bool = False, capture_states: bool = True
+) -> Callable[..., None]:
     """A replacement for `mlx_lm.server.run` that serves from `bank`."""
     mls = _mlx_lm_server()
 
@@ -94,6 +96,7 @@ def make_run(bank: Bank, *, json_line: bool = False) -> Callable[..., None]:
             model_key=model_provider.model_key,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
+            capture_states=capture_states,
         )
         generator = mls.ResponseGenerator(model_provider, prompt_cache)
         try:
@@ -135,7 +138,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve(bank: Bank, mlx_lm_args: Sequence[str], *, json_line: bool = False) -> None:
+def serve(
+    bank: Bank,
+    mlx_lm_args: Sequence[str],
+    *,
+    json_line: bool = False,
+    capture_states: bool = True,
+) -> None:
     """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
 
     Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank.
@@ -145,7 +154,8 @@ def serve(bank: Bank, mlx_lm_args: Sequence[str], *, json_line: bool = False) ->
     argv = sys.argv
     sys.argv = ["mlx_lm.server", *mlx_lm_args]
     try:
-        with _swapped_run(make_run(bank, json_line=json_line)), _sigterm_as_interrupt():
+        run = make_run(bank, json_line=json_line, capture_states=capture_states)
+        with _swapped_run(run), _sigterm_as_interrupt():
             mls.main()
     finally:
         sys.argv = argv

@@ -15,19 +15,28 @@ shared block by block between prompts:
   fresh mlx-lm cache and returns it with the tokens left to prefill (at least one:
   mlx-lm's `generate_step` refuses an empty prompt); `(None, tokens)` on a miss.
 - `insert_cache` stores the full blocks of the tokens the cache holds (its offset;
-  the last sampled token has not been through the model) and, for a hybrid model,
-  the recurrent state when the cache ends exactly on a block boundary. Blocks already
+  the last sampled token may not have been through the model). Blocks already
   stored are not written again.
+- Hybrid models: mlx-lm prefills on its own, so the recurrent state inside a prompt
+  is never seen, only the one at the end of an inserted cache (stored when that end
+  is a block boundary). With `capture_states` (the default), an insert of a hybrid
+  cache that does not end on a boundary runs `PrefixCache.prefill` over the new part
+  of its tokens again, from the deepest stored state to the last boundary, ending
+  its chunks on the boundaries where states are due, and stores those blocks and
+  states (one computation, so a restore never mixes two). The cost: the new tokens of
+  a prefix are prefilled twice, once by mlx-lm and once here (on mlx-lm's generation
+  thread, when mlx-lm inserts: at a chat segment's end, after a request's last
+  token); every later prompt sharing the prefix restores it. `capture_states=False`
+  stores blocks only, which a hybrid restore cannot use without a state.
 - Quantized KV: a cache whose attention layers are `QuantizedKVCache` goes to the
   namespace of its bits and group size (mlx-lm's `--kv-bits` quantizes a cache once
   it passes `--quantized-kv-start`, so one server may insert both kinds); a fetch
   restores from whichever namespace covers more of the prompt.
 
-What the interface cannot carry (said in the README too): mlx-lm prefills on its own,
-so a hybrid model's recurrent states at the block boundaries inside a prompt are never
-seen: only the state at the exact end of an inserted cache is, and it is stored only
-when that end is a boundary. `trim_to(n_sequences=...)` has no meaning for a bank of
-blocks (it holds no sequences) and is refused; `trim_to(n_bytes=...)` evicts the
+What the interface cannot carry (said in the README too): the states inside mlx-lm's
+own prefill (recomputed instead, above), and a prompt with nothing to prefill.
+`trim_to(n_sequences=...)` has no meaning for a bank of blocks (it holds no
+sequences) and is refused; `trim_to(n_bytes=...)` evicts the
 bank (least recently used leaves first) to that many payload and state bytes.
 `len()`, `stats_by_type()` count the sequences this object inserted by cache type,
 `nbytes` is the bank's stored bytes (all namespaces).
@@ -82,6 +91,7 @@ class AdapterStats:
     blocks_written: int = 0
     bytes_written: int = 0
     other_model: int = 0  # calls for another model_key: a miss, nothing stored
+    recomputed_tokens: int = 0  # hybrid models: tokens prefilled again to capture states
     failures: int = 0  # fetches or inserts that failed (logged), served uncached
 
     def as_dict(self) -> dict[str, int]:
@@ -96,6 +106,8 @@ class BankPromptCache:
     are misses and store nothing. By default every key is taken as this model's.
     `kv_bits` / `kv_group_size`: the quantized KV the server may produce (its
     `--kv-bits`, `--kv-group-size`), so fetches look in that namespace from the start.
+    `capture_states`: for a hybrid model, prefill new prefixes once more to capture
+    the recurrent states at their block boundaries (see the module docstring).
     """
 
     def __init__(
@@ -107,8 +119,10 @@ class BankPromptCache:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         name: str | None = None,
+        capture_states: bool = True,
     ) -> None:
         self.bank = bank
+        self.capture_states = capture_states
         self.model = model
         self.model_key = model_key
         self.name = name
@@ -240,14 +254,29 @@ class BankPromptCache:
             return 0, 0
         states = None
         if pc.spec.is_hybrid:
-            if n != held or n % pc.block_size:
-                # The recurrent state is at `held`; without a boundary there, a hybrid
-                # restore could use none of these blocks (the README says why).
-                n = (n // pc.block_size) * pc.block_size
+            if n == held and n % pc.block_size == 0:
+                states = {n: snapshot_states(pc.spec, cache)}  # the cache ends on a boundary
+            elif self.capture_states:
+                return self._capture(pc, tokens, (n // pc.block_size) * pc.block_size)
             else:
-                states = {n: snapshot_states(pc.spec, cache)}
+                # The recurrent state is at `held`; without a boundary there, a hybrid
+                # restore can use none of these blocks (the README says why).
+                n = (n // pc.block_size) * pc.block_size
         report = pc.store(list(tokens[:n]), cache, states)
         return report.blocks_written, report.bytes_written
+
+    def _capture(self, pc: PrefixCache, tokens: Sequence[int], boundary: int) -> tuple[int, int]:
+        """Prefill `tokens[:boundary]` again from the deepest stored state, stopping on the
+        boundaries where states are due (`PrefixCache.prefill`), and store it all: blocks
+        and states of one computation. Runs only over what the bank does not yet cover."""
+        through = list(tokens[: boundary + 1])  # one token past: restore and prefill leave it
+        cache, start = pc.restore(through)
+        if start >= boundary:
+            return 0, 0
+        pc.prefill(through, cache, start=start)
+        self.counters.recomputed_tokens += len(through) - start
+        report = pc.last_prefill.stored if pc.last_prefill is not None else None
+        return (report.blocks_written, report.bytes_written) if report is not None else (0, 0)
 
     @staticmethod
     def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:

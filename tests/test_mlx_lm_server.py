@@ -164,31 +164,28 @@ def test_quantized_kv_is_kept_in_its_own_namespace(models: dict[str, Path], tmp_
     assert len(quantized) == 1 and quantized[0].layers[0].quantization.bits == 4  # type: ignore[union-attr]
 
 
-def test_a_hybrid_model_restores_the_system_prompt_when_it_ends_on_a_boundary(
+def test_a_hybrid_model_restores_shared_prompts_from_captured_states(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     tok = hf_tokenizer(models["hybrid"])
     bank, log = tmp_path / "bank", tmp_path / "server.log"
-    # mlx-lm ends a "system" segment where the rendering of the system messages with an
-    # empty user turn leaves the prompt; pad the system prompt until that is a boundary.
-    system, sys_end = SYSTEM, 0
-    for pad in range(64):
-        system = SYSTEM + "x " * pad
-        first = ids(tok, conversation("what is the weather?", system))
-        alone = tok.apply_chat_template(
-            [*conversation("", system)[:1], {"role": "user", "content": ""}],
-            add_generation_prompt=False,
-        )
-        sys_end = common(first, list(alone))
-        if sys_end % BLOCK == 0:
-            break
-    assert sys_end % BLOCK == 0
+    one, two = conversation("what is the weather?"), conversation("and the time?")
+    p1, p2 = ids(tok, one), ids(tok, two)
+    # mlx-lm ends a "system" segment where the system messages rendered with an empty
+    # user turn leave the prompt: the bank captures the state at the boundary below it.
+    alone = tok.apply_chat_template(
+        [*one[:1], {"role": "user", "content": ""}], add_generation_prompt=False
+    )
+    system_blocks = common(p1, list(alone)) // BLOCK * BLOCK
     server = start(bank, models["hybrid"], log)
     try:
-        r1 = chat(server.url, conversation("what is the weather?", system))
-        r2 = chat(server.url, conversation("and the time?", system))
+        r1 = chat(server.url, one)
+        r2 = chat(server.url, two)
+        r3 = chat(server.url, one)  # an exact repeat
     finally:
         assert server.stop() == 0, log.read_text()
-    # The state at the end of the system segment is the only boundary state mlx-lm's
-    # prefill shows the bank (see the README): the second client restores up to it.
-    assert (cached(r1), cached(r2)) == (0, sys_end)
+    assert cached(r1) == 0
+    assert 0 < system_blocks <= cached(r2) <= restorable(p2, [p1])
+    assert cached(r2) % BLOCK == 0
+    assert cached(r3) == (len(p1) - 1) // BLOCK * BLOCK
+    assert answer(r3) == answer(r1)

@@ -70,10 +70,9 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
         follow = held + random_tokens(rng, 7)
         restored, rest = pc.fetch_nearest_cache(KEY, follow)
         if loaded.config.get("model_type") == "qwen3_next":
-            # mlx-lm prefilled on its own: the only recurrent state seen is the one at
-            # the end of the inserted cache, not on a boundary: nothing to restore.
-            assert (len(held) % BLOCK, restored, rest) == (len(held) % BLOCK, None, follow)
-            return
+            # The insert prefilled the hybrid again to capture the state at the last
+            # boundary (mlx-lm's own prefill shows none).
+            assert pc.stats()["recomputed_tokens"] == (len(held) // BLOCK) * BLOCK + 1
         n = len(follow) - len(rest)
         assert n == (len(held) // BLOCK) * BLOCK and rest == follow[n:]
         assert pc.stats()["hit_tokens"] == n
@@ -86,6 +85,18 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
         assert again == expected
 
 
+def test_without_capture_a_hybrid_keeps_blocks_a_restore_cannot_use() -> None:
+    loaded = tiny("tiny-hybrid")
+    prompt = random_tokens(__import__("numpy").random.default_rng(6), 2 * BLOCK + 3)
+    with temp_bank(BLOCK) as bank:
+        pc = BankPromptCache(bank, loaded, capture_states=False)
+        cache = make_prompt_cache(loaded.model)
+        loaded.model(mx.array(prompt)[None], cache=cache)
+        pc.insert_cache(KEY, prompt, cache)
+        assert pc.stats()["blocks_written"] == 2 and pc.stats()["recomputed_tokens"] == 0
+        assert pc.fetch_nearest_cache(KEY, [*prompt, 1]) == (None, [*prompt, 1])
+
+
 def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> None:
     loaded = tiny("tiny-hybrid")
     rng = __import__("numpy").random.default_rng(4)
@@ -95,6 +106,7 @@ def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> N
         cache = make_prompt_cache(loaded.model)
         loaded.model(mx.array(system)[None], cache=cache)  # a "system" segment, prefilled
         pc.insert_cache(KEY, system, cache, cache_type="system")
+        assert pc.stats()["recomputed_tokens"] == 0  # its own state was at the boundary
         assert pc.stats_by_type()["system"] == {"n_sequences": 1, "n_bytes": pc.nbytes}
         prompt = system + random_tokens(rng, 9)
         restored, rest = pc.fetch_nearest_cache(KEY, prompt)

@@ -3,7 +3,7 @@
     cas-bank mlx-lm-server --bank DIR --model PATH [any other mlx_lm.server argument]
 
 Everything after cas-bank's own options (`--bank`, `--block-size`, `--max-bytes`,
-`--json`) goes to `mlx_lm.server`'s argument parser as it is; see
+`--no-capture-states`, `--json`) goes to `mlx_lm.server`'s argument parser as it is; see
 `cas_bank.runtime.mlx_lm_server` for what runs. One line on stdout says where the
 server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
 """
@@ -47,6 +47,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="evict the bank to this many payload and state bytes (default: no bound)",
     )
+    cmd.add_argument(
+        "--no-capture-states",
+        dest="capture_states",
+        action="store_false",
+        help="hybrid models: do not prefill new prefixes again to capture the recurrent "
+        "states at their block boundaries (mlx-lm's own prefill shows none)",
+    )
     cmd.set_defaults(extra_args=True)
 
 
@@ -66,5 +73,5 @@ def _run(args: argparse.Namespace) -> int:
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
     with bank:
-        serve(bank, list(args.extra), json_line=args.json)
+        serve(bank, list(args.extra), json_line=args.json, capture_states=args.capture_states)
     return 0
