@@ -6,7 +6,6 @@ no index rebuild, so its cost does not grow with the number of blocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 import threading
@@ -15,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
 from cas_bank.blocks.hot import HotStore
@@ -26,11 +24,9 @@ from cas_bank.errors import BankSettingsError
 from cas_bank.index.access import AccessLog
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
-
-if TYPE_CHECKING:
-    from cas_bank.namespace import Namespace
 
 log = logging.getLogger("cas_bank")
 
@@ -97,8 +93,6 @@ class Bank:
     # -- namespaces ----------------------------------------------------------------
     def namespace(self, spec: ModelSpec) -> Namespace:
         """The namespace of `spec`'s model: its blocks share a chain root nobody else has."""
-        from cas_bank.namespace import Namespace
-
         key = spec.fingerprint
         ns = self._namespaces.get(key)
         if ns is None:
@@ -109,13 +103,6 @@ class Bank:
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
         return ns
-
-    def namespaces(self) -> dict[bytes, ModelSpec]:
-        """Every namespace recorded in the bank, by root."""
-        return {
-            root: ModelSpec.model_validate(json.loads(raw))
-            for root, raw in self.store.iterate(Family.NAMESPACES)
-        }
 
     # -- writing -------------------------------------------------------------------
     @contextmanager

@@ -48,7 +48,6 @@ class StoreConformance(ABC):
         assert store.get_many(Family.HEADERS, [b"a", b"b"]) == [None, None]
         assert store.get(Family.BLOCKS, b"a") is None
         assert store.get_many(Family.HEADERS, []) == []
-        assert store.exists_many(Family.HEADERS, [b"a"]) == [False]
 
     def test_batch_then_read_in_key_order_given(self, store: BlockStore) -> None:
         store.put_batch([(Family.HEADERS, b"k1", b"v1"), (Family.HEADERS, b"k2", b"v2")])
@@ -58,14 +57,13 @@ class StoreConformance(ABC):
             b"v1",
             b"v2",
         ]
-        assert store.exists_many(Family.HEADERS, [b"k1", b"x"]) == [True, False]
         assert isinstance(store.get(Family.HEADERS, b"k1"), bytes)
 
     def test_families_are_separate(self, store: BlockStore) -> None:
         store.put_batch([(f, b"same", f.value.encode()) for f in Family])
         for f in Family:
             assert store.get(f, b"same") == f.value.encode()
-        store.delete(Family.BLOCKS, [b"same"])
+        store.put_batch([(Family.BLOCKS, b"same", None)])
         assert store.get(Family.BLOCKS, b"same") is None
         assert store.get(Family.HEADERS, b"same") == b"headers"
 
@@ -81,7 +79,7 @@ class StoreConformance(ABC):
         assert store.get_many(Family.META, [b"a", b"b"]) == [b"2", None]
 
     def test_delete_absent_and_empty_batch_are_fine(self, store: BlockStore) -> None:
-        store.delete(Family.HEADERS, [b"never"])
+        store.put_batch([(Family.HEADERS, b"never", None)])
         store.put_batch([])
         assert list(store.iterate(Family.HEADERS)) == []
 
@@ -246,14 +244,13 @@ class RocksAgainstDict(RuleBasedStateMachine):
 
     @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=4))
     def delete(self, family: Family, keys: list[bytes]) -> None:
-        self.store.delete(family, keys)
+        self.store.put_batch([(family, k, None) for k in keys])
         for k in keys:
             self.model[family].pop(k, None)
 
     @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=6))
     def get_many(self, family: Family, keys: list[bytes]) -> None:
         assert self.store.get_many(family, keys) == [self.model[family].get(k) for k in keys]
-        assert self.store.exists_many(family, keys) == [k in self.model[family] for k in keys]
 
     @precondition(lambda self: any(self.model.values()))
     @rule(data=st.data(), family=FAMILIES)

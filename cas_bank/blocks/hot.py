@@ -45,20 +45,11 @@ class _Entry:
 class HotStore(BlockStore):
     """An LRU of at most `max_bytes` over `inner`'s headers, blocks and states."""
 
-    def __init__(
-        self,
-        inner: BlockStore,
-        max_bytes: int,
-        *,
-        families: frozenset[Family] = CACHED_FAMILIES,
-        write_through: bool = True,
-    ) -> None:
+    def __init__(self, inner: BlockStore, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError(f"hot tier size must be >= 0 bytes, got {max_bytes}")
         self.inner = inner
         self.max_bytes = max_bytes
-        self.families = families
-        self.write_through = write_through
         self.read_only = inner.read_only
         self._entries: OrderedDict[tuple[Family, bytes], _Entry] = OrderedDict()
         self._bytes = 0
@@ -103,7 +94,7 @@ class HotStore(BlockStore):
 
     # -- BlockStore ----------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
-        if family not in self.families:
+        if family not in CACHED_FAMILIES:
             return self.inner.get_many(family, keys)
         out: list[bytes | None] = [None] * len(keys)
         missing: list[int] = []
@@ -133,14 +124,14 @@ class HotStore(BlockStore):
 
     def put_batch(self, writes: Sequence[Write]) -> None:
         self.inner.put_batch(writes)
-        cached = [w for w in writes if w[0] in self.families]
+        cached = [w for w in writes if w[0] in CACHED_FAMILIES]
         if not cached:
             return
         with self._lock:
             self._generation += 1
             for family, key, value in cached:
                 self._drop((family, key))
-                if value is not None and self.write_through:
+                if value is not None:
                     self._insert(family, bytes(key), value)
             self._shrink()
 

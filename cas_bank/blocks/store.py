@@ -43,15 +43,9 @@ class BlockStore(ABC):
     def get(self, family: Family, key: bytes) -> bytes | None:
         return self.get_many(family, [key])[0]
 
-    def exists_many(self, family: Family, keys: Sequence[bytes]) -> list[bool]:
-        return [v is not None for v in self.get_many(family, keys)]
-
     @abstractmethod
     def put_batch(self, writes: Sequence[Write]) -> None:
         """Apply every write, atomically: all or none survive a crash."""
-
-    def delete(self, family: Family, keys: Sequence[bytes]) -> None:
-        self.put_batch([(family, k, None) for k in keys])
 
     @abstractmethod
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
