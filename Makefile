@@ -19,6 +19,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python scripts/check_imports.py
 
 test: lint
 	$(BIN)/pytest -q

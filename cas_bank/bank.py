@@ -6,7 +6,6 @@ no index rebuild, so its cost does not grow with the number of blocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 import threading
@@ -15,22 +14,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
+from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
 from cas_bank.blocks.hot import HotStore
-from cas_bank.blocks.rocks import AccessMode, RocksStore
+from cas_bank.blocks.rocks import AccessMode
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
 from cas_bank.index.access import AccessLog
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
-
-if TYPE_CHECKING:
-    from cas_bank.namespace import Namespace
 
 log = logging.getLogger("cas_bank")
 
@@ -72,19 +69,20 @@ class Bank:
     ) -> Bank:
         """Create or reopen the bank at `path`, or in the store given.
 
-        `path`: a bank directory (RocksDB), or a `BlockStore` of any backend; the bank
-        owns it from now on and closes it. `mode`: `read_write` (the one writer),
-        `read_only` (frozen at open) or `secondary` (follows a live writer, see
-        `refresh`); a store given brings its own. A `block_size` left unset in `config`
-        is taken from the bank on disk; one set explicitly must match it.
+        `path`: a bank directory (RocksDB, the default), a store URL (`rocksdb:///dir`,
+        or a scheme another backend registered: `blocks.backends`), or a `BlockStore`
+        of any backend, which the bank owns from then on and closes. `mode`:
+        `read_write` (the one writer), `read_only` (frozen at open) or `secondary`
+        (follows a live writer, see `refresh`); a store given brings its own. A
+        `block_size` left unset in `config` is taken from the bank on disk; one set
+        explicitly must match it.
         """
         config = config or BankConfig()
         if isinstance(path, BlockStore):
-            store: BlockStore = path
-            where = Path(getattr(store, "path", type(store).__name__))
+            store = path
         else:
-            where = Path(path)
-            store = RocksStore(where, mode=mode, durability=config.durability)
+            store = open_store(path, mode=mode, durability=config.durability)
+        where = Path(store.location)
         try:  # anything failing here must not keep the directory's LOCK
             config = _check_settings(store, where, config)
             if config.hot_bytes > 0:
@@ -97,8 +95,6 @@ class Bank:
     # -- namespaces ----------------------------------------------------------------
     def namespace(self, spec: ModelSpec) -> Namespace:
         """The namespace of `spec`'s model: its blocks share a chain root nobody else has."""
-        from cas_bank.namespace import Namespace
-
         key = spec.fingerprint
         ns = self._namespaces.get(key)
         if ns is None:
@@ -109,13 +105,6 @@ class Bank:
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
         return ns
-
-    def namespaces(self) -> dict[bytes, ModelSpec]:
-        """Every namespace recorded in the bank, by root."""
-        return {
-            root: ModelSpec.model_validate(json.loads(raw))
-            for root, raw in self.store.iterate(Family.NAMESPACES)
-        }
 
     # -- writing -------------------------------------------------------------------
     @contextmanager

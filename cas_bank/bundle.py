@@ -38,13 +38,8 @@ from cas_bank.blocks.hashing import (
 )
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.chain import (
-    Header,
-    block_rewrite,
-    longest_chain,
-    read_headers,
-    state_write_delta,
-)
+from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:

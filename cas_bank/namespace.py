@@ -18,14 +18,7 @@ import mlx.core as mx
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.index.chain import (
-    Header,
-    block_rewrite,
-    longest_chain,
-    read_headers,
-    state_write_delta,
-    stored_prefix,
-)
+from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
 from cas_bank.index.layout import (
     Assembler,
     BlockCutter,
@@ -36,11 +29,12 @@ from cas_bank.index.layout import (
     merge_layers,
 )
 from cas_bank.index.payloads import PayloadReader
+from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.index.states import plan_boundaries, restore_blocks
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from cas_bank.bank import Bank
+    from cas_bank.index.owner import Owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +63,11 @@ class Hit:
 class Namespace:
     """The blocks of one model (one `ModelSpec`) in a bank."""
 
-    def __init__(self, bank: Bank, spec: ModelSpec, root: bytes) -> None:
+    def __init__(self, bank: Owner, spec: ModelSpec, root: bytes) -> None:
         self.bank = bank
         self.spec = spec
         self.root = root
-        self._payloads = PayloadReader(bank, spec)
+        self._payloads = PayloadReader(spec, bank.store, bank.hot, bank.counters, bank.suspects)
         self.block_size = bank.config.block_size
 
     def chain(self, tokens: Any) -> list[BlockHash]:

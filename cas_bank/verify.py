@@ -28,7 +28,8 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import Header, block_deletes, state_deletes
+from cas_bank.index.chain import Header
+from cas_bank.index.records import block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
 from cas_bank.spec import ModelSpec
 

@@ -24,7 +24,7 @@ from tool_banks import (
 
 from cas_bank import Bank, BankConfig, ModelSpec
 from cas_bank.blocks.store import Family
-from cas_bank.index.access import TIME
+from cas_bank.index.records import TIME
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,10 @@ from hypothesis.stateful import (
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.index.access import STATE_SUFFIX
 from cas_bank.index.chain import Header
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.leaves import LeafIndex
+from cas_bank.index.records import STATE_SUFFIX
 
 SPEC = hybrid_spec()
 ATTENTION = [ls for ls in SPEC.layers if ls.kind == "attention"]

@@ -226,9 +226,9 @@ def test_decoded_view_needs_the_expected_digest() -> None:
 
 def test_a_read_racing_a_delete_never_caches_the_deleted_value() -> None:
     below = CountingStore(MemoryStore())
-    hot = HotStore(below, MiB, write_through=False)
+    hot = HotStore(below, MiB)
     key = b"a" * 32
-    hot.put_batch([(Family.HEADERS, key, b"header")])
+    below.put_batch([(Family.HEADERS, key, b"header")])  # written below, so not cached
     # The read below returns the value, then a delete lands before the tier inserts it.
     below.after_read = lambda family, keys: hot.put_batch([(Family.HEADERS, key, None)])
     assert hot.get(Family.HEADERS, key) == b"header"  # what that read saw

@@ -27,6 +27,7 @@ import pytest
 from hf_models import hf_tokenizer, model_dir
 
 from cas_bank import Bank
+from cas_bank.index.tree import load_namespaces
 
 BLOCK = 16
 TIMEOUT = 60.0
@@ -159,7 +160,7 @@ def test_quantized_kv_is_kept_in_its_own_namespace(models: dict[str, Path], tmp_
     assert cached(r1) == 0
     assert cached(r2) == restorable(ids(tok, two), [ids(tok, one)]) > 0
     with Bank.open(bank) as b:
-        specs = list(b.namespaces().values())
+        specs = list(load_namespaces(b.store)[0].values())
     quantized = [s for s in specs if s.layers[0].quantization is not None]
     assert len(quantized) == 1 and quantized[0].layers[0].quantization.bits == 4  # type: ignore[union-attr]
 

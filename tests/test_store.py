@@ -1,140 +1,24 @@
-"""Store conformance: one test class every backend subclasses, and a state machine.
-
-`StoreConformance` holds the behaviour the `BlockStore` interface promises; each
-backend gets a subclass that says how to make (and reopen) one. The hypothesis state
-machine runs random batches, deletes, reads, listings and reopens against a real
-RocksDB and a plain dict, and compares them after every step.
+"""Every store of the package, and the hot tier over each, through the conformance
+suite (`cas_bank.testing`: the interface's behaviour, and a state machine of random
+batches, reads, listings and reopens compared with a dict); then what only RocksDB
+does (durability modes, its lock, read-only and secondary opens, disk size) and
+opening stores by URL.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import threading
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cas_bank import BankLockedError
+from cas_bank import Bank, BankConfig, BankLockedError, InvalidInputError
+from cas_bank.blocks.backends import open_store, split_url, store_exists
+from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
-from cas_bank.blocks.store import BlockStore, Family, MemoryStore
+from cas_bank.blocks.store import BlockStore, Capability, Family, MemoryStore, batch_phases
+from cas_bank.testing import BIG, StoreConformance, StoreFactory, store_machine
 
-BIG = bytes(range(256)) * 400  # 100 KiB: above BlobDB's min blob size
-
-
-class StoreConformance(ABC):
-    """Behaviour every `BlockStore` backend must show. Subclasses define `make`."""
-
-    persistent = False
-
-    @pytest.fixture
-    def store(self, tmp_path: Path) -> Iterator[BlockStore]:
-        s = self.make(tmp_path)
-        try:
-            yield s
-        finally:
-            s.close()
-
-    @abstractmethod
-    def make(self, tmp_path: Path) -> BlockStore:
-        """A new, empty store of the backend under test, living under `tmp_path`."""
-
-    def test_absent_keys_read_as_none(self, store: BlockStore) -> None:
-        assert store.get_many(Family.HEADERS, [b"a", b"b"]) == [None, None]
-        assert store.get(Family.BLOCKS, b"a") is None
-        assert store.get_many(Family.HEADERS, []) == []
-        assert store.exists_many(Family.HEADERS, [b"a"]) == [False]
-
-    def test_batch_then_read_in_key_order_given(self, store: BlockStore) -> None:
-        store.put_batch([(Family.HEADERS, b"k1", b"v1"), (Family.HEADERS, b"k2", b"v2")])
-        assert store.get_many(Family.HEADERS, [b"k2", b"nope", b"k1", b"k2"]) == [
-            b"v2",
-            None,
-            b"v1",
-            b"v2",
-        ]
-        assert store.exists_many(Family.HEADERS, [b"k1", b"x"]) == [True, False]
-        assert isinstance(store.get(Family.HEADERS, b"k1"), bytes)
-
-    def test_families_are_separate(self, store: BlockStore) -> None:
-        store.put_batch([(f, b"same", f.value.encode()) for f in Family])
-        for f in Family:
-            assert store.get(f, b"same") == f.value.encode()
-        store.delete(Family.BLOCKS, [b"same"])
-        assert store.get(Family.BLOCKS, b"same") is None
-        assert store.get(Family.HEADERS, b"same") == b"headers"
-
-    def test_later_writes_in_a_batch_win(self, store: BlockStore) -> None:
-        store.put_batch(
-            [
-                (Family.META, b"a", b"1"),
-                (Family.META, b"a", b"2"),
-                (Family.META, b"b", b"1"),
-                (Family.META, b"b", None),
-            ]
-        )
-        assert store.get_many(Family.META, [b"a", b"b"]) == [b"2", None]
-
-    def test_delete_absent_and_empty_batch_are_fine(self, store: BlockStore) -> None:
-        store.delete(Family.HEADERS, [b"never"])
-        store.put_batch([])
-        assert list(store.iterate(Family.HEADERS)) == []
-
-    def test_empty_and_large_values(self, store: BlockStore) -> None:
-        store.put_batch([(Family.META, b"empty", b""), (Family.BLOCKS, b"big", BIG)])
-        assert store.get(Family.META, b"empty") == b""
-        assert store.get(Family.BLOCKS, b"big") == BIG
-
-    def test_iterate_in_key_order(self, store: BlockStore) -> None:
-        keys = [bytes([b]) * 3 for b in (9, 1, 200, 0, 7)]
-        store.put_batch([(Family.HEADERS, k, k + b"!") for k in keys])
-        assert list(store.iterate(Family.HEADERS)) == [(k, k + b"!") for k in sorted(keys)]
-        assert list(store.iterate(Family.HEADERS, values=False)) == [(k, b"") for k in sorted(keys)]
-        assert list(store.keys(Family.HEADERS)) == sorted(keys)
-        assert list(store.keys(Family.STATES)) == []
-
-    def test_concurrent_batches_all_land(self, store: BlockStore) -> None:
-        def writer(t: int) -> None:
-            for i in range(50):
-                store.put_batch(
-                    [
-                        (Family.HEADERS, b"%d-%d" % (t, i), b"h"),
-                        (Family.BLOCKS, b"%d-%d" % (t, i), BIG[: 5000 + i]),
-                    ]
-                )
-
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert len(list(store.keys(Family.HEADERS))) == 200
-        assert store.get(Family.BLOCKS, b"3-49") == BIG[:5049]
-
-    def test_closed_store_refuses_work(self, tmp_path: Path) -> None:
-        s = self.make(tmp_path)
-        s.put_batch([(Family.META, b"a", b"1")])
-        s.close()
-        s.close()  # closing twice is harmless
-        with pytest.raises(RuntimeError, match="closed"):
-            s.get(Family.META, b"a")
-        with pytest.raises(RuntimeError, match="closed"):
-            s.get_many(Family.META, [b"a"])
-        with pytest.raises(RuntimeError, match="closed"):
-            s.put_batch([(Family.META, b"b", b"2")])
-        with pytest.raises(RuntimeError, match="closed"):
-            list(s.iterate(Family.META))
-
-    def test_context_manager_closes(self, tmp_path: Path) -> None:
-        with self.make(tmp_path) as s:
-            s.put_batch([(Family.META, b"a", b"1")])
-        with pytest.raises(RuntimeError, match="closed"):
-            s.get(Family.META, b"a")
+MiB = 1 << 20
 
 
 class TestMemoryStore(StoreConformance):
@@ -142,10 +26,26 @@ class TestMemoryStore(StoreConformance):
         return MemoryStore()
 
 
-class TestRocksStore(StoreConformance):
-    persistent = True
+class TestHotStoreOverMemory(StoreConformance):
+    def make(self, tmp_path: Path) -> BlockStore:
+        return HotStore(MemoryStore(), MiB)
+
+
+class TestHotStoreOverRocks(StoreConformance):
+    """A bound of a few entries: reads and writes keep pushing entries out."""
 
     def make(self, tmp_path: Path) -> BlockStore:
+        return HotStore(RocksStore(tmp_path / "db"), 16 * 1024)
+
+    def reopen(self, tmp_path: Path) -> BlockStore | None:
+        return HotStore(RocksStore(tmp_path / "db"), 16 * 1024)
+
+
+class TestRocksStore(StoreConformance):
+    def make(self, tmp_path: Path) -> BlockStore:
+        return RocksStore(tmp_path / "db")
+
+    def reopen(self, tmp_path: Path) -> BlockStore | None:
         return RocksStore(tmp_path / "db")
 
     def test_data_survives_close_and_reopen_in_one_process(self, tmp_path: Path) -> None:
@@ -216,74 +116,103 @@ class TestRocksStore(StoreConformance):
             assert (s.disk_bytes() or 0) >= before + 10 * len(BIG)
 
 
+# -- opening by URL, capabilities, the phases of a non-atomic batch ------------------
+def test_urls_and_paths_open_rocksdb(tmp_path: Path) -> None:
+    assert split_url(tmp_path / "a") == ("rocksdb", str(tmp_path / "a"))
+    assert split_url(f"rocksdb://{tmp_path}/a") == ("rocksdb", f"{tmp_path}/a")
+    assert not store_exists(f"rocksdb://{tmp_path}/a")
+    with open_store(f"rocksdb://{tmp_path}/a") as s:
+        assert isinstance(s, RocksStore) and s.location == f"{tmp_path}/a"
+        s.put_batch([(Family.META, b"k", b"v")])
+    assert store_exists(tmp_path / "a")
+    with open_store(tmp_path / "a", mode="read_only") as r:
+        assert r.read_only and r.get(Family.META, b"k") == b"v"
+
+
+def test_a_bad_url_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInputError, match=r"no store backend for nosuch:// .*rocksdb://"):
+        open_store("nosuch://x")
+    with pytest.raises(InvalidInputError, match="names no location"):
+        open_store("rocksdb://")
+    assert not (tmp_path / "x").exists()
+
+
+def test_bank_open_takes_a_url_or_a_store(tmp_path: Path) -> None:
+    with Bank.open(f"rocksdb://{tmp_path}/bank", BankConfig(block_size=8)) as bank:
+        assert bank.path == tmp_path / "bank" and bank.config.block_size == 8
+    with Bank.open(tmp_path / "bank", mode="read_only") as bank:
+        assert bank.config.block_size == 8  # the same bank, by path
+    store = MemoryStore()
+    with Bank.open(store, BankConfig(block_size=4, hot_bytes=0)) as bank:
+        assert bank.store is store and str(bank.path) == "memory"
+        assert bank.stats().block_size == 4
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(Family.META, b"x")  # the bank owned it and closed it
+
+
+def test_capabilities_are_declared_not_guessed(tmp_path: Path) -> None:
+    with RocksStore(tmp_path / "db") as rocks:
+        assert rocks.capabilities == frozenset(Capability)
+        hot = HotStore(rocks, MiB)
+        assert hot.capabilities == rocks.capabilities and hot.location == rocks.location
+    assert MemoryStore().capabilities == {Capability.ATOMIC_BATCHES}
+    assert HotStore(MemoryStore(), MiB).disk_bytes() is None
+
+
+def test_batch_phases_put_what_a_header_names_first_and_delete_it_last() -> None:
+    batch = [
+        (Family.HEADERS, b"gone", None),
+        (Family.BLOCKS, b"gone", None),
+        (Family.ACCESS, b"new", b"t"),
+        (Family.META, b"counter", b"1"),
+        (Family.HEADERS, b"new", b"h"),
+        (Family.BLOCKS, b"new", b"p"),
+        (Family.STATES, b"new", b"s"),
+        (Family.NAMESPACES, b"root", b"spec"),
+        (Family.STATES, b"old", None),
+        (Family.HEADERS, b"old", b"h without state"),
+    ]
+    assert batch_phases(batch) == [
+        [
+            (Family.BLOCKS, b"new", b"p"),
+            (Family.STATES, b"new", b"s"),
+            (Family.NAMESPACES, b"root", b"spec"),
+        ],
+        [
+            (Family.HEADERS, b"gone", None),
+            (Family.HEADERS, b"new", b"h"),
+            (Family.HEADERS, b"old", b"h without state"),
+        ],
+        [(Family.BLOCKS, b"gone", None), (Family.STATES, b"old", None)],
+        [(Family.ACCESS, b"new", b"t"), (Family.META, b"counter", b"1")],
+    ]
+    assert batch_phases([]) == []
+
+
 # -- the state machine ------------------------------------------------------------
-FAMILIES = st.sampled_from([Family.HEADERS, Family.BLOCKS])
-KEYS = st.binary(min_size=0, max_size=3)
-VALUES = st.one_of(st.binary(max_size=40), st.sampled_from([BIG, BIG[:4096], BIG[:4095]]))
+class RocksFactory(StoreFactory):
+    def make(self, directory: Path) -> BlockStore:
+        return RocksStore(directory)
+
+    def reopen(self, directory: Path) -> BlockStore | None:
+        return RocksStore(directory)
 
 
-class RocksAgainstDict(RuleBasedStateMachine):
-    """RocksStore and a dict must agree after any sequence of operations."""
+class HotOverRocksFactory(RocksFactory):
+    """A hot tier small enough that the machine's values churn through it."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.dir = tempfile.mkdtemp(prefix="cas_bank_sm_")
-        self.store = RocksStore(self.dir)
-        self.model: dict[Family, dict[bytes, bytes]] = {Family.HEADERS: {}, Family.BLOCKS: {}}
+    def make(self, directory: Path) -> BlockStore:
+        return HotStore(RocksStore(directory), 64 * 1024)
 
-    @rule(
-        writes=st.lists(
-            st.tuples(FAMILIES, KEYS, st.one_of(st.none(), VALUES)), min_size=0, max_size=8
-        )
-    )
-    def put_batch(self, writes: list[tuple[Family, bytes, bytes | None]]) -> None:
-        self.store.put_batch(writes)
-        for f, k, v in writes:
-            if v is None:
-                self.model[f].pop(k, None)
-            else:
-                self.model[f][k] = v
-
-    @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=4))
-    def delete(self, family: Family, keys: list[bytes]) -> None:
-        self.store.delete(family, keys)
-        for k in keys:
-            self.model[family].pop(k, None)
-
-    @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=6))
-    def get_many(self, family: Family, keys: list[bytes]) -> None:
-        assert self.store.get_many(family, keys) == [self.model[family].get(k) for k in keys]
-        assert self.store.exists_many(family, keys) == [k in self.model[family] for k in keys]
-
-    @precondition(lambda self: any(self.model.values()))
-    @rule(data=st.data(), family=FAMILIES)
-    def get_stored(self, data: st.DataObject, family: Family) -> None:
-        if self.model[family]:
-            k = data.draw(st.sampled_from(sorted(self.model[family])))
-            assert self.store.get(family, k) == self.model[family][k]
-
-    @rule()
-    def reopen(self) -> None:
-        self.store.close()
-        self.store = RocksStore(self.dir)
-
-    @invariant()
-    def listings_agree(self) -> None:
-        for f, d in self.model.items():
-            assert list(self.store.iterate(f)) == sorted(d.items())
-
-    def teardown(self) -> None:
-        self.store.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    def reopen(self, directory: Path) -> BlockStore | None:
+        return HotStore(RocksStore(directory), 64 * 1024)
 
 
-RocksAgainstDict.TestCase.settings = settings(
-    max_examples=25,
-    stateful_step_count=15,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-# The 100 KiB values make hypothesis's step log long; that is expected here.
-TestRocksAgainstDict = pytest.mark.filterwarnings("ignore:Generating overly large repr")(
-    RocksAgainstDict.TestCase
-)
+class MemoryFactory(StoreFactory):
+    def make(self, directory: Path) -> BlockStore:
+        return MemoryStore()
+
+
+TestRocksAgainstDict = store_machine(RocksFactory())
+TestHotOverRocksAgainstDict = store_machine(HotOverRocksFactory(), max_examples=15)
+TestMemoryAgainstDict = store_machine(MemoryFactory(), max_examples=15)

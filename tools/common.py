@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cas_bank import Bank, BankConfig
+from cas_bank.blocks.backends import store_exists
 from cas_bank.errors import BankLockedError, InvalidInputError
 from cas_bank.spec import ModelSpec
 
@@ -69,7 +70,7 @@ def open_reader(path: Path, *, payloads: bool = False) -> Bank:
     a secondary instance (the process crashes; facebook/rocksdb#13296, #13248), and
     payloads of 4 KiB and more live in blob files.
     """
-    if not (path / "CURRENT").exists():
+    if not store_exists(path):
         raise CliError(f"no bank at {path}")
     return Bank.open(path, _TOOL_CONFIG, mode="read_only" if payloads else "secondary")
 
@@ -100,7 +101,7 @@ def read_bank(path: Path, work: Callable[[Bank], T], *, payloads: bool = False) 
     bank's files changed meanwhile; on a bank that stood still it is raised at once.
     """
     for attempt in range(READ_ATTEMPTS):
-        before = bank_files(path) if (path / "CURRENT").exists() else frozenset()
+        before = bank_files(path) if store_exists(path) else frozenset()
         try:
             with open_reader(path, payloads=payloads) as bank:
                 return work(bank)
@@ -118,7 +119,7 @@ def open_writer(path: Path, *, create_block_size: int | None = None) -> Bank:
 
     A missing bank is an error, unless `create_block_size` is given: then it is made.
     """
-    exists = (path / "CURRENT").exists()
+    exists = store_exists(path)
     if not exists and create_block_size is None:
         raise CliError(f"no bank at {path}")
     config = _TOOL_CONFIG

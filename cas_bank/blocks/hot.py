@@ -13,11 +13,14 @@ Two levels per entry:
   `bytes`, so they cost no memory beyond it (a compressed payload's inflated body
   is counted on top).
 
-Coherence: every write goes through `put_batch`, which updates the inner store
-first and then replaces (put) or drops (delete) the cached entries. A read that
+Coherence: every write goes through `put_batch`, which drops the cached entries of
+its keys, updates the inner store, and then caches the values it put. A read that
 missed the cache inserts what it read only if no write touched a cached family in
-the meantime (a generation counter), so a value read before a delete can never be
-cached after it. `refresh` (a secondary following its writer) drops everything.
+the meantime and none is being applied (a generation counter and a count of writes
+in flight), so a value read before a delete can never be cached after it, and while
+a batch is applied its keys are read from the inner store: a reader sees all of the
+batch or none of it whenever the inner store does. `refresh` (a secondary following
+its writer) drops everything.
 """
 
 from __future__ import annotations
@@ -45,24 +48,17 @@ class _Entry:
 class HotStore(BlockStore):
     """An LRU of at most `max_bytes` over `inner`'s headers, blocks and states."""
 
-    def __init__(
-        self,
-        inner: BlockStore,
-        max_bytes: int,
-        *,
-        families: frozenset[Family] = CACHED_FAMILIES,
-        write_through: bool = True,
-    ) -> None:
+    def __init__(self, inner: BlockStore, max_bytes: int) -> None:
         if max_bytes < 0:
             raise ValueError(f"hot tier size must be >= 0 bytes, got {max_bytes}")
         self.inner = inner
         self.max_bytes = max_bytes
-        self.families = families
-        self.write_through = write_through
         self.read_only = inner.read_only
+        self.capabilities = inner.capabilities  # atomic over an atomic store (put_batch)
         self._entries: OrderedDict[tuple[Family, bytes], _Entry] = OrderedDict()
         self._bytes = 0
         self._generation = 0  # bumped by every write that touches a cached family
+        self._writing = 0  # batches being applied below: nothing read meanwhile is cached
         self._lock = threading.Lock()
         self.hits = 0  # raw lookups served from memory
         self.misses = 0  # raw lookups passed to the inner store
@@ -103,7 +99,7 @@ class HotStore(BlockStore):
 
     # -- BlockStore ----------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
-        if family not in self.families:
+        if family not in CACHED_FAMILIES:
             return self.inner.get_many(family, keys)
         out: list[bytes | None] = [None] * len(keys)
         missing: list[int] = []
@@ -123,7 +119,7 @@ class HotStore(BlockStore):
         got = self.inner.get_many(family, [keys[i] for i in missing])
         with self._lock:
             # A write since our look may have replaced or deleted what we just read.
-            fresh = generation == self._generation
+            fresh = generation == self._generation and not self._writing
             for i, value in zip(missing, got, strict=True):
                 out[i] = value
                 if fresh and value is not None:
@@ -132,17 +128,31 @@ class HotStore(BlockStore):
         return out
 
     def put_batch(self, writes: Sequence[Write]) -> None:
-        self.inner.put_batch(writes)
-        cached = [w for w in writes if w[0] in self.families]
+        cached = [w for w in writes if w[0] in CACHED_FAMILIES]
         if not cached:
+            self.inner.put_batch(writes)
             return
+        # Forget the keys first, and cache nothing read while the batch is applied:
+        # reads of its keys go to the store below meanwhile and see what it shows
+        # (all of the batch or none, over an atomic store).
         with self._lock:
             self._generation += 1
-            for family, key, value in cached:
+            self._writing += 1
+            for family, key, _ in cached:
                 self._drop((family, key))
-                if value is not None and self.write_through:
-                    self._insert(family, bytes(key), value)
-            self._shrink()
+        written = False
+        try:
+            self.inner.put_batch(writes)
+            written = True
+        finally:
+            with self._lock:
+                self._generation += 1
+                self._writing -= 1
+                for family, key, value in cached if written else ():
+                    self._drop((family, key))
+                    if value is not None:
+                        self._insert(family, bytes(key), value)
+                self._shrink()
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         return self.inner.iterate(family, values=values)
@@ -151,6 +161,16 @@ class HotStore(BlockStore):
         """Catch up with the writer and forget everything: it may have deleted any of it."""
         self.inner.refresh()
         self.clear()
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def compact(self) -> None:
+        self.inner.compact()
 
     def disk_bytes(self) -> int | None:
         return self.inner.disk_bytes()

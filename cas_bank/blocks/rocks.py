@@ -39,7 +39,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
+from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Capability, Family, Write
 from cas_bank.errors import BankLockedError, CorruptDataError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
@@ -86,6 +86,8 @@ def _walk(cf: Any, values: bool, read_opt: Any) -> Generator[tuple[bytes, bytes]
 
 class RocksStore(BlockStore):
     """A `BlockStore` on one RocksDB database directory."""
+
+    capabilities = frozenset(Capability)  # every one: a WriteBatch spans the families
 
     def __init__(
         self, path: str | Path, *, mode: AccessMode = "read_write", durability: str = "wal"
@@ -178,6 +180,10 @@ class RocksStore(BlockStore):
             # holds a family handle (and so the LOCK): collect it and try once more.
             gc.collect()
             return attempt()
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
 
     # -- reads ---------------------------------------------------------------------
     def _family(self, family: Family) -> Any:

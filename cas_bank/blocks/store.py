@@ -1,9 +1,30 @@
 """The store interface every backend meets, and `MemoryStore`, the plain-dict one.
 
 A store holds raw bytes under byte keys in a few named families (docs/design.md, "Record
-families"). It knows nothing of blocks or chains: the index above it does. Writes go in
-batches that apply whole or not at all. Cross-cutting concerns (the hot tier, stats)
-wrap a store.
+families"). It knows nothing of blocks or chains: the index above it does. Cross-cutting concerns
+(the hot tier) wrap a store and meet the same interface. What a backend must do is
+written on `BlockStore` and checked by `cas_bank.testing` (run it on a new backend).
+
+What the bank relies on from `put_batch`
+-----------------------------------------
+- Every write of the batch applies, in order (a later write of a key wins), and is
+  readable by this process once `put_batch` returns; it is durable as the store's
+  own durability says (RocksDB `wal`: it survives a crash).
+- A store that declares `Capability.ATOMIC_BATCHES` (RocksDB, `MemoryStore`, and
+  `HotStore` over either) applies a batch whole or not at all, across families:
+  readers never see part of it, a crash keeps all or none of it, and a batch that
+  raises applied nothing. The bank's transactions assume this to undo their
+  in-memory effects exactly.
+- A store without it (a remote or file tier that cannot write across families
+  atomically) must apply a batch in the phases of `batch_phases`, each whole before
+  the next starts: (1) puts of payloads, states and namespace records, (2) header
+  writes, (3) deletes of payloads and states, (4) the rest (counters, last uses).
+  So no reader and no crash ever sees a header without the payload and state it
+  names: lookups and restores stay correct. A batch cut part-way (a crash, or a
+  raise after a phase landed) leaves what a crash leaves: payloads no header claims
+  (`verify --fix` removes them), counters that disagree with the headers (`verify`
+  reports them), last uses lost (counted as used at time 0). Reopen the bank after
+  such a failure: its in-memory counters assume the batch failed whole.
 """
 
 from __future__ import annotations
@@ -32,10 +53,59 @@ Write = tuple[Family, bytes, bytes | None]
 """One write of a batch: (family, key, value), a value of None deletes the key."""
 
 
+class Capability(str, Enum):
+    """What a store can do beyond the required interface; it declares these in
+    `BlockStore.capabilities` (callers ask there, never look at its class)."""
+
+    ATOMIC_BATCHES = "atomic_batches"
+    """`put_batch` applies whole or not at all, across families (see the module)."""
+    FLUSH = "flush"
+    """`flush()` makes everything written so far durable now."""
+    COMPACT = "compact"
+    """`compact()` gives the space of deleted records back (to the disk)."""
+    DISK_BYTES = "disk_bytes"
+    """`disk_bytes()` says how many bytes the store takes (else it returns None)."""
+    READ_ONLY = "read_only"
+    """It can be opened read-only (a frozen view) beside a live writer."""
+    SECONDARY = "secondary"
+    """It can be opened as a follower of a live writer; `refresh()` catches up."""
+
+
+def batch_phases(writes: Sequence[Write]) -> list[list[Write]]:
+    """`writes` in the phases a store without atomic batches applies one after the
+    other (see the module): payload, state and namespace puts; header writes;
+    payload and state deletes; the rest. Order within a phase is kept."""
+    phases: list[list[Write]] = [[], [], [], []]
+    for w in writes:
+        family, _, value = w
+        if family is Family.HEADERS:
+            phases[1].append(w)
+        elif family in PAYLOAD_FAMILIES or family is Family.NAMESPACES:
+            phases[0 if value is not None else 2].append(w)
+        else:
+            phases[3].append(w)
+    return [p for p in phases if p]
+
+
 class BlockStore(ABC):
-    """Bytes under keys, in families. Thread-safe; `put_batch` is atomic."""
+    """Bytes under keys, in families; thread-safe (any thread may read or write).
+
+    Required: `get_many`, `put_batch` (see the module for what it promises),
+    `iterate` (key order: bytes compared as unsigned; a walk may or may not see
+    writes made during it), `close` (idempotent; afterwards every call raises
+    `RuntimeError` naming the store closed). Optional, as `capabilities` declares:
+    `flush`, `compact`, `disk_bytes`, `refresh`, and opening read-only or as a
+    secondary (`cas_bank.blocks.backends.open_store`). A store opened read-only or as
+    a secondary sets `read_only` and refuses `put_batch` with `RuntimeError`.
+    """
 
     read_only: bool = False
+    capabilities: frozenset[Capability] = frozenset()
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages (a path, a URL)."""
+        return type(self).__name__
 
     @abstractmethod
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -44,15 +114,10 @@ class BlockStore(ABC):
     def get(self, family: Family, key: bytes) -> bytes | None:
         return self.get_many(family, [key])[0]
 
-    def exists_many(self, family: Family, keys: Sequence[bytes]) -> list[bool]:
-        return [v is not None for v in self.get_many(family, keys)]
-
     @abstractmethod
     def put_batch(self, writes: Sequence[Write]) -> None:
-        """Apply every write, atomically: all or none survive a crash."""
-
-    def delete(self, family: Family, keys: Sequence[bytes]) -> None:
-        self.put_batch([(family, k, None) for k in keys])
+        """Apply every write; atomically if the store declares `ATOMIC_BATCHES`, else
+        in `batch_phases` order (the module says what the bank relies on)."""
 
     @abstractmethod
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
@@ -66,8 +131,16 @@ class BlockStore(ABC):
         """Catch up with the writer (secondary opens); a no-op elsewhere."""
         return None
 
+    def flush(self) -> None:
+        """Make everything written durable now (`Capability.FLUSH`); else a no-op."""
+        return None
+
+    def compact(self) -> None:
+        """Give deleted records' space back (`Capability.COMPACT`); else a no-op."""
+        return None
+
     def disk_bytes(self) -> int | None:
-        """Bytes the store takes on disk, where it can tell."""
+        """Bytes the store takes on disk (`Capability.DISK_BYTES`); else None."""
         return None
 
     @abstractmethod
@@ -89,6 +162,8 @@ class BlockStore(ABC):
 class MemoryStore(BlockStore):
     """A dict per family: the reference model in tests, and a throwaway bank."""
 
+    capabilities = frozenset({Capability.ATOMIC_BATCHES})
+
     def __init__(self) -> None:
         self._data: dict[Family, dict[bytes, bytes]] = {f: {} for f in Family}
         self._lock = threading.Lock()
@@ -101,7 +176,8 @@ class MemoryStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         self._check()
         d = self._data[family]
-        return [d.get(k) for k in keys]
+        with self._lock:  # a batch is applied under the lock: never seen half-done
+            return [d.get(k) for k in keys]
 
     def put_batch(self, writes: Sequence[Write]) -> None:
         self._check()
@@ -118,6 +194,10 @@ class MemoryStore(BlockStore):
             items = sorted(self._data[family].items())
         for k, v in items:
             yield k, (v if values else b"")
+
+    @property
+    def location(self) -> str:
+        return "memory"
 
     def close(self) -> None:
         self._closed = True

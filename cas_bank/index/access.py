@@ -14,24 +14,16 @@ write per restore. Eviction (`index.evict`) orders by these times.
 
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.index.records import TIME, access_key
 
 if TYPE_CHECKING:
     from cas_bank.index.leaves import LeafIndex
-
-TIME = struct.Struct("<d")
-STATE_SUFFIX = b"s"
-
-
-def access_key(chain_hash: bytes, state: bool = False) -> bytes:
-    """The access-family key holding the last use of a block (or of its state)."""
-    return chain_hash + STATE_SUFFIX if state else chain_hash
 
 
 # -- last-use bookkeeping ----------------------------------------------------------
@@ -132,8 +124,3 @@ def last_use(
             if value is not None and len(value) == TIME.size:
                 out[i] = TIME.unpack(value)[0]
     return out
-
-
-def parse_time(value: bytes) -> float | None:
-    """The time in an access record, or None if it is not one."""
-    return TIME.unpack(value)[0] if len(value) == TIME.size else None

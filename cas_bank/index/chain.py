@@ -15,9 +15,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash
-from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.access import access_key
 
 HEADER_VERSION = 1
 FLAG_STATE = 1
@@ -93,59 +92,6 @@ class Header:
             state_digest=sd if flags & FLAG_STATE else None,
             state_size=state_size,
         )
-
-
-def block_deletes(key: bytes, *, with_state: bool = True) -> list[Write]:
-    """The writes that remove a block: header, payload, last use; with `with_state`
-    (or when unsure) its state and the state's last use too."""
-    writes: list[Write] = [
-        (Family.HEADERS, key, None),
-        (Family.BLOCKS, key, None),
-        (Family.ACCESS, access_key(key), None),
-    ]
-    if with_state:
-        writes += [(Family.STATES, key, None), (Family.ACCESS, access_key(key, True), None)]
-    return writes
-
-
-def state_deletes(header: Header) -> list[Write]:
-    """The writes that remove a block's state: the state, its last use, and the state
-    flag of the header (rewritten without it)."""
-    key = header.chain_hash
-    return [
-        (Family.STATES, key, None),
-        (Family.ACCESS, access_key(key, True), None),
-        (Family.HEADERS, key, header.with_state(None).encode()),
-    ]
-
-
-def block_rewrite(
-    store: BlockStore, key: bytes, old: Header | None, damaged: bool, size: int
-) -> tuple[dict[str, int], list[Write]]:
-    """Counter deltas, and extra writes, of writing a block payload of `size` bytes
-    (with a new header) where `old` is its readable header or None.
-
-    A `damaged` header (present, unreadable) is already counted: its block counts
-    again only by the difference in size, and a state stored under it (which the new
-    header cannot announce) is removed.
-    """
-    if not damaged:
-        if old is None:
-            return {"blocks": 1, "payload_bytes": size}, []
-        return {"payload_bytes": size - old.payload_size}, []
-    stale, stale_state = store.get(Family.BLOCKS, key), store.get(Family.STATES, key)
-    deltas = {"payload_bytes": size - len(stale or b"")}
-    if stale_state is None:
-        return deltas, []
-    deltas.update(states=-1, state_bytes=-len(stale_state))
-    return deltas, [(Family.STATES, key, None)]
-
-
-def state_write_delta(base: Header, size: int) -> dict[str, int]:
-    """Counter deltas of writing a state of `size` bytes at the end of block `base`."""
-    if base.has_state:
-        return {"state_bytes": size - base.state_size}
-    return {"states": 1, "state_bytes": size}
 
 
 def read_headers(

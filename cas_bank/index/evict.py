@@ -30,26 +30,17 @@ kept current from then on.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.access import AccessLog
-from cas_bank.index.chain import Header, block_deletes, state_deletes
+from cas_bank.index.chain import Header
 from cas_bank.index.leaves import LeafIndex
-from cas_bank.index.txn import Transaction
-
-
-class Writer(Protocol):
-    """What eviction needs of a bank: its store, its last uses, its transactions."""
-
-    store: BlockStore
-    access: AccessLog
-
-    def transaction(self, *, budget: bool = True) -> AbstractContextManager[Transaction]: ...
+from cas_bank.index.owner import Writer
+from cas_bank.index.records import block_deletes, state_deletes
 
 
 def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:

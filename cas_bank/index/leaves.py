@@ -19,8 +19,8 @@ from typing import Literal
 
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.access import parse_time
 from cas_bank.index.chain import Header
+from cas_bank.index.records import parse_time
 
 _STATE, _BLOCK = 0, 1  # heap kinds: a state goes before a block of the same age
 

@@ -16,14 +16,16 @@ import mlx.core as mx
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
-from cas_bank.blocks.store import Family
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.layout import Assembler, decode_state
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from cas_bank.bank import Bank
+    from cas_bank.blocks.hot import HotStore
+    from cas_bank.index.txn import Suspects
+    from cas_bank.stats import Counters
 
 # A payload decoded and verified, None if absent, or why it failed; and whether it was hot.
 _Fetched = tuple[codec.Decoded | CorruptDataError | None, bool]
@@ -32,11 +34,26 @@ log = logging.getLogger("cas_bank")
 
 
 class PayloadReader:
-    """Reads and verifies one namespace's block and state payloads."""
+    """Reads and verifies one namespace's block and state payloads.
 
-    def __init__(self, bank: Bank, spec: ModelSpec) -> None:
-        self.bank = bank
+    Collaborators: the `store` read from (and the `hot` tier in it, if any), the
+    `counters` that count hot hits and corrupt reads, the `suspects` a corrupt read
+    marks.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: BlockStore,
+        hot: HotStore | None,
+        counters: Counters,
+        suspects: Suspects,
+    ) -> None:
         self.spec = spec
+        self.store = store
+        self.hot = hot
+        self.counters = counters
+        self.suspects = suspects
 
     def assemble(self, headers: Sequence[Header], assembler: Assembler) -> tuple[int, int]:
         """Reads, verifies and copies the payloads of `headers` in order, up to the first
@@ -84,7 +101,7 @@ class PayloadReader:
 
         Counts nothing, so it may run on a read-ahead thread.
         """
-        hot = self.bank.hot
+        hot = self.hot
         if hot is not None:
             cached = hot.lookup(family, key, expected)
             if isinstance(cached, codec.Decoded):
@@ -94,7 +111,7 @@ class PayloadReader:
             raw, from_hot = None, False
         try:
             if raw is None:
-                raw = self.bank.store.get(family, key)
+                raw = self.store.get(family, key)
                 if raw is None:
                     return None, False
             block = codec.decode(raw, expected)
@@ -122,12 +139,12 @@ class PayloadReader:
     def _read(self, family: Family, key: bytes, expected: bytes) -> codec.Decoded | None:
         fetched, from_hot = self._fetch(family, key, expected)
         if from_hot:
-            self.bank.counters.count(hot_hits=1)
+            self.counters.count(hot_hits=1)
         return self._verified(family, key, fetched)
 
     def _evicted(self, family: Family, key: bytes) -> bool:
         """Whether a payload missing under a header just read was evicted since (a miss)."""
-        header = read_headers(self.bank.store, [key])[0]
+        header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
     def read_state(self, header: Header) -> list[mx.array] | None:
@@ -142,8 +159,8 @@ class PayloadReader:
             return None
 
     def _corrupt(self, family: Family, key: bytes, why: str) -> None:
-        self.bank.counters.count(corrupt_reads=1)
-        self.bank.suspects.mark(key, state=family is Family.STATES)
+        self.counters.count(corrupt_reads=1)
+        self.suspects.mark(key, state=family is Family.STATES)
         log.warning(
             "cas_bank: %s %s failed verification (%s); served as a miss",
             family.value,

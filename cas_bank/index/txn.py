@@ -24,7 +24,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 from cas_bank.blocks.store import BlockStore, Family, Write
-from cas_bank.index.access import TIME, AccessLog, access_key
+from cas_bank.index.access import AccessLog
+from cas_bank.index.records import TIME, access_key
 from cas_bank.stats import NAMES, Counters, counter_writes
 
 

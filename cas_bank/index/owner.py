@@ -1,0 +1,55 @@
+"""What the code under the API needs of the bank that owns it, as protocols.
+
+`Bank` meets both; nothing here imports it. Eviction needs a `Writer` (the store, the
+last uses, transactions); a `Namespace` needs an `Owner` (that, and the settings, the
+hot tier, the counters and suspect marks its reads record).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+from cas_bank.blocks.hot import HotStore
+from cas_bank.blocks.store import BlockStore
+from cas_bank.config import BankConfig
+from cas_bank.index.access import AccessLog
+from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.stats import Counters
+
+
+class Writer(Protocol):
+    """A store, its last uses, and the transactions that change it."""
+
+    @property
+    def store(self) -> BlockStore: ...
+
+    @property
+    def access(self) -> AccessLog: ...
+
+    def transaction(self, *, budget: bool = True) -> AbstractContextManager[Transaction]: ...
+
+
+class Owner(Writer, Protocol):
+    """A `Writer` with its settings, hot tier, counters and suspect marks."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def config(self) -> BankConfig: ...
+
+    @property
+    def read_only(self) -> bool: ...
+
+    @property
+    def hot(self) -> HotStore | None: ...
+
+    @property
+    def counters(self) -> Counters: ...
+
+    @property
+    def suspects(self) -> Suspects: ...
+
+    def flush(self, *, wait: bool = True) -> None: ...
