@@ -269,6 +269,12 @@ class LocalCluster:
                     total += int(c.strlen(key))
         return total
 
+    def config_set(self, name: str, value: str | int) -> None:
+        """CONFIG SET on every node (e.g. `maxmemory`, to fill the cluster in tests)."""
+        for node in self._up():
+            with self._client(node) as c:
+                c.config_set(name, value)
+
     def flushall(self) -> None:
         for node in self._up():
             with self._client(node) as c:
