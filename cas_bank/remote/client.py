@@ -8,12 +8,13 @@ by the node that owns each key's slot and sends one pipeline per node, the nodes
 parallel: one round trip whatever the number of masters. It returns the answers in
 order, None for every command that failed or was not sent.
 
-Each node has its own breaker: a node that fails (time-out, refused, error) is not
-asked for `remote_retry_after` seconds, then one call tries it again; the other
+Each node has its own breaker: a node that fails (time-out, connection refused or
+lost) is not asked for `remote_retry_after` seconds, then one call tries it again; the other
 nodes go on being asked. Failures are counted once per node and call
 (`remote_errors`, `remote_timeouts`); commands not sent because a breaker is open
-count `remote_skipped` (once per call). A MOVED answer (the cluster's slots moved)
-reads the slot map again on the next call.
+count `remote_skipped` (once per call). An error answer (a full node refusing a
+write) is counted but leaves the breaker alone: the node is alive. A MOVED answer
+(the cluster's slots moved) reads the slot map again on the next call.
 """
 
 from __future__ import annotations
@@ -160,6 +161,10 @@ class RemoteClient:
         self.count(**{"remote_timeouts" if timed_out else "remote_errors": 1})
         if "MOVED" in str(error) or "ASK" in str(error):
             self._stale = True  # not the node's fault: the slot map is old
+            return
+        if not isinstance(error, (valkey.ConnectionError, valkey.TimeoutError)):
+            # The node answered (out of memory, a command refused): it is alive.
+            log.warning("cas_bank remote tier: node %s refused: %s", node, error)
             return
         self.breaker(node).failure()
         log.warning("cas_bank remote tier: node %s failed: %s", node, error)

@@ -275,6 +275,15 @@ class LocalCluster:
             with self._client(node) as c:
                 c.config_set(name, value)
 
+    def cap_memory(self, extra: int) -> None:
+        """`maxmemory` of every node: what it uses now plus `extra` bytes, LRU eviction
+        (the cluster is "full" past that, as docs/scaling.md sizes it)."""
+        for node in self._up():
+            with self._client(node) as c:
+                used = int(c.info("memory")["used_memory"])
+                c.config_set("maxmemory-policy", "allkeys-lru")
+                c.config_set("maxmemory", used + extra)
+
     def flushall(self) -> None:
         for node in self._up():
             with self._client(node) as c:
