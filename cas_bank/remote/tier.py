@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from cas_bank.blocks.store import Family, Write
+from cas_bank.blocks.store import Family
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.remote import keys
 from cas_bank.remote.client import RemoteClient
