@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
@@ -29,6 +30,9 @@ from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
+if TYPE_CHECKING:
+    from cas_bank.remote.tier import RemoteTier
+
 log = logging.getLogger("cas_bank")
 
 FORMAT_VERSION = 1
@@ -36,6 +40,7 @@ _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
+_KEY_REMOTE = b"remote_url"  # the shared tier last opened with (password hidden)
 _U32 = struct.Struct("<I")
 
 
@@ -58,6 +63,15 @@ class Bank:
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         self._namespaces: dict[str, Namespace] = {}
+        # The shared tier (config.remote): restores continue from it, stores publish to it.
+        self.remote: RemoteTier | None = None
+        if config.remote is not None:
+            from cas_bank.remote.tier import RemoteTier
+
+            self.remote = RemoteTier(self)
+            if not self.read_only:  # so tools reading the bank later can name it
+                with self.transaction(budget=False) as tx:
+                    tx.put(Family.META, _KEY_REMOTE, self.remote.url.encode())
 
     @classmethod
     def open(
@@ -155,6 +169,7 @@ class Bank:
             namespaces=n_ns,
             unique_tokens=v["blocks"] * self.config.block_size,
             disk_bytes=self.store.disk_bytes(),
+            remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
         )
 
@@ -166,10 +181,14 @@ class Bank:
     def flush(self, *, wait: bool = True) -> None:
         """Persist the activity counters and last uses now (they also ride along stores).
 
-        `wait=False` (a restore's periodic flush) skips the flush while a store holds the
-        write lock: that store's batch carries the same records, and cutting in between
-        its recording of uses and its write would write them without its blocks.
+        With a shared tier, it first waits until every queued publish (and every local
+        write of fetched blocks) is done. `wait=False` (a restore's periodic flush)
+        skips the flush while a store holds the write lock: that store's batch carries
+        the same records, and cutting in between its recording of uses and its write
+        would write them without its blocks.
         """
+        if wait and self.remote is not None:
+            self.remote.wait()  # outside the write lock: the local writes of fetches take it
         if self.read_only or not self.write_lock.acquire(blocking=wait):
             return
         try:
@@ -182,6 +201,8 @@ class Bank:
     def close(self) -> None:
         """Persist counters and release the directory (its lock too)."""
         try:
+            if self.remote is not None:
+                self.remote.close()  # finishes queued publishes and local writes first
             self.flush()
         finally:
             self.store.close()
@@ -200,6 +221,11 @@ class Bank:
 
     def __repr__(self) -> str:
         return f"Bank({str(self.path)!r}, block_size={self.config.block_size})"
+
+
+def _remote_of(store: BlockStore) -> str | None:
+    raw = store.get(Family.META, _KEY_REMOTE)
+    return raw.decode(errors="replace") if raw else None
 
 
 def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:

@@ -7,8 +7,9 @@ checked at every open; the rest are per-open choices (budget, hot tier, compress
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MiB = 1 << 20
 
@@ -40,3 +41,48 @@ class BankConfig(BaseModel):
 
     state_stride: int | None = Field(default=None, ge=1)
     """Also capture a recurrent state every this many blocks during prefill."""
+
+    remote: str | None = Field(default=None, repr=False)
+    """The shared tier: `valkey://[user][:password]@host:port` (`valkeys://` for TLS) of
+    any node of a Valkey cluster, or of a single Valkey/Redis server; cluster mode is
+    detected. None (the default): no shared tier, nothing changes."""
+
+    remote_secret: str | None = Field(default=None, repr=False)
+    """Fleet secret keying the MAC of every entry published to the shared tier. None:
+    derived from the URL's credentials (then whoever can write to the cluster could
+    forge entries; set a secret the cluster never sees)."""
+
+    remote_connect_timeout: float = Field(default=0.25, gt=0.0)
+    """Seconds to connect to a node of the shared tier before counting a time-out."""
+
+    remote_timeout: float = Field(default=0.5, gt=0.0)
+    """Seconds to wait for an answer of the shared tier before counting a time-out."""
+
+    remote_retry_after: float = Field(default=5.0, ge=0.0)
+    """After two failed calls in a row the shared tier is not asked for this long."""
+
+    remote_queue_bytes: int = Field(default=256 * MiB, ge=1)
+    """Bound of the queue of publishes (and of fetched blocks waiting for their local
+    write); past it a publish is dropped and counted, never waited for."""
+
+    remote_fetch_bytes: int = Field(default=64 * MiB, ge=1)
+    """Payload bytes fetched from the shared tier per pipelined round trip."""
+
+    @field_validator("remote")
+    @classmethod
+    def _check_remote(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("valkey", "valkeys", "redis", "rediss"):
+            raise ValueError(
+                f"remote must be valkey://[user][:password]@host:port (or valkeys:// for "
+                f"TLS); got scheme {parts.scheme!r}"
+            )
+        try:
+            port = parts.port
+        except ValueError as e:
+            raise ValueError(f"remote has a bad port: {e}") from None
+        if not parts.hostname or port is None:
+            raise ValueError("remote must name a host and a port: valkey://host:port")
+        return url

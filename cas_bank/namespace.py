@@ -176,6 +176,12 @@ class Namespace:
             tx.clear_suspect(
                 blocks=[hashes[i] for i in block_writes], states=[hashes[i] for i in state_writes]
             )
+        if bank.remote is not None:  # committed: queue it, the request never waits on the network
+            bank.remote.publish(
+                self.root,
+                [(headers[i], payloads[i]) for i in block_writes],
+                [(hashes[i], state_payloads[i]) for i in state_writes],
+            )
 
         return StoreReport(
             tokens=n,
@@ -252,17 +258,30 @@ class Namespace:
         toks = as_token_array(tokens)
         hashes = self.chain(toks)
         matched = longest_chain(self.bank.store, self.root, hashes)
+        remote = self.bank.remote
+        # The shared tier continues the local chain where it ends (verified, in memory).
+        cont = (
+            remote.continue_chain(self, toks, hashes, matched)
+            if remote is not None and len(matched) < len(hashes)
+            else None
+        )
+        if cont is not None:
+            matched = cont.matched
         hybrid = self.spec.is_hybrid
         n_blocks = restore_blocks(matched, hybrid)
         assembler = Assembler(self.spec, n_blocks, self.block_size) if n_blocks else None
         good, hot_hits = (
-            self._payloads.assemble(matched[:n_blocks], assembler) if assembler else (0, 0)
+            self._payloads.assemble(
+                matched[:n_blocks], assembler, cont.blocks if cont is not None else None
+            )
+            if assembler
+            else (0, 0)
         )
         n_blocks = restore_blocks(matched[:good], hybrid)
         state: list[mx.array] | None = None
         while hybrid and n_blocks:
             h = matched[n_blocks - 1]
-            state = self._payloads.read_state(h)
+            state = self._payloads.read_state(h, cont.states if cont is not None else None)
             if state is not None:
                 break
             n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
@@ -275,10 +294,14 @@ class Namespace:
             misses=0 if n_blocks else 1,
             hot_hits=hot_hits,
         )
+        if cont is not None and remote is not None:  # counts it, writes it locally later
+            remote.restored(self, cont, n_blocks, state is not None)
         if n_blocks:
             # Last uses stay in memory; written at most every access_flush_interval.
-            state_at = [hashes[n_blocks - 1]] if state is not None else []
-            self.bank.access.touch(hashes[:n_blocks], state_at)
+            # Blocks from the shared tier are not local yet: their local write records them.
+            local = n_blocks if cont is None else min(n_blocks, cont.start)
+            state_at = [hashes[n_blocks - 1]] if state is not None and local == n_blocks else []
+            self.bank.access.touch(hashes[:local], state_at)
             if self.bank.access.due():
                 self.bank.flush(wait=False)
         if not n_blocks or assembler is None:

@@ -22,6 +22,22 @@ STORED = (
     "state_bytes",
     "logical_tokens",
 )
+REMOTE = (
+    "remote_hits",
+    "remote_hit_blocks",
+    "remote_hit_tokens",
+    "remote_bytes_fetched",
+    "remote_publishes",
+    "remote_published_bytes",
+    "remote_dropped",
+    "remote_errors",
+    "remote_timeouts",
+    "remote_skipped",
+    "remote_rejected",
+    "remote_adopted_blocks",
+    "remote_adopt_dropped",
+)
+"""Counters of the shared (Valkey) tier; zero on a bank that never had one."""
 ACTIVITY = (
     "stores",
     "restores",
@@ -37,6 +53,7 @@ ACTIVITY = (
     "states_evicted",
     "bytes_evicted",
     "corrupt_reads",
+    *REMOTE,
 )
 NAMES = STORED + ACTIVITY
 
@@ -69,6 +86,20 @@ class BankStats(BaseModel):
     bytes_evicted: int
     corrupt_reads: int
     disk_bytes: int | None = None
+    remote: str | None = None  # the shared tier's URL (password hidden), when open with one
+    remote_hits: int = 0  # restores that took at least one block from the shared tier
+    remote_hit_blocks: int = 0
+    remote_hit_tokens: int = 0
+    remote_bytes_fetched: int = 0  # entries read from the shared tier (headers, payloads)
+    remote_publishes: int = 0  # blocks and states written to the shared tier
+    remote_published_bytes: int = 0
+    remote_dropped: int = 0  # publishes dropped because the queue was full
+    remote_errors: int = 0
+    remote_timeouts: int = 0
+    remote_skipped: int = 0  # calls not made while the circuit breaker was open
+    remote_rejected: int = 0  # entries whose MAC, digest or chain link failed
+    remote_adopted_blocks: int = 0  # fetched blocks written into this bank
+    remote_adopt_dropped: int = 0
 
     @property
     def dedup_ratio(self) -> float:

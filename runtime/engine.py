@@ -124,15 +124,21 @@ class Engine:
         block_size: int | None = None,
         seed: int = 0,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        remote: str | None = None,
+        remote_secret: str | None = None,
     ) -> Engine:
         """Open (or create) the bank at `bank_dir` and serve `model` from it.
 
         `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
         ...), or the path of a local mlx-lm model directory. `block_size`: None takes
-        the bank's own (64 for a new bank).
+        the bank's own (64 for a new bank). `remote`: the shared tier's URL
+        (`BankConfig.remote`), `remote_secret` its fleet secret.
         """
         loaded = resolve_model(model, seed=seed)
-        config = BankConfig() if block_size is None else BankConfig(block_size=block_size)
+        settings: dict[str, Any] = {"remote": remote, "remote_secret": remote_secret}
+        if block_size is not None:
+            settings["block_size"] = block_size
+        config = BankConfig(**settings)
         bank = Bank.open(bank_dir, config)
         try:
             return cls(loaded, bank, max_queue=max_queue, seed=seed, owns_bank=True)

@@ -117,6 +117,55 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
             stats.hit_rate,
         ),
     ]
+    counters += [
+        ("remote_hits_total", "Restores that took blocks from the shared tier.", stats.remote_hits),
+        (
+            "remote_hit_blocks_total",
+            "KV blocks restored from the shared tier.",
+            stats.remote_hit_blocks,
+        ),
+        (
+            "remote_hit_tokens_total",
+            "Prompt tokens restored from the shared tier.",
+            stats.remote_hit_tokens,
+        ),
+        (
+            "remote_fetched_bytes_total",
+            "Bytes read from the shared tier.",
+            stats.remote_bytes_fetched,
+        ),
+        (
+            "remote_publishes_total",
+            "Blocks and states written to the shared tier.",
+            stats.remote_publishes,
+        ),
+        (
+            "remote_published_bytes_total",
+            "Bytes written to the shared tier.",
+            stats.remote_published_bytes,
+        ),
+        (
+            "remote_dropped_total",
+            "Publishes dropped because the publish queue was full.",
+            stats.remote_dropped,
+        ),
+        ("remote_errors_total", "Failed calls to a shared-tier node.", stats.remote_errors),
+        (
+            "remote_timeouts_total",
+            "Calls to a shared-tier node that timed out.",
+            stats.remote_timeouts,
+        ),
+        (
+            "remote_skipped_total",
+            "Calls not made while a node's circuit breaker was open.",
+            stats.remote_skipped,
+        ),
+        (
+            "remote_rejected_total",
+            "Shared-tier entries whose MAC, digest or chain link failed (served as misses).",
+            stats.remote_rejected,
+        ),
+    ]
     out = [Metric.single(n, h, "counter", v) for n, h, v in counters]
     out += [Metric.single(n, h, "gauge", v) for n, h, v in gauges]
     if stats.disk_bytes is not None:

@@ -272,3 +272,40 @@ def quant_spec() -> ModelSpec:
 @pytest.fixture
 def hyb_spec() -> ModelSpec:
     return hybrid_spec()
+
+
+# -- the shared tier: real valkey-server processes ---------------------------------
+FLEET_SECRET = "test-fleet-secret"
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Any]:
+    """Three real valkey-server masters as one cluster, password-protected (session)."""
+    from cas_bank.remote.local_cluster import LocalCluster
+
+    with LocalCluster(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(valkey_cluster: Any) -> Any:
+    """The session's cluster, emptied, every node running."""
+    for i, node in enumerate(valkey_cluster.nodes):
+        if node.paused:
+            valkey_cluster.resume(i)
+    valkey_cluster.flushall()
+    return valkey_cluster
+
+
+def remote_config(url: str, **overrides: Any) -> BankConfig:
+    """A test bank's config with the shared tier at `url` and short time-outs."""
+    settings: dict[str, Any] = dict(
+        block_size=BLOCK_SIZE,
+        remote=url,
+        remote_secret=FLEET_SECRET,
+        remote_connect_timeout=0.2,
+        remote_timeout=0.3,
+        remote_retry_after=1.0,
+    )
+    settings.update(overrides)
+    return BankConfig(**settings)

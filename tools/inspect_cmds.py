@@ -128,10 +128,37 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("corrupt reads", s.corrupt_reads),
         ("evicted", f"{s.blocks_evicted} blocks, {s.states_evicted} states"),
     ]
+    rows += remote_rows(s)
     if bad:
         rows.append(("unreadable namespaces", len(bad)))
     emit(fields(rows))
     return 0
+
+
+def remote_rows(s: Any) -> list[tuple[str, Any]]:
+    """The shared tier's lines of `stats` (none for a bank that never had one)."""
+    if s.remote is None and not (s.remote_publishes or s.remote_hits or s.remote_errors):
+        return []
+    return [
+        ("remote tier", s.remote or "-"),
+        (
+            "remote hits",
+            f"{s.remote_hits} restores, {s.remote_hit_blocks} blocks, {s.remote_hit_tokens} tokens",
+        ),
+        ("remote fetched", f"{human_bytes(s.remote_bytes_fetched)} ({s.remote_bytes_fetched})"),
+        (
+            "remote publishes",
+            f"{s.remote_publishes} ({human_bytes(s.remote_published_bytes)}), "
+            f"{s.remote_dropped} dropped (queue full)",
+        ),
+        (
+            "remote faults",
+            f"{s.remote_errors} errors, {s.remote_timeouts} time-outs, "
+            f"{s.remote_skipped} skipped (breaker open)",
+        ),
+        ("remote rejected", f"{s.remote_rejected} entries (MAC, digest or chain link)"),
+        ("remote adopted", f"{s.remote_adopted_blocks} blocks written locally"),
+    ]
 
 
 # -- ls ------------------------------------------------------------------------------

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -64,6 +66,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
     )
+    serve.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="shared tier: valkey://[user][:password]@host:port of any node of a Valkey "
+        "cluster (or one server); the fleet secret is read from $CAS_BANK_REMOTE_SECRET",
+    )
     serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
     serve.add_argument(
         "--max-queue", type=_positive, default=64, help="requests that may wait for the model"
@@ -101,6 +110,13 @@ def register(subparsers: Any) -> None:
         help="a local mlx-lm model directory (its tokenizer and chat template), or an "
         "embedded model name (default: the embedded tiny-hybrid)",
     )
+    play.add_argument(
+        "--hosts",
+        type=_positive,
+        default=1,
+        help="N > 1: start a local 3-master Valkey cluster and N hosts sharing it; agents "
+        "move to another host every turn and still restore",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -115,7 +131,11 @@ def _serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             seed=args.seed,
             max_queue=args.max_queue,
+            remote=args.remote,
+            remote_secret=os.environ.get("CAS_BANK_REMOTE_SECRET"),
         )
+    except ValidationError as e:
+        raise CliError(f"bad --remote: {e.errors()[0]['msg']}") from None
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
     try:
@@ -126,11 +146,14 @@ def _serve(args: argparse.Namespace) -> int:
     url = url_of(sock)
     if args.json:
         ready = {"url": url, "model": engine.model_id, "bank": str(args.bank)}
+        if engine.bank.remote is not None:
+            ready["remote"] = engine.bank.remote.url
         print(json.dumps(ready), flush=True)
     else:
         print(
             f"cas-bank serve: {engine.model_id} at {url}/v1 (bank {args.bank}, "
-            f"block size {engine.bank.config.block_size})",
+            f"block size {engine.bank.config.block_size}"
+            + (f", shared tier {engine.bank.remote.url})" if engine.bank.remote else ")"),
             flush=True,
         )
     run_server(engine, sock, log_level=args.log_level)  # closes the engine when it stops
@@ -138,6 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.hosts > 1:
+        return _fleet_demo(args)
     from cas_bank.runtime.demo import report_tables, run_demo
 
     out = console()
@@ -168,6 +193,43 @@ def _demo(args: argparse.Namespace) -> int:
         print_json(report.as_dict())
         return 0
     for t in report_tables(report):
+        out.print(t)
+        out.print()
+    return 0
+
+
+def _fleet_demo(args: argparse.Namespace) -> int:
+    from cas_bank.runtime.fleet_demo import fleet_tables, run_fleet_demo
+
+    out = console()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out if not args.json else console_stderr(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(
+            "starting the cluster and the hosts", total=1 + args.agents * args.turns
+        )
+
+        def step(message: str) -> None:
+            bar.update(task, advance=1, description=message)
+
+        report = run_fleet_demo(
+            args.hosts,
+            args.agents,
+            args.turns,
+            max_tokens=args.max_tokens,
+            block_size=args.block_size,
+            model=args.model,
+            progress=step,
+        )
+    if args.json:
+        print_json(report.as_dict())
+        return 0
+    for t in fleet_tables(report):
         out.print(t)
         out.print()
     return 0

@@ -9,7 +9,7 @@ logged, never an exception in the runtime's face and never wrong data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -55,27 +55,44 @@ class PayloadReader:
         self.counters = counters
         self.suspects = suspects
 
-    def assemble(self, headers: Sequence[Header], assembler: Assembler) -> tuple[int, int]:
+    def assemble(
+        self,
+        headers: Sequence[Header],
+        assembler: Assembler,
+        fetched: Mapping[bytes, codec.Decoded] | None = None,
+    ) -> tuple[int, int]:
         """Reads, verifies and copies the payloads of `headers` in order, up to the first
         missing or corrupt one; returns (blocks assembled, hot-tier hits).
 
         From the first payload read from the store on, if enough bytes remain, the rest
         are read and verified on a background thread one block ahead (`ReadAhead`)
-        while this one copies.
+        while this one copies. `fetched`: payloads already read and verified elsewhere
+        (the shared tier's continuation of the chain), by chain hash.
         """
         items = [(h.chain_hash, h.payload_digest) for h in headers]
+        # Fetched payloads continue the chain after the local ones: read ahead locally only.
+        remote = fetched or {}
+        n_local = next((n for n, (k, _) in enumerate(items) if k in remote), len(items))
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
         results: Iterator[_Fetched] | None = None
         i = 0
         try:
             for i, (key, expected) in enumerate(items):
+                if fetched is not None and key in fetched:
+                    try:
+                        assembler.put(i, fetched[key], later=True)
+                    except CorruptDataError as e:  # MAC'd, but not this model's layout
+                        self.bank.counters.count(remote_rejected=1)
+                        log.warning("cas_bank: remote block %s rejected (%s)", key.hex()[:16], e)
+                        break
+                    continue
                 if results is None:
                     value, from_hot = self._fetch(Family.BLOCKS, key, expected)
                     if not from_hot and worth_reading_ahead(
-                        [h.payload_size for h in headers[i + 1 :]]
+                        [h.payload_size for h in headers[i + 1 : n_local]]
                     ):
-                        ahead = ReadAhead(self._fetch_block, items[i + 1 :], depth=1)
+                        ahead = ReadAhead(self._fetch_block, items[i + 1 : n_local], depth=1)
                         results = iter(ahead)
                 else:
                     value, from_hot = next(results)
@@ -147,9 +164,13 @@ class PayloadReader:
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
-    def read_state(self, header: Header) -> list[mx.array] | None:
+    def read_state(
+        self, header: Header, fetched: Mapping[bytes, codec.Decoded] | None = None
+    ) -> list[mx.array] | None:
         assert header.state_digest is not None
-        block = self._read(Family.STATES, header.chain_hash, header.state_digest)
+        block = (fetched or {}).get(header.chain_hash) or self._read(
+            Family.STATES, header.chain_hash, header.state_digest
+        )
         if block is None:
             return None
         try:

@@ -1,0 +1,180 @@
+"""Continuing a chain from the shared tier, on the restoring thread.
+
+After the local lookup found `L` of the prompt's `N` blocks:
+
+1. One pipelined round trip: the headers of blocks `L..N-1`; for a hybrid model also
+   whether a state exists at each block from the deepest local state on. The
+   continuation is the run of headers that pass their MAC, link to the local chain's
+   end (parent, index, root) and carry the prompt's own tokens. A hybrid model then
+   stops at the deepest block with a state (a local block's, when the cluster has a
+   state deeper than any local one but no further blocks).
+2. One round trip per `remote_fetch_bytes` of payloads: the payloads it needs and the
+   state at its end, each checked (MAC over its digest, then the codec's digest
+   against its header) before use.
+
+An entry that is absent is a miss; one that fails a check is a rejected miss
+(`remote_rejected`). Either way the chain stops before it, never with a hole, and a
+hybrid continuation without its state is dropped whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import Header
+from cas_bank.remote import keys
+
+if TYPE_CHECKING:
+    from cas_bank.namespace import Namespace
+    from cas_bank.remote.tier import RemoteTier
+
+
+@dataclass
+class Continuation:
+    """The local chain continued from the cluster, fetched and verified."""
+
+    start: int  # blocks before it are local
+    matched: list[Header]  # the whole chain; the state's block carries its digest
+    blocks: dict[bytes, codec.Decoded] = field(default_factory=dict)  # by chain hash
+    states: dict[bytes, codec.Decoded] = field(default_factory=dict)
+    raw: dict[tuple[Family, bytes], bytes] = field(default_factory=dict, repr=False)
+    state_at: int | None = None  # index of the block whose state came from the cluster
+
+
+def fetch_continuation(
+    tier: RemoteTier,
+    ns: Namespace,
+    toks: np.ndarray,
+    hashes: Sequence[bytes],
+    matched: Sequence[Header],
+) -> Continuation | None:
+    start, root, hybrid = len(matched), ns.root, ns.spec.is_hybrid
+    rest = list(hashes[start:])
+    # A hybrid model: a state from the cluster is worth asking for past the local one.
+    local_state = next((i + 1 for i in range(start - 1, -1, -1) if matched[i].has_state), 0)
+    cmds: list[tuple[Any, ...]] = [("GET", keys.key(root, h, "h")) for h in rest]
+    if hybrid:
+        cmds += [("EXISTS", keys.key(root, h, "s")) for h in hashes[local_state:]]
+    answers = tier.client.run(cmds)
+    if answers is None:
+        return None
+    fetched = sum(len(a) for a in answers[: len(rest)] if isinstance(a, bytes))
+    remote = _linked(tier, ns, toks, rest, answers[: len(rest)], matched)
+    end = start + len(remote)  # blocks the chain now covers
+    state_at: int | None = None
+    if hybrid:
+        exists = answers[len(rest) :]
+        found = [local_state + j for j in range(end - local_state) if exists[j]]
+        if not found:
+            tier.bank.counters.count(remote_bytes_fetched=fetched)
+            return None
+        state_at = found[-1]
+        end = state_at + 1
+        remote = remote[: max(0, end - start)]
+    cont = Continuation(start, list(matched) + remote)
+    b, ok = 0, True
+    while ok and (b < len(remote) or (b == 0 and state_at is not None)):
+        e, size = b, 0  # a window of payloads, one round trip
+        while e < len(remote) and (e == b or size + remote[e].payload_size <= tier.fetch_bytes):
+            size += remote[e].payload_size
+            e += 1
+        window = remote[b:e]
+        cmds = [("GET", keys.key(root, h.chain_hash, "p")) for h in window]
+        last = e == len(remote)
+        if last and state_at is not None:
+            cmds.append(("GET", keys.key(root, hashes[state_at], "s")))
+        got = tier.client.run(cmds)
+        if got is None:
+            break
+        fetched += sum(len(a) for a in got if isinstance(a, bytes))
+        ok = _take_blocks(tier, root, window, got, cont) == len(window)
+        if ok and last and state_at is not None:
+            ok = _take_state(tier, root, state_at, got[-1], cont)
+        b = e
+        if last:
+            break
+    tier.bank.counters.count(remote_bytes_fetched=fetched)
+    n_ok = sum(1 for h in remote if h.chain_hash in cont.blocks)  # a verified prefix
+    if hybrid:  # KV without the state at its end restores nothing more
+        return cont if cont.state_at is not None and n_ok == len(remote) else None
+    cont.matched = cont.matched[: start + n_ok]
+    return cont if n_ok else None
+
+
+def _linked(
+    tier: RemoteTier,
+    ns: Namespace,
+    toks: np.ndarray,
+    rest: list[bytes],
+    answers: Sequence[object],
+    matched: Sequence[Header],
+) -> list[Header]:
+    """The leading headers that pass their MAC and continue the local chain."""
+    bs, root, start = ns.block_size, ns.root, len(matched)
+    parent = matched[-1].chain_hash if matched else root
+    out: list[Header] = []
+    for j, (h, raw) in enumerate(zip(rest, answers, strict=True)):
+        if not isinstance(raw, bytes):
+            break  # absent (never published, or evicted): a miss
+        i = start + j
+        try:
+            header = Header.decode(h, keys.open_header(tier.mkey, keys.key(root, h, "h"), raw))
+        except CorruptDataError as e:
+            tier.reject(h, str(e))
+            break
+        if (
+            header.parent != parent
+            or header.index != i
+            or header.root != root
+            or header.tokens != toks[i * bs : (i + 1) * bs].tobytes()
+            or header.has_state
+        ):
+            tier.reject(h, "header does not continue this chain")
+            break
+        out.append(header)
+        parent = h
+    return out
+
+
+def _take_blocks(
+    tier: RemoteTier, root: bytes, window: list[Header], got: Sequence[object], cont: Continuation
+) -> int:
+    for n, (header, raw) in enumerate(zip(window, got, strict=False)):
+        h = header.chain_hash
+        if not isinstance(raw, bytes):
+            return n  # evicted since its header was read: the chain stops here
+        try:
+            payload = keys.open_payload(tier.mkey, keys.key(root, h, "p"), raw)
+            if len(payload) != header.payload_size:
+                raise CorruptDataError("payload size differs from its header")
+            cont.blocks[h] = codec.decode(payload, header.payload_digest)
+        except CorruptDataError as e:
+            tier.reject(h, str(e))
+            return n
+        cont.raw[(Family.BLOCKS, h)] = payload
+    return len(window)
+
+
+def _take_state(tier: RemoteTier, root: bytes, at: int, raw: object, cont: Continuation) -> bool:
+    header = cont.matched[at]
+    h = header.chain_hash
+    if not isinstance(raw, bytes):
+        return False
+    try:
+        payload = keys.open_payload(tier.mkey, keys.key(root, h, "s"), raw)
+        digest = codec.embedded_digest(payload)
+        cont.states[h] = codec.decode(payload, digest)
+    except CorruptDataError as e:
+        tier.reject(h, str(e))
+        return False
+    cont.raw[(Family.STATES, h)] = payload
+    cont.matched[at] = header.with_state(digest, len(payload))
+    cont.state_at = at
+    return True

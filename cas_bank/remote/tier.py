@@ -1,0 +1,236 @@
+"""`RemoteTier`: the shared Valkey tier behind a bank's local RocksDB.
+
+Three things, each off the request's path where it can be:
+
+- `continue_chain` (on the restoring thread): after the local lookup found `L` of the
+  prompt's `N` blocks, continue the same chain from the cluster. Step 1, one
+  pipelined round trip: the headers of blocks `L..N-1` (and, for a hybrid model,
+  whether each has a state). The continuation is the run of headers that link to the
+  local chain's end, carry the prompt's own tokens and pass their MAC; a hybrid model
+  cuts it at the deepest block with a state. Step 2, one round trip per
+  `remote_fetch_bytes` of payloads: the payloads (and the one state) it needs, each
+  checked (MAC, then the codec's digest against its header) before it is used. Any
+  entry that fails is a rejected miss: the chain stops before it, never with a hole.
+- `publish` (from `Namespace.store`, after the local commit): queue the new blocks and
+  states; a worker asks the cluster which are missing (one round trip) and writes
+  those (one more). A full queue drops the publish and counts it.
+- `restored` (after a restore used a continuation): count the hit, and queue the
+  fetched blocks for a background write into the local bank, so the next restore of
+  them is local.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+
+from cas_bank.blocks.store import Family
+from cas_bank.index.chain import Header, read_headers
+from cas_bank.remote import keys
+from cas_bank.remote.client import RemoteClient
+from cas_bank.remote.fetch import Continuation, fetch_continuation
+from cas_bank.remote.queue import WorkQueue
+
+if TYPE_CHECKING:
+    from cas_bank.bank import Bank
+    from cas_bank.namespace import Namespace
+
+log = logging.getLogger("cas_bank.remote")
+
+CLOSE_TIMEOUT = 10.0  # seconds `close` waits for queued publishes
+
+
+@dataclass
+class _Publish:
+    root: bytes
+    blocks: list[tuple[Header, bytes]]
+    states: list[tuple[bytes, bytes]]
+
+
+@dataclass
+class _Adopt:
+    continuation: Continuation
+    n_blocks: int  # blocks the restore covered (local ones included)
+    state: bool  # whether it used the continuation's state
+
+
+def fleet_key(url: str, secret: str | None) -> bytes:
+    """The MAC key: from the fleet secret, or (no secret) from the URL's credentials."""
+    if secret is not None:
+        return keys.mac_key(secret.encode())
+    parts = urlsplit(url)
+    creds = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    return keys.mac_key(b"cas_bank url credentials:" + creds.encode())
+
+
+def redact(url: str) -> str:
+    """`url` without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    user = unquote(parts.username or "")
+    return f"{parts.scheme}://{user}:***@{host}{port}"
+
+
+class RemoteTier:
+    def __init__(self, bank: Bank) -> None:
+        cfg = bank.config
+        assert cfg.remote is not None
+        self.bank = bank
+        self.url = redact(cfg.remote)
+        self.client = RemoteClient(
+            cfg.remote,
+            connect_timeout=cfg.remote_connect_timeout,
+            timeout=cfg.remote_timeout,
+            retry_after=cfg.remote_retry_after,
+            count=bank.counters.count,
+        )
+        self.mkey = fleet_key(cfg.remote, cfg.remote_secret)
+        self.fetch_bytes = cfg.remote_fetch_bytes
+        self.client_run = self.client.run
+        self.publishes: WorkQueue[_Publish] = WorkQueue(
+            "cas-bank-publish", self._publish, cfg.remote_queue_bytes
+        )
+        self.adoptions: WorkQueue[_Adopt] = WorkQueue(
+            "cas-bank-adopt", self._adopt, cfg.remote_queue_bytes
+        )
+
+    # -- restore -------------------------------------------------------------------
+    def continue_chain(
+        self,
+        ns: Namespace,
+        toks: np.ndarray,
+        hashes: Sequence[bytes],
+        matched: Sequence[Header],
+    ) -> Continuation | None:
+        """The cluster's continuation of the local chain `matched`, verified, or None."""
+        return fetch_continuation(self, ns, toks, hashes, matched)
+
+    def reject(self, h: bytes, why: str) -> None:
+        self.bank.counters.count(remote_rejected=1)
+        log.warning("cas_bank remote entry %s rejected (%s): served as a miss", h.hex()[:16], why)
+
+    def restored(self, ns: Namespace, cont: Continuation, n_blocks: int, state: bool) -> None:
+        """A restore covered `n_blocks` blocks using `cont`: count what came from the
+        cluster and queue it for a background write into the local bank."""
+        used = max(0, n_blocks - cont.start)
+        used_state = state and cont.state_at is not None and cont.state_at == n_blocks - 1
+        if not used and not used_state:
+            return
+        self.bank.counters.count(
+            remote_hits=1, remote_hit_blocks=used, remote_hit_tokens=used * ns.block_size
+        )
+        if self.bank.read_only:
+            return
+        nbytes = sum(len(v) for v in cont.raw.values())
+        if not self.adoptions.submit(_Adopt(cont, n_blocks, used_state), nbytes):
+            self.bank.counters.count(remote_adopt_dropped=1)
+
+    def _adopt(self, job: _Adopt) -> None:
+        """Write a continuation's used blocks (and state) into the local bank: one
+        transaction, and only on top of a local chain still there (never a hole)."""
+        bank, cont = self.bank, job.continuation
+        chain = cont.matched[: job.n_blocks]
+        lo = min(cont.start, cont.state_at if job.state and cont.state_at is not None else 1 << 62)
+        with bank.transaction() as tx:
+            wanted = [h.chain_hash for h in chain[max(0, lo - 1) :]]
+            current = read_headers(tx.store, wanted)
+            if lo > 0 and current.pop(0) is None:
+                tx.abort()  # the local chain below it was evicted since
+                return
+            adopted = 0
+            for header, old in zip(chain[lo:], current, strict=True):
+                h = header.chain_hash
+                take_state = job.state and header.index == cont.state_at
+                if old is None:
+                    if (Family.BLOCKS, h) not in cont.raw:
+                        break  # a local block evicted since the restore: stop, no hole
+                    tx.put(Family.BLOCKS, h, cont.raw[(Family.BLOCKS, h)])
+                    tx.add(blocks=1, payload_bytes=header.payload_size)
+                    adopted += 1
+                    new = header if take_state else header.with_state(None)
+                elif take_state and not old.has_state:
+                    new = old.with_state(header.state_digest, header.state_size)
+                else:
+                    continue
+                if take_state and (old is None or not old.has_state):
+                    tx.put(Family.STATES, h, cont.raw[(Family.STATES, h)])
+                    tx.add(states=1, state_bytes=header.state_size)
+                tx.put(Family.HEADERS, h, new.encode())
+            if not tx.writes:
+                tx.abort()
+                return
+            tx.add(remote_adopted_blocks=adopted)
+            tx.touch(
+                [h.chain_hash for h in chain[lo:]], [chain[-1].chain_hash] if job.state else []
+            )
+
+    # -- store ---------------------------------------------------------------------
+    def publish(
+        self, root: bytes, blocks: list[tuple[Header, bytes]], states: list[tuple[bytes, bytes]]
+    ) -> None:
+        """Queue new blocks (header, payload) and states (chain hash, payload)."""
+        if not blocks and not states:
+            return
+        nbytes = sum(len(p) for _, p in blocks) + sum(len(p) for _, p in states)
+        job = _Publish(root, [(h.with_state(None), p) for h, p in blocks], states)
+        if not self.publishes.submit(job, nbytes):
+            self.bank.counters.count(remote_dropped=1)
+
+    def _publish(self, job: _Publish) -> None:
+        root = job.root
+        block_keys = [
+            (keys.key(root, h.chain_hash, "h"), keys.key(root, h.chain_hash, "p"))
+            for h, _ in job.blocks
+        ]
+        state_keys = [keys.key(root, h, "s") for h, _ in job.states]
+        probe: list[tuple[object, ...]] = [("EXISTS", hk, pk) for hk, pk in block_keys]
+        probe += [("EXISTS", sk) for sk in state_keys]
+        present = self.client.run(probe)
+        if present is None:
+            return
+        cmds: list[tuple[str, bytes, bytes]] = []
+        entries = 0
+        for (header, payload), (hk, pk), have in zip(job.blocks, block_keys, present, strict=False):
+            if have == 2:
+                continue
+            # The payload first: a reader that sees the header finds the payload.
+            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload)))
+            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode())))
+            entries += 1
+        for (_, payload), sk, have in zip(
+            job.states, state_keys, present[len(block_keys) :], strict=True
+        ):
+            if have == 1:
+                continue
+            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload)))
+            entries += 1
+        if not cmds:
+            return
+        done = self.client.run(cmds)
+        if done is None:
+            return
+        ok = sum(1 for a in done if a is not None)
+        written = sum(len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None)
+        self.bank.counters.count(
+            remote_publishes=entries if ok == len(cmds) else ok // 2,
+            remote_published_bytes=written,
+        )
+
+    # -- lifecycle -----------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every queued publish and local write is done (or `timeout`)."""
+        self.publishes.wait(timeout)
+        self.adoptions.wait(timeout)
+
+    def close(self) -> None:
+        self.publishes.close(CLOSE_TIMEOUT)
+        self.adoptions.close(CLOSE_TIMEOUT)
+        self.client.close()

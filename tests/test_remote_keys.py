@@ -1,0 +1,98 @@
+"""The shared tier's keys and entries: placement, namespacing, and that no entry a
+host did not seal under the fleet secret is believed (no server needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cas_bank.arrays import DTYPES
+from cas_bank.blocks import codec
+from cas_bank.config import BankConfig
+from cas_bank.errors import CorruptDataError
+from cas_bank.remote import keys
+from cas_bank.remote.tier import fleet_key, redact
+
+MKEY = keys.mac_key(b"fleet secret")
+ROOT = bytes(range(32))
+CHAIN = bytes(range(32, 64))
+
+
+def _slot_tag(k: bytes) -> bytes:
+    return k[k.index(b"{") + 1 : k.index(b"}")]
+
+
+def _payload() -> bytes:
+    return codec.encode([np.arange(64, dtype=np.float16)], [DTYPES["float16"]])
+
+
+def test_a_blocks_records_share_one_hash_slot_and_blocks_spread() -> None:
+    kinds = [keys.key(ROOT, CHAIN, k) for k in ("h", "p", "s")]
+    assert len(set(kinds)) == 3
+    assert {_slot_tag(k) for k in kinds} == {CHAIN.hex().encode()}
+    other = keys.key(ROOT, bytes(32), "h")
+    assert _slot_tag(other) != _slot_tag(kinds[0])
+
+
+def test_keys_carry_the_namespace_root() -> None:
+    a, b = keys.key(ROOT, CHAIN, "p"), keys.key(bytes(32), CHAIN, "p")
+    assert a != b
+    assert a.startswith(keys.namespace_pattern(ROOT)[:-1])
+
+
+def test_sealed_entries_open_with_the_fleet_key_only() -> None:
+    k = keys.key(ROOT, CHAIN, "p")
+    payload = _payload()
+    entry = keys.seal_payload(MKEY, k, payload)
+    assert keys.open_payload(MKEY, k, entry) == payload
+    with pytest.raises(CorruptDataError):
+        keys.open_payload(keys.mac_key(b"another fleet"), k, entry)
+    with pytest.raises(CorruptDataError):  # the same entry under another block's key
+        keys.open_payload(MKEY, keys.key(ROOT, bytes(32), "p"), entry)
+    hk = keys.key(ROOT, CHAIN, "h")
+    assert keys.open_header(MKEY, hk, keys.seal_header(MKEY, hk, b"header")) == b"header"
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_any_changed_byte_of_an_entry_is_rejected(data: st.DataObject) -> None:
+    """A flipped byte anywhere fails the MAC (header, digest) or the codec's digest."""
+    k = keys.key(ROOT, CHAIN, "p")
+    payload = _payload()
+    entry = bytearray(keys.seal_payload(MKEY, k, payload))
+    at = data.draw(st.integers(0, len(entry) - 1))
+    entry[at] ^= data.draw(st.integers(1, 255))
+    with pytest.raises(CorruptDataError):
+        opened = keys.open_payload(MKEY, k, bytes(entry))
+        codec.decode(opened, codec.embedded_digest(payload))
+
+
+@given(st.binary(max_size=200))
+def test_garbage_is_never_an_entry(junk: bytes) -> None:
+    with pytest.raises(CorruptDataError):
+        keys.open_header(MKEY, keys.key(ROOT, CHAIN, "h"), junk)
+
+
+def test_the_mac_key_comes_from_the_secret_else_the_url_credentials() -> None:
+    url = "valkey://cas:pw@127.0.0.1:7000"
+    assert fleet_key(url, "s") == keys.mac_key(b"s")
+    assert fleet_key(url, None) != fleet_key("valkey://cas:other@127.0.0.1:7000", None)
+    assert redact(url) == "valkey://cas:***@127.0.0.1:7000"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:7000", "valkey://127.0.0.1", "valkey://:7000", "valkey://h:notaport"],
+)
+def test_a_bad_remote_url_is_a_clear_error(url: str) -> None:
+    with pytest.raises(ValueError, match="remote"):
+        BankConfig(remote=url)
+
+
+def test_remote_urls_accepted() -> None:
+    for url in ("valkey://h:1", "valkeys://u:p@h:6380", "redis://:p@h:6379"):
+        assert BankConfig(remote=url).remote == url
+    assert BankConfig().remote is None
+    assert "pw" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="pw"))
