@@ -15,6 +15,7 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore
 from cas_bank.config import BankConfig
 from cas_bank.index.access import AccessLog
+from cas_bank.index.continuation import ChainTier
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.stats import Counters
 
@@ -51,5 +52,8 @@ class Owner(Writer, Protocol):
 
     @property
     def suspects(self) -> Suspects: ...
+
+    @property
+    def remote(self) -> ChainTier | None: ...
 
     def flush(self, *, wait: bool = True) -> None: ...

@@ -83,7 +83,7 @@ class PayloadReader:
                     try:
                         assembler.put(i, fetched[key], later=True)
                     except CorruptDataError as e:  # MAC'd, but not this model's layout
-                        self.bank.counters.count(remote_rejected=1)
+                        self.counters.count(remote_rejected=1)
                         log.warning("cas_bank: remote block %s rejected (%s)", key.hex()[:16], e)
                         break
                     continue

@@ -20,8 +20,7 @@ hybrid continuation without its state is dropped whole.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,28 +28,26 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
+from cas_bank.index.continuation import ChainSpace, Continuation
+from cas_bank.index.owner import Owner
 from cas_bank.remote import keys
-
-if TYPE_CHECKING:
-    from cas_bank.namespace import Namespace
-    from cas_bank.remote.tier import RemoteTier
+from cas_bank.remote.client import RemoteClient
 
 
-@dataclass
-class Continuation:
-    """The local chain continued from the cluster, fetched and verified."""
+class FetchingTier(Protocol):
+    """What fetching needs of `RemoteTier`: its client, MAC key, limits, counters."""
 
-    start: int  # blocks before it are local
-    matched: list[Header]  # the whole chain; the state's block carries its digest
-    blocks: dict[bytes, codec.Decoded] = field(default_factory=dict)  # by chain hash
-    states: dict[bytes, codec.Decoded] = field(default_factory=dict)
-    raw: dict[tuple[Family, bytes], bytes] = field(default_factory=dict, repr=False)
-    state_at: int | None = None  # index of the block whose state came from the cluster
+    client: RemoteClient
+    mkey: bytes
+    fetch_bytes: int
+    bank: Owner
+
+    def reject(self, chain_hash: bytes, why: str) -> None: ...
 
 
 def fetch_continuation(
-    tier: RemoteTier,
-    ns: Namespace,
+    tier: FetchingTier,
+    ns: ChainSpace,
     toks: np.ndarray,
     hashes: Sequence[bytes],
     matched: Sequence[Header],
@@ -109,8 +106,8 @@ def fetch_continuation(
 
 
 def _linked(
-    tier: RemoteTier,
-    ns: Namespace,
+    tier: FetchingTier,
+    ns: ChainSpace,
     toks: np.ndarray,
     rest: list[bytes],
     answers: Sequence[object],
@@ -144,7 +141,7 @@ def _linked(
 
 
 def _take_blocks(
-    tier: RemoteTier, root: bytes, window: list[Header], got: Sequence[object], cont: Continuation
+    tier: FetchingTier, root: bytes, window: list[Header], got: Sequence[object], cont: Continuation
 ) -> int:
     for n, (header, raw) in enumerate(zip(window, got, strict=False)):
         h = header.chain_hash
@@ -162,7 +159,7 @@ def _take_blocks(
     return len(window)
 
 
-def _take_state(tier: RemoteTier, root: bytes, at: int, raw: object, cont: Continuation) -> bool:
+def _take_state(tier: FetchingTier, root: bytes, at: int, raw: object, cont: Continuation) -> bool:
     header = cont.matched[at]
     h = header.chain_hash
     if not isinstance(raw, bytes):

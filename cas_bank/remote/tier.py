@@ -24,21 +24,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
 from cas_bank.blocks.store import Family
 from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.continuation import ChainSpace, Continuation
+from cas_bank.index.owner import Owner
 from cas_bank.remote import keys
 from cas_bank.remote.client import RemoteClient
-from cas_bank.remote.fetch import Continuation, fetch_continuation
+from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
-
-if TYPE_CHECKING:
-    from cas_bank.bank import Bank
-    from cas_bank.namespace import Namespace
 
 log = logging.getLogger("cas_bank.remote")
 
@@ -80,7 +77,7 @@ def redact(url: str) -> str:
 
 
 class RemoteTier:
-    def __init__(self, bank: Bank) -> None:
+    def __init__(self, bank: Owner) -> None:
         cfg = bank.config
         assert cfg.remote is not None
         self.bank = bank
@@ -105,7 +102,7 @@ class RemoteTier:
     # -- restore -------------------------------------------------------------------
     def continue_chain(
         self,
-        ns: Namespace,
+        ns: ChainSpace,
         toks: np.ndarray,
         hashes: Sequence[bytes],
         matched: Sequence[Header],
@@ -117,7 +114,7 @@ class RemoteTier:
         self.bank.counters.count(remote_rejected=1)
         log.warning("cas_bank remote entry %s rejected (%s): served as a miss", h.hex()[:16], why)
 
-    def restored(self, ns: Namespace, cont: Continuation, n_blocks: int, state: bool) -> None:
+    def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None:
         """A restore covered `n_blocks` blocks using `cont`: count what came from the
         cluster and queue it for a background write into the local bank."""
         used = max(0, n_blocks - cont.start)

@@ -1,0 +1,62 @@
+"""A chain continued from another tier, and what a namespace asks of such a tier.
+
+The local lookup finds the longest stored chain; a tier behind the bank (the shared
+Valkey tier, `cas_bank.remote`) may continue it. The namespace sees it only through
+`ChainTier`, so nothing under the API imports the tier's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.store import Family
+from cas_bank.index.chain import Header
+from cas_bank.spec import ModelSpec
+
+
+@dataclass
+class Continuation:
+    """The local chain continued from another tier, fetched and verified."""
+
+    start: int  # blocks before it are local
+    matched: list[Header]  # the whole chain; the state's block carries its digest
+    blocks: dict[bytes, codec.Decoded] = field(default_factory=dict)  # by chain hash
+    states: dict[bytes, codec.Decoded] = field(default_factory=dict)
+    raw: dict[tuple[Family, bytes], bytes] = field(default_factory=dict, repr=False)
+    state_at: int | None = None  # index of the block whose state came from the tier
+
+
+class ChainSpace(Protocol):
+    """What a tier needs of a namespace: its root, block size and model."""
+
+    @property
+    def root(self) -> bytes: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+
+class ChainTier(Protocol):
+    """A tier that continues chains on restore and takes new blocks after a store."""
+
+    def continue_chain(
+        self,
+        ns: ChainSpace,
+        toks: np.ndarray,
+        hashes: Sequence[bytes],
+        matched: Sequence[Header],
+    ) -> Continuation | None: ...
+
+    def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None: ...
+
+    def publish(
+        self, root: bytes, blocks: list[tuple[Header, bytes]], states: list[tuple[bytes, bytes]]
+    ) -> None: ...
