@@ -13,11 +13,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cas_bank.runtime.model_spec import spec_for_model
-    from cas_bank.runtime.models import LoadedModel, build_model, load_model, save_model
-    from cas_bank.runtime.prefix_cache import PrefillReport, PrefixCache
-    from cas_bank.runtime.prompt_cache_adapter import BankPromptCache
-    from cas_bank.runtime.state_recorder import StateRecorder
+    from .model_spec import spec_for_model
+    from .models import LoadedModel, build_model, load_model, save_model
+    from .prefix_cache import PrefillReport, PrefixCache
+    from .prompt_cache_adapter import BankPromptCache
+    from .state_recorder import StateRecorder
 
 _HOMES = {
     "BankPromptCache": "prompt_cache_adapter",

@@ -39,7 +39,7 @@ from mlx_lm.utils import load_tokenizer as _mlx_lm_load_tokenizer
 from .tokenizer import AnyTokenizer, ByteTokenizer
 
 if TYPE_CHECKING:
-    # mypy cannot see `mlx.nn.Module` through the package's star imports.
+    # For annotations only (`mlx.nn.Module` is the same class).
     from mlx.nn.layers.base import Module
 
 # Tiny models: vocab 512 holds the byte tokenizer (256 bytes + specials); a long

@@ -77,7 +77,7 @@ def decode_text(
     if name is None or not (name == "bytes" or re.fullmatch(r"byte:\d+", name)):
         return None
     # Imported here: `show` is the only command that needs the runtime package.
-    from cas_bank.runtime.tokenizer import (  # type: ignore[import-not-found,unused-ignore]
+    from cas_bank.runtime.tokenizer import (
         MIN_VOCAB_SIZE,
         ByteTokenizer,
     )
