@@ -17,12 +17,12 @@ prompt once, each agent's own tokens once) plus the recurrent states the policy
 keeps, at their raw array sizes. The bank's bytes are its directory after a close
 (every file: tables, blob files, logs, manifest).
 
-Scaling (why the defaults are what they are): the hybrid's GDN layers loop over
-tokens in Python on CPU, so a prompt costs roughly 1-2 ms per token on 2 cores. The
-first agent prefills the whole system prompt; the second does too (its miss is the
-branch point where the state at the end of the system prompt gets stored, DESIGN.md
-§6); every later request prefills only its own new tokens. 100 agents x 2 turns of
-256 tokens took about 1-2 min here; turns or agents scale that linearly.
+Scaling (why the defaults are what they are): the hybrid's GDN layers loop over tokens
+in Python on CPU, so a prompt costs roughly 1-2 ms per token on 2 cores. The first agent
+prefills the whole system prompt; the second does too (its miss is the branch point
+where the state at the end of the system prompt gets stored, see docs/design.md, "State
+capture policy"); every later request prefills only its own new tokens. 100 agents x 2
+turns of 256 tokens took about 1-2 min here; turns or agents scale that linearly.
 """
 
 from __future__ import annotations

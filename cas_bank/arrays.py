@@ -1,7 +1,8 @@
 """MLX arrays <-> numpy storage arrays, bit-exact for every dtype a cache holds.
 
-numpy has no bfloat16, so bf16 travels as its bits in uint16 (DESIGN.md §7). A dtype
-is named by a short string (`"bfloat16"`) everywhere it is recorded on disk.
+numpy has no bfloat16, so bf16 travels as its bits in uint16 (docs/design.md, "Payload
+codec"). A dtype is named by a short string (`"bfloat16"`) everywhere it is recorded on
+disk.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destinat
 class Destination:
     """A fresh MLX array and a writable numpy view of its memory.
 
-    Restore copies every block once, straight into memory MLX owns (DESIGN.md §7).
+    Restore copies every block once, straight into memory MLX owns (docs/design.md,
+    "Restore path").
     Only valid for an array nobody else holds yet; `array` is what to hand out.
     """
 
@@ -116,13 +118,12 @@ class Destination:
         """One destination per (shape, dtype), each allocated and zero-filled in turn.
 
         MLX has no uninitialized allocation (`mx.empty` is `mx.zeros`), so the zero
-        fill stays. One `mx.eval` of all of them looked cheaper alone, but in a process
-        that also reads payloads it made the allocator hand memory back and fault it in
-        again on every restore (3x the page faults: a 256 MiB restore went from 190 to
-        270 ms, and raw reads beside it 3x slower), so each is evaluated on its own.
-        Small restores are the exception: there each `mx.eval` (~70 us of scheduling)
-        cost more than its zero fill (8 arrays of 128 KiB: 0.6 of a 1 ms hot restore),
-        so up to `_BATCH_EVAL_BYTES` in all they are evaluated together.
+        fill stays. Above `_BATCH_EVAL_BYTES` in all, each destination is evaluated on
+        its own: one `mx.eval` of all of them, in a process that also reads payloads,
+        makes the allocator hand memory back and fault it in again on every restore.
+        Up to `_BATCH_EVAL_BYTES`, one `mx.eval` allocates them all: there the
+        scheduling of an `mx.eval` per array costs more than its zero fill. The
+        measurements behind both: docs/design.md, "Where each figure is measured".
         """
         total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted)
         if total > _BATCH_EVAL_BYTES:

@@ -7,8 +7,8 @@ a config dict with seeded random weights:
   ``tiny-llama`` are attention-only; ``tiny-hybrid`` (qwen3_next) and
   ``tiny-qwen3_5`` alternate Gated DeltaNet and attention layers
   (``full_attention_interval=2``: ArraysCache, KVCache, ArraysCache, KVCache).
-- ``medium-*``: ~60-80M parameters, for benchmarks only (prefill on the mlx-cpu
-  wheel takes tens of seconds for a few hundred tokens).
+- ``medium-*``: ~60-80M parameters, for benchmarks only (slow to prefill on the
+  mlx-cpu wheel: docs/design.md, "Where each figure is measured").
 
 A loaded model carries its weights digest, which the bank puts into the namespace
 root so that a cache is never served to different weights. It is computed once per

@@ -12,9 +12,10 @@ chunks that end on the grid of `chunk_size` and on every boundary where a recurr
 state must be captured, copies the states there before the next forward pass, and
 stores the new full blocks and the states in one batch when the prompt is done.
 
-State policy for hybrid models (Gated DeltaNet layers; DESIGN.md §6, implemented by
-`Namespace.plan_states` / `cas_bank.index.states.plan_boundaries`). A state costs as
-much as many blocks of KV, so a prefill captures it only at:
+State policy for hybrid models (Gated DeltaNet layers; docs/design.md, "State capture
+policy", implemented by `Namespace.plan_states` /
+`cas_bank.index.states.plan_boundaries`). A state costs as much as many blocks of KV, so
+a prefill captures it only at:
   1. the deepest boundary strictly before the prompt's last token: the same prompt
      again, or its next turn, restores all of it but the tail;
   2. the branch point: the boundary where the prompt leaves the stored chain (the
@@ -34,12 +35,11 @@ forward pass) supplies the state at the last boundary decoding crossed.
 
 Throughput: the store is synchronous, on the caller's thread, after the last chunk:
 the KV buffers are sliced as zero-copy views, encoded (the one copy to host bytes)
-and written in one RocksDB batch. Measured here (2 CPU cores, WAL on, block 64) it
-is 0.1-2% of the prefill's time: 0.12 s of 72 s for 1024 tokens of medium-qwen3
-(25 MB stored), 0.05 s of 56 s for 512 tokens of medium-hybrid, 0.04 s of 4.6 s for
-4096 tokens of tiny-qwen3; so it stays on the caller's thread, and nothing runs
-behind the caller's back: a restore right after a prefill always sees its blocks.
-`last_prefill.store_s` against `forward_s` shows the share for any model.
+and written in one RocksDB batch. It is a small share of the prefill's time (the
+figures: docs/design.md, "Background writer" and "Where each figure is measured"),
+so it stays on the caller's thread, and nothing runs behind the caller's back: a
+restore right after a prefill always sees its blocks. `last_prefill.store_s` against
+`forward_s` shows the share for any model.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """

@@ -259,8 +259,8 @@ def test_tools_run_beside_a_live_writer_and_leave_it_unharmed(tmp_path: Path) ->
 def test_large_tables_are_laid_out_like_rich_ones(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past `RICH_TABLE_ROWS` rows `table` formats text itself (rich takes ~2 ms a row):
-    the output must be the same."""
+    """Past `RICH_TABLE_ROWS` rows `table` formats text itself (rich's layout is slow
+    per row): the output must be the same."""
     from cas_bank.tools import common
 
     cols = ["hash", "namespace", "depth", "size", "chains"]

@@ -185,7 +185,7 @@ def test_large_inputs_hash_the_same_on_threads() -> None:
 
 def test_native_chain_helper_is_built() -> None:
     """`pip install -e .` builds cas_bank._chain (setup.py); without it lookups fall back
-    to a Python loop ~5x slower. CAS_BANK_PURE_PYTHON=1 turns it off on purpose."""
+    to the slower Python loop. CAS_BANK_PURE_PYTHON=1 turns it off on purpose."""
     if os.environ.get("CAS_BANK_PURE_PYTHON"):
         pytest.skip("the native helper is turned off")
     assert hashing._native_chain is not None

@@ -154,8 +154,9 @@ def print_json(data: Any) -> None:
 
 
 RICH_TABLE_ROWS = 200
-"""Above this many rows `table` lays text out itself: rich takes ~2 ms a row, which
-would make `ls` of a large bank take minutes. The layout is the same."""
+"""Above this many rows `table` lays text out itself: rich's per-row layout would make
+`ls` of a large bank take minutes (docs/design.md, "Where each figure is measured").
+The layout is the same."""
 
 
 def table(

@@ -7,11 +7,11 @@ Layout (all little-endian):
     | zero padding to 8 bytes | body
 
 The digest covers every other byte of the payload (the fixed fields before it, then
-descriptors, padding and the body as stored), so a payload is checked before anything
-is decompressed or interpreted, and a flipped flag or length is caught like a flipped
-body byte. The body is
-the arrays' C-order bytes one after another, lz4-compressed (flag bit 0) only where
-that is clearly smaller: float16/bfloat16 KV does not compress (DESIGN.md §4), zeros do.
+descriptors, padding and the body as stored), so a payload is checked before anything is
+decompressed or interpreted, and a flipped flag or length is caught like a flipped body
+byte. The body is the arrays' C-order bytes one after another, lz4-compressed (flag bit
+0) only where that is clearly smaller: float16/bfloat16 KV does not compress, zeros do
+(docs/design.md, "Payload codec").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chain hashing, format v1 (DESIGN.md §3).
+"""Chain hashing, format v1 (docs/design.md, "Hashing (format v1)").
 
 Block i of a token sequence is named `H(name of block i-1, tokens of block i)`; block
 0's parent is the namespace root. H is blake3 in derive-key mode with a fixed,
@@ -104,7 +104,7 @@ def chain_hashes(root: bytes, tokens: Any, block_size: int) -> list[BlockHash]:
     data = arr[: n * block_size].tobytes()
     if _native_chain is not None:
         # One call for the whole prompt (cas_bank/_native/chain.c, the official BLAKE3
-        # C code): the Python loop below costs ~1 us a block, most of a long lookup.
+        # C code): the Python loop below is most of a long lookup's time.
         return _native_chain(root, data, block_size * 4, BLOCK_CONTEXT)  # type: ignore[return-value]
     return chain_hashes_python(root, data, block_size)
 

@@ -1,9 +1,9 @@
 """The hot tier: a byte-bounded, in-process LRU cache in front of any `BlockStore`.
 
-A wrapper store (STYLE.md: cross-cutting concerns wrap a store, they are not flags
-inside a backend). It caches the families a restore reads: headers, block payloads
-and states. A restore of a prefix whose headers and payloads are all hot reads
-nothing from the store below.
+A wrapper store (docs/design.md, "Store interface and put_batch promise": cross-cutting
+concerns wrap a store, they are not flags inside a backend). It caches the families a
+restore reads: headers, block payloads and states. A restore of a prefix whose headers
+and payloads are all hot reads nothing from the store below.
 
 Two levels per entry:
 - the raw value (what `get_many` returns), filled on a read miss and on every put

@@ -1,8 +1,9 @@
 """The RocksDB backend (through rocksdict, raw mode): one database per bank directory.
 
-Families as in DESIGN.md §4. Payload families (blocks, states) keep values in BlobDB
-files, uncompressed (KV does not compress; our codec decides per payload) and are read
-without RocksDB's software CRC: our blake3 digest is the integrity check.
+Families as in docs/design.md, "Record families". Payload families (blocks, states) keep
+values in BlobDB files, uncompressed (KV does not compress; our codec decides per
+payload) and are read without RocksDB's software CRC: our blake3 digest is the integrity
+check.
 
 Durability: `wal` (default) writes every batch to the write-ahead log, so a store that
 returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
@@ -225,7 +226,7 @@ class RocksStore(BlockStore):
         if family not in self._cf and self._db is not None:
             return iter(())
         # Iterators ignore the family's read options: payload walks (which read every
-        # blob value, even for keys only) pass the unchecked ones, ~6x faster here.
+        # blob value, even for keys only) pass the unchecked ones, which are faster.
         read_opt = self._fast_reads if family in PAYLOAD_FAMILIES else None
         walk = _walk(self._family(family), values, read_opt)
         # A RocksDB iterator keeps the database (and its LOCK) alive: close() ends

@@ -1,8 +1,9 @@
 """The store interface every backend meets, and `MemoryStore`, the plain-dict one.
 
-A store holds raw bytes under byte keys in a few named families (DESIGN.md §4). It
-knows nothing of blocks or chains: the index above it does. Writes go in batches that
-apply whole or not at all. Cross-cutting concerns (the hot tier, stats) wrap a store.
+A store holds raw bytes under byte keys in a few named families (docs/design.md, "Record
+families"). It knows nothing of blocks or chains: the index above it does. Writes go in
+batches that apply whole or not at all. Cross-cutting concerns (the hot tier, stats)
+wrap a store.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Block headers and the longest-prefix lookup over a chain.
 
-A header is the small record kept apart from the payload (DESIGN.md §4): lookups,
-tools and eviction walk headers only. It names the parent, so chains can be walked
-up from any block, and it carries the block's token ids, so tools can show them and
-a lookup can check them.
+A header is the small record kept apart from the payload (docs/design.md, "Record
+families"): lookups, tools and eviction walk headers only. It names the parent, so
+chains can be walked up from any block, and it carries the block's token ids, so tools
+can show them and a lookup can check them.
 """
 
 from __future__ import annotations

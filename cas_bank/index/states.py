@@ -3,7 +3,7 @@
 A state cannot be cut from a longer one, so it is captured exactly at a boundary and
 stored under the chain hash of the block that ends there. The restore point of a
 hybrid model is the deepest matched boundary with a stored state: KV of length n is
-never combined with a state of another position (DESIGN.md §6).
+never combined with a state of another position (docs/design.md, "State capture policy").
 
 The capture policy (`plan_boundaries`) names the boundaries a prefill should stop at:
   1. the deepest boundary strictly before the prompt's last token, so the same prompt

@@ -1,9 +1,10 @@
 """Walking headers: children of a block, leaf chains below it, the prefix tree, and
 naming a block by a unique hex prefix of its hash (as git does).
 
-Everything here reads the headers family only (DESIGN.md §4: the small family), never
-a payload, so the tools that use it (ls, show, tree, verify, export) stay cheap. A
-`HeaderIndex` is a snapshot of all headers in memory: a few hundred bytes per block.
+Everything here reads the headers family only (the small family: docs/design.md, "Record
+families"), never a payload, so the tools that use it (ls, show, tree, verify, export)
+stay cheap. A `HeaderIndex` is a snapshot of all headers in memory: a few hundred bytes
+per block.
 
 Words: a *leaf* is a block with no stored child; a *chain* is the path from a
 namespace root down to a leaf; the chains *through* a block are the leaves below it
