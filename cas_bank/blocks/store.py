@@ -1,8 +1,8 @@
 """The store interface every backend meets, and `MemoryStore`, the plain-dict one.
 
 A store holds raw bytes under byte keys in a few named families (docs/design.md, "Record
-families"). It knows nothing of blocks or chains: the index above it does. Cross-cutting concerns
-(the hot tier) wrap a store and meet the same interface. What a backend must do is
+families"). It knows nothing of blocks or chains: the index above it does. Cross-cutting
+concerns (the hot tier) wrap a store and meet the same interface. What a backend must do is
 written on `BlockStore` and checked by `cas_bank.testing` (run it on a new backend).
 
 What the bank relies on from `put_batch`
