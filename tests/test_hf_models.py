@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache, build_model, load_model, save_model
 from cas_bank.runtime.demo import run_demo
@@ -26,6 +27,7 @@ from cas_bank.runtime.generation import GenerationRequest
 from cas_bank.runtime.models import weights_digest
 from cas_bank.tools.cli import main as cli_main
 from hf_models import model_dir, quantized
+from mlx.utils import tree_flatten, tree_unflatten
 from runtime_helpers import random_tokens, temp_bank
 from test_mlx_lm_server import common
 
@@ -93,16 +95,14 @@ def test_quantized_weights_share_blocks_only_with_the_very_same_weights(tmp_path
     digests = {weights_digest(m.model) for m in (base, q4, q8)}
     assert len(digests) == 3 and q4.weights_digest == q4_again.weights_digest
     # The digest covers the quantized tensors themselves: scales and biases too.
-    params = dict(__import__("mlx.utils").utils.tree_flatten(q4_again.model.parameters()))
+    params = dict(tree_flatten(q4_again.model.parameters()))
     assert {
         "model.layers.0.self_attn.q_proj.scales",
         "model.layers.0.self_attn.q_proj.biases",
     } <= set(params)
     scales = params["model.layers.0.self_attn.q_proj.scales"]
     q4_again.model.update(
-        __import__("mlx.utils").utils.tree_unflatten(
-            [("model.layers.0.self_attn.q_proj.scales", scales * 1.001)]
-        )
+        tree_unflatten([("model.layers.0.self_attn.q_proj.scales", scales * 1.001)])
     )
     mx.eval(q4_again.model.parameters())
     changed = dataclasses.replace(
@@ -114,7 +114,7 @@ def test_quantized_weights_share_blocks_only_with_the_very_same_weights(tmp_path
     reloaded = load_model(directory)
     assert reloaded.weights_digest == q4.weights_digest
 
-    tokens = random_tokens(__import__("numpy").random.default_rng(0), 3 * BLOCK + 1)
+    tokens = random_tokens(np.random.default_rng(0), 3 * BLOCK + 1)
     with temp_bank(BLOCK) as bank:
         writer = PrefixCache(bank, q4)
         cache, _ = writer.restore(tokens)

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from cas_bank.runtime import BankPromptCache
 from cas_bank.runtime.prompt_cache_adapter import CACHE_TYPES
@@ -53,7 +54,7 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
 ) -> None:
     loaded = wide(name) if kv_bits else tiny(name)
     model = loaded.model
-    rng = __import__("numpy").random.default_rng(3)
+    rng = np.random.default_rng(3)
     prompt = random_tokens(rng, 3 * BLOCK + 5)
     with temp_bank(BLOCK) as bank:
         pc = BankPromptCache(bank, loaded, model_key=KEY, kv_bits=kv_bits, kv_group_size=32)
@@ -87,7 +88,7 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
 
 def test_without_capture_a_hybrid_keeps_blocks_a_restore_cannot_use() -> None:
     loaded = tiny("tiny-hybrid")
-    prompt = random_tokens(__import__("numpy").random.default_rng(6), 2 * BLOCK + 3)
+    prompt = random_tokens(np.random.default_rng(6), 2 * BLOCK + 3)
     with temp_bank(BLOCK) as bank:
         pc = BankPromptCache(bank, loaded, capture_states=False)
         cache = make_prompt_cache(loaded.model)
@@ -99,7 +100,7 @@ def test_without_capture_a_hybrid_keeps_blocks_a_restore_cannot_use() -> None:
 
 def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> None:
     loaded = tiny("tiny-hybrid")
-    rng = __import__("numpy").random.default_rng(4)
+    rng = np.random.default_rng(4)
     system = random_tokens(rng, 2 * BLOCK)
     with temp_bank(BLOCK) as bank:
         pc = BankPromptCache(bank, loaded)
@@ -118,7 +119,7 @@ def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> N
 
 def test_other_models_unsupported_caches_and_trim(caplog: pytest.LogCaptureFixture) -> None:
     loaded = tiny("tiny-qwen3")
-    rng = __import__("numpy").random.default_rng(5)
+    rng = np.random.default_rng(5)
     tokens = random_tokens(rng, 3 * BLOCK)
     with temp_bank(BLOCK) as bank:
         pc = BankPromptCache(bank, loaded, model_key=KEY)

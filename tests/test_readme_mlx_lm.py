@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from hf_models import model_dir
 from mlx_lm.generate import generate_step
@@ -72,7 +73,7 @@ def test_the_readme_library_lines_give_mlx_lm_a_bank(
     scope: dict[str, object] = {"model": model}
     exec(code, scope)
     prompt_cache: Any = scope["prompt_cache"]
-    prompt = random_tokens(__import__("numpy").random.default_rng(0), 100)
+    prompt = random_tokens(np.random.default_rng(0), 100)
     try:
         for _ in range(2):  # mlx-lm's loop: fetch, generate on the cache, insert
             cache, rest = prompt_cache.fetch_nearest_cache("model", prompt)
