@@ -22,7 +22,12 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode, RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
-from cas_bank.errors import BankSettingsError
+from cas_bank.errors import (
+    BankDamagedError,
+    BankFullError,
+    BankSettingsError,
+    InvalidInputError,
+)
 from cas_bank.index.access import AccessLog
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.txn import Suspects, Transaction
@@ -83,6 +88,8 @@ class Bank:
             store: BlockStore = path
             where = Path(getattr(store, "path", type(store).__name__))
         else:
+            if not str(path).strip():  # Path("") is the current directory
+                raise InvalidInputError("the bank path is empty; name a directory")
             where = Path(path)
             store = RocksStore(where, mode=mode, durability=config.durability)
         try:  # anything failing here must not keep the directory's LOCK
@@ -169,6 +176,12 @@ class Bank:
             **v,
         )
 
+    @property
+    def degraded(self) -> str | None:
+        """Why stores are refused right now (a full disk: `BankFullError`), or None.
+        Restores keep working; the bank writes again once space is freed."""
+        return self.store.degraded()
+
     def refresh(self) -> None:
         """For a secondary open: catch up with the writer (data and counters)."""
         self.store.refresh()
@@ -191,9 +204,12 @@ class Bank:
             self.write_lock.release()
 
     def close(self) -> None:
-        """Persist counters and release the directory (its lock too)."""
+        """Persist counters and release the directory (its lock too), also when the
+        disk is full (the counters and last uses since the last store are then lost)."""
         try:
             self.flush()
+        except BankFullError as e:
+            log.warning("cas_bank: %s; closing without the last counters", e)
         finally:
             self.store.close()
             self._namespaces.clear()
@@ -218,7 +234,21 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
     fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
     if fmt is None:
         if store.read_only:
+            files = [*path.glob("*.sst"), *path.glob("*.blob")]
+            if files and next(iter(store.keys(Family.HEADERS)), None) is None:
+                raise BankDamagedError(
+                    f"bank at {path} does not open cleanly: its MANIFEST names no records "
+                    f"but {len(files)} table and blob files are present (a truncated or "
+                    f"damaged MANIFEST). `cas-bank salvage {path} NEW_DIR` copies every "
+                    "block that still verifies into a new bank"
+                )
             raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
+        if any(next(iter(store.keys(f)), None) is not None for f in Family):
+            raise BankDamagedError(
+                f"{path} holds a RocksDB database with records but no cas_bank format "
+                "record: not a cas_bank bank (or its meta table was lost); it was not "
+                "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
+            )
         store.put_batch(
             [
                 (Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION)),

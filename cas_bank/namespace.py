@@ -18,6 +18,7 @@ import mlx.core as mx
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import (
     Header,
     block_rewrite,
@@ -257,7 +258,11 @@ class Namespace:
         """
         toks = as_token_array(tokens)
         hashes = self.chain(toks)
-        matched = longest_chain(self.bank.store, self.root, hashes)
+        try:
+            matched = longest_chain(self.bank.store, self.root, hashes)
+        except CorruptDataError as e:  # a damaged headers table: a counted miss
+            self._payloads.damaged_headers(str(e))
+            matched = []
         hybrid = self.spec.is_hybrid
         n_blocks = restore_blocks(matched, hybrid)
         assembler = Assembler(self.spec, n_blocks, self.block_size) if n_blocks else None
