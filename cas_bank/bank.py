@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode, RocksStore
 from cas_bank.blocks.store import BlockStore, Family
@@ -102,14 +102,23 @@ class Bank:
             raise
 
     # -- namespaces ----------------------------------------------------------------
-    def namespace(self, spec: ModelSpec) -> Namespace:
-        """The namespace of `spec`'s model: its blocks share a chain root nobody else has."""
+    def namespace(self, spec: ModelSpec, *, salt: str | bytes | None = None) -> Namespace:
+        """The namespace of `spec`'s model: its blocks share a chain root nobody else has.
+
+        `salt`: a tenant's salt (vLLM's `cache_salt`). It enters the root, so prompts
+        with the same salt share every block and different salts share none: one
+        tenant cannot learn from restore timing what another sent.
+        """
         from cas_bank.namespace import Namespace
 
-        key = spec.fingerprint
+        try:
+            salted = salt_bytes(salt)
+        except TypeError as e:
+            raise InvalidInputError(str(e)) from None
+        key = spec.fingerprint + (":" + salted.hex() if salted else "")
         ns = self._namespaces.get(key)
         if ns is None:
-            root = namespace_root(spec.fingerprint, self.config.block_size)
+            root = namespace_root(spec.fingerprint, self.config.block_size, salted)
             if not self.read_only and self.store.get(Family.NAMESPACES, root) is None:
                 with self.transaction(budget=False) as tx:
                     tx.put(Family.NAMESPACES, root, spec.model_dump_json().encode())

@@ -58,7 +58,7 @@ from cas_bank.blocks.damage import (
     write_error,
 )
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
-from cas_bank.errors import BankFullError, BankLockedError, CorruptDataError
+from cas_bank.errors import BankFullError, BankLockedError, CasBankError, CorruptDataError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
@@ -173,6 +173,11 @@ class RocksStore(BlockStore):
                 raise CorruptDataError(
                     f"bank at {self.path} is damaged: {e}. Nothing was changed; `cas-bank "
                     f"salvage {self.path} NEW_DIR` copies what still verifies into a new bank"
+                ) from None
+            if "Read-only file system" in str(e) or "os error 30" in str(e):
+                raise CasBankError(
+                    f"bank at {self.path} is on a read-only file system: it cannot be "
+                    "opened for writing; open it read-only (mode='read_only')"
                 ) from None
             # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
             if "/LOCK" not in str(e):
