@@ -80,10 +80,15 @@ def flip(file: Path, offset: int, n: int, seed: int) -> None:
         fh.write(bytes(rng.randrange(256) for _ in range(min(n, size))))
 
 
-def check_bank(path: Path, ps: list[list[int]], spec: ModelSpec | None = None) -> str:
+def check_bank(
+    path: Path, ps: list[list[int]], spec: ModelSpec | None = None, *, full: bool = False
+) -> str:
     """Open, restore every prompt (exact or a miss), verify. 'refused' when the bank
-    does not open (a clear cas_bank error); otherwise 'hits=H corrupt=C verify=ok|bad'."""
+    does not open (a clear cas_bank error); otherwise 'hits=H corrupt=C verify=ok|bad'.
+    `full`: every prompt was acknowledged as stored; 'LOST n' if n do not restore whole."""
     spec = spec or wide_spec()
+    if full and not ps:
+        return "hits=0 corrupt=0 verify=ok"
     try:
         bank = Bank.open(path, BankConfig(hot_bytes=0))
     except CasBankError as e:
@@ -91,13 +96,17 @@ def check_bank(path: Path, ps: list[list[int]], spec: ModelSpec | None = None) -
         return "refused"
     with bank:
         ns = bank.namespace(spec)
-        hits = 0
+        hits = lost = 0
         for p in ps:
             hit = ns.restore(p)
             if hit is not None:
                 truth = kv_prefix_bits(prefix_layers(spec, p), spec, hit.tokens)
                 assert layers_bits(hit.layers, spec) == truth, "a restore gave wrong data"
                 hits += 1
+            if full and (hit is None or hit.tokens != len(p) // B * B):
+                lost += 1
+        if lost:
+            return f"LOST {lost}"
         try:
             report = "ok" if verify(bank).ok else "bad"
         except CasBankError:

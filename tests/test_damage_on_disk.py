@@ -123,3 +123,19 @@ def test_a_deleted_blob_file_is_a_counted_miss(built: Path, tmp_path: Path) -> N
 
     result = check_bank(path, prompts())
     assert result == "refused" or ("hits=0" in result and "verify=ok" not in result), result
+
+
+def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Path) -> None:
+    from damage_kit import prompts
+    from tool_banks import cas_bank_json
+
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    (manifest,) = path.glob("MANIFEST-*")
+    with manifest.open("r+b") as fh:
+        fh.truncate(600)
+    before = _files(path)
+    report = cas_bank_json("salvage", path, tmp_path / "new")
+    assert report["repaired"] and report["blocks_copied"] > 0
+    assert _files(path) == before  # the damaged bank is left as it was
+    assert check_bank(tmp_path / "new", prompts(), full=True).endswith("verify=ok")
