@@ -62,6 +62,9 @@ for line in sys.stdin:
 """
 
 
+ROUNDS = ["kill", "kill", "evict", "flip", "flip", "flip", "truncate", "truncate", "full"]
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), e.get("PYTHONPATH", "")])
@@ -207,7 +210,9 @@ def main() -> int:
     seed = 1
     try:
         while time.monotonic() < deadline:
-            kind = rng.choice(["kill", "kill", "evict", "flip", "flip", "truncate", "full"])
+            kind = rng.choice(
+                ["kill", "kill", "evict", "flip", "flip", "flip", "truncate", "truncate", "full"]
+            )
             seed += 1
             stats["faults"] += 1
             if kind == "kill":

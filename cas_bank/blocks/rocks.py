@@ -138,10 +138,23 @@ class RocksStore(BlockStore):
         else:
             self._view = View(self.path)
         try:
-            self._open()
+            self._open_retrying()
         except BaseException:
             self._close_view()
             raise
+
+    def _open_retrying(self) -> None:
+        """Open; a reader whose view names a file the writer has just deleted (a
+        compaction between linking and opening) links again and retries."""
+        for attempt in range(5):
+            try:
+                self._open()
+                return
+            except CorruptDataError as e:
+                if self._view is None or "No such file" not in str(e) or attempt == 4:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+                self._view.sync()
 
     def _open(self) -> None:
         mode, where = self.mode, self.path
