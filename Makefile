@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench torture clean
 
 $(STAMP): pyproject.toml setup.py cas_bank/_native/chain.c
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q
+
+# The fault campaign (not part of `make test`): SIGKILL, byte flips, truncations, ENOSPC.
+torture: $(STAMP)
+	$(BIN)/python tests/torture.py --seconds $${TORTURE_SECONDS:-180}
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

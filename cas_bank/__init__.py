@@ -9,6 +9,8 @@ from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.config import BankConfig
 from cas_bank.errors import (
+    BankDamagedError,
+    BankFullError,
     BankLockedError,
     BankSettingsError,
     CasBankError,
@@ -23,6 +25,8 @@ __all__ = [
     "ArraySpec",
     "Bank",
     "BankConfig",
+    "BankDamagedError",
+    "BankFullError",
     "BankLockedError",
     "BankSettingsError",
     "BankStats",

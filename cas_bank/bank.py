@@ -17,12 +17,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.backends import open_store
-from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
-from cas_bank.errors import BankSettingsError
+from cas_bank.errors import (
+    BankDamagedError,
+    BankFullError,
+    BankSettingsError,
+    InvalidInputError,
+)
 from cas_bank.index.access import AccessLog
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.txn import Suspects, Transaction
@@ -95,6 +100,8 @@ class Bank:
         if isinstance(path, BlockStore):
             store = path
         else:
+            if not str(path).strip():  # Path("") is the current directory
+                raise InvalidInputError("the bank path is empty; name a directory")
             store = open_store(path, mode=mode, durability=config.durability)
         where = Path(store.location)
         try:  # anything failing here must not keep the directory's LOCK
@@ -107,12 +114,21 @@ class Bank:
             raise
 
     # -- namespaces ----------------------------------------------------------------
-    def namespace(self, spec: ModelSpec) -> Namespace:
-        """The namespace of `spec`'s model: its blocks share a chain root nobody else has."""
-        key = spec.fingerprint
+    def namespace(self, spec: ModelSpec, *, salt: str | bytes | None = None) -> Namespace:
+        """The namespace of `spec`'s model: its blocks share a chain root nobody else has.
+
+        `salt`: a tenant's salt (vLLM's `cache_salt`). It enters the root, so prompts
+        with the same salt share every block and different salts share none: one
+        tenant cannot learn from restore timing what another sent.
+        """
+        try:
+            salted = salt_bytes(salt)
+        except TypeError as e:
+            raise InvalidInputError(str(e)) from None
+        key = spec.fingerprint + (":" + salted.hex() if salted else "")
         ns = self._namespaces.get(key)
         if ns is None:
-            root = namespace_root(spec.fingerprint, self.config.block_size)
+            root = namespace_root(spec.fingerprint, self.config.block_size, salted)
             if not self.read_only and self.store.get(Family.NAMESPACES, root) is None:
                 with self.transaction(budget=False) as tx:
                     tx.put(Family.NAMESPACES, root, spec.model_dump_json().encode())
@@ -173,6 +189,12 @@ class Bank:
             **v,
         )
 
+    @property
+    def degraded(self) -> str | None:
+        """Why stores are refused right now (a full disk: `BankFullError`), or None.
+        Restores keep working; the bank writes again once space is freed."""
+        return self.store.degraded()
+
     def refresh(self) -> None:
         """For a secondary open: catch up with the writer (data and counters)."""
         self.store.refresh()
@@ -199,11 +221,14 @@ class Bank:
             self.write_lock.release()
 
     def close(self) -> None:
-        """Persist counters and release the directory (its lock too)."""
+        """Persist counters and release the directory (its lock too), also when the
+        disk is full (the counters and last uses since the last store are then lost)."""
         try:
             if self.remote is not None:
                 self.remote.close()  # finishes queued publishes and local writes first
             self.flush()
+        except BankFullError as e:
+            log.warning("cas_bank: %s; closing without the last counters", e)
         finally:
             self.store.close()
             self._namespaces.clear()
@@ -233,7 +258,21 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
     fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
     if fmt is None:
         if store.read_only:
+            files = [*path.glob("*.sst"), *path.glob("*.blob")]
+            if files and next(iter(store.keys(Family.HEADERS)), None) is None:
+                raise BankDamagedError(
+                    f"bank at {path} does not open cleanly: its MANIFEST names no records "
+                    f"but {len(files)} table and blob files are present (a truncated or "
+                    f"damaged MANIFEST). `cas-bank salvage {path} NEW_DIR` copies every "
+                    "block that still verifies into a new bank"
+                )
             raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
+        if any(next(iter(store.keys(f)), None) is not None for f in Family):
+            raise BankDamagedError(
+                f"{path} holds a RocksDB database with records but no cas_bank format "
+                "record: not a cas_bank bank (or its meta table was lost); it was not "
+                "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
+            )
         store.put_batch(
             [
                 (Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION)),

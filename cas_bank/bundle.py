@@ -30,6 +30,7 @@ import blake3
 from pydantic import ValidationError
 
 from cas_bank.blocks import codec
+from cas_bank.blocks.damage import full_error, is_no_space
 from cas_bank.blocks.hashing import (
     HASH_FORMAT_VERSION,
     chain_hashes,
@@ -180,20 +181,26 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     tmp = path.with_name(path.name + ".partial")
     hasher = blake3.blake3(derive_key_context=BUNDLE_CONTEXT)
     size = 0
-    with open(tmp, "wb") as f:
-        for piece in (_LEAD.pack(MAGIC, BUNDLE_VERSION, len(body)), body):
-            f.write(piece)
-            hasher.update(piece)
-            size += len(piece)
-        for record in records:
-            for piece in record:
+    try:
+        with open(tmp, "wb") as f:
+            for piece in (_LEAD.pack(MAGIC, BUNDLE_VERSION, len(body)), body):
                 f.write(piece)
                 hasher.update(piece)
                 size += len(piece)
-        f.write(hasher.digest())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            for record in records:
+                for piece in record:
+                    f.write(piece)
+                    hasher.update(piece)
+                    size += len(piece)
+            f.write(hasher.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # no half bundle left behind (a full disk)
+        if isinstance(e, OSError) and is_no_space(e):
+            raise full_error(path.parent, size + _TRAILER, e) from None
+        raise
     return ExportReport(
         path=path,
         namespace=spec.name,

@@ -19,7 +19,7 @@ class BankConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    block_size: int = Field(default=64, ge=1, le=1 << 16)
+    block_size: int = Field(default=64, ge=1, le=1 << 16, strict=True)
     """Tokens per block. Persisted at creation; reopening with another value is an error."""
 
     compression: Literal["auto", "lz4", "none"] = "auto"
@@ -30,16 +30,16 @@ class BankConfig(BaseModel):
     flushes; RocksDB flushes when a family's memtable fills (64 MiB by default) and at
     close, so a crash may lose the stores since the last flush, never half a block."""
 
-    max_bytes: int | None = Field(default=None, ge=0)
+    max_bytes: int | None = Field(default=None, ge=0, strict=True)
     """Disk budget for payloads and states; None means unbounded."""
 
-    hot_bytes: int = Field(default=256 * MiB, ge=0)
+    hot_bytes: int = Field(default=256 * MiB, ge=0, strict=True)
     """Byte bound of the in-process hot tier of decoded blocks; 0 turns it off."""
 
     access_flush_interval: float = Field(default=5.0, ge=0.0)
     """Seconds between batched writes of last-use times (never a write per restore)."""
 
-    state_stride: int | None = Field(default=None, ge=1)
+    state_stride: int | None = Field(default=None, ge=1, strict=True)
     """Also capture a recurrent state every this many blocks during prefill."""
 
     remote: str | None = Field(default=None, repr=False)

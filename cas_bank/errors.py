@@ -22,3 +22,21 @@ class BankLockedError(CasBankError, RuntimeError):
 
 class CorruptDataError(CasBankError, ValueError):
     """Stored bytes failed their digest or could not be decoded."""
+
+
+class BankDamagedError(CorruptDataError):
+    """The bank's RocksDB files do not open cleanly (or hold another database): refused,
+    and nothing changed. `cas-bank salvage` copies what still verifies into a new bank."""
+
+
+class BankFullError(CasBankError, OSError):
+    """A write failed because the disk is full. Restores keep working; the bank resumes
+    writing once space is freed. `path` and `needed` (bytes) say where and how much."""
+
+    def __init__(self, message: str, *, path: object = None, needed: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -18,6 +18,7 @@ import mlx.core as mx
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
 from cas_bank.index.layout import (
     Assembler,
@@ -257,7 +258,11 @@ class Namespace:
         """
         toks = as_token_array(tokens)
         hashes = self.chain(toks)
-        matched = longest_chain(self.bank.store, self.root, hashes)
+        try:
+            matched = longest_chain(self.bank.store, self.root, hashes)
+        except CorruptDataError as e:  # a damaged headers table: a counted miss
+            self._payloads.damaged_headers(str(e))
+            matched = []
         remote = self.bank.remote
         # The shared tier continues the local chain where it ends (verified, in memory).
         cont = (

@@ -35,6 +35,22 @@ def tag_cache(cache: Sequence[Any], spec: ModelSpec) -> None:
         setattr(entry, _TAG, spec.fingerprint)
 
 
+def vouch_for(spec: ModelSpec, cache: Sequence[Any], this_model: bool) -> None:
+    """Refuse a cache the bank cannot vouch for: one not made by a `PrefixCache` of
+    this model (`new_cache`, `restore`, `prefill` from empty), unless the caller says
+    it is this model's (`this_model=True`). A raw `make_prompt_cache` filled by other
+    weights of the same layout would otherwise be stored under this model's name."""
+    if this_model:
+        tag_cache(cache, spec)
+        return
+    if not all(getattr(entry, _TAG, None) == spec.fingerprint for entry in cache):
+        raise InvalidInputError(
+            f"this cache was not made by a PrefixCache of {spec.name!r} (new_cache, restore "
+            "or a prefill from empty), so the bank cannot vouch that its KV is this "
+            "model's; pass this_model=True if it is"
+        )
+
+
 def check_cache(spec: ModelSpec, cache: Any, start: int) -> None:
     """Raise `InvalidInputError` unless `cache` is a cache of `spec`'s model at `start`."""
     if not isinstance(cache, (list, tuple)):

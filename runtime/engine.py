@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from cas_bank.bank import Bank
 from cas_bank.config import BankConfig
-from cas_bank.errors import InvalidInputError
+from cas_bank.errors import BankFullError, InvalidInputError
 
 from .decoding import Sampler, TextStream
 from .generation import (
@@ -101,7 +101,8 @@ class Engine:
         self.bank = bank
         self.model_id = loaded.name
         self.context_length = model_context_length(loaded)
-        self.prefix_cache = PrefixCache(bank, loaded)
+        # A full disk degrades the server (answers without storing), never fails it.
+        self.prefix_cache = PrefixCache(bank, loaded, skip_store_when_full=True)
         self.eos_ids = eos_token_ids(loaded.tokenizer)
         self._seed = seed
         self._owns_bank = owns_bank
@@ -112,6 +113,7 @@ class Engine:
         )
         self._busy = False
         self._closed = False
+        self._current: Job | None = None
         self._worker = threading.Thread(target=self._run, name="cas-bank-engine", daemon=True)
         self._worker.start()
 
@@ -254,9 +256,25 @@ class Engine:
         with self._lock:
             return EngineStats(queue_depth=self._jobs.qsize(), busy=self._busy, **self._counts)
 
+    def stop(self) -> None:
+        """Begin shutting down at once (a signal handler may call it): refuse new and
+        queued requests, and stop the running one at its next token. `close` then
+        waits for the worker."""
+        self._closed = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.sink(EngineClosedError("the engine shut down before this request ran"))
+        current = self._current
+        if current is not None:
+            current.cancel()
+
     def close(self) -> None:
         """Finish the running request, refuse the queued ones, stop; close an owned bank."""
-        if self._closed:
+        if self._closed and not self._worker.is_alive():
             return
         self._closed = True
         self._jobs.put(None)  # blocks only while the queue is full; the worker drains it
@@ -290,6 +308,7 @@ class Engine:
                 continue
             with self._lock:
                 self._busy = True
+                self._current = job
             try:
                 result = self._generate(job)
             except Exception as e:  # reported to the caller; the worker keeps serving
@@ -307,12 +326,13 @@ class Engine:
             finally:
                 with self._lock:
                     self._busy = False
+                    self._current = None
 
     def _generate(self, job: Job) -> GenerationResult:
         request = job.request
         assert request.max_tokens is not None, "submit resolves max_tokens"
         started = time.perf_counter()
-        pc = self.prefix_cache
+        pc = self.prefix_cache.salted(request.cache_salt)
         prompt = list(request.prompt)
         cache, cached = pc.restore(prompt)
         logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints)
@@ -349,7 +369,10 @@ class Engine:
         through_model = prompt + generated[:-1]
         block = pc.block_size
         if len(through_model) // block > len(prompt) // block:
-            pc.store(through_model, cache, states=recorder)
+            try:
+                pc.store(through_model, cache, states=recorder)
+            except BankFullError as e:  # degraded: the answer still goes out
+                log.warning("cas_bank: answer not stored: %s", e)
         return GenerationResult(
             text=text.text,
             token_ids=generated,
@@ -395,4 +418,9 @@ def resolve_model(model: str | Path | None, *, seed: int = 0) -> LoadedModel:
         return build_model(DEFAULT_MODEL, seed=seed)
     if isinstance(model, str) and model in MODEL_NAMES and not Path(model).exists():
         return build_model(model, seed=seed)
+    if not Path(model).exists():
+        raise InvalidInputError(
+            f"unknown model {str(model)!r}: not an embedded model ({', '.join(MODEL_NAMES)}) "
+            "nor a model directory"
+        )
     return load_model(model)

@@ -42,6 +42,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logit_bias: Mapping[int, float] | None = None
     branch_hints: tuple[int, ...] = ()  # prompt positions later prompts likely branch at
+    cache_salt: str | None = None  # a tenant's salt: the prefix cache it shares
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ class SamplingFields(_Request):
     """Fields shared by both endpoints."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, strict=True)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
@@ -36,6 +36,9 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=1)
+    # vLLM's field: prompts with the same salt share cached prefixes, different salts
+    # share nothing (one tenant cannot time another's prompts through the cache).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -91,7 +94,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # The newer name of max_tokens; either may be sent.
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0, strict=True)
 
     def token_limit(self) -> int | None:
         return (

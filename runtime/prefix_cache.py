@@ -46,6 +46,8 @@ Thread safety: one PrefixCache per runtime thread; the bank itself may be shared
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,16 +59,25 @@ import numpy as np
 
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array
-from cas_bank.errors import InvalidInputError
+from cas_bank.errors import BankFullError, InvalidInputError
 from cas_bank.namespace import Namespace, StoreReport
 from cas_bank.spec import ModelSpec
 
-from .cache_io import cache_layers, check_cache, fill_cache, snapshot_states, tag_cache
+from .cache_io import (
+    cache_layers,
+    check_cache,
+    fill_cache,
+    snapshot_states,
+    tag_cache,
+    vouch_for,
+)
 from .model_spec import new_cache, probe_model, unwrap
 from .models import LoadedModel
 from .state_recorder import StateRecorder
 
 DEFAULT_CHUNK_SIZE = 512
+
+log = logging.getLogger("cas_bank")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +109,22 @@ class PrefixCache:
     `model`: an mlx-lm model or a `LoadedModel`. `kv_bits` / `kv_group_size`: keep
     attention KV quantized (mlx-lm `QuantizedKVCache`) from the first token on.
     `chunk_size`: tokens per forward pass during prefill. `name`: overrides the
-    spec's name (the architecture by default); it is part of the namespace.
+    spec's name (the architecture by default); it is part of the namespace. `salt`: a
+    tenant's salt, part of the namespace root: the same salt shares every block,
+    different salts share none (see `Bank.namespace`). `skip_store_when_full`: a
+    prefill whose store finds the disk full (`BankFullError`) skips the store instead
+    of raising (a server keeps answering; `bank.degraded` says why).
     """
+
+    def salted(self, salt: str | bytes | None) -> PrefixCache:
+        """This PrefixCache for another tenant's salt (the model is probed once)."""
+        if salt == self.salt or (not salt and not self.salt):
+            return self
+        other = copy.copy(self)
+        other.salt = salt
+        other.namespace = self.bank.namespace(self.info.spec, salt=salt)
+        other.last_prefill = None
+        return other
 
     def __init__(
         self,
@@ -110,14 +135,18 @@ class PrefixCache:
         kv_group_size: int = 64,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         name: str | None = None,
+        salt: str | bytes | None = None,
+        skip_store_when_full: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.bank = bank
         self.model, self.loaded = unwrap(model)
         self.info = probe_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size, name=name)
-        self.namespace: Namespace = bank.namespace(self.info.spec)
+        self.salt = salt
+        self.namespace: Namespace = bank.namespace(self.info.spec, salt=salt)
         self.chunk_size = chunk_size
+        self.skip_store_when_full = skip_store_when_full
         self.last_prefill: PrefillReport | None = None
 
     @property
@@ -180,6 +209,7 @@ class PrefixCache:
         *,
         store: bool = True,
         hints: Sequence[int] = (),
+        this_model: bool = False,
     ) -> mx.array:
         """Run `tokens[start:]` through the model into `cache`; the last position's logits.
 
@@ -200,6 +230,10 @@ class PrefixCache:
                 f"start={start} must leave at least one of the {n} tokens to prefill"
             )
         check_cache(self.spec, cache, start)
+        if start == 0:
+            tag_cache(cache, self.spec)  # empty: what it will hold comes from this model
+        else:
+            vouch_for(self.spec, cache, this_model)
         boundaries = (
             self.namespace.plan_states(toks, start, hints=hints) if self.spec.is_hybrid else []
         )
@@ -223,7 +257,12 @@ class PrefixCache:
 
         report = None
         if store and not self.bank.read_only:
-            report = self.store(toks, cache, states)
+            try:
+                report = self.store(toks, cache, states)
+            except BankFullError as e:
+                if not self.skip_store_when_full:
+                    raise
+                log.warning("cas_bank: prefill not stored: %s", e)
         t2 = time.perf_counter()
         self.last_prefill = PrefillReport(
             start=start,
@@ -248,14 +287,19 @@ class PrefixCache:
         tokens: Any,
         cache: Sequence[Any],
         states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+        *,
+        this_model: bool = False,
     ) -> StoreReport:
         """Store the full blocks of `tokens` from `cache` (which holds at least them).
 
         `states`: recurrent states by boundary (per-layer lists, None for attention
-        layers), or a `StateRecorder` that captured them while decoding.
+        layers), or a `StateRecorder` that captured them while decoding. The cache must
+        come from this PrefixCache (`new_cache`, `restore`, `prefill`); any other is
+        refused unless `this_model=True` says that it holds this model's KV.
         """
         toks = self.tokens(tokens)
         check_cache(self.spec, cache, self._offset(cache, len(toks)))
+        vouch_for(self.spec, cache, this_model)
         if isinstance(states, StateRecorder):
             states = states.states_for(len(toks))
         layers = cache_layers(self.spec, cache, len(toks))

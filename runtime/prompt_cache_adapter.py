@@ -262,7 +262,8 @@ class BankPromptCache:
                 # The recurrent state is at `held`; without a boundary there, a hybrid
                 # restore can use none of these blocks (the README says why).
                 n = (n // pc.block_size) * pc.block_size
-        report = pc.store(list(tokens[:n]), cache, states)
+        # mlx-lm made this cache for the model this adapter serves (`_accepts`).
+        report = pc.store(list(tokens[:n]), cache, states, this_model=True)
         return report.blocks_written, report.bytes_written
 
     def _capture(self, pc: PrefixCache, tokens: Sequence[int], boundary: int) -> tuple[int, int]:

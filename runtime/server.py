@@ -38,10 +38,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import openai_types as oa
 from .engine import Engine
 from .explain_route import explain_request
-from .generation import GenerationRequest
-from .metrics import CONTENT_TYPE, RequestCounter, bank_metrics, engine_metrics, render
+from .generation import GenerationRequest, GenerationResult
+from .metrics import (
+    CONTENT_TYPE,
+    Metric,
+    RequestCounter,
+    bank_metrics,
+    engine_metrics,
+    render,
+)
 from .responses import (
     ApiError,
+    EngineRun,
     api_error,
     chat_chunks,
     completion_chunks,
@@ -58,6 +66,9 @@ LOOPBACK = "127.0.0.1"
 # CPU, a model that never emits its end token would otherwise hold the queue for the
 # whole context.
 DEFAULT_MAX_TOKENS = 512
+# Seconds uvicorn waits for open connections after a stop signal (the running
+# generation is cancelled at once; queued requests are refused).
+GRACEFUL_SHUTDOWN_S = 3
 ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -122,8 +133,11 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         stats = engine.stats()
+        degraded = engine.bank.degraded
         return {
-            "status": "ok",
+            # degraded: the bank refuses stores (a full disk); answers still go out.
+            "status": "ok" if degraded is None else "degraded",
+            "degraded": degraded,
             "model": engine.model_id,
             "bank": str(engine.bank.path),
             "block_size": engine.bank.config.block_size,
@@ -138,11 +152,21 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = await asyncio.to_thread(engine.bank.stats)
-        body = render([*bank_metrics(stats), *engine_metrics(engine.stats()), requests.metric()])
+        degraded = Metric.single(
+            "bank_degraded",
+            "1 while the bank refuses stores (a full disk); answers still go out.",
+            "gauge",
+            0 if engine.bank.degraded is None else 1,
+        )
+        body = render(
+            [*bank_metrics(stats), *engine_metrics(engine.stats()), degraded, requests.metric()]
+        )
         return PlainTextResponse(body, media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: oa.ChatCompletionRequest) -> oa.ChatCompletion | StreamingResponse:
+    async def chat(
+        body: oa.ChatCompletionRequest, request: Request
+    ) -> oa.ChatCompletion | StreamingResponse:
         check_model(body.model)
         messages = body.message_dicts()
         prompt = _call(engine.chat_prompt, messages)
@@ -151,7 +175,7 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return sse(chat_chunks(run, rid, created, engine.model_id, body.include_usage()))
-        result = await run.result()
+        result = await _result_unless_gone(run, request)
         return oa.ChatCompletion(
             id=rid,
             created=created,
@@ -166,7 +190,9 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: oa.CompletionRequest) -> oa.Completion | StreamingResponse:
+    async def completions(
+        body: oa.CompletionRequest, request: Request
+    ) -> oa.Completion | StreamingResponse:
         check_model(body.model)
         prompt = _call(engine.text_prompt, body.prompt)
         run = start_run(engine, _generation(prompt, body, body.token_limit()))
@@ -176,7 +202,7 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             return sse(
                 completion_chunks(run, rid, created, engine.model_id, body.include_usage(), echo)
             )
-        result = await run.result()
+        result = await _result_unless_gone(run, request)
         choice = oa.CompletionChoice(text=echo + result.text, finish_reason=finish_reason(result))
         return oa.Completion(
             id=rid, created=created, model=engine.model_id, choices=[choice], usage=usage_of(result)
@@ -195,6 +221,30 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             raise api_error(e) from e
 
     return app
+
+
+async def _result_unless_gone(run: EngineRun, request: Request) -> GenerationResult:
+    """The run's result; a client that disconnects first cancels its generation (a
+    non-streaming reply has no write to fail, so the connection is watched)."""
+    result = asyncio.ensure_future(run.result())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if result in done:
+            return result.result()
+        run.job.cancel()
+        raise ApiError(499, "the client disconnected", type="invalid_request_error")
+    finally:
+        for task in (result, gone):
+            if not task.done():
+                task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. (Starlette's `is_disconnected` only peeks,
+    and uvicorn notices a closed connection only while someone waits to receive.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
@@ -216,6 +266,7 @@ def _generation(
         stop=body.stop_list(),
         logit_bias=body.bias_by_id() or None,
         branch_hints=hints,
+        cache_salt=body.cache_salt,
     )
 
 
@@ -265,7 +316,13 @@ def run_server(
 ) -> None:
     """Serve until SIGINT/SIGTERM (in the main thread); closes `engine` on the way out."""
     app = create_app(engine, close_engine=True)
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (the engine and bank are closed
     # by then), then re-raises the signal to the handler it found. Found handlers that
     # only note it make a stop by signal a clean exit rather than a kill or a
@@ -276,12 +333,26 @@ def run_server(
         for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _StoppingServer(config, engine).run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if not engine.closed:  # uvicorn failed before its lifespan shutdown ran
             engine.close()
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn, but a stop signal also stops the engine at once: queued requests are
+    refused (503) and the running generation ends at its next token, so the server
+    exits within seconds instead of serving its queue first."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self._engine = engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._engine.stop()
+        super().handle_exit(sig, frame)
 
 
 class BackgroundServer:

@@ -22,6 +22,7 @@ from . import (
     gc_cmd,
     inspect_cmds,
     mlx_lm_cmd,
+    salvage_cmd,
     serve_cmd,
     show_cmd,
     verify_cmd,
@@ -41,6 +42,7 @@ COMMAND_MODULES: list[ModuleType] = [
     show_cmd,
     explain_cmd,
     verify_cmd,
+    salvage_cmd,
     bundle,
     gc_cmd,
 ]

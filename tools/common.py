@@ -48,6 +48,12 @@ def add_command(
         name, help=help, description=description or help
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument(  # also here: `cas-bank CMD ... --debug` as the hint says
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show a traceback for unexpected errors",
+    )
     parser.set_defaults(handler=handler)
     return parser
 

@@ -54,7 +54,12 @@ def as_token_array(tokens: Any) -> np.ndarray:
     else:
         if isinstance(tokens, (str, bytes)):
             raise InvalidInputError("tokens must be a sequence of int ids, not a string")
-        seq = tokens if isinstance(tokens, list) else list(tokens)
+        try:
+            seq = tokens if isinstance(tokens, list) else list(tokens)
+        except TypeError:
+            raise InvalidInputError(
+                f"tokens must be a sequence of int ids, got {type(tokens).__name__}"
+            ) from None
         try:  # C-speed conversion; it refuses floats, strings, negatives and ids >= 2**32
             arr = np.frombuffer(array.array("I", seq), dtype=np.uint32)
         except (TypeError, OverflowError):
@@ -124,13 +129,29 @@ def chain_hashes_python(root: bytes, data: bytes, block_size: int) -> list[Block
     return out
 
 
-def namespace_root(spec_fingerprint: str, block_size: int) -> bytes:
-    """The root of a namespace: model identity, layout and block size, format v1."""
+def namespace_root(spec_fingerprint: str, block_size: int, salt: bytes = b"") -> bytes:
+    """The root of a namespace: model identity, layout and block size, format v1, and a
+    tenant's salt (none by default: the unsalted root is unchanged by it)."""
     h = blake3.blake3(derive_key_context=ROOT_CONTEXT)
     h.update(bytes.fromhex(spec_fingerprint))
     h.update(block_size.to_bytes(4, "little"))
     h.update(HASH_FORMAT_VERSION.to_bytes(4, "little"))
+    if salt:
+        h.update(b"salt")
+        h.update(len(salt).to_bytes(8, "little"))
+        h.update(salt)
     return h.digest()
+
+
+def salt_bytes(salt: str | bytes | None) -> bytes:
+    """A tenant salt as bytes (text as UTF-8); None and empty mean no salt."""
+    if salt is None:
+        return b""
+    if isinstance(salt, str):
+        return salt.encode()
+    if isinstance(salt, (bytes, bytearray)):
+        return bytes(salt)
+    raise TypeError(f"a salt is a str or bytes, got {type(salt).__name__}")
 
 
 _THREADED_FROM = 1 << 20  # blake3's own threads pay off from about 1 MiB per update

@@ -175,6 +175,9 @@ class HotStore(BlockStore):
     def disk_bytes(self) -> int | None:
         return self.inner.disk_bytes()
 
+    def degraded(self) -> str | None:
+        return self.inner.degraded()
+
     def close(self) -> None:
         self.clear()
         self.inner.close()

@@ -1,9 +1,17 @@
 """The RocksDB backend (through rocksdict, raw mode): one database per bank directory.
 
-Families as in docs/design.md, "Record families". Payload families (blocks, states) keep
-values in BlobDB files, uncompressed (KV does not compress; our codec decides per
-payload) and are read without RocksDB's software CRC: our blake3 digest is the integrity
-check.
+Families as in docs/design.md, "Record families". Payload families (blocks, states)
+keep values in BlobDB files, uncompressed (KV does not compress; our codec decides per
+payload).
+
+Damage on disk (see `cas_bank.blocks.damage`): every read verifies RocksDB's own
+checksums (XXH3 on table blocks, CRC32c on blob records), so a damaged table or blob
+index is a `CorruptDataError` naming the file, never garbage parsed as structure (that
+crashed the process); our blake3 digest stays the payload check above it. Opens that
+must not write (`read_only`, `secondary`) open a private view of the directory, so
+nothing is written in the bank directory. A read-write open of an existing directory
+is checked first (`damage.preflight`): RocksDB deletes table files its MANIFEST does
+not name, so a bank whose MANIFEST lost them is refused instead of wiped.
 
 Durability: `wal` (default) writes every batch to the write-ahead log, so a store that
 returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
@@ -19,32 +27,46 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import shutil
-import tempfile
+import logging
+import os
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
 from rocksdict import (
     AccessType,
     BlockBasedOptions,
+    ChecksumType,
     DBCompressionType,
     Options,
     Rdict,
-    ReadOptions,
     WriteBatch,
     WriteOptions,
 )
 
+from cas_bank.blocks import damage
+from cas_bank.blocks.damage import (
+    View,
+    free_bytes,
+    full_error,
+    is_corruption,
+    read_error,
+    real,
+    write_error,
+)
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Capability, Family, Write
-from cas_bank.errors import BankLockedError, CorruptDataError
+from cas_bank.errors import BankFullError, BankLockedError, CasBankError, CorruptDataError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
 _MIN_BLOB_SIZE = 4096
+# Free bytes beyond a write's own that a bank stopped by a full disk waits for.
+_RESUME_MARGIN = 1 << 20
+
+log = logging.getLogger("cas_bank")
 
 
 def _family_options(family: Family) -> Options:
@@ -59,6 +81,8 @@ def _family_options(family: Family) -> Options:
     # search of `stored_prefix`) is answered without reading table blocks.
     table = BlockBasedOptions()
     table.set_bloom_filter(10, False)
+    # RocksDB's default for new tables, made explicit: the fastest checksum it offers.
+    table.set_checksum_type(ChecksumType.xxh3())
     opt.set_block_based_table_factory(table)
     return opt
 
@@ -67,21 +91,25 @@ def _db_options(durability: str) -> Options:
     opt = _family_options(Family.META)
     opt.create_if_missing(True)
     opt.create_missing_column_families(True)
+    # Refuse to open when a file the MANIFEST names is missing or damaged (the default,
+    # made explicit: a bank must never open as less than it is).
+    opt.set_paranoid_checks(True)
     if durability == "fast":
         opt.set_atomic_flush(True)
     return opt
 
 
-def _is_corruption(e: Exception) -> bool:
-    return str(e).startswith("Corruption") or " Corruption: " in str(e)
-
-
-def _walk(cf: Any, values: bool, read_opt: Any) -> Generator[tuple[bytes, bytes], None, None]:
-    if values:
-        yield from cf.items(read_opt=read_opt)
-    else:
-        for k in cf.keys(read_opt=read_opt):
-            yield k, b""
+def _walk(
+    cf: Any, values: bool, error: Callable[[Exception, Family], Exception], family: Family
+) -> Generator[tuple[bytes, bytes], None, None]:
+    try:
+        if values:
+            yield from cf.items()
+        else:
+            for k in cf.keys():  # noqa: SIM118 (an Rdict, not a dict)
+                yield k, b""
+    except Exception as e:
+        raise error(e, family) from None
 
 
 class RocksStore(BlockStore):
@@ -95,30 +123,77 @@ class RocksStore(BlockStore):
         self.path = Path(path)
         self.mode = mode
         self.read_only = mode != "read_write"
-        self._secondary_dir: str | None = None
+        self._view: View | None = None
         self._write_lock = threading.Lock()
         self._walks: weakref.WeakSet[Generator[tuple[bytes, bytes], None, None]] = weakref.WeakSet()
+        self._durability = durability
+        # Why writes are refused right now (a full disk), None while the bank writes.
+        self._degraded: str | None = None
+        self._needed = 0
         if mode != "read_write" and not (self.path / "CURRENT").exists():
             raise FileNotFoundError(f"no bank at {self.path}")
         if mode == "read_write":
             self.path.mkdir(parents=True, exist_ok=True)
+            damage.preflight(
+                self.path, {f.value: _family_options(f) for f in Family}, _db_options(durability)
+            )
+        else:
+            self._view = View(self.path)
+        try:
+            self._open_retrying()
+        except BaseException:
+            self._close_view()
+            raise
+
+    def _open_retrying(self) -> None:
+        """Open; a reader whose view names a file the writer has just deleted (a
+        compaction between linking and opening) links again and retries."""
+        for attempt in range(5):
+            try:
+                self._open()
+                return
+            except CorruptDataError as e:
+                if self._view is None or "No such file" not in str(e) or attempt == 4:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+                self._view.sync()
+
+    def _open(self) -> None:
+        mode, where = self.mode, self.path
+        if self._view is not None:
+            where = self._view.path
+        if mode == "read_write":
             access = AccessType.read_write()
         elif mode == "read_only":
             access = AccessType.read_only()
         else:
-            self._secondary_dir = tempfile.mkdtemp(prefix="cas_bank_secondary_")
-            access = AccessType.secondary(self._secondary_dir)
+            assert self._view is not None
+            access = AccessType.secondary(str(self._view.scratch))
         families = {f.value: _family_options(f) for f in Family}
         if mode != "read_write":
             # A reader opens the families the writer made; an old bank may lack new ones.
-            existing = set(Rdict.list_cf(str(self.path)))
+            try:
+                existing = set(Rdict.list_cf(str(where)))
+            except Exception as e:
+                why = real(e, self.path, self._view_path())
+                raise CorruptDataError(
+                    f"bank at {self.path} is damaged: its CURRENT or MANIFEST is unreadable ({why})"
+                ) from None
             families = {k: v for k, v in families.items() if k in existing}
         try:
-            self._db: Any = self._open_db(families, durability, access)
+            self._db: Any = self._open_db(where, families, self._durability, access)
         except Exception as e:
-            self._cleanup_secondary()
-            if _is_corruption(e):
-                raise CorruptDataError(f"bank at {self.path} is damaged: {e}") from None
+            if is_corruption(e):
+                e = Exception(real(e, self.path, self._view_path()))
+                raise CorruptDataError(
+                    f"bank at {self.path} is damaged: {e}. Nothing was changed; `cas-bank "
+                    f"salvage {self.path} NEW_DIR` copies what still verifies into a new bank"
+                ) from None
+            if "Read-only file system" in str(e) or "os error 30" in str(e):
+                raise CasBankError(
+                    f"bank at {self.path} is on a read-only file system: it cannot be "
+                    "opened for writing; open it read-only (mode='read_only')"
+                ) from None
             # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
             if "/LOCK" not in str(e):
                 raise
@@ -133,23 +208,21 @@ class RocksStore(BlockStore):
             ) from None
         self._cf: dict[Family, Any] = {}
         self._handles: dict[Family, Any] = {}
-        fast_reads = self._fast_reads = ReadOptions()
-        fast_reads.set_verify_checksums(False)
         for f in Family:
             if f.value not in families:
                 continue
-            cf = self._db.get_column_family(f.value)
-            if f in PAYLOAD_FAMILIES:
-                cf.set_read_options(fast_reads)
-            self._cf[f] = cf
+            self._cf[f] = self._db.get_column_family(f.value)
             if not self.read_only:
                 self._handles[f] = self._db.get_column_family_handle(f.value)
         self._write_opt: Any = cast(Any, WriteOptions())
-        self._write_opt.disable_wal = durability == "fast"  # a property at run time
-        self._durability = durability
+        self._write_opt.disable_wal = self._durability == "fast"  # a property at run time
         self._payload_reader: RocksStore | None = None
         if mode == "secondary":
-            self._payload_reader = self._open_payload_reader()
+            try:
+                self._payload_reader = self._open_payload_reader()
+            except BaseException:
+                self._close_db()
+                raise
 
     def _open_payload_reader(self) -> RocksStore:
         # The writer may delete a file (compaction) while a read-only open lists them.
@@ -162,10 +235,12 @@ class RocksStore(BlockStore):
                 time.sleep(0.01 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def _open_db(self, families: dict[str, Options], durability: str, access: Any) -> Any:
+    def _open_db(
+        self, where: Path, families: dict[str, Options], durability: str, access: Any
+    ) -> Any:
         def attempt() -> Any:
             return Rdict(
-                str(self.path),
+                str(where),
                 options=_db_options(durability),
                 column_families=families,
                 access_type=access,
@@ -221,20 +296,18 @@ class RocksStore(BlockStore):
         return out
 
     def _read_error(self, e: Exception, family: Family) -> Exception:
-        """RocksDB's own checksums (on the small families) failing is a `CorruptDataError`."""
-        if _is_corruption(e):
-            return CorruptDataError(f"bank at {self.path}: {family.value} damaged on disk: {e}")
-        return e
+        """RocksDB's own checksums failing, or a file gone, is a `CorruptDataError`."""
+        return read_error(e, self.path, family.value, self._view_path())
+
+    def _view_path(self) -> Path | None:
+        return None if self._view is None else self._view.path
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
             return self._payload_reader.iterate(family, values=values)
         if family not in self._cf and self._db is not None:
             return iter(())
-        # Iterators ignore the family's read options: payload walks (which read every
-        # blob value, even for keys only) pass the unchecked ones, which are faster.
-        read_opt = self._fast_reads if family in PAYLOAD_FAMILIES else None
-        walk = _walk(self._family(family), values, read_opt)
+        walk = _walk(self._family(family), values, self._read_error, family)
         # A RocksDB iterator keeps the database (and its LOCK) alive: close() ends
         # every walk still open, so that the directory can be reopened.
         self._walks.add(walk)
@@ -246,16 +319,47 @@ class RocksStore(BlockStore):
             return
         if self.read_only:
             raise RuntimeError(f"bank at {self.path} is open {self.mode}")
-        if self._db is None:
-            raise RuntimeError(f"bank at {self.path} is closed")
-        wb = WriteBatch(raw_mode=True)
-        for family, key, value in writes:
-            if value is None:
-                wb.delete(key, self._handles[family])
-            else:
-                wb.put(key, value, self._handles[family])
+        needed = sum(len(k) + len(v or b"") for _, k, v in writes)
         with self._write_lock:
-            self._db.write(wb, self._write_opt)
+            if self._degraded is not None:
+                self._resume(needed)
+            if self._db is None:
+                raise RuntimeError(f"bank at {self.path} is closed")
+            wb = WriteBatch(raw_mode=True)
+            for family, key, value in writes:
+                if value is None:
+                    wb.delete(key, self._handles[family])
+                else:
+                    wb.put(key, value, self._handles[family])
+            try:
+                self._db.write(wb, self._write_opt)
+            except Exception as e:
+                raise self._write_failed(e, needed) from None
+
+    def degraded(self) -> str | None:
+        return self._degraded
+
+    def _write_failed(self, e: Exception, needed: int) -> Exception:
+        err = write_error(e, self.path, needed)
+        if isinstance(err, BankFullError):
+            # RocksDB stops writing after a failed write or flush until it is reopened.
+            self._degraded, self._needed = str(err), needed
+            log.warning("cas_bank: %s", err)
+        return err
+
+    def _resume(self, needed: int) -> None:
+        """After a full disk: refuse at once while it is still full; once there is room,
+        reopen (RocksDB refuses every write after the error until then)."""
+        if free_bytes(self.path) < needed + _RESUME_MARGIN:
+            raise full_error(self.path, needed)
+        self._close_db()
+        try:
+            self._open()
+        except Exception as e:
+            self._db = None
+            raise self._write_failed(e, needed) from None
+        self._degraded = None
+        log.warning("cas_bank: bank at %s writes again (space was freed)", self.path)
 
     def flush(self) -> None:
         """Write every family's memtable to disk (`Rdict.flush` alone does the default one).
@@ -263,21 +367,27 @@ class RocksStore(BlockStore):
         Payload families go first: a crash between flushes can then leave a payload
         without its header (invisible), never a header without its payload.
         """
-        if self._db is None or self.read_only:
+        if self._db is None or self.read_only or self._degraded is not None:
             return
         for family in (*PAYLOAD_FAMILIES, *(f for f in Family if f not in PAYLOAD_FAMILIES)):
             cf = self._cf.get(family)
             if cf is not None:
-                cf.flush()
+                try:
+                    cf.flush()
+                except Exception as e:
+                    raise self._write_failed(e, 0) from None
 
     def refresh(self) -> None:
         if self.mode == "secondary" and self._db is not None:
+            assert self._view is not None
+            self._view.sync()  # files the writer added since
             self._db.try_catch_up_with_primary()
             if self._payload_reader is not None:
                 old, self._payload_reader = self._payload_reader, self._open_payload_reader()
                 old.close()
 
     def disk_bytes(self) -> int | None:
+        """Table and blob files, and the write-ahead logs (not yet flushed stores)."""
         if self._db is None:
             return None
         total = 0
@@ -285,6 +395,11 @@ class RocksStore(BlockStore):
             for prop in ("rocksdb.total-sst-files-size", "rocksdb.total-blob-file-size"):
                 v = cf.property_int_value(prop)
                 total += int(v or 0)
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.path):
+                if entry.name.endswith(".log"):
+                    with contextlib.suppress(OSError):
+                        total += entry.stat().st_size
         return total
 
     def compact(self) -> None:
@@ -294,26 +409,38 @@ class RocksStore(BlockStore):
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
-        """Close for real: drop every family handle so RocksDB releases its LOCK."""
+        """Close for real: drop every family handle so RocksDB releases its LOCK, also
+        when the last flush fails (a full disk: the write-ahead log holds the stores)."""
+        try:
+            if self._payload_reader is not None:
+                self._payload_reader.close()
+                self._payload_reader = None
+            if self._db is not None:
+                try:
+                    self.flush()
+                except Exception as e:
+                    log.warning("cas_bank: closing %s without its last flush: %s", self.path, e)
+        finally:
+            self._close_db()
+            self._close_view()
+
+    def _close_db(self) -> None:
         if self._db is None:
             return
-        if self._payload_reader is not None:
-            self._payload_reader.close()
-            self._payload_reader = None
-        self.flush()
         for walk in list(self._walks):
             # ValueError: running in another thread right now; it ends with the db.
             with contextlib.suppress(ValueError):
                 walk.close()
         for cf in self._cf.values():
-            cf.close()
+            with contextlib.suppress(Exception):
+                cf.close()
         self._cf.clear()
         self._handles.clear()
-        self._db.close()
-        self._db = None
-        self._cleanup_secondary()
+        db, self._db = self._db, None
+        with contextlib.suppress(Exception):
+            db.close()
 
-    def _cleanup_secondary(self) -> None:
-        if self._secondary_dir is not None:
-            shutil.rmtree(self._secondary_dir, ignore_errors=True)
-            self._secondary_dir = None
+    def _close_view(self) -> None:
+        if self._view is not None:
+            self._view.close()
+            self._view = None

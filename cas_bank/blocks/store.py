@@ -143,6 +143,10 @@ class BlockStore(ABC):
         """Bytes the store takes on disk (`Capability.DISK_BYTES`); else None."""
         return None
 
+    def degraded(self) -> str | None:
+        """Why writes are refused right now (a full disk), or None: reads still work."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release everything; the store is unusable afterwards."""

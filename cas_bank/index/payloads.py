@@ -179,6 +179,11 @@ class PayloadReader:
             self._corrupt(Family.STATES, header.chain_hash, str(e))
             return None
 
+    def damaged_headers(self, why: str) -> None:
+        """The headers of a lookup could not be read (RocksDB's checksum, a file gone)."""
+        self.counters.count(corrupt_reads=1)
+        log.warning("cas_bank: headers unreadable (%s); served as a miss", why)
+
     def _corrupt(self, family: Family, key: bytes, why: str) -> None:
         self.counters.count(corrupt_reads=1)
         self.suspects.mark(key, state=family is Family.STATES)

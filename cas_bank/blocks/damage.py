@@ -1,0 +1,249 @@
+"""Damaged files and a full disk, as RocksDB reports them, turned into cas_bank errors;
+the private view readers open; and the check before a read-write open.
+
+- A read error that is RocksDB's own checksum failing, or a file it needs gone, is a
+  `CorruptDataError` naming the bank and the file (a restore counts it as a miss).
+- A write that fails for want of space is a `BankFullError` naming the path and the
+  bytes the write needed.
+- `View`: a private directory of symlinks to the bank's files. rocksdict writes
+  `rocksdict-config.json` (and RocksDB its `LOG`) into the directory it opens, so a
+  reader opens this view: nothing is written in the bank directory, which may be on a
+  read-only mount.
+- `preflight`: RocksDB deletes the table and blob files its MANIFEST does not name
+  when it opens a database for writing. A truncated or damaged MANIFEST therefore
+  wipes a bank silently. Before a read-write open of an existing directory, a
+  read-only look through a `View` compares the files the MANIFEST names with the
+  files present, and refuses (naming them) a directory that would lose any, or that
+  holds some other RocksDB database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rocksdict import AccessType, Options, Rdict
+
+from cas_bank.errors import BankDamagedError, BankFullError, CorruptDataError
+
+# Files of a RocksDB directory a reader must not share: its lock, its info log, and
+# rocksdict's config (each open writes its own).
+_PRIVATE = re.compile(r"^(LOCK|LOG(\.old\..*)?|rocksdict-config\.json)$")
+_NUMBERED = re.compile(r"^(\d+)\.(sst|blob)$")
+
+
+def is_corruption(e: BaseException) -> bool:
+    return str(e).startswith("Corruption") or " Corruption: " in str(e)
+
+
+def _is_missing_file(e: BaseException) -> bool:
+    s = str(e)
+    return s.startswith("IO error") and ("No such file" in s or "not found" in s)
+
+
+def is_no_space(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return "No space left" in str(e) or "NoSpace" in str(e)
+
+
+def read_error(e: Exception, path: Path, what: str, view: Path | None = None) -> Exception:
+    """A RocksDB read failure as cas_bank reports it (see the module docstring)."""
+    if is_corruption(e) or _is_missing_file(e):
+        return CorruptDataError(
+            f"bank at {path}: {what} damaged on disk ({real(e, path, view)}); run "
+            f"`cas-bank verify {path}`"
+        )
+    return e
+
+
+def real(e: object, path: Path, view: Path | None) -> str:
+    """RocksDB's message with the files a view links to named by their real path."""
+    s = str(e)
+    return s if view is None else s.replace(str(view), str(path))
+
+
+def write_error(e: Exception, path: Path, needed: int) -> Exception:
+    """A RocksDB write failure as cas_bank reports it: a full disk is `BankFullError`."""
+    if is_no_space(e):
+        return full_error(path, needed, e)
+    return e
+
+
+def full_error(path: Path, needed: int, cause: object = None) -> BankFullError:
+    free = free_bytes(path)
+    why = f" ({cause})" if cause is not None else ""
+    return BankFullError(
+        f"bank at {path}: the disk is full: a write of {needed} bytes needs room, "
+        f"{free} bytes are free{why}. Stores are refused until space is freed (restores "
+        "keep working); the bank resumes writing by itself then",
+        path=path,
+        needed=needed,
+    )
+
+
+def free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+class View:
+    """A private directory of symlinks to the bank's files (see the module docstring).
+
+    `path` is what a reader hands RocksDB; `scratch` is a second private directory
+    (a secondary instance's own). `sync()` follows the files the writer added or
+    removed since; `close()` removes both directories.
+    """
+
+    def __init__(self, bank: Path) -> None:
+        self.bank = bank.resolve()
+        self.root = Path(tempfile.mkdtemp(prefix="cas_bank_view_"))
+        self.path = self.root / "view"
+        self.scratch = self.root / "scratch"
+        self.path.mkdir()
+        self.scratch.mkdir()
+        self._links: set[str] = set()
+        try:
+            self.sync()
+        except BaseException:
+            self.close()
+            raise
+
+    def sync(self) -> None:
+        want = {n for n in os.listdir(self.bank) if not _PRIVATE.match(n)}
+        for name in self._links - want:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        for name in sorted(want - self._links):
+            os.symlink(self.bank / name, self.path / name)
+        self._links = want
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _numbered(names: list[str], ext: str) -> dict[str, int]:
+    out = {}
+    for n in names:
+        m = _NUMBERED.match(n)
+        if m and m.group(2) == ext:
+            out[n] = int(m.group(1))
+    return out
+
+
+def preflight(path: Path, families: dict[str, Options], db_options: Options) -> None:
+    """Refuse a directory a read-write open would damage (see the module docstring).
+
+    `families` / `db_options`: those of the bank (so the look parses what the writer
+    will). A directory without `CURRENT` is a new bank: nothing to check. A look that
+    fails while the files change is taken again: a live writer (which holds the lock
+    the open then reports) deletes files as it compacts.
+    """
+    for _ in range(5):
+        if not (path / "CURRENT").exists():
+            return
+        before = _listing(path)
+        try:
+            _look(path, families, db_options)
+            return
+        except BankDamagedError:
+            if _listing(path) == before:
+                raise
+        time.sleep(0.05)
+
+
+def _listing(path: Path) -> frozenset[tuple[str, int, int]]:
+    out = set()
+    for entry in os.scandir(path):
+        with contextlib.suppress(FileNotFoundError):
+            st = entry.stat()
+            out.add((entry.name, st.st_size, st.st_mtime_ns))
+    return frozenset(out)
+
+
+def _look(path: Path, families: dict[str, Options], db_options: Options) -> None:
+    view = View(path)
+    db: Any = None
+    try:
+        try:
+            names = set(Rdict.list_cf(str(view.path)))
+        except Exception as e:
+            why = f"its CURRENT or MANIFEST is unreadable ({real(e, path, view.path)})"
+            raise BankDamagedError(_damaged(path, why)) from None
+        if "meta" not in names:
+            raise BankDamagedError(
+                f"{path} holds a RocksDB database that is not a cas_bank bank (column "
+                f"families {sorted(names)}); it was not opened. Use an empty directory"
+            )
+        try:
+            db = Rdict(
+                str(view.path),
+                options=db_options,
+                column_families={k: v for k, v in families.items() if k in names},
+                access_type=AccessType.read_only(),
+            )
+            empty = all(_empty(db.get_column_family(name)) for name in names)
+            live = {str(f["name"]).lstrip("/") for f in db.live_files()}
+            blobs_named = 0
+            for name in names:
+                v = db.get_column_family(name).property_int_value("rocksdb.num-blob-files")
+                blobs_named += int(v or 0)
+        except BankDamagedError:
+            raise
+        except Exception as e:
+            why = f"RocksDB cannot open it ({real(e, path, view.path)})"
+            raise BankDamagedError(_damaged(path, why)) from None
+        present = sorted(os.listdir(path))
+        tables = _numbered(present, "sst")
+        blobs = _numbered(present, "blob")
+        if empty and not live and (tables or blobs):
+            raise BankDamagedError(
+                _damaged(
+                    path,
+                    f"its MANIFEST names no records but {len(tables)} table and {len(blobs)} "
+                    "blob files are present (a truncated or damaged MANIFEST)",
+                )
+            )
+        newest = max((tables[n] for n in live if n in tables), default=0)
+        # A crash during a flush or compaction leaves its new files unnamed: newer
+        # than every named one, their data is still in the log. Older unnamed files,
+        # or more blob files than a crash leaves, mean the MANIFEST lost them.
+        lost = [n for n, num in tables.items() if n not in live and num < newest]
+        extra_blobs = len(blobs) - blobs_named
+        if lost or extra_blobs > 2:
+            shown = ", ".join(sorted(lost)[:8]) or f"{extra_blobs} of its blob files"
+            raise BankDamagedError(
+                _damaged(
+                    path,
+                    f"its MANIFEST does not name {shown} (a truncated or damaged MANIFEST); "
+                    "opening it for writing would delete them",
+                )
+            )
+    finally:
+        if db is not None:
+            with contextlib.suppress(Exception):
+                db.close()
+        view.close()
+
+
+def _empty(cf: Any) -> bool:
+    for _ in cf.keys():  # noqa: SIM118 (an Rdict, not a dict)
+        return False
+    return True
+
+
+def _damaged(path: Path, why: str) -> str:
+    return (
+        f"bank at {path} does not open cleanly: {why}. Nothing was changed. "
+        f"`cas-bank salvage {path} NEW_DIR` copies every block that still verifies into "
+        "a new bank"
+    )

@@ -1,0 +1,178 @@
+"""`salvage`: copy every block and state that still verifies from a damaged bank into a
+new one (`cas-bank salvage SRC DST`). The damaged bank is never changed.
+
+The source is copied to a scratch directory first. If that copy does not open
+cleanly (a truncated MANIFEST, a damaged table), RocksDB's repair rebuilds the copy's
+MANIFEST from the table files it can read (it does not know blob files: payloads are
+then read from the blob files directly, each record checked against its header's
+digest). Then every header is walked (a walk that fails part-way keeps what it read);
+a block is copied when its header decodes, its chain hash recomputes, its payload
+matches its digest and its parent was copied (or it is block 0 of a recorded
+namespace); a state is copied when it matches its digest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cas_bank.bank import Bank
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import hash_block
+from cas_bank.blocks.store import Family
+from cas_bank.config import BankConfig
+from cas_bank.errors import CasBankError, InvalidInputError
+from cas_bank.index.chain import Header
+
+
+@dataclass
+class SalvageReport:
+    repaired: bool = False  # RocksDB's repair rebuilt the copy's MANIFEST
+    headers_read: int = 0
+    blocks_copied: int = 0
+    states_copied: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # why blocks were left behind
+    walk_errors: list[str] = field(default_factory=list)
+
+
+def _walk(bank: Bank, family: Family, report: SalvageReport) -> Iterator[tuple[bytes, bytes]]:
+    try:
+        yield from bank.store.iterate(family)
+    except CasBankError as e:
+        report.walk_errors.append(f"{family.value}: {e}")
+
+
+def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
+    src, dst = Path(src), Path(dst)
+    if not (src / "CURRENT").exists():
+        raise InvalidInputError(f"no bank at {src}")
+    if dst.exists() and any(dst.iterdir()):
+        raise InvalidInputError(f"{dst} is not empty: salvage writes a new bank")
+    report = SalvageReport()
+    scratch = Path(tempfile.mkdtemp(prefix="cas_bank_salvage_"))
+    try:
+        copy = scratch / "bank"
+        shutil.copytree(src, copy, ignore=shutil.ignore_patterns("LOCK"))
+        try:
+            old = Bank.open(copy, BankConfig(hot_bytes=0))
+        except CasBankError:
+            from rocksdict import Options, Rdict
+
+            Rdict.repair(str(copy), Options(raw_mode=True))
+            report.repaired = True
+            old = Bank.open(copy, BankConfig(hot_bytes=0))
+        with old:
+            _copy(old, dst, report, _blob_records(src) if report.repaired else {})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return report
+
+
+_BLOB_FILE_HEADER = 30  # magic, version, family id, flags, compression, expiration range
+_BLOB_RECORD = struct.Struct("<QQQII")  # key and value sizes, expiration, two CRCs
+
+
+def _blob_records(src: Path) -> dict[bytes, list[bytes]]:
+    """Every (key, value) record of the bank's blob files, read without RocksDB; values
+    are only candidates (a key has a payload and may have a state): the caller checks
+    each against the header's digest. A damaged record ends its file's walk."""
+    out: dict[bytes, list[bytes]] = {}
+    for blob in sorted(src.glob("*.blob")):
+        data = blob.read_bytes()
+        pos = _BLOB_FILE_HEADER
+        while pos + _BLOB_RECORD.size <= len(data):
+            klen, vlen, _exp, _hcrc, _bcrc = _BLOB_RECORD.unpack_from(data, pos)
+            start = pos + _BLOB_RECORD.size
+            if klen != 32 or start + klen + vlen > len(data):
+                break
+            key = data[start : start + klen]
+            out.setdefault(key, []).append(data[start + klen : start + klen + vlen])
+            pos = start + klen + vlen
+    return out
+
+
+def _copy(old: Bank, dst: Path, report: SalvageReport, blobs: dict[bytes, list[bytes]]) -> None:
+    roots = {}
+    for root, raw in _walk(old, Family.NAMESPACES, report):
+        with contextlib.suppress(ValueError):
+            json.loads(raw)
+            roots[root] = raw
+    headers: list[Header] = []
+    for key, raw in _walk(old, Family.HEADERS, report):
+        report.headers_read += 1
+        try:
+            headers.append(Header.decode(key, raw))
+        except CasBankError:
+            report.skipped["bad_header"] = report.skipped.get("bad_header", 0) + 1
+    headers.sort(key=lambda h: h.index)
+    config = BankConfig(block_size=old.config.block_size, hot_bytes=0)
+    with Bank.open(dst, config) as new:
+        copied: set[bytes] = set()
+        for h in headers:
+            payload, why = _payload(old, h, roots, copied, blobs)
+            if payload is None:
+                report.skipped[why] = report.skipped.get(why, 0) + 1
+                continue
+            state = _state(old, h, blobs)
+            header = h if state is not None or not h.has_state else h.with_state(None)
+            with new.transaction(budget=False) as tx:
+                if h.index == 0:
+                    tx.put(Family.NAMESPACES, h.root, roots[h.root])
+                tx.put(Family.BLOCKS, h.chain_hash, payload)
+                tx.put(Family.HEADERS, h.chain_hash, header.encode())
+                tx.add(blocks=1, payload_bytes=len(payload))
+                if state is not None:
+                    tx.put(Family.STATES, h.chain_hash, state)
+                    tx.add(states=1, state_bytes=len(state))
+            copied.add(h.chain_hash)
+            report.blocks_copied += 1
+            report.states_copied += state is not None
+
+
+def _payload(
+    old: Bank,
+    h: Header,
+    roots: dict[bytes, bytes],
+    copied: set[bytes],
+    blobs: dict[bytes, list[bytes]],
+) -> tuple[bytes | None, str]:
+    """The block's payload if it and its links verify, else None and why not."""
+    if hash_block(h.parent, h.tokens) != h.chain_hash:
+        return None, "hash_mismatch"
+    if h.index == 0 and (h.parent != h.root or h.root not in roots):
+        return None, "unknown_namespace"
+    if h.index > 0 and h.parent not in copied:
+        return None, "below_a_lost_block"
+    found = _verified(old, Family.BLOCKS, h.chain_hash, h.payload_size, h.payload_digest, blobs)
+    return (found, "") if found is not None else (None, "payload_missing_or_corrupt")
+
+
+def _verified(
+    old: Bank,
+    family: Family,
+    key: bytes,
+    size: int,
+    digest: bytes,
+    blobs: dict[bytes, list[bytes]],
+) -> bytes | None:
+    candidates = list(blobs.get(key, ()))
+    with contextlib.suppress(CasBankError):
+        stored = old.store.get(family, key)
+        if stored is not None:
+            candidates.insert(0, stored)
+    for value in candidates:
+        if len(value) == size and codec.verify(value, digest):
+            return value
+    return None
+
+
+def _state(old: Bank, h: Header, blobs: dict[bytes, list[bytes]]) -> bytes | None:
+    if h.state_digest is None:
+        return None
+    return _verified(old, Family.STATES, h.chain_hash, h.state_size, h.state_digest, blobs)

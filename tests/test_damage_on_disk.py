@@ -1,0 +1,141 @@
+"""Real RocksDB files damaged on disk (issue: never a crash, never a silent wipe).
+
+Each case damages a copy of a real bank: bytes overwritten in the blocks and headers
+tables (RocksDB parsed such bytes as structure and crashed the process), a truncated
+MANIFEST (a read-write open deleted every table file), a deleted blob file, and a
+directory holding some other RocksDB. Child processes do the damaged reads, so a
+crash fails the test instead of ending the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+from damage_kit import build, check_bank, family_tables
+from tool_banks import cas_bank
+
+from cas_bank import Bank, BankDamagedError, CasBankError
+
+# Overwrites of 64 random bytes: (family, variant); the offset is variant * 397 modulo
+# the table's size. Variant 260 of the blocks table crashed the process before.
+VARIANTS = [("blocks", i) for i in range(200, 272, 4)] + [("blocks", 260)]
+VARIANTS += [("headers", i) for i in range(201, 241, 8)]
+
+CHILD = """
+import json, shutil, sys
+from pathlib import Path
+from damage_kit import check_bank, flip, prompts
+src, work = Path(sys.argv[1]), Path(sys.argv[2])
+tables = json.loads(sys.argv[3])
+for family, i in json.loads(sys.argv[4]):
+    d = work / f"{family}-{i}"
+    shutil.copytree(src, d)
+    table = d / tables[family][0]
+    flip(table, (i * 397) % table.stat().st_size, 64, i)
+    print(family, i, check_bank(d, prompts()), flush=True)
+    shutil.rmtree(d)
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("damage") / "bank"
+    build(path)
+    return path
+
+
+def _files(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in path.iterdir()}
+
+
+def test_overwritten_table_bytes_are_misses_or_refusals_never_a_crash(
+    built: Path, tmp_path: Path
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(CHILD),
+            str(built),
+            str(tmp_path),
+            json.dumps(family_tables(built)),
+            json.dumps(VARIANTS),
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    results = [line.split(maxsplit=2)[2] for line in done.stdout.splitlines()]
+    assert len(results) == len(VARIANTS)
+    # Damage is seen: as misses counted by restores, or as a refusal to open.
+    assert all(r == "refused" or "corrupt=0" not in r for r in results), results
+
+
+def test_truncated_manifest_is_refused_and_nothing_is_deleted(built: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    (manifest,) = path.glob("MANIFEST-*")
+    with manifest.open("r+b") as fh:
+        fh.truncate(600)
+    before = _files(path)
+    with pytest.raises(BankDamagedError, match="MANIFEST") as e:
+        Bank.open(path)
+    assert str(path) in str(e.value) and "salvage" in str(e.value)
+    with pytest.raises(CasBankError, match="MANIFEST"):
+        Bank.open(path, mode="read_only")
+    fixed = cas_bank("verify", path, "--fix")
+    assert fixed.returncode == 1 and "does not open cleanly" in fixed.stderr
+    assert _files(path) == before  # every table and blob file is still there
+
+
+def test_another_rocksdb_is_refused_and_left_alone(tmp_path: Path) -> None:
+    from rocksdict import Rdict
+
+    path = tmp_path / "other"
+    db = Rdict(str(path))
+    db["theirs"] = "data"
+    db.close()
+    before = _files(path)
+    with pytest.raises(BankDamagedError, match="not a cas_bank bank"):
+        Bank.open(path)
+    assert cas_bank("verify", path, "--fix").returncode == 1
+    assert _files(path) == before
+    db = Rdict(str(path))
+    assert db["theirs"] == "data"
+    db.close()
+
+
+def test_a_deleted_blob_file_is_a_counted_miss(built: Path, tmp_path: Path) -> None:
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    for blob in path.glob("*.blob"):
+        blob.unlink()
+    from damage_kit import prompts
+
+    result = check_bank(path, prompts())
+    assert result == "refused" or ("hits=0" in result and "verify=ok" not in result), result
+
+
+def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Path) -> None:
+    from damage_kit import prompts
+    from tool_banks import cas_bank_json
+
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    (manifest,) = path.glob("MANIFEST-*")
+    with manifest.open("r+b") as fh:
+        fh.truncate(600)
+    before = _files(path)
+    report = cas_bank_json("salvage", path, tmp_path / "new")
+    assert report["repaired"] and report["blocks_copied"] > 0
+    assert _files(path) == before  # the damaged bank is left as it was
+    assert check_bank(tmp_path / "new", prompts(), full=True).endswith("verify=ok")
