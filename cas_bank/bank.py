@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode, RocksStore
@@ -25,6 +26,7 @@ from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
 from cas_bank.index.access import AccessLog
 from cas_bank.index.evict import EvictionReport, evict_to_budget
+from cas_bank.index.lease import Leases
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
@@ -34,12 +36,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cas_bank")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
+(`blocks.files`), their records stubs. A version-1 bank opens as it is (its payloads
+stay readable where they are) and is marked version 2 by its first writer; a cas_bank
+that reads only version 1 refuses a version-2 bank, naming the version."""
 _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
 _U32 = struct.Struct("<I")
+_NEVER = 1 << 62  # a payload size no payload reaches
 
 
 class Bank:
@@ -58,6 +65,13 @@ class Bank:
         self.suspects = Suspects()
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
         self.hot = store if isinstance(store, HotStore) else None
+        # The file tier of large payloads, when one is under the store (Bank.open puts it).
+        inner: object = store
+        while not isinstance(inner, FileTier) and hasattr(inner, "inner"):
+            inner = inner.inner
+        self.files = inner if isinstance(inner, FileTier) else None
+        # Chains stored or restored in this process, handed out again without a copy.
+        self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         self._namespaces: dict[str, Namespace] = {}
@@ -82,13 +96,23 @@ class Bank:
         if isinstance(path, BlockStore):
             store: BlockStore = path
             where = Path(getattr(store, "path", type(store).__name__))
+            rocks: BlockStore | None = None
         else:
             where = Path(path)
-            store = RocksStore(where, mode=mode, durability=config.durability)
+            store = rocks = RocksStore(where, mode=mode, durability=config.durability)
         try:  # anything failing here must not keep the directory's LOCK
             config = _check_settings(store, where, config)
+            if rocks is not None:
+                # Large payloads live in files beside the database (blocks.files),
+                # fsync'd before their batch commits under durability="wal".
+                store = FileTier(
+                    rocks,
+                    where / "payloads",
+                    min_bytes=_NEVER if config.file_min_bytes is None else config.file_min_bytes,
+                    durable=config.durability == "wal",
+                )
             if config.hot_bytes > 0:
-                return cls(where, config, HotStore(store, config.hot_bytes))
+                store = HotStore(store, config.hot_bytes)
             return cls(where, config, store)
         except BaseException:
             store.close()
@@ -234,6 +258,9 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
             f"bank at {path} has format version {version}; this cas_bank reads up to "
             f"{FORMAT_VERSION}: upgrade cas_bank"
         )
+    if version < FORMAT_VERSION and not store.read_only:
+        # Version 1 -> 2 needs no rewrite: new large payloads go to files from now on.
+        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION))])
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
     if hash_version != HASH_FORMAT_VERSION:
         raise BankSettingsError(

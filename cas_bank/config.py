@@ -32,6 +32,11 @@ class BankConfig(BaseModel):
     max_bytes: int | None = Field(default=None, ge=0)
     """Disk budget for payloads and states; None means unbounded."""
 
+    file_min_bytes: int | None = Field(default=64 * 1024, ge=0)
+    """Payloads of at least this many bytes are kept as files beside the database and
+    read straight into a restore's arrays (`blocks.files`); None keeps every payload in
+    RocksDB (read through rocksdict, ~1 GB/s). Files already written stay readable."""
+
     hot_bytes: int = Field(default=256 * MiB, ge=0)
     """Byte bound of the in-process hot tier of decoded blocks; 0 turns it off."""
 

@@ -32,6 +32,7 @@ from cas_bank.index.layout import (
     boundary_states,
     check_layers,
     encode_state,
+    flat_attention,
     group_layers,
     merge_layers,
 )
@@ -41,6 +42,8 @@ from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
+
+ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +179,17 @@ class Namespace:
                 blocks_written=written,
                 blocks_deduplicated=len(hashes) - written,
                 states_written=states_written,
+                bytes_written=bytes_written,
             )
             # The whole chain was used now; the states written or offered too.
             tx.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
             tx.clear_suspect(
                 blocks=[hashes[i] for i in block_writes], states=[hashes[i] for i in state_writes]
             )
+        if bank.leases is not None:
+            # The chain is in memory already: a restore of it hands these out (the cache
+            # copies its buffer on its next update: see index.lease).
+            bank.leases.put(hashes, [a for layer in arrays for a in layer])
 
         return StoreReport(
             tokens=n,
@@ -248,8 +256,14 @@ class Namespace:
         )
 
     # -- restore -------------------------------------------------------------------
-    def restore(self, tokens: Any) -> Hit | None:
+    def restore(self, tokens: Any, *, room_for: int = 0) -> Hit | None:
         """The longest stored prefix of `tokens` as MLX arrays, or None on a miss.
+
+        `room_for`: the tokens the caller's cache will hold in all (its prompt's
+        length). Attention arrays then come with room for them, rounded up to mlx-lm's
+        step of 256 (`Hit.tokens` of them hold the prefix, the rest is undefined), so
+        that prefilling the rest writes in place instead of copying the restored
+        cache. 0: arrays of exactly `Hit.tokens` tokens.
 
         A payload that fails its digest ends the restore before it (counted as a
         corrupt read, never raised); a hybrid restore then steps back to the deepest
@@ -260,10 +274,21 @@ class Namespace:
         matched = longest_chain(self.bank.store, self.root, hashes)
         hybrid = self.spec.is_hybrid
         n_blocks = restore_blocks(matched, hybrid)
-        assembler = Assembler(self.spec, n_blocks, self.block_size) if n_blocks else None
-        good, hot_hits = (
-            self._payloads.assemble(matched[:n_blocks], assembler) if assembler else (0, 0)
-        )
+        capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
+        # The one probe of memory: the deepest matched block a lease holds.
+        leases = self.bank.leases
+        leased, in_memory = leases.probe(hashes[:n_blocks]) if leases and n_blocks else (0, [])
+        assembler: Assembler | None = None
+        if leased and leased == n_blocks:
+            good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
+        elif n_blocks:
+            assembler = Assembler(self.spec, n_blocks, self.block_size, capacity)
+            if leased:
+                assembler.put_arrays(in_memory, leased)
+            good, hot_hits = self._payloads.assemble(matched[:n_blocks], assembler, leased)
+            hot_hits += leased
+        else:
+            good, hot_hits = 0, 0
         n_blocks = restore_blocks(matched[:good], hybrid)
         state: list[mx.array] | None = None
         while hybrid and n_blocks:
@@ -287,9 +312,16 @@ class Namespace:
             self.bank.access.touch(hashes[:n_blocks], state_at)
             if self.bank.access.due():
                 self.bank.flush(wait=False)
-        if not n_blocks or assembler is None:
+        if not n_blocks:
             return None
-        kv = assembler.layers(n_blocks)
+        n = n_blocks * self.block_size
+        if assembler is not None:
+            kv = assembler.layers(n_blocks, room=capacity > 0)
+            if leases is not None and not capacity:
+                # Exact arrays: the first update copies them anyway, so keep them too.
+                leases.put(hashes[:n_blocks], flat_attention(kv))
+        else:
+            kv = group_layers(self.spec, [a[..., :n, :] for a in in_memory], None)
         if state is not None:
             kv = merge_layers(kv, group_layers(self.spec, None, state))
         # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this

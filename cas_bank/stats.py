@@ -37,6 +37,8 @@ ACTIVITY = (
     "states_evicted",
     "bytes_evicted",
     "corrupt_reads",
+    "bytes_written",
+    "blocks_deferred",
 )
 NAMES = STORED + ACTIVITY
 
@@ -68,6 +70,8 @@ class BankStats(BaseModel):
     states_evicted: int
     bytes_evicted: int
     corrupt_reads: int
+    bytes_written: int = 0  # payload and state bytes written by stores
+    blocks_deferred: int = 0  # new blocks a store left out (BankConfig.admit)
     disk_bytes: int | None = None
 
     @property

@@ -165,7 +165,8 @@ class PrefixCache:
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
         cache = self.new_cache()
-        hit = self.namespace.restore(toks[:-1]) if len(toks) > 1 else None
+        # Room for the whole prompt: its prefill then writes in place, copying nothing.
+        hit = self.namespace.restore(toks[:-1], room_for=len(toks)) if len(toks) > 1 else None
         if hit is None:
             return cache, 0
         fill_cache(self.spec, cache, hit.layers, hit.tokens)

@@ -12,7 +12,6 @@ import argparse
 import re
 from typing import Any
 
-from cas_bank.blocks.rocks import RocksStore
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 
 from .common import (
@@ -85,8 +84,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with bank:
         disk_before = bank.store.disk_bytes()
         report = evict_to_budget(bank, args.max_bytes)
-        if report.evicted and isinstance(bank.store, RocksStore):
-            bank.store.compact()  # deleted blobs leave the disk only when compacted
+        if bank.files is not None:
+            bank.files.sweep()  # payload files a crash left without their records
+        if report.evicted and bank.files is not None:
+            bank.files.compact()  # deleted blobs leave the disk only when compacted
         disk_after = bank.store.disk_bytes()
     if args.json:
         print_json(report_json(report, disk_before, disk_after))

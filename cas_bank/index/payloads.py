@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from cas_bank.blocks import codec
+from cas_bank.blocks.files import stub_of
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
@@ -38,9 +40,83 @@ class PayloadReader:
         self.bank = bank
         self.spec = spec
 
-    def assemble(self, headers: Sequence[Header], assembler: Assembler) -> tuple[int, int]:
-        """Reads, verifies and copies the payloads of `headers` in order, up to the first
-        missing or corrupt one; returns (blocks assembled, hot-tier hits).
+    def assemble(
+        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
+    ) -> tuple[int, int]:
+        """Reads, verifies and copies the payloads of `headers[first:]` in order, up to
+        the first missing or corrupt one; returns (blocks assembled, counting the
+        `first` ones the caller put in, and hot-tier hits).
+
+        Payloads in the file tier are read straight into the arrays and verified there,
+        on two threads (`fastread`); the others one by one, hot tier first.
+        """
+        files = self.bank.files
+        if files is None or not assembler.direct or len(headers) <= first:
+            return self._assemble_each(headers, assembler, first)
+        keys = [h.chain_hash for h in headers]
+        # Only payloads of the tier's size can be files: the others are not read twice.
+        big = [i for i, h in enumerate(headers) if i >= first and h.payload_size >= files.min_bytes]
+        try:
+            raws = files.get_raw(Family.BLOCKS, [keys[i] for i in big])
+        except CorruptDataError:  # RocksDB's own checks, on a payload kept in it
+            return self._assemble_each(headers, assembler, first)
+        located: dict[int, tuple[Path, int]] = {}
+        damaged: set[int] = set()  # stubs that do not name the header's payload
+        kept: dict[int, bytes] = {}  # large payloads still in the database (format 1)
+        for i, raw in zip(big, raws, strict=True):
+            loc = files.payload_file(Family.BLOCKS, keys[i], raw) if raw is not None else None
+            if loc is not None:
+                located[i] = loc
+                if stub_of(raw or b"") != (headers[i].payload_digest, headers[i].payload_size):
+                    damaged.add(i)
+            elif raw is not None:
+                kept[i] = raw
+        if not located:
+            return self._assemble_each(headers, assembler, first)
+        items = [
+            (i, *located[i], headers[i].payload_digest) for i in sorted(located) if i not in damaged
+        ]
+        failed = dict(
+            zip([it[0] for it in items], assembler.block_files().read_all(items), strict=True)
+        )
+        failed.update(dict.fromkeys(damaged, "payload record does not match its header"))
+        hot_hits = 0
+        for i, header in enumerate(headers):
+            if i < first:
+                continue
+            why = failed[i] if i in located else "not a file"
+            if why is None:
+                continue
+            if why == "payload file missing" and self._evicted(Family.BLOCKS, keys[i]):
+                return i, hot_hits
+            if why not in ("not a file", "not a plain payload"):
+                self._corrupt(Family.BLOCKS, keys[i], why)
+                return i, hot_hits
+            # Kept in the database, or compressed: decode it and copy it in.
+            if i in kept:
+                try:
+                    value: codec.Decoded | CorruptDataError | None = codec.decode(
+                        kept[i], header.payload_digest
+                    )
+                except CorruptDataError as e:
+                    value = e
+            else:
+                value, from_hot = self._fetch(Family.BLOCKS, keys[i], header.payload_digest)
+                hot_hits += from_hot
+            block = self._verified(Family.BLOCKS, keys[i], value)
+            if block is None:
+                return i, hot_hits
+            try:
+                assembler.put(i, block)
+            except CorruptDataError as e:
+                self._corrupt(Family.BLOCKS, keys[i], str(e))
+                return i, hot_hits
+        return len(headers), hot_hits
+
+    def _assemble_each(
+        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
+    ) -> tuple[int, int]:
+        """`assemble` one payload at a time through the store (and the hot tier).
 
         From the first payload read from the store on, if enough bytes remain, the rest
         are read and verified on a background thread one block ahead (`ReadAhead`)
@@ -50,9 +126,11 @@ class PayloadReader:
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
         results: Iterator[_Fetched] | None = None
-        i = 0
+        i = first
         try:
             for i, (key, expected) in enumerate(items):
+                if i < first:
+                    continue
                 if results is None:
                     value, from_hot = self._fetch(Family.BLOCKS, key, expected)
                     if not from_hot and worth_reading_ahead(
