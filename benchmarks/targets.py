@@ -95,6 +95,39 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c["profile_rocks"]),
         )
+    for c in r.get("restore", {}).get("cases", []):
+        if "ttft_s" not in c:
+            continue
+        where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
+        f, t = c["fractions"], c["ttft_s"]
+        add(
+            "restore from a reopened bank >= 1.0x mlx-lm's file load",
+            f"{f['file_load_over_rocksdb_restore']:.2f}x ({ms(c['file_load_s'])} vs "
+            f"{ms(c['rocksdb_restore_s'])} ms)",
+            f["file_load_over_rocksdb_restore"] >= 1.0,
+            where,
+            top_functions(c["profile_rocks"]),
+        )
+        add(
+            "hot restore >= 2x mlx-lm's file load",
+            f"{f['file_load_over_hot_restore']:.2f}x ({ms(c['file_load_s'])} vs "
+            f"{ms(c['hot_restore_s'])} ms)",
+            f["file_load_over_hot_restore"] >= 2.0,
+            where,
+            top_functions(c["profile"]),
+        )
+        add(
+            "TTFT from a reopened bank >= 1.0x the file's",
+            f"{f['file_ttft_over_reopened_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['reopened'])} ms)",
+            f["file_ttft_over_reopened_ttft"] >= 1.0,
+            where,
+        )
+        add(
+            "TTFT hot >= 1.3x the file's",
+            f"{f['file_ttft_over_hot_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['hot'])} ms)",
+            f["file_ttft_over_hot_ttft"] >= 1.3,
+            where,
+        )
     fl = r.get("fleet")
     if fl:
         b = fl["bytes"]

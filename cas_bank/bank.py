@@ -25,9 +25,11 @@ from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankSettingsError
 from cas_bank.index.access import AccessLog
+from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.lease import Leases
 from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.index.writer import Writer
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
@@ -70,6 +72,12 @@ class Bank:
         while not isinstance(inner, FileTier) and hasattr(inner, "inner"):
             inner = inner.inner
         self.files = inner if isinstance(inner, FileTier) else None
+        # The background writer of `Namespace.store_later`, if the config asks for one.
+        self.writer = (
+            Writer(config.write_behind) if config.write_behind > 0 and not self.read_only else None
+        )
+        # Blocks stores offered in this process (BankConfig.admit="second_use").
+        self.seen = SeenBlocks()
         # Chains stored or restored in this process, handed out again without a copy.
         self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
         # Last uses, recorded in memory and written in batches (see index.evict).
@@ -205,6 +213,8 @@ class Bank:
         write lock: that store's batch carries the same records, and cutting in between
         its recording of uses and its write would write them without its blocks.
         """
+        if self.writer is not None and wait and not _owned(self.write_lock):
+            self.writer.flush()  # every queued store written (its failure raised here)
         if self.read_only or not self.write_lock.acquire(blocking=wait):
             return
         try:
@@ -215,8 +225,10 @@ class Bank:
             self.write_lock.release()
 
     def close(self) -> None:
-        """Persist counters and release the directory (its lock too)."""
+        """Write what is queued, persist counters and release the directory (its lock too)."""
         try:
+            if self.writer is not None:
+                self.writer.close()
             self.flush()
         finally:
             self.store.close()
@@ -235,6 +247,12 @@ class Bank:
 
     def __repr__(self) -> str:
         return f"Bank({str(self.path)!r}, block_size={self.config.block_size})"
+
+
+def _owned(lock: threading.RLock) -> bool:
+    """Whether this thread holds `lock` (then waiting for the writer would deadlock)."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False
 
 
 def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:

@@ -38,6 +38,7 @@ from cas_bank.index.layout import (
 )
 from cas_bank.index.payloads import PayloadReader
 from cas_bank.index.states import plan_boundaries, restore_blocks
+from cas_bank.index.writer import PendingStore
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -108,14 +109,20 @@ class Namespace:
         suspects = bank.suspects
         existing = read_headers(bank.store, hashes)
         missing = [i for i, h in enumerate(existing) if h is None or suspects.block(hashes[i])]
+        deferred = self._admit(hashes, existing, missing)
+        if deferred:
+            missing = missing[: len(missing) - deferred]
         payloads: dict[int, bytes] = {}
         if missing:
             cutter = BlockCutter(self.spec, arrays, self.block_size)
             payloads = {i: cutter.payload(i, compression) for i in missing}
         state_payloads: dict[int, bytes] = {}
+        admitted = set(missing)
         for b, st in checked_states.items():
             i = b // self.block_size - 1
             h = existing[i]
+            if h is None and i not in admitted:
+                continue  # its block is not written now (admission): nor is the state
             if h is None or not h.has_state or suspects.state(hashes[i]):
                 state_payloads[i] = encode_state(st, compression)
 
@@ -129,7 +136,13 @@ class Namespace:
             )
             # Eviction may have removed a block seen at the first look: cut it again,
             # or the new blocks below it would leave a hole in the chain.
-            lost = [i for i, h in enumerate(current) if h is None and i not in payloads]
+            # Blocks beyond the last one written now wait (admission): no hole below it.
+            frontier = max([*payloads, *state_payloads], default=-1)
+            lost = [
+                i
+                for i, h in enumerate(current)
+                if h is None and i not in payloads and i <= frontier
+            ]
             if lost and (payloads or state_payloads):
                 cutter = BlockCutter(self.spec, arrays, self.block_size)
                 payloads.update({i: cutter.payload(i, compression) for i in lost})
@@ -180,6 +193,7 @@ class Namespace:
                 blocks_deduplicated=len(hashes) - written,
                 states_written=states_written,
                 bytes_written=bytes_written,
+                blocks_deferred=deferred,
             )
             # The whole chain was used now; the states written or offered too.
             tx.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
@@ -201,6 +215,59 @@ class Namespace:
             bytes_written=bytes_written,
             chain=hashes,
         )
+
+    def store_later(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None = None,
+    ) -> PendingStore[StoreReport]:
+        """`store`, written by the bank's background writer (`BankConfig.write_behind`
+        stores may wait; 0: written now, on this thread).
+
+        On this thread: the input is checked (bad input raises here, nothing is queued)
+        and the arrays are snapshotted without a copy (see `index.writer`) and leased,
+        so a restore right after sees the blocks. `Bank.flush()` waits for the writer.
+        """
+        writer = self.bank.writer
+        if writer is None:
+            done: PendingStore[StoreReport] = PendingStore()
+            done._set(self.store(tokens, layers, states), None)
+            return done
+        if self.bank.read_only:
+            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
+        toks = as_token_array(tokens)
+        n = len(toks)
+        flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
+        kept = {
+            b: [a.reshape(a.shape) for a in st]  # new objects: the caller's are not ours
+            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
+        }
+        mx.eval(flat, list(kept.values()))
+        snapshot = group_layers(self.spec, flat, None)
+        by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
+        if self.bank.leases is not None:
+            self.bank.leases.put(self.chain(toks), flat)
+        return writer.submit(lambda: self.store(toks, snapshot, by_layer))
+
+    def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
+        """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit
+        and admit_min_tokens); the chain stays prefix-closed: only a tail is left out."""
+        config = self.bank.config
+        if not missing:
+            return 0
+        if len(hashes) * self.block_size < config.admit_min_tokens:
+            return len(missing)
+        if config.admit != "second_use":
+            return 0
+        seen = self.bank.seen
+        keep = 0
+        for i in missing:
+            if hashes[i] not in seen:
+                break
+            keep += 1
+        seen.update(hashes[i] for i in missing)
+        return len(missing) - keep
 
     # -- lookup --------------------------------------------------------------------
     def matched(self, tokens: Any) -> list[Header]:
@@ -277,7 +344,10 @@ class Namespace:
         capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
         # The one probe of memory: the deepest matched block a lease holds.
         leases = self.bank.leases
-        leased, in_memory = leases.probe(hashes[:n_blocks]) if leases and n_blocks else (0, [])
+        # Attention-only: a chain stored later (still queued for the writer) counts too.
+        probed = hashes if not hybrid else hashes[:n_blocks]
+        leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+        n_blocks = max(n_blocks, leased)
         assembler: Assembler | None = None
         if leased and leased == n_blocks:
             good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
@@ -289,7 +359,8 @@ class Namespace:
             hot_hits += leased
         else:
             good, hot_hits = 0, 0
-        n_blocks = restore_blocks(matched[:good], hybrid)
+        if good < n_blocks:  # a payload failed: the restore point moves back
+            n_blocks = restore_blocks(matched[:good], hybrid)
         state: list[mx.array] | None = None
         while hybrid and n_blocks:
             h = matched[n_blocks - 1]

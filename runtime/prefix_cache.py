@@ -33,13 +33,15 @@ Decoding: `pc.store(prompt + response, cache, states=recorder)` stores the block
 generation produced; a `StateRecorder` (`pc.recorder(cache)`, `observe()` after each
 forward pass) supplies the state at the last boundary decoding crossed.
 
-Throughput: the store is synchronous, on the caller's thread, after the last chunk:
-the KV buffers are sliced as zero-copy views, encoded (the one copy to host bytes)
-and written in one RocksDB batch. It is a small share of the prefill's time (the
-figures: docs/design.md, "Background writer" and "Where each figure is measured"),
-so it stays on the caller's thread, and nothing runs behind the caller's back: a
-restore right after a prefill always sees its blocks. `last_prefill.store_s` against
-`forward_s` shows the share for any model.
+Throughput: by default the store is synchronous, on the caller's thread, after the
+last chunk: the KV buffers are sliced as zero-copy views, encoded (the one copy to host
+bytes) and written in one batch (its share of the prefill: docs/design.md, "Where each
+figure is measured"). With `background=True` (and a bank opened with
+`BankConfig.write_behind`), the prefill only snapshots the cache (no copy: the cache's
+next update copies its buffer instead) and queues the store for the bank's writer
+(docs/design.md, "Background writer"); a restore right after still sees the blocks
+(from memory until they are written). `last_prefill.store_s` against `forward_s`
+shows the share for any model.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -58,6 +60,7 @@ import numpy as np
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array
 from cas_bank.errors import InvalidInputError
+from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace, StoreReport
 from cas_bank.spec import ModelSpec
 
@@ -110,6 +113,7 @@ class PrefixCache:
         kv_group_size: int = 64,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         name: str | None = None,
+        background: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -118,6 +122,10 @@ class PrefixCache:
         self.info = probe_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size, name=name)
         self.namespace: Namespace = bank.namespace(self.info.spec)
         self.chunk_size = chunk_size
+        # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
+        # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.
+        self.background = background
+        self.last_pending: PendingStore[StoreReport] | None = None
         self.last_prefill: PrefillReport | None = None
 
     @property
@@ -224,7 +232,10 @@ class PrefixCache:
 
         report = None
         if store and not self.bank.read_only:
-            report = self.store(toks, cache, states)
+            if self.background:
+                self.last_pending = self.store_later(toks, cache, states)
+            else:
+                report = self.store(toks, cache, states)
         t2 = time.perf_counter()
         self.last_prefill = PrefillReport(
             start=start,
@@ -232,7 +243,7 @@ class PrefixCache:
             chunk_ends=ends,
             captured=sorted(states),
             forward_s=t1 - t0,
-            store_s=t2 - t1 if report is not None else 0.0,
+            store_s=t2 - t1 if store and not self.bank.read_only else 0.0,
             stored=report,
         )
         return last
@@ -261,6 +272,20 @@ class PrefixCache:
             states = states.states_for(len(toks))
         layers = cache_layers(self.spec, cache, len(toks))
         return self.namespace.store(toks, layers, states)
+
+    def store_later(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+    ) -> PendingStore[StoreReport]:
+        """`store` through the bank's background writer (`Namespace.store_later`)."""
+        toks = self.tokens(tokens)
+        check_cache(self.spec, cache, self._offset(cache, len(toks)))
+        if isinstance(states, StateRecorder):
+            states = states.states_for(len(toks))
+        layers = cache_layers(self.spec, cache, len(toks))
+        return self.namespace.store_later(toks, layers, states)
 
     def _offset(self, cache: Any, default: int) -> int:
         """Tokens the cache's attention layers hold (they must agree)."""
