@@ -88,6 +88,7 @@ def from_numpy(a: np.ndarray, dtype: DType) -> mx.array:
 
 
 _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destination
+_UNFILLED_FROM = 2 << 20  # below this, zeroing costs less than `unfilled`'s load call
 
 
 class Destination:
@@ -138,14 +139,14 @@ class Destination:
         an `mx.eval` per array costs more than its zero fill. The measurements behind
         both: docs/design.md, "Where each figure is measured".
         """
-        if overwritten:
+        total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted)
+        if overwritten and total >= _UNFILLED_FROM:
             storages = unfilled(wanted)
             if storages is not None:
                 return [
                     cls(shape, dtype, storage)
                     for (shape, dtype), storage in zip(wanted, storages, strict=True)
                 ]
-        total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted)
         if total > _BATCH_EVAL_BYTES:
             return [cls(shape, dtype) for shape, dtype in wanted]
         zeroed = [_zeros(shape, dtype) for shape, dtype in wanted]

@@ -175,6 +175,10 @@ class Bank:
                     raise
                 if not tx.done:  # the body may have aborted it (nothing to write)
                     tx.commit()
+                    if self.leases is not None:  # removed blocks are not handed out
+                        gone = [k for f, k, v in tx.writes if f is Family.HEADERS and v is None]
+                        if gone:
+                            self.leases.forget(gone)
             finally:
                 self._in_transaction = False
             if budget:

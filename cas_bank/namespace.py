@@ -344,8 +344,9 @@ class Namespace:
         capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
         # The one probe of memory: the deepest matched block a lease holds.
         leases = self.bank.leases
-        # Attention-only: a chain stored later (still queued for the writer) counts too.
-        probed = hashes if not hybrid else hashes[:n_blocks]
+        # A chain queued for the background writer counts too (attention-only models).
+        queued = self.bank.writer is not None and not hybrid
+        probed = hashes if queued else hashes[:n_blocks]
         leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
         n_blocks = max(n_blocks, leased)
         assembler: Assembler | None = None
