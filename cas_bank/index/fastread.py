@@ -1,13 +1,12 @@
-"""Payload files read straight into a restore's destination arrays, and verified.
+"""Payload files read, verified and copied into a restore's destination arrays.
 
-A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed
-lead, the array descriptors, then each attention array's block slice in C order.
-For an array of shape [..., T, D] the slice of block i is, for every leading index,
-one contiguous run of rows [i*B, (i+1)*B) of the destination: so one `preadv` per
-block puts the whole body where it belongs, with no intermediate copy, and blake3
-then runs over those same runs (still in cache) in the payload's byte order: the
-digest is the codec's, unchanged. Blocks go to a small thread pool: `preadv` and
-blake3 both release the GIL, so two cores read and hash at once.
+A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed lead,
+the array descriptors, then each attention array's block slice in C order. Per block:
+one `preadv` of the whole file into the reading thread's reused buffer, one blake3
+call over it (the codec's digest; blake3-py costs ~13 us a call, so hashing the
+destination's row runs one call each was slower than this extra copy), then, once it
+verified, one strided copy per array into its rows of the destination. Blocks go to a
+small thread pool: `preadv`, blake3 and `np.copyto` release the GIL.
 
 A payload that is not a plain (uncompressed) payload of the expected layout, whose
 digest fails, or whose file is gone comes back as a failure; the caller reads it the
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +30,6 @@ from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 
 _LEAD = struct.Struct("<4sBBHQQ32s")  # blocks.codec._FIXED
 _DIGEST_AT = _LEAD.size - 32
-_IOV_MAX = 512  # iovecs per preadv call (Linux allows 1024)
 _THREADS = 2
 
 _pool: ThreadPoolExecutor | None = None
@@ -54,6 +53,16 @@ def expected_head(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) ->
     return bytes(desc), body
 
 
+_scratch = threading.local()  # each reading thread's reused buffer
+
+
+def _buffer(size: int) -> bytearray:
+    buf: bytearray | None = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _scratch.buf = bytearray(size)
+    return buf
+
+
 class BlockFiles:
     """Reads block payload files into the writable views `dests` (each [..., T, D])."""
 
@@ -66,56 +75,59 @@ class BlockFiles:
     ) -> None:
         self.block_size = block_size
         self.desc, self.body_len = expected_head(shapes, dtypes)
-        # Every destination as [rows, T, D]: a block is one run per row.
-        self._rows = [d.reshape(-1, d.shape[-2], d.shape[-1]) for d in dests]
-
-    def _runs(self, index: int) -> list[memoryview]:
-        lo, hi = index * self.block_size, (index + 1) * self.block_size
-        out: list[memoryview] = []
-        for rows in self._rows:
-            for r in range(rows.shape[0]):
-                out.append(memoryview(rows[r, lo:hi]).cast("B"))  # type: ignore[arg-type]
-        return out
+        self._dests = list(dests)
+        # Where each array of a block sits in the payload body, and its shape.
+        self._parts: list[tuple[int, int, np.dtype[np.generic], tuple[int, ...]]] = []
+        at = _LEAD.size + len(self.desc)
+        for shape, d in zip(shapes, dtypes, strict=True):
+            n = int(np.prod(shape))
+            self._parts.append((at, n, d.storage, tuple(shape)))
+            at += n * d.itemsize
 
     def read(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
-        """Read and verify block `index` from `path`; None if good, else why not."""
-        head = bytearray(_LEAD.size + len(self.desc))
-        if size != len(head) + self.body_len:
+        """Read and verify block `index` from `path`; None if good, else why not.
+
+        One `preadv` of the whole file into this thread's buffer, one blake3 over it
+        (a single call: blake3's SIMD, without the GIL), then one strided copy per
+        array into its rows of the destination. A block is copied into the
+        destination only once it is verified.
+        """
+        head_len = _LEAD.size + len(self.desc)
+        if size != head_len + self.body_len:
             return "payload file size does not fit the layout"
-        runs = self._runs(index)
+        buf = _buffer(size)
+        view = memoryview(buf)[:size]
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return "payload file missing"
         try:
-            iov: list[memoryview | bytearray] = [head, *runs]
-            got, at = 0, 0
-            for i in range(0, len(iov), _IOV_MAX):
-                part = iov[i : i + _IOV_MAX]
-                n = os.preadv(fd, part, at)
-                want = sum(len(p) for p in part)
-                got += n
-                at += n
-                if n != want:
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n <= 0:
                     break
+                got += n
         finally:
             os.close(fd)
         if got != size:
             return "payload file is truncated"
-        magic, version, flags, _n, body_len, raw_len, claimed = _LEAD.unpack_from(head)
+        magic, version, flags, _n, body_len, raw_len, claimed = _LEAD.unpack_from(buf)
         if magic != b"CASB" or version != 1 or flags != 0 or body_len != raw_len:
             return "not a plain payload"
-        if bytes(head[_LEAD.size :]) != self.desc or body_len != self.body_len:
+        if view[_LEAD.size : head_len] != self.desc or body_len != self.body_len:
             return "payload layout does not fit the spec"
         if claimed != expected:
             return "payload digest is not the header's"
         h = blake3.blake3(derive_key_context=PAYLOAD_CONTEXT)
-        h.update(memoryview(head)[:_DIGEST_AT])
-        h.update(memoryview(head)[_LEAD.size :])
-        for run in runs:
-            h.update(run)
+        h.update(view[:_DIGEST_AT])
+        h.update(view[_LEAD.size :])
         if h.digest() != claimed:
             return "payload digest mismatch"
+        lo, hi = index * self.block_size, (index + 1) * self.block_size
+        for dest, (at, count, dtype, shape) in zip(self._dests, self._parts, strict=True):
+            src = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)
+            np.copyto(dest[..., lo:hi, :], src)
         return None
 
     def read_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:

@@ -227,7 +227,7 @@ class Assembler:
             self._later_bytes += sum(int(v[..., lo:hi, :].nbytes) for v in views)
 
     def block_files(self) -> BlockFiles:
-        """A reader of block payload files straight into these arrays (`direct` only)."""
+        """A reader of block payload files into these arrays (`direct` only)."""
         return BlockFiles(self._views, self.block_shapes, self.dtypes, self.block_size)
 
     def layers(self, n_blocks: int, *, room: bool = False) -> list[tuple[Any, ...] | None]:

@@ -47,8 +47,8 @@ class PayloadReader:
         the first missing or corrupt one; returns (blocks assembled, counting the
         `first` ones the caller put in, and hot-tier hits).
 
-        Payloads in the file tier are read straight into the arrays and verified there,
-        on two threads (`fastread`); the others one by one, hot tier first.
+        Payloads in the file tier are read, verified and copied into the arrays by `fastread`,
+        on two threads; the others one by one, hot tier first.
         """
         files = self.bank.files
         if files is None or not assembler.direct or len(headers) <= first:
