@@ -235,6 +235,13 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
         "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
         "reopened, >= 2x hot.",
         "",
+        "The floor of a reopened restore: every payload verified means each byte is read "
+        "from the page cache once (as the file load does) and hashed once (blake3, ~5-6 "
+        "GB/s a core): about twice the file load's work, which only two idle cores can "
+        "spread to the file's time. With other work on the cores (see the load average "
+        "above) the read and the hash run one after the other, about 0.5x the file. The "
+        "medium models' TTFT is mostly the forward pass of the first token on this CPU.",
+        "",
     ]
     rows = []
     for c in rs["cases"]:
