@@ -32,7 +32,7 @@ import json
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ class FleetSettings:
     turns: int = 2
     model: str = "tiny-hybrid"
     block_size: int = 64
+    admit: str = "always"  # BankConfig.admit
 
 
 def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
@@ -72,7 +73,8 @@ def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
     requests: list[dict[str, Any]] = []
     saved_bytes_all_turns = 0
     t_start = time.perf_counter()
-    with Bank.open(bank_path, BankConfig(block_size=s.block_size)) as bank:
+    config = BankConfig(block_size=s.block_size, admit=s.admit)  # type: ignore[arg-type]
+    with Bank.open(bank_path, config) as bank:
         pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
         spec = pc.spec
         for turn in range(s.turns):
@@ -140,6 +142,8 @@ def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
             "session_files_all_turns": saved_bytes_all_turns,
             "session_over_cas_bank": session_bytes / bank_bytes,
         },
+        "bytes_written": stats.bytes_written,
+        "blocks_deferred": stats.blocks_deferred,
         "hit_rate": hit / queried,
         "bank_hit_rate": stats.hit_rate,
         "ttft": {
@@ -157,6 +161,27 @@ def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
         },
         "per_request": requests,
     }
+
+
+def admission(workdir: Path, s: FleetSettings) -> dict[str, Any]:
+    """The same fleet under each admission policy: bytes written against hit rate."""
+    out: dict[str, Any] = {"settings": asdict(s), "policies": {}}
+    for admit in ("always", "second_use"):
+        res = run(workdir / admit, replace(s, admit=admit))
+        out["policies"][admit] = {
+            "bytes_written": res["bytes_written"],
+            "blocks_deferred": res["blocks_deferred"],
+            "hit_rate": res["hit_rate"],
+            "bank_dir_bytes": res["bytes"]["cas_bank_dir"],
+            "ttft_p50_s": res["ttft"]["p50_s"],
+            "misses": res["ttft"]["misses"],
+        }
+    return out
+
+
+def admission_settings() -> FleetSettings:
+    """Smaller than the default fleet (it runs twice): 20 agents, 3 turns."""
+    return FleetSettings(agents=20, system_tokens=1024, distinct_tokens=256, turns=3)
 
 
 def tiny_settings() -> FleetSettings:

@@ -108,6 +108,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "restore": restore.tiny_settings(),
             "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
             "fleet": fleet.tiny_settings(),
+            "admission": fleet.tiny_settings(),
             "scale": scale.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
@@ -137,6 +138,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "restore": r,
         "overhead": overhead,
         "fleet": f,
+        "admission": fleet.admission_settings(),
         "scale": s,
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
@@ -165,6 +167,7 @@ def run_all(p: dict[str, Any], workdir: Path) -> dict[str, Any]:
             ),
         )
     part("fleet", lambda: fleet.run(workdir / "fleet", p["fleet"]))
+    part("admission", lambda: fleet.admission(workdir / "admission", p["admission"]))
     part("scale", lambda: scale.run(workdir / "scale", p["scale"]))
     return out
 

@@ -7,9 +7,13 @@ disk.
 
 from __future__ import annotations
 
+import io
+import json
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
@@ -84,6 +88,7 @@ def from_numpy(a: np.ndarray, dtype: DType) -> mx.array:
 
 
 _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destination
+_UNFILLED_FROM = 2 << 20  # below this, zeroing costs less than `unfilled`'s load call
 
 
 class Destination:
@@ -95,6 +100,11 @@ class Destination:
     """
 
     __slots__ = ("_dtype", "_storage", "array", "view")
+
+    @property
+    def direct(self) -> bool:
+        """Whether `view` is the MLX array's own memory (else a numpy copy of it)."""
+        return self._storage is not None
 
     def __init__(
         self, shape: tuple[int, ...], dtype: DType, storage: mx.array | None = None
@@ -114,25 +124,36 @@ class Destination:
         self._dtype = dtype
 
     @classmethod
-    def allocate(cls, wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[Destination]:
-        """One destination per (shape, dtype), each allocated and zero-filled in turn.
+    def allocate(
+        cls, wanted: Sequence[tuple[tuple[int, ...], DType]], *, overwritten: bool = False
+    ) -> list[Destination]:
+        """One destination per (shape, dtype).
 
-        MLX has no uninitialized allocation (`mx.empty` is `mx.zeros`), so the zero
-        fill stays. Above `_BATCH_EVAL_BYTES` in all, each destination is evaluated on
-        its own: one `mx.eval` of all of them, in a process that also reads payloads,
-        makes the allocator hand memory back and fault it in again on every restore.
-        Up to `_BATCH_EVAL_BYTES`, one `mx.eval` allocates them all: there the
-        scheduling of an `mx.eval` per array costs more than its zero fill. The
-        measurements behind both: docs/design.md, "Where each figure is measured".
+        `overwritten`: the caller writes every byte it will read back, so the memory
+        need not be zeroed (`unfilled`): a large restore saves its zero-fill pass.
+        Otherwise (MLX has no uninitialized allocation: `mx.empty` is `mx.zeros`), above
+        `_BATCH_EVAL_BYTES` in all, each destination is evaluated on its own: one
+        `mx.eval` of all of them, in a process that also reads payloads, makes the
+        allocator hand memory back and fault it in again on every restore. Up to
+        `_BATCH_EVAL_BYTES`, one `mx.eval` allocates them all: there the scheduling of
+        an `mx.eval` per array costs more than its zero fill. The measurements behind
+        both: docs/design.md, "Where each figure is measured".
         """
         total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted)
+        if overwritten and total >= _UNFILLED_FROM:
+            storages = unfilled(wanted)
+            if storages is not None:
+                return [
+                    cls(shape, dtype, storage)
+                    for (shape, dtype), storage in zip(wanted, storages, strict=True)
+                ]
         if total > _BATCH_EVAL_BYTES:
             return [cls(shape, dtype) for shape, dtype in wanted]
-        storages = [_zeros(shape, dtype) for shape, dtype in wanted]
-        mx.eval(*storages)
+        zeroed = [_zeros(shape, dtype) for shape, dtype in wanted]
+        mx.eval(*zeroed)
         return [
             cls(shape, dtype, storage)
-            for (shape, dtype), storage in zip(wanted, storages, strict=True)
+            for (shape, dtype), storage in zip(wanted, zeroed, strict=True)
         ]
 
     def finish(self) -> mx.array:
@@ -145,3 +166,88 @@ class Destination:
 def _zeros(shape: tuple[int, ...], dtype: DType) -> mx.array:
     """An unevaluated zero array holding `dtype`'s bits (bf16 as uint16)."""
     return mx.zeros(shape, dtype=mx.uint16 if dtype.name == "bfloat16" else dtype.mx_dtype)
+
+
+_SAFETENSORS = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "U16",  # held as its bits, like everywhere else here
+    "uint32": "U32",
+    "int32": "I32",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int64": "I64",
+    "float64": "F64",
+    "bool": "BOOL",
+}
+
+
+class _Unfilled(io.RawIOBase):
+    """A safetensors stream whose tensor bytes are never written: `mx.load` reads it
+    into memory MLX allocates, and finds that memory as the allocator left it."""
+
+    def __init__(self, wanted: Sequence[tuple[tuple[int, ...], DType]]) -> None:
+        meta: dict[str, object] = {}
+        at = 0
+        for i, (shape, dtype) in enumerate(wanted):
+            n = math.prod(shape) * dtype.itemsize
+            meta[str(i)] = {
+                "dtype": _SAFETENSORS[dtype.name],
+                "shape": list(shape),
+                "data_offsets": [at, at + n],
+            }
+            at += n
+        header = json.dumps(meta).encode()
+        header += b" " * (-len(header) % 8)
+        self._head = struct.pack("<Q", len(header)) + header
+        self._size = len(self._head) + at
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)
+        n = len(view) if view.ndim == 1 and view.itemsize == 1 else view.nbytes
+        if self._pos < len(self._head):
+            k = min(n, len(self._head) - self._pos)
+            view.cast("B")[:k] = self._head[self._pos : self._pos + k]
+        self._pos += n
+        return n
+
+
+def unfilled(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array] | None:
+    """New, evaluated MLX arrays whose contents are undefined (bf16 as uint16), each
+    with a buffer of its own; None where MLX cannot make them this way.
+
+    MLX has no uninitialized allocation (`mx.empty` is `mx.zeros`), but `mx.load` of a
+    file-like object fills the memory it allocated by calling `readinto`: a stream that
+    serves only the header leaves the tensors unwritten. A restore that overwrites
+    every byte it hands out then skips a pass over the memory (the zero fill); bytes
+    beyond a cache's offset (its room) are never read.
+    """
+    if not wanted:
+        return []
+    stream = _Unfilled(wanted)
+    try:
+        loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
+    except Exception:  # an MLX without file-like loads: the caller zero-fills
+        return None
+    finally:
+        del stream  # not left to the collector: a late one aborted at exit once
+    assert isinstance(loaded, dict)
+    out = [loaded[str(i)] for i in range(len(wanted))]
+    mx.eval(out)
+    return out

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.backends import open_store
+from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode
@@ -29,8 +30,11 @@ from cas_bank.errors import (
     InvalidInputError,
 )
 from cas_bank.index.access import AccessLog
+from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.evict import EvictionReport, evict_to_budget
+from cas_bank.index.lease import Leases
 from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.index.writer import BackgroundWriter
 from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
@@ -40,13 +44,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cas_bank")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
+(`blocks.files`), their records stubs. A version-1 bank opens as it is (its payloads
+stay readable where they are) and is marked version 2 by its first writer; a cas_bank
+that reads only version 1 refuses a version-2 bank, naming the version."""
 _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
 _KEY_REMOTE = b"remote_url"  # the shared tier last opened with (password hidden)
 _U32 = struct.Struct("<I")
+_NEVER = 1 << 62  # a payload size no payload reaches
 
 
 class Bank:
@@ -65,6 +74,21 @@ class Bank:
         self.suspects = Suspects()
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
         self.hot = store if isinstance(store, HotStore) else None
+        # The file tier of large payloads, when one is under the store (Bank.open puts it).
+        inner: object = store
+        while not isinstance(inner, FileTier) and hasattr(inner, "inner"):
+            inner = inner.inner
+        self.files = inner if isinstance(inner, FileTier) else None
+        # The background writer of `Namespace.store_later`, if the config asks for one.
+        self.writer = (
+            BackgroundWriter(config.write_behind)
+            if config.write_behind > 0 and not self.read_only
+            else None
+        )
+        # Blocks stores offered in this process (BankConfig.admit="second_use").
+        self.seen = SeenBlocks()
+        # Chains stored or restored in this process, handed out again without a copy.
+        self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         self._namespaces: dict[str, Namespace] = {}
@@ -98,16 +122,27 @@ class Bank:
         """
         config = config or BankConfig()
         if isinstance(path, BlockStore):
-            store = path
+            store: BlockStore = path
+            built = False
         else:
             if not str(path).strip():  # Path("") is the current directory
                 raise InvalidInputError("the bank path is empty; name a directory")
             store = open_store(path, mode=mode, durability=config.durability)
+            built = True
         where = Path(store.location)
         try:  # anything failing here must not keep the directory's LOCK
             config = _check_settings(store, where, config)
+            if built and Path(store.location).is_dir():
+                # Large payloads live in files beside the database (blocks.files),
+                # fsync'd before their batch commits under durability="wal".
+                store = FileTier(
+                    store,
+                    where / "payloads",
+                    min_bytes=_NEVER if config.file_min_bytes is None else config.file_min_bytes,
+                    durable=config.durability == "wal",
+                )
             if config.hot_bytes > 0:
-                return cls(where, config, HotStore(store, config.hot_bytes))
+                store = HotStore(store, config.hot_bytes)
             return cls(where, config, store)
         except BaseException:
             store.close()
@@ -162,6 +197,10 @@ class Bank:
                     raise
                 if not tx.done:  # the body may have aborted it (nothing to write)
                     tx.commit()
+                    if self.leases is not None:  # removed blocks are not handed out
+                        gone = [k for f, k, v in tx.writes if f is Family.HEADERS and v is None]
+                        if gone:
+                            self.leases.forget(gone)
             finally:
                 self._in_transaction = False
             if budget:
@@ -209,6 +248,8 @@ class Bank:
         the same records, and cutting in between its recording of uses and its write
         would write them without its blocks.
         """
+        if self.writer is not None and wait and not _owned(self.write_lock):
+            self.writer.flush()  # every queued store written (its failure raised here)
         if wait and self.remote is not None:
             self.remote.wait()  # outside the write lock: the local writes of fetches take it
         if self.read_only or not self.write_lock.acquire(blocking=wait):
@@ -221,9 +262,12 @@ class Bank:
             self.write_lock.release()
 
     def close(self) -> None:
-        """Persist counters and release the directory (its lock too), also when the
-        disk is full (the counters and last uses since the last store are then lost)."""
+        """Write what is queued, persist counters and release the directory (its lock
+        too), also when the disk is full (the counters and last uses since the last store
+        are then lost)."""
         try:
+            if self.writer is not None:
+                self.writer.close()
             if self.remote is not None:
                 self.remote.close()  # finishes queued publishes and local writes first
             self.flush()
@@ -251,6 +295,12 @@ class Bank:
 def _remote_of(store: BlockStore) -> str | None:
     raw = store.get(Family.META, _KEY_REMOTE)
     return raw.decode(errors="replace") if raw else None
+
+
+def _owned(lock: threading.RLock) -> bool:
+    """Whether this thread holds `lock` (then waiting for the writer would deadlock)."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False
 
 
 def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
@@ -288,6 +338,9 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
             f"bank at {path} has format version {version}; this cas_bank reads up to "
             f"{FORMAT_VERSION}: upgrade cas_bank"
         )
+    if version < FORMAT_VERSION and not store.read_only:
+        # Version 1 -> 2 needs no rewrite: new large payloads go to files from now on.
+        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION))])
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
     if hash_version != HASH_FORMAT_VERSION:
         raise BankSettingsError(

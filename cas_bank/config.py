@@ -33,6 +33,26 @@ class BankConfig(BaseModel):
     max_bytes: int | None = Field(default=None, ge=0, strict=True)
     """Disk budget for payloads and states; None means unbounded."""
 
+    file_min_bytes: int | None = Field(default=64 * 1024, ge=0, strict=True)
+    """Payloads of at least this many bytes are kept as files beside the database and
+    read straight into a restore's arrays (`blocks.files`); None keeps every payload in
+    RocksDB (read through rocksdict, ~1 GB/s). Files already written stay readable."""
+
+    write_behind: int = Field(default=0, ge=0, strict=True)
+    """Stores `Namespace.store_later` (and `PrefixCache(background=True)`) may queue for
+    the background writer; a caller waits when that many are queued. 0: no writer."""
+
+    admit: Literal["always", "second_use"] = "always"
+    """Which new blocks a store writes. `always`: every one. `second_use`: a new block
+    is written the second time a store of this process offers it (the first time it is
+    only remembered); so a prompt's tail is written when the next turn repeats it, and
+    a shared prefix when a second prompt shares it, while tails nobody sends again are
+    never written. Blocks already stored count as seen; a state is written with its
+    block (or once that block is stored). Memory: 32 bytes per remembered block."""
+
+    admit_min_tokens: int = Field(default=0, ge=0, strict=True)
+    """A store of fewer full-block tokens than this writes nothing new."""
+
     hot_bytes: int = Field(default=256 * MiB, ge=0, strict=True)
     """Byte bound of the in-process hot tier of decoded blocks; 0 turns it off."""
 

@@ -26,16 +26,20 @@ from cas_bank.index.layout import (
     boundary_states,
     check_layers,
     encode_state,
+    flat_attention,
     group_layers,
     merge_layers,
 )
 from cas_bank.index.payloads import PayloadReader
 from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.index.states import plan_boundaries, restore_blocks
+from cas_bank.index.writer import PendingStore
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.index.owner import Owner
+
+ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,9 @@ class Namespace:
         self.bank = bank
         self.spec = spec
         self.root = root
-        self._payloads = PayloadReader(spec, bank.store, bank.hot, bank.counters, bank.suspects)
+        self._payloads = PayloadReader(
+            spec, bank.store, bank.hot, bank.counters, bank.suspects, bank.files
+        )
         self.block_size = bank.config.block_size
 
     def chain(self, tokens: Any) -> list[BlockHash]:
@@ -100,14 +106,20 @@ class Namespace:
         suspects = bank.suspects
         existing = read_headers(bank.store, hashes)
         missing = [i for i, h in enumerate(existing) if h is None or suspects.block(hashes[i])]
+        deferred = self._admit(hashes, existing, missing)
+        if deferred:
+            missing = missing[: len(missing) - deferred]
         payloads: dict[int, bytes] = {}
         if missing:
             cutter = BlockCutter(self.spec, arrays, self.block_size)
             payloads = {i: cutter.payload(i, compression) for i in missing}
         state_payloads: dict[int, bytes] = {}
+        admitted = set(missing)
         for b, st in checked_states.items():
             i = b // self.block_size - 1
             h = existing[i]
+            if h is None and i not in admitted:
+                continue  # its block is not written now (admission): nor is the state
             if h is None or not h.has_state or suspects.state(hashes[i]):
                 state_payloads[i] = encode_state(st, compression)
 
@@ -121,7 +133,13 @@ class Namespace:
             )
             # Eviction may have removed a block seen at the first look: cut it again,
             # or the new blocks below it would leave a hole in the chain.
-            lost = [i for i, h in enumerate(current) if h is None and i not in payloads]
+            # Blocks beyond the last one written now wait (admission): no hole below it.
+            frontier = max([*payloads, *state_payloads], default=-1)
+            lost = [
+                i
+                for i, h in enumerate(current)
+                if h is None and i not in payloads and i <= frontier
+            ]
             if lost and (payloads or state_payloads):
                 cutter = BlockCutter(self.spec, arrays, self.block_size)
                 payloads.update({i: cutter.payload(i, compression) for i in lost})
@@ -171,6 +189,8 @@ class Namespace:
                 blocks_written=written,
                 blocks_deduplicated=len(hashes) - written,
                 states_written=states_written,
+                bytes_written=bytes_written,
+                blocks_deferred=deferred,
             )
             # The whole chain was used now; the states written or offered too.
             tx.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
@@ -183,6 +203,10 @@ class Namespace:
                 [(headers[i], payloads[i]) for i in block_writes],
                 [(hashes[i], state_payloads[i]) for i in state_writes],
             )
+        if bank.leases is not None:
+            # The chain is in memory already: a restore of it hands these out (the cache
+            # copies its buffer on its next update: see index.lease).
+            bank.leases.put(hashes, [a for layer in arrays for a in layer])
 
         return StoreReport(
             tokens=n,
@@ -194,6 +218,59 @@ class Namespace:
             bytes_written=bytes_written,
             chain=hashes,
         )
+
+    def store_later(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None = None,
+    ) -> PendingStore[StoreReport]:
+        """`store`, written by the bank's background writer (`BankConfig.write_behind`
+        stores may wait; 0: written now, on this thread).
+
+        On this thread: the input is checked (bad input raises here, nothing is queued)
+        and the arrays are snapshotted without a copy (see `index.writer`) and leased,
+        so a restore right after sees the blocks. `Bank.flush()` waits for the writer.
+        """
+        writer = self.bank.writer
+        if writer is None:
+            done: PendingStore[StoreReport] = PendingStore()
+            done._set(self.store(tokens, layers, states), None)
+            return done
+        if self.bank.read_only:
+            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
+        toks = as_token_array(tokens)
+        n = len(toks)
+        flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
+        kept = {
+            b: [a.reshape(a.shape) for a in st]  # new objects: the caller's are not ours
+            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
+        }
+        mx.eval(flat, list(kept.values()))
+        snapshot = group_layers(self.spec, flat, None)
+        by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
+        if self.bank.leases is not None:
+            self.bank.leases.put(self.chain(toks), flat)
+        return writer.submit(lambda: self.store(toks, snapshot, by_layer))
+
+    def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
+        """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit
+        and admit_min_tokens); the chain stays prefix-closed: only a tail is left out."""
+        config = self.bank.config
+        if not missing:
+            return 0
+        if len(hashes) * self.block_size < config.admit_min_tokens:
+            return len(missing)
+        if config.admit != "second_use":
+            return 0
+        seen = self.bank.seen
+        keep = 0
+        for i in missing:
+            if hashes[i] not in seen:
+                break
+            keep += 1
+        seen.update(hashes[i] for i in missing)
+        return len(missing) - keep
 
     # -- lookup --------------------------------------------------------------------
     def matched(self, tokens: Any) -> list[Header]:
@@ -249,8 +326,14 @@ class Namespace:
         )
 
     # -- restore -------------------------------------------------------------------
-    def restore(self, tokens: Any) -> Hit | None:
+    def restore(self, tokens: Any, *, room_for: int = 0) -> Hit | None:
         """The longest stored prefix of `tokens` as MLX arrays, or None on a miss.
+
+        `room_for`: the tokens the caller's cache will hold in all (its prompt's
+        length). Attention arrays then come with room for them, rounded up to mlx-lm's
+        step of 256 (`Hit.tokens` of them hold the prefix, the rest is undefined), so
+        that prefilling the rest writes in place instead of copying the restored
+        cache. 0: arrays of exactly `Hit.tokens` tokens.
 
         A payload that fails its digest ends the restore before it (counted as a
         corrupt read, never raised); a hybrid restore then steps back to the deepest
@@ -274,15 +357,29 @@ class Namespace:
             matched = cont.matched
         hybrid = self.spec.is_hybrid
         n_blocks = restore_blocks(matched, hybrid)
-        assembler = Assembler(self.spec, n_blocks, self.block_size) if n_blocks else None
-        good, hot_hits = (
-            self._payloads.assemble(
-                matched[:n_blocks], assembler, cont.blocks if cont is not None else None
+        capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
+        # The one probe of memory: the deepest matched block a lease holds.
+        leases = self.bank.leases
+        # A chain queued for the background writer counts too (attention-only models).
+        queued = self.bank.writer is not None and not hybrid
+        probed = hashes if queued else hashes[:n_blocks]
+        leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+        n_blocks = max(n_blocks, leased)
+        assembler: Assembler | None = None
+        if leased and leased == n_blocks:
+            good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
+        elif n_blocks:
+            assembler = Assembler(self.spec, n_blocks, self.block_size, capacity)
+            if leased:
+                assembler.put_arrays(in_memory, leased)
+            good, hot_hits = self._payloads.assemble(
+                matched[:n_blocks], assembler, leased, cont.blocks if cont is not None else None
             )
-            if assembler
-            else (0, 0)
-        )
-        n_blocks = restore_blocks(matched[:good], hybrid)
+            hot_hits += leased
+        else:
+            good, hot_hits = 0, 0
+        if good < n_blocks:  # a payload failed: the restore point moves back
+            n_blocks = restore_blocks(matched[:good], hybrid)
         state: list[mx.array] | None = None
         while hybrid and n_blocks:
             h = matched[n_blocks - 1]
@@ -309,9 +406,16 @@ class Namespace:
             self.bank.access.touch(hashes[:local], state_at)
             if self.bank.access.due():
                 self.bank.flush(wait=False)
-        if not n_blocks or assembler is None:
+        if not n_blocks:
             return None
-        kv = assembler.layers(n_blocks)
+        n = n_blocks * self.block_size
+        if assembler is not None:
+            kv = assembler.layers(n_blocks, room=capacity > 0)
+            if leases is not None and not capacity:
+                # Exact arrays: the first update copies them anyway, so keep them too.
+                leases.put(hashes[:n_blocks], flat_attention(kv))
+        else:
+            kv = group_layers(self.spec, [a[..., :n, :] for a in in_memory], None)
         if state is not None:
             kv = merge_layers(kv, group_layers(self.spec, None, state))
         # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this

@@ -53,6 +53,8 @@ ACTIVITY = (
     "states_evicted",
     "bytes_evicted",
     "corrupt_reads",
+    "bytes_written",
+    "blocks_deferred",
     *REMOTE,
 )
 NAMES = STORED + ACTIVITY
@@ -85,6 +87,8 @@ class BankStats(BaseModel):
     states_evicted: int
     bytes_evicted: int
     corrupt_reads: int
+    bytes_written: int = 0  # payload and state bytes written by stores
+    blocks_deferred: int = 0  # new blocks a store left out (BankConfig.admit)
     disk_bytes: int | None = None
     remote: str | None = None  # the shared tier's URL (password hidden), when open with one
     remote_hits: int = 0  # restores that took at least one block from the shared tier

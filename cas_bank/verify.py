@@ -121,6 +121,9 @@ def verify(
     report.problems += found + orphans
     if fix and report.problems:
         _fix(bank, index, bad | unreachable, bad_state - unreachable, orphans, report)
+    if fix and bank.files is not None:
+        with bank.write_lock:  # payload files a crash left without their records
+            report.removed_orphans += bank.files.sweep()
         index = HeaderIndex.load(bank.store)
     report.counter_drift = _drift(bank, index)
     return report

@@ -73,6 +73,11 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
         ("prefix_misses_total", "Lookups that restored nothing.", stats.misses),
         ("blocks_written_total", "KV blocks written to the bank.", stats.blocks_written),
         (
+            "bytes_written_total",
+            "Payload and state bytes written to the bank (the SSD's share of the work).",
+            stats.bytes_written,
+        ),
+        (
             "blocks_deduplicated_total",
             "KV blocks offered that were already stored.",
             stats.blocks_deduplicated,

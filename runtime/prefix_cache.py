@@ -33,13 +33,15 @@ Decoding: `pc.store(prompt + response, cache, states=recorder)` stores the block
 generation produced; a `StateRecorder` (`pc.recorder(cache)`, `observe()` after each
 forward pass) supplies the state at the last boundary decoding crossed.
 
-Throughput: the store is synchronous, on the caller's thread, after the last chunk:
-the KV buffers are sliced as zero-copy views, encoded (the one copy to host bytes)
-and written in one RocksDB batch. It is a small share of the prefill's time (the
-figures: docs/design.md, "Background writer" and "Where each figure is measured"),
-so it stays on the caller's thread, and nothing runs behind the caller's back: a
-restore right after a prefill always sees its blocks. `last_prefill.store_s` against
-`forward_s` shows the share for any model.
+Throughput: by default the store is synchronous, on the caller's thread, after the
+last chunk: the KV buffers are sliced as zero-copy views, encoded (the one copy to host
+bytes) and written in one batch (its share of the prefill: docs/design.md, "Where each
+figure is measured"). With `background=True` (and a bank opened with
+`BankConfig.write_behind`), the prefill only snapshots the cache (no copy: the cache's
+next update copies its buffer instead) and queues the store for the bank's writer
+(docs/design.md, "Background writer"); a restore right after still sees the blocks
+(from memory until they are written). `last_prefill.store_s` against `forward_s`
+shows the share for any model.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -60,6 +62,7 @@ import numpy as np
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array
 from cas_bank.errors import BankFullError, InvalidInputError
+from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace, StoreReport
 from cas_bank.spec import ModelSpec
 
@@ -137,6 +140,7 @@ class PrefixCache:
         name: str | None = None,
         salt: str | bytes | None = None,
         skip_store_when_full: bool = False,
+        background: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -147,6 +151,10 @@ class PrefixCache:
         self.namespace: Namespace = bank.namespace(self.info.spec, salt=salt)
         self.chunk_size = chunk_size
         self.skip_store_when_full = skip_store_when_full
+        # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
+        # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.
+        self.background = background
+        self.last_pending: PendingStore[StoreReport] | None = None
         self.last_prefill: PrefillReport | None = None
 
     @property
@@ -194,7 +202,8 @@ class PrefixCache:
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
         cache = self.new_cache()
-        hit = self.namespace.restore(toks[:-1]) if len(toks) > 1 else None
+        # Room for the whole prompt: its prefill then writes in place, copying nothing.
+        hit = self.namespace.restore(toks[:-1], room_for=len(toks)) if len(toks) > 1 else None
         if hit is None:
             return cache, 0
         fill_cache(self.spec, cache, hit.layers, hit.tokens)
@@ -257,12 +266,15 @@ class PrefixCache:
 
         report = None
         if store and not self.bank.read_only:
-            try:
-                report = self.store(toks, cache, states)
-            except BankFullError as e:
-                if not self.skip_store_when_full:
-                    raise
-                log.warning("cas_bank: prefill not stored: %s", e)
+            if self.background:
+                self.last_pending = self.store_later(toks, cache, states)
+            else:
+                try:
+                    report = self.store(toks, cache, states)
+                except BankFullError as e:
+                    if not self.skip_store_when_full:
+                        raise
+                    log.warning("cas_bank: prefill not stored: %s", e)
         t2 = time.perf_counter()
         self.last_prefill = PrefillReport(
             start=start,
@@ -270,7 +282,7 @@ class PrefixCache:
             chunk_ends=ends,
             captured=sorted(states),
             forward_s=t1 - t0,
-            store_s=t2 - t1 if report is not None else 0.0,
+            store_s=t2 - t1 if store and not self.bank.read_only else 0.0,
             stored=report,
         )
         return last
@@ -304,6 +316,20 @@ class PrefixCache:
             states = states.states_for(len(toks))
         layers = cache_layers(self.spec, cache, len(toks))
         return self.namespace.store(toks, layers, states)
+
+    def store_later(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+    ) -> PendingStore[StoreReport]:
+        """`store` through the bank's background writer (`Namespace.store_later`)."""
+        toks = self.tokens(tokens)
+        check_cache(self.spec, cache, self._offset(cache, len(toks)))
+        if isinstance(states, StateRecorder):
+            states = states.states_for(len(toks))
+        layers = cache_layers(self.spec, cache, len(toks))
+        return self.namespace.store_later(toks, layers, states)
 
     def _offset(self, cache: Any, default: int) -> int:
         """Tokens the cache's attention layers hold (they must agree)."""

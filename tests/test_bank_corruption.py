@@ -134,7 +134,7 @@ def _flip_file(path: Path, start: float, stop: float, step: int) -> None:
 
 
 def _bank_on_disk(bank_path: Path, spec: ModelSpec, tokens: list[int]) -> None:
-    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0, file_min_bytes=None)) as bank:
         bank.namespace(spec).store(tokens, prefix_layers(spec, tokens))
 
 

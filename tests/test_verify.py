@@ -150,7 +150,7 @@ def test_damage_inside_rocksdb_blob_files_is_reported_not_raised(tmp_path: Path)
     spec = ModelSpec(name="wide", layers=wide.layers * 8, weights_digest="w-wide")
     path = tmp_path / "bank"
     tokens = list(range(4 * BLOCK_SIZE))
-    with Bank.open(path, BankConfig(block_size=BLOCK_SIZE)) as bank:
+    with Bank.open(path, BankConfig(block_size=BLOCK_SIZE, file_min_bytes=None)) as bank:
         ns = bank.namespace(spec)
         ns.store(tokens, chain_layers(ns, tokens))
     blobs = list(path.glob("*.blob"))

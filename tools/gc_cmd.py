@@ -85,6 +85,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with bank:
         disk_before = bank.store.disk_bytes()
         report = evict_to_budget(bank, args.max_bytes)
+        if bank.files is not None:
+            bank.files.sweep()  # payload files a crash left without their records
         if report.evicted and Capability.COMPACT in bank.store.capabilities:
             bank.store.compact()  # deleted records leave the disk only when compacted
         disk_after = bank.store.disk_bytes()

@@ -18,6 +18,7 @@ import numpy as np
 from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.fastread import BlockFiles
 from cas_bank.spec import LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, starting a thread costs more than it saves
@@ -141,20 +142,31 @@ class Assembler:
     alone does not reach the memory bandwidth, and `np.copyto` releases the GIL.
     """
 
-    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int) -> None:
+    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int, capacity: int = 0) -> None:
+        """Arrays for `n_blocks` blocks, with room for `capacity` tokens if that is more
+        (the cache's later tokens then land in place: no copy of the restored ones)."""
         self.spec = spec
         self.block_size = block_size
         n = n_blocks * block_size
+        self.capacity = max(n, capacity)
         self.specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
+        self.dtypes = [dtype_named(s.dtype) for s in self.specs]
+        # Every token a restore hands out is written by a block: no zero fill needed.
         self.dests = Destination.allocate(
-            [(s.with_tokens(n), dtype_named(s.dtype)) for s in self.specs]
+            [
+                (s.with_tokens(self.capacity), d)
+                for s, d in zip(self.specs, self.dtypes, strict=True)
+            ],
+            overwritten=True,
         )
         self._views = [d.view for d in self.dests]
         # What each array of a block must be, checked before its copy.
+        self.block_shapes = [s.with_tokens(block_size) for s in self.specs]
         self._fits = [
-            (s.with_tokens(block_size), d.view.dtype)
-            for s, d in zip(self.specs, self.dests, strict=True)
+            (shape, d.view.dtype) for shape, d in zip(self.block_shapes, self.dests, strict=True)
         ]
+        # Whether the views are the MLX arrays' own memory (blocks may be read into it).
+        self.direct = all(d.direct for d in self.dests)
         self._later: list[tuple[int, list[np.ndarray]]] = []
         self._later_bytes = 0
 
@@ -206,12 +218,26 @@ class Assembler:
         if failed:
             raise failed[0]
 
-    def layers(self, n_blocks: int) -> list[tuple[Any, ...] | None]:
-        """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers."""
+    def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
+        """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed out."""
+        views = [to_numpy(a) for a in arrays]
+        for i in range(n_blocks):
+            lo, hi = i * self.block_size, (i + 1) * self.block_size
+            self._later.append((i, [v[..., lo:hi, :] for v in views]))
+            self._later_bytes += sum(int(v[..., lo:hi, :].nbytes) for v in views)
+
+    def block_files(self) -> BlockFiles:
+        """A reader of block payload files into these arrays (`direct` only)."""
+        return BlockFiles(self._views, self.block_shapes, self.dtypes, self.block_size)
+
+    def layers(self, n_blocks: int, *, room: bool = False) -> list[tuple[Any, ...] | None]:
+        """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers:
+        exactly that many tokens, or (`room`) the whole capacity, whose first
+        `n_blocks * block_size` tokens are the blocks and the rest undefined."""
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size
         arrays = [d.finish() for d in self.dests]
-        if arrays and arrays[0].shape[-2] != n:
+        if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)
 
@@ -245,6 +271,11 @@ def _kv_tuple(ls: LayerSpec, arrs: list[mx.array]) -> tuple[Any, ...]:
     if ls.quantization is not None:
         return (tuple(arrs[:3]), tuple(arrs[3:]))
     return tuple(arrs)
+
+
+def flat_attention(layers: Sequence[tuple[Any, ...] | None]) -> list[mx.array]:
+    """The attention arrays of per-layer tuples, flat, in spec order (`group_layers`'s inverse)."""
+    return [a for layer in layers if layer is not None for a in _flatten_kv(layer)]
 
 
 def merge_layers(

@@ -2,7 +2,8 @@
 
 `Bank` meets both; nothing here imports it. Eviction needs a `Writer` (the store, the
 last uses, transactions); a `Namespace` needs an `Owner` (that, and the settings, the
-hot tier, the counters and suspect marks its reads record).
+hot and file tiers, the counters and suspect marks its reads record, the leases, the
+background writer, the admission memory and the shared tier).
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
+from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore
 from cas_bank.config import BankConfig
 from cas_bank.index.access import AccessLog
+from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.continuation import ChainTier
+from cas_bank.index.lease import Leases
 from cas_bank.index.txn import Suspects, Transaction
+from cas_bank.index.writer import BackgroundWriter
 from cas_bank.stats import Counters
 
 
@@ -55,5 +60,17 @@ class Owner(Writer, Protocol):
 
     @property
     def remote(self) -> ChainTier | None: ...
+
+    @property
+    def files(self) -> FileTier | None: ...
+
+    @property
+    def leases(self) -> Leases | None: ...
+
+    @property
+    def writer(self) -> BackgroundWriter | None: ...
+
+    @property
+    def seen(self) -> SeenBlocks: ...
 
     def flush(self, *, wait: bool = True) -> None: ...

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from cas_bank.blocks import codec
+from cas_bank.blocks.files import FileTier, stub_of
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
@@ -48,8 +50,10 @@ class PayloadReader:
         hot: HotStore | None,
         counters: Counters,
         suspects: Suspects,
+        files: FileTier | None = None,
     ) -> None:
         self.spec = spec
+        self.files = files
         self.store = store
         self.hot = hot
         self.counters = counters
@@ -59,40 +63,129 @@ class PayloadReader:
         self,
         headers: Sequence[Header],
         assembler: Assembler,
+        first: int = 0,
         fetched: Mapping[bytes, codec.Decoded] | None = None,
     ) -> tuple[int, int]:
-        """Reads, verifies and copies the payloads of `headers` in order, up to the first
-        missing or corrupt one; returns (blocks assembled, hot-tier hits).
+        """Reads, verifies and copies the payloads of `headers[first:]` in order, up to
+        the first missing or corrupt one; returns (blocks assembled, counting the
+        `first` ones the caller put in, and hot-tier hits).
+
+        `fetched`: payloads already read and verified elsewhere (the shared tier's
+        continuation of the chain), by chain hash; they follow the local ones.
+        """
+        remote = fetched or {}
+        n_local = next((n for n, h in enumerate(headers) if h.chain_hash in remote), len(headers))
+        good, hot_hits = self._assemble_local(headers[:n_local], assembler, first)
+        if good < n_local:
+            return good, hot_hits
+        for i in range(max(n_local, first), len(headers)):
+            key = headers[i].chain_hash
+            block = remote.get(key)
+            if block is None:
+                return i, hot_hits
+            try:
+                assembler.put(i, block, later=True)
+            except CorruptDataError as e:  # MAC'd, but not this model's layout
+                self.counters.count(remote_rejected=1)
+                log.warning("cas_bank: remote block %s rejected (%s)", key.hex()[:16], e)
+                return i, hot_hits
+        return len(headers), hot_hits
+
+    def _assemble_local(
+        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
+    ) -> tuple[int, int]:
+        """`assemble` of payloads stored in this bank.
+
+        Payloads in the file tier are read, verified and copied into the arrays by `fastread`,
+        on two threads; the others one by one, hot tier first.
+        """
+        files = self.files
+        if files is None or not assembler.direct or len(headers) <= first:
+            return self._assemble_each(headers, assembler, first)
+        keys = [h.chain_hash for h in headers]
+        # Only payloads of the tier's size can be files: the others are not read twice.
+        big = [i for i, h in enumerate(headers) if i >= first and h.payload_size >= files.min_bytes]
+        try:
+            raws = files.get_raw(Family.BLOCKS, [keys[i] for i in big])
+        except CorruptDataError:  # RocksDB's own checks, on a payload kept in it
+            return self._assemble_each(headers, assembler, first)
+        located: dict[int, tuple[Path, int]] = {}
+        damaged: set[int] = set()  # stubs that do not name the header's payload
+        kept: dict[int, bytes] = {}  # large payloads still in the database (format 1)
+        for i, raw in zip(big, raws, strict=True):
+            loc = files.payload_file(Family.BLOCKS, keys[i], raw) if raw is not None else None
+            if loc is not None:
+                located[i] = loc
+                if stub_of(raw or b"") != (headers[i].payload_digest, headers[i].payload_size):
+                    damaged.add(i)
+            elif raw is not None:
+                kept[i] = raw
+        if not located:
+            return self._assemble_each(headers, assembler, first)
+        items = [
+            (i, *located[i], headers[i].payload_digest) for i in sorted(located) if i not in damaged
+        ]
+        failed = dict(
+            zip([it[0] for it in items], assembler.block_files().read_all(items), strict=True)
+        )
+        failed.update(dict.fromkeys(damaged, "payload record does not match its header"))
+        hot_hits = 0
+        for i, header in enumerate(headers):
+            if i < first:
+                continue
+            why = failed[i] if i in located else "not a file"
+            if why is None:
+                continue
+            if why == "payload file missing" and self._evicted(Family.BLOCKS, keys[i]):
+                return i, hot_hits
+            if why not in ("not a file", "not a plain payload"):
+                self._corrupt(Family.BLOCKS, keys[i], why)
+                return i, hot_hits
+            # Kept in the database, or compressed: decode it and copy it in.
+            if i in kept:
+                try:
+                    value: codec.Decoded | CorruptDataError | None = codec.decode(
+                        kept[i], header.payload_digest
+                    )
+                except CorruptDataError as e:
+                    value = e
+            else:
+                value, from_hot = self._fetch(Family.BLOCKS, keys[i], header.payload_digest)
+                hot_hits += from_hot
+            block = self._verified(Family.BLOCKS, keys[i], value)
+            if block is None:
+                return i, hot_hits
+            try:
+                assembler.put(i, block)
+            except CorruptDataError as e:
+                self._corrupt(Family.BLOCKS, keys[i], str(e))
+                return i, hot_hits
+        return len(headers), hot_hits
+
+    def _assemble_each(
+        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
+    ) -> tuple[int, int]:
+        """`assemble` one payload at a time through the store (and the hot tier).
 
         From the first payload read from the store on, if enough bytes remain, the rest
         are read and verified on a background thread one block ahead (`ReadAhead`)
-        while this one copies. `fetched`: payloads already read and verified elsewhere
-        (the shared tier's continuation of the chain), by chain hash.
+        while this one copies.
         """
         items = [(h.chain_hash, h.payload_digest) for h in headers]
-        # Fetched payloads continue the chain after the local ones: read ahead locally only.
-        remote = fetched or {}
-        n_local = next((n for n, (k, _) in enumerate(items) if k in remote), len(items))
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
         results: Iterator[_Fetched] | None = None
-        i = 0
+        i = first
         try:
             for i, (key, expected) in enumerate(items):
-                if fetched is not None and key in fetched:
-                    try:
-                        assembler.put(i, fetched[key], later=True)
-                    except CorruptDataError as e:  # MAC'd, but not this model's layout
-                        self.counters.count(remote_rejected=1)
-                        log.warning("cas_bank: remote block %s rejected (%s)", key.hex()[:16], e)
-                        break
+                if i < first:
                     continue
                 if results is None:
                     value, from_hot = self._fetch(Family.BLOCKS, key, expected)
                     if not from_hot and worth_reading_ahead(
-                        [h.payload_size for h in headers[i + 1 : n_local]]
+                        [h.payload_size for h in headers[i + 1 :]]
                     ):
-                        ahead = ReadAhead(self._fetch_block, items[i + 1 : n_local], depth=1)
+                        ahead = ReadAhead(self._fetch_block, items[i + 1 :], depth=1)
                         results = iter(ahead)
                 else:
                     value, from_hot = next(results)

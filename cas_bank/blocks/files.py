@@ -1,0 +1,278 @@
+"""The file tier: large payloads as immutable files beside the database.
+
+A wrapper store (like the hot tier). A block or state payload of at least
+`min_bytes` is written to its own file, named by its key and digest, and the
+database keeps a small stub in its place (`CASF`, the payload's digest and size).
+RocksDB stays the index and the single commit point:
+
+- write: the files first (written whole under a temporary name, fsync'd when
+  `durable`, renamed, directory fsync'd), then the inner batch with the stubs. A crash
+  in between leaves files no stub names: `sweep` finds and removes them (run at the
+  next open after an unclean close, and by `verify`/`gc`).
+- read: `get_many` returns the file's bytes, so everything above (verify, export,
+  eviction, the codec) sees the same payload as before; a restore reads the file
+  into its destination arrays itself (`payload_file`, `index.fastread`).
+- delete / overwrite: the inner batch first, then the files no stub names any more.
+
+Why: rocksdict's `get` returns a new `bytes` per value and holds the GIL (0.66-1.03
+GB/s after a reopen, measured), while `preadv` of a file in the page cache into the
+destination memory runs at memory speed on both cores (docs/design.md, "Restore path").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
+from cas_bank.errors import CorruptDataError
+
+STUB_MAGIC = b"CASF"
+_STUB = struct.Struct("<4s32sQ")
+MIN_FILE_BYTES = 64 * 1024
+_CODEC_MAGIC = b"CASB"
+_DIGEST_AT = 24  # where the codec puts a payload's digest (blocks.codec._FIXED)
+_DIRTY = "OPEN"  # present while a writer has the tier open: a crash leaves it behind
+
+
+def stub_of(value: bytes) -> tuple[bytes, int] | None:
+    """(digest, size) if `value` is a file stub, else None."""
+    if len(value) == _STUB.size and value[:4] == STUB_MAGIC:
+        _, digest, size = _STUB.unpack(value)
+        return digest, size
+    return None
+
+
+class FileTier(BlockStore):
+    """Payloads of `min_bytes` or more as files under `directory`; the rest in `inner`."""
+
+    def __init__(
+        self,
+        inner: BlockStore,
+        directory: str | Path,
+        *,
+        min_bytes: int = MIN_FILE_BYTES,
+        durable: bool = True,
+    ) -> None:
+        self.inner = inner
+        self.capabilities = inner.capabilities  # files first, then inner's one batch
+        self.directory = Path(directory)
+        self.min_bytes = min_bytes
+        self.durable = durable
+        self.read_only = inner.read_only
+        self._lock = threading.Lock()  # one writer of files at a time
+        self.files_written = 0
+        self.file_bytes_written = 0
+        if not self.read_only:
+            for family in PAYLOAD_FAMILIES:
+                (self.directory / family.value).mkdir(parents=True, exist_ok=True)
+            dirty = self.directory / _DIRTY
+            if dirty.exists():
+                self.sweep()  # the last writer did not close: files may lack their stubs
+            dirty.touch()
+
+    # -- naming --------------------------------------------------------------------
+    def path(self, family: Family, key: bytes, digest: bytes) -> Path:
+        return self.directory / family.value / f"{key.hex()}.{digest.hex()[:16]}"
+
+    def payload_file(self, family: Family, key: bytes, stub: bytes) -> tuple[Path, int] | None:
+        """The file and size behind a stub read from the inner store, or None."""
+        found = stub_of(stub)
+        if found is None:
+            return None
+        return self.path(family, key, found[0]), found[1]
+
+    # -- reads ---------------------------------------------------------------------
+    def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        values = self.inner.get_many(family, keys)
+        if family not in PAYLOAD_FAMILIES:
+            return values
+        return [self._resolve(family, k, v) for k, v in zip(keys, values, strict=True)]
+
+    def get_raw(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The inner store's values: stubs stay stubs (a restore reads the files itself)."""
+        return self.inner.get_many(family, keys)
+
+    def _resolve(self, family: Family, key: bytes, value: bytes | None) -> bytes | None:
+        if value is None:
+            return None
+        found = stub_of(value)
+        if found is None:
+            return value
+        try:
+            with open(self.path(family, key, found[0]), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None  # a payload missing under its header: the reader counts it
+
+    def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
+        for key, value in self.inner.iterate(family, values=values):
+            if values and family in PAYLOAD_FAMILIES:
+                resolved = self._resolve(family, key, value)
+                if resolved is None:
+                    continue
+                value = resolved
+            yield key, value
+
+    # -- writes --------------------------------------------------------------------
+    def put_batch(self, writes: Sequence[Write]) -> None:
+        if self.read_only:
+            self.inner.put_batch(writes)  # raises, naming the mode
+            return
+        touched = [(f, k) for f, k, _ in writes if f in PAYLOAD_FAMILIES]
+        with self._lock:
+            before = self._names(touched)
+            out: list[Write] = []
+            new: list[Path] = []
+            try:
+                for family, key, value in writes:
+                    if self._as_file(family, value):
+                        assert value is not None
+                        digest = value[_DIGEST_AT : _DIGEST_AT + 32]
+                        path = self.path(family, key, digest)
+                        self._write_file(path, value)
+                        new.append(path)
+                        value = _STUB.pack(STUB_MAGIC, digest, len(value))
+                    out.append((family, key, value))
+                if new and self.durable:
+                    for family in PAYLOAD_FAMILIES:
+                        _fsync_dir(self.directory / family.value)
+                self.inner.put_batch(out)
+            except BaseException:
+                for path in new:
+                    if path not in before.values():
+                        with contextlib.suppress(OSError):
+                            path.unlink()
+                raise
+            after = self._names(touched)
+            for name, path in before.items():
+                if after.get(name) != path:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+
+    def _as_file(self, family: Family, value: bytes | None) -> bool:
+        return (
+            family in PAYLOAD_FAMILIES
+            and value is not None
+            and len(value) >= self.min_bytes
+            and value[:4] == _CODEC_MAGIC
+        )
+
+    def _names(self, touched: list[tuple[Family, bytes]]) -> dict[tuple[Family, bytes], Path]:
+        """The files the inner store's stubs name now, for these keys."""
+        out: dict[tuple[Family, bytes], Path] = {}
+        for family in PAYLOAD_FAMILIES:
+            keys = [k for f, k in touched if f is family]
+            for key, value in zip(keys, self._get_each(family, keys), strict=True):
+                found = self.payload_file(family, key, value) if value else None
+                if found is not None:
+                    out[(family, bytes(key))] = found[0]
+        return out
+
+    def _get_each(self, family: Family, keys: list[bytes]) -> list[bytes | None]:
+        """Values one by one: one that RocksDB finds damaged reads as None here. A stub
+        is small, so it never sits in a blob file: a damaged blob is no stub."""
+        try:
+            return self.inner.get_many(family, keys)
+        except CorruptDataError:
+            out: list[bytes | None] = []
+            for key in keys:
+                try:
+                    out.append(self.inner.get(family, key))
+                except CorruptDataError:
+                    out.append(None)
+            return out
+
+    def _write_file(self, path: Path, value: bytes) -> None:
+        # Written even if present: a rewrite repairs a file that failed its digest.
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(value)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self.files_written += 1
+        self.file_bytes_written += len(value)
+
+    # -- upkeep --------------------------------------------------------------------
+    def sweep(self) -> int:
+        """Remove files no stub names (a crash between a file and its batch); returns
+        how many. Needs the writer: a store in flight would lose its new files."""
+        removed = 0
+        for family in PAYLOAD_FAMILIES:
+            folder = self.directory / family.value
+            if not folder.is_dir():
+                continue
+            by_key: dict[bytes, list[Path]] = {}
+            for entry in os.scandir(folder):
+                name = entry.name
+                key_hex = name.split(".", 1)[0]
+                try:
+                    by_key.setdefault(bytes.fromhex(key_hex), []).append(folder / name)
+                except ValueError:
+                    continue  # not ours
+            keys = list(by_key)
+            for key, value in zip(keys, self._get_each(family, keys), strict=True):
+                found = self.payload_file(family, key, value) if value else None
+                keep = found[0] if found else None
+                for path in by_key[key]:
+                    if path != keep:
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
+                            removed += 1
+        return removed
+
+    def file_bytes(self) -> int:
+        total = 0
+        for family in PAYLOAD_FAMILIES:
+            folder = self.directory / family.value
+            if folder.is_dir():
+                total += sum(e.stat().st_size for e in os.scandir(folder))
+        return total
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    def degraded(self) -> str | None:
+        return self.inner.degraded()
+
+    def refresh(self) -> None:
+        self.inner.refresh()
+
+    def disk_bytes(self) -> int | None:
+        inner = self.inner.disk_bytes()
+        return None if inner is None else inner + self.file_bytes()
+
+    def flush(self) -> None:
+        flush = getattr(self.inner, "flush", None)
+        if flush is not None:
+            flush()
+
+    def compact(self) -> None:
+        compact = getattr(self.inner, "compact", None)
+        if compact is not None:
+            compact()
+
+    def close(self) -> None:
+        self.inner.close()
+        if not self.read_only:
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / _DIRTY).unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

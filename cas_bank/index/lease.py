@@ -1,0 +1,131 @@
+"""Leases: prefixes stored (or restored) in this process, kept as MLX arrays and handed
+out again without a copy.
+
+MLX arrays are values: a slice shares its buffer, and an in-place update of an
+array (mlx-lm's `cache.keys[..., a:b, :] = k`) writes into its buffer only when
+nothing else holds that buffer; otherwise it copies first. So the bank may keep a
+slice of a cache's buffer and hand out slices of it: whatever a runtime later does
+to its cache (prefill, decode, trim then overwrite) copies before it writes, and the
+bank's bytes never change (tests/test_lease.py shows it). The price is paid once, by
+the cache: its next update after a store copies the buffer it shares with the bank.
+
+Entries are chains: block i of an entry is the block named `hashes[i]`, and a chain
+hash names its whole prefix, so an entry that holds block k of a prompt holds blocks
+0..k as well. A restore probes once: the deepest of its matched blocks that some
+entry holds. Bounded by bytes (the buffers held), least recently used first out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(slots=True)
+class _Entry:
+    hashes: list[bytes]
+    arrays: list[mx.array]  # flat attention arrays, each holding len(hashes) blocks
+    nbytes: int
+
+
+class Leases:
+    """At most `max_bytes` of recently used chains' arrays, by chain hash."""
+
+    def __init__(self, max_bytes: int, block_size: int) -> None:
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # by last chain hash
+        self._blocks: dict[bytes, tuple[bytes, int]] = {}  # chain hash -> (entry, index)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def put(self, hashes: Sequence[bytes], arrays: Sequence[mx.array]) -> None:
+        """Keep `arrays` (each holding at least `len(hashes)` blocks on axis -2) as the
+        chain `hashes`. The arrays are sliced (no copy) and evaluated here."""
+        if not hashes or self.max_bytes <= 0:
+            return
+        n = len(hashes) * self.block_size
+        # Always new array objects (slices share the buffer, never the object): an
+        # in-place update rebinds the object it is applied to, so the bank must not
+        # hold the very objects the cache holds, nor hand out its own.
+        kept = [a[..., :n, :] for a in arrays]
+        mx.eval(kept)
+        # Charged for the whole buffers they keep alive (a padded cache buffer too).
+        nbytes = sum(int(a.nbytes) for a in arrays)
+        if nbytes > self.max_bytes:
+            return
+        last = bytes(hashes[-1])
+        with self._lock:
+            held = self._blocks.get(last)
+            if held is not None and held[1] == len(hashes) - 1 and held[0] in self._entries:
+                self._entries.move_to_end(held[0])  # already leased: just used
+                return
+            self._drop(last)
+            entry = _Entry([bytes(h) for h in hashes], kept, nbytes)
+            self._entries[last] = entry
+            for i, h in enumerate(entry.hashes):
+                self._blocks[h] = (last, i)
+            self._bytes += nbytes
+            while self._bytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+
+    def probe(self, hashes: Sequence[bytes]) -> tuple[int, list[mx.array]]:
+        """(k, arrays): the leased arrays of the deepest block k-1 of the chain `hashes`
+        that an entry holds, sliced to its k blocks; (0, []) if none.
+
+        A binary search: the blocks an entry holds are a prefix of every chain that
+        reaches them, so "block i is held" only turns false going deeper.
+        """
+        with self._lock:
+            if not self._blocks or not hashes:
+                return 0, []
+            lo, hi = 0, len(hashes)  # blocks below lo are held; from hi on, not
+            if hashes[-1] in self._blocks:
+                lo = hi
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if hashes[mid] in self._blocks:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo == 0:
+                return 0, []
+            last, index = self._blocks[hashes[lo - 1]]
+            entry = self._entries[last]
+            self._entries.move_to_end(last)
+        n = lo * self.block_size
+        assert index == lo - 1, "a chain hash names its position"
+        out = [a[..., :n, :] for a in entry.arrays]  # new objects, same buffers
+        mx.eval(out)
+        return lo, out
+
+    def forget(self, hashes: Sequence[bytes]) -> None:
+        """Drop every entry holding any of these blocks (evicted or rewritten)."""
+        with self._lock:
+            for h in hashes:
+                held = self._blocks.get(bytes(h))
+                if held is not None:
+                    self._drop(held[0])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._blocks.clear()
+            self._bytes = 0
+
+    def _drop(self, last: bytes) -> None:
+        entry = self._entries.pop(last, None)
+        if entry is None:
+            return
+        self._bytes -= entry.nbytes
+        for h in entry.hashes:
+            if self._blocks.get(h, (None,))[0] == last:
+                del self._blocks[h]

@@ -1,0 +1,101 @@
+"""The background writer: stores queued by `Namespace.store_later`, written in order on
+one thread, so that encoding, digests, payload files and the RocksDB batch run off the
+caller's thread (MTPLX's idle-lane spill).
+
+- The caller pays for checking its input and for a zero-copy snapshot of its arrays
+  (slices: MLX arrays are values, so the cache's next in-place update copies its
+  buffer once instead of writing into the snapshot; `index.lease`). The snapshot is
+  leased at once: a restore right after sees the blocks from memory.
+- The queue is bounded (`BankConfig.write_behind` stores): when it is full the caller
+  waits. Nothing is dropped: a store that fails keeps its exception, which the next
+  `Bank.flush()` (and `PendingStore.result()`) raises.
+- Each store is one transaction, as on the caller's thread: under SIGKILL a store is
+  whole or absent; one whose `Bank.flush()` returned is on disk (`durability="wal"`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class PendingStore(Generic[T]):
+    """A store queued for the background writer; `result()` waits for it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def _set(self, value: T | None, error: BaseException | None) -> None:
+        self._value, self._error = value, error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> T:
+        """The store's report once written; its exception if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the store is still queued")
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+class BackgroundWriter:
+    """One thread writing queued stores in order; at most `depth` wait."""
+
+    def __init__(self, depth: int) -> None:
+        self._queue: queue.Queue[tuple[Callable[[], Any], PendingStore[Any]] | None] = queue.Queue(
+            maxsize=depth
+        )
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="cas_bank-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, write: Callable[[], T]) -> PendingStore[T]:
+        """Queue `write`; blocks while the queue is full."""
+        pending: PendingStore[T] = PendingStore()
+        self._queue.put((write, pending))
+        return pending
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                write, pending = item
+                try:
+                    pending._set(write(), None)
+                except BaseException as e:  # kept for flush(): never dropped silently
+                    with self._lock:
+                        self._errors.append(e)
+                    pending._set(None, e)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued store is written; raise the first that failed since
+        the last flush. From the writer's own thread (a store that flushes): no wait."""
+        if threading.current_thread() is not self._thread:
+            self._queue.join()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Flush, then stop the thread."""
+        try:
+            self.flush()
+        finally:
+            self._queue.put(None)
+            self._thread.join()

@@ -1,0 +1,166 @@
+"""The file tier (cas_bank.blocks.files): large payloads as files beside RocksDB, the
+database the single commit point; the restore's direct read (index.fastread)."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import layers_bits, prefix_layers, tokens_of
+
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.blocks.files import STUB_MAGIC, FileTier
+from cas_bank.blocks.rocks import RocksStore
+from cas_bank.blocks.store import Family
+from cas_bank.verify import verify
+
+B = 16
+# Two layers of [1, 4, 16, 128] float32 keys and values: 128 KiB a block, in files.
+SPEC = ModelSpec(
+    name="filed",
+    layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=128, dtype="float32") for _ in "ab"),
+    weights_digest="w-filed",
+)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted((path / "payloads" / "blocks").iterdir())
+
+
+def _store(path: Path, tokens: list[int], **config: object) -> list[list[bytes]]:
+    with Bank.open(path, BankConfig(block_size=B, hot_bytes=0, **config)) as bank:  # type: ignore[arg-type]
+        layers = prefix_layers(SPEC, tokens)
+        bank.namespace(SPEC).store(tokens, layers)
+        return [[np.array(a).tobytes() for a in layer] for layer in layers]
+
+
+def test_large_payloads_are_files_and_restore_bit_exact(bank_path: Path) -> None:
+    tokens = tokens_of(np.random.default_rng(1), 4 * B)
+    _store(bank_path, tokens)
+    assert len(_files(bank_path)) == 4
+    with RocksStore(bank_path, mode="read_only") as raw:  # the database holds stubs
+        assert all(v[:4] == STUB_MAGIC for _, v in raw.iterate(Family.BLOCKS))
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(SPEC).restore(tokens)
+        assert hit is not None and hit.tokens == 4 * B
+        want = prefix_layers(SPEC, tokens)
+        assert layers_bits(hit.layers, SPEC) == layers_bits(want, SPEC)
+        roomy = bank.namespace(SPEC).restore(tokens, room_for=300)
+        assert roomy is not None and roomy.layers[0][0].shape[-2] == 512
+        assert mx.array_equal(roomy.layers[0][0][..., : 4 * B, :], want[0][0]).item()
+        assert verify(bank).ok  # verify reads the files through the store
+        assert bank.stats().disk_bytes >= sum(p.stat().st_size for p in _files(bank_path))
+
+
+def test_a_damaged_file_is_a_counted_miss_and_the_next_store_repairs_it(bank_path: Path) -> None:
+    tokens = tokens_of(np.random.default_rng(2), 4 * B)
+    _store(bank_path, tokens)
+    third = [p for p in _files(bank_path)]
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        ns = bank.namespace(SPEC)
+        chain = ns.chain(tokens)
+        damaged = next(p for p in third if p.name.startswith(chain[2].hex()))
+        with damaged.open("r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 1]))
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.tokens == 2 * B  # stops before the damaged block
+        assert bank.stats().corrupt_reads == 1
+        ns.store(tokens, prefix_layers(SPEC, tokens))  # rewrites the suspect block
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.tokens == 4 * B
+
+
+def test_a_missing_file_is_a_counted_miss(bank_path: Path) -> None:
+    tokens = tokens_of(np.random.default_rng(3), 3 * B)
+    _store(bank_path, tokens)
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        ns = bank.namespace(SPEC)
+        gone = next(p for p in _files(bank_path) if p.name.startswith(ns.chain(tokens)[1].hex()))
+        gone.unlink()
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.tokens == B
+        assert bank.stats().corrupt_reads == 1
+
+
+def test_files_of_a_batch_that_never_committed_are_found_and_removed(bank_path: Path) -> None:
+    """A crash between the files and their batch: the next open sweeps them away."""
+    tokens = tokens_of(np.random.default_rng(4), 2 * B)
+    _store(bank_path, tokens)
+    kept = _files(bank_path)
+    orphan = bank_path / "payloads" / "blocks" / f"{'ab' * 32}.{'cd' * 8}"
+    orphan.write_bytes(b"CASB" + bytes(100))
+    (bank_path / "payloads" / "blocks" / f"{'ef' * 32}.{'01' * 8}.tmp").write_bytes(b"x")
+    (bank_path / "payloads" / "OPEN").touch()  # the writer that wrote them never closed
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        assert _files(bank_path) == kept
+        assert bank.namespace(SPEC).match(tokens) == 2 * B
+
+
+def test_a_failed_batch_leaves_no_file(bank_path: Path) -> None:
+    class Failing(RocksStore):
+        def put_batch(self, writes: object) -> None:  # type: ignore[override]
+            raise OSError("disk full")
+
+    with Failing(bank_path) as inner:
+        tier = FileTier(inner, bank_path / "payloads")
+        payload = b"CASB" + bytes(20) + bytes(range(32)) + bytes(100_000)
+        with pytest.raises(OSError, match="disk full"):
+            tier.put_batch([(Family.BLOCKS, b"k" * 32, payload)])
+        assert not list((bank_path / "payloads" / "blocks").iterdir())
+        tier.close()
+
+
+def test_eviction_and_verify_fix_remove_files(bank_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    a, b = tokens_of(rng, 4 * B), tokens_of(rng, 4 * B)
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(a, prefix_layers(SPEC, a))
+        ns.store(b, prefix_layers(SPEC, b))
+        assert len(_files(bank_path)) == 8
+    one_block = 2 * 2 * 4 * B * 128 * 4
+    with Bank.open(bank_path, BankConfig(hot_bytes=0, max_bytes=5 * one_block)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(b, prefix_layers(SPEC, b))  # a store enforces the budget
+        assert len(_files(bank_path)) == bank.stats().blocks <= 5
+        stray = bank_path / "payloads" / "blocks" / f"{'ab' * 32}.{'cd' * 8}"
+        stray.write_bytes(b"CASB")
+        assert verify(bank, fix=True).removed_orphans >= 1
+        assert not stray.exists()
+
+
+def test_a_format_1_bank_opens_reads_and_is_marked_2(bank_path: Path) -> None:
+    """Version 1 kept every payload in RocksDB: it opens as it is and restores."""
+    tokens = tokens_of(np.random.default_rng(6), 3 * B)
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        bank.files.min_bytes = 1 << 40  # type: ignore[union-attr]  # what version 1 wrote
+        bank.namespace(SPEC).store(tokens, prefix_layers(SPEC, tokens))
+        bank.store.put_batch([(Family.META, b"format_version", struct.pack("<I", 1))])
+    assert not _files(bank_path)
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(SPEC).restore(tokens)
+        assert hit is not None and hit.tokens == 3 * B
+        want = prefix_layers(SPEC, tokens)
+        assert layers_bits(hit.layers, SPEC) == layers_bits(want, SPEC)
+    with RocksStore(bank_path, mode="read_only") as raw:
+        assert raw.get(Family.META, b"format_version") == struct.pack("<I", 2)
+
+
+def test_files_are_fsynced_only_when_durable(
+    bank_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    tokens = tokens_of(np.random.default_rng(7), 2 * B)
+    _store(bank_path / "fast", tokens, durability="fast")
+    assert not synced
+    _store(bank_path / "wal", tokens, durability="wal")
+    assert len(synced) >= 2 + 2  # each file, and the directories

@@ -1,0 +1,89 @@
+"""Leases (cas_bank.index.lease): a stored or restored prefix handed out without a copy,
+and the proof that nothing a runtime does to its cache afterwards (prefill, decode,
+trim and overwrite) can write into the memory the bank holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cas_bank.runtime import PrefixCache
+from runtime_helpers import straight_logits, temp_bank, tiny
+
+BLOCK = 16
+
+
+def _leased_bits(bank: Any) -> list[bytes]:
+    """Bytes of every array the bank's leases hold (a copy, taken now)."""
+    leases = bank.leases
+    assert leases is not None
+    return [
+        np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+        for entry in leases._entries.values()
+        for a in entry.arrays
+    ]
+
+
+def _abuse(pc: PrefixCache, cache: list[Any], tokens: list[int], start: int) -> None:
+    """Everything a runtime does to a cache in place: a prefill chunk, decode steps,
+    a trim back into the restored part, then new tokens over the trimmed ones."""
+    rng = np.random.default_rng(1)
+    pc.model(mx.array(tokens[start:])[None], cache=cache)
+    for _ in range(3):
+        pc.model(mx.array([[int(rng.integers(0, 200))]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for c in cache:
+        c.trim(c.offset - (start - 8))  # back into the leased tokens
+    pc.model(mx.array([[int(t) for t in rng.integers(0, 200, 12)]]), cache=cache)
+    for c in cache:
+        c.keys[..., :4, :] = mx.zeros_like(c.keys[..., :4, :])  # direct slice writes
+    mx.eval([c.state for c in cache])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lease_is_never_written_by_the_cache_it_came_from_or_went_to(dtype: str) -> None:
+    lm = tiny("tiny-qwen3", dtype)
+    rng = np.random.default_rng(5)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, lm)
+        cache = pc.new_cache()
+        pc.prefill(tokens, cache)  # stores, and leases the stored chain
+        before = _leased_bits(bank)
+        assert before, "the store left nothing leased"
+        _abuse(pc, cache, tokens, len(tokens) - 1)  # the cache that was stored
+        assert _leased_bits(bank) == before
+
+        hot_before = bank.stats().hot_hits
+        restored, n = pc.restore(tokens)
+        assert n == 4 * BLOCK and bank.stats().hot_hits > hot_before  # from the lease
+        _abuse(pc, restored, tokens, n)  # the cache the lease went to
+        assert _leased_bits(bank) == before
+
+        again, n = pc.restore(tokens)
+        logits = pc.prefill(tokens, again, start=n, store=False)
+        want = straight_logits(pc, tokens)
+        tol = 1e-4 if dtype == "float32" else 6e-2
+        assert float(mx.max(mx.abs(logits - want)).item()) <= tol
+
+
+def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
+    """PrefixCache.restore reads into arrays with room for the prompt: the prefill of
+    the rest writes in place; the bank keeps no reference, so nothing forces a copy."""
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(6)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 40)]
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, lm)
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.leases is not None
+        bank.leases.clear()
+        cache, n = pc.restore(tokens)
+        assert n == 4 * BLOCK + 32
+        assert all(c.keys.shape[-2] == 256 for c in cache)  # room, mlx-lm's step
+        assert bank.leases.used_bytes == 0
+        logits = pc.prefill(tokens, cache, start=n, store=False)
+        want = straight_logits(pc, tokens)
+        assert float(mx.max(mx.abs(logits - want)).item()) <= 1e-4

@@ -1,0 +1,163 @@
+"""The background writer (`Namespace.store_later`, `BankConfig.write_behind`): the caller
+does not write, a restore right after sees the blocks, `flush` waits and raises what
+failed, `close` flushes, and SIGKILL leaves flushed stores whole and the rest whole or
+absent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import (
+    attention_spec,
+    child_env,
+    kv_prefix_bits,
+    layers_bits,
+    prefix_layers,
+    tokens_of,
+)
+from test_bank_process import KILL_BLOCK, big_spec, check_consistent, kill_prompt
+
+from cas_bank import Bank, BankConfig, InvalidInputError
+from cas_bank.blocks.rocks import RocksStore
+from cas_bank.blocks.store import Write
+
+B = 4
+
+
+def test_a_queued_store_is_restored_from_memory_then_found_on_disk(bank_path: Path) -> None:
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(1), 5 * B + 2)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=4)) as bank:
+        ns = bank.namespace(spec)
+        pending = ns.store_later(tokens, layers)
+        hit = ns.restore(tokens)  # written or not yet: the lease has it
+        assert hit is not None and hit.tokens == 5 * B
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, 5 * B)
+        bank.flush()
+        assert pending.done() and pending.result().blocks_written == 5
+        assert bank.stats().blocks == 5
+    with Bank.open(bank_path) as bank:
+        assert bank.namespace(spec).match(tokens) == 5 * B
+
+
+def test_close_writes_what_is_queued(bank_path: Path) -> None:
+    spec = attention_spec()
+    rng = np.random.default_rng(2)
+    prompts = [tokens_of(rng, 3 * B) for _ in range(6)]
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=2)) as bank:
+        ns = bank.namespace(spec)
+        for p in prompts:  # more than the queue holds: the caller waits, nothing dropped
+            ns.store_later(p, prefix_layers(spec, p))
+    with Bank.open(bank_path) as bank:
+        assert all(bank.namespace(spec).match(p) == 3 * B for p in prompts)
+        assert bank.stats().blocks == 18 and bank.stats().stores == 6
+
+
+def test_bad_input_raises_on_the_callers_thread(bank_path: Path) -> None:
+    spec = attention_spec()
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=2)) as bank:
+        with pytest.raises(InvalidInputError):
+            bank.namespace(spec).store_later([1, 2, 3, 4, 5], [None, None])
+        bank.flush()
+        assert bank.stats().stores == 0
+
+
+def test_a_failed_background_store_is_raised_by_flush(bank_path: Path) -> None:
+    class FailOnce(RocksStore):
+        failed = False
+
+        def put_batch(self, writes: list[Write]) -> None:  # type: ignore[override]
+            if not FailOnce.failed and any(w[0].value == "blocks" for w in writes):
+                FailOnce.failed = True
+                raise OSError("disk full")
+            super().put_batch(writes)
+
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(3), 2 * B)
+    config = BankConfig(block_size=B, write_behind=2, hot_bytes=0)
+    with Bank.open(FailOnce(bank_path), config) as bank:
+        ns = bank.namespace(spec)
+        pending = ns.store_later(tokens, prefix_layers(spec, tokens))
+        with pytest.raises(OSError, match="disk full"):
+            bank.flush()
+        with pytest.raises(OSError, match="disk full"):
+            pending.result()
+        assert bank.stats().blocks == 0
+        ns.store_later(tokens, prefix_layers(spec, tokens))
+        bank.flush()  # the error was reported once; this store went through
+        assert bank.stats().blocks == 2
+
+
+WRITE_BEHIND_CHILD = """
+import sys
+from test_bank_process import big_spec, kill_prompt, KILL_BLOCK
+from conftest import prefix_layers
+from cas_bank import Bank, BankConfig
+path = sys.argv[1]
+spec = big_spec()
+with Bank.open(path, BankConfig(block_size=KILL_BLOCK, write_behind=3)) as bank:
+    ns = bank.namespace(spec)
+    i = 0
+    while True:
+        batch = list(range(i, i + 3))
+        for j in batch:
+            tokens = kill_prompt(j)
+            ns.store_later(tokens, prefix_layers(spec, tokens))
+        bank.flush()
+        print(*batch, flush=True)  # acknowledged: flushed
+        i += 3
+"""
+
+
+def test_sigkill_with_a_background_writer(bank_path: Path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(WRITE_BEHIND_CHILD), str(bank_path)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    first = child.stdout.readline()
+    assert first.strip(), child.stderr.read() if child.stderr else ""
+    time.sleep(0.3)
+    os.kill(child.pid, signal.SIGKILL)
+    out, _ = child.communicate(timeout=30)
+    acked = [int(x) for x in (first + out).split()]
+    spec = big_spec()
+    with Bank.open(bank_path, BankConfig(block_size=KILL_BLOCK)) as bank:
+        check_consistent(bank)  # whole or absent; counters equal a recount
+        ns = bank.namespace(spec)
+        for i in acked:  # every store whose flush returned survived
+            tokens = kill_prompt(i)
+            assert ns.match(tokens) == len(tokens) // KILL_BLOCK * KILL_BLOCK
+
+
+def test_prefix_cache_in_the_background_is_exact(bank_path: Path) -> None:
+    from cas_bank.runtime import PrefixCache
+    from runtime_helpers import straight_logits, tiny
+
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(9)
+    a = [int(t) for t in rng.integers(0, 200, 40)]
+    b = [*a, *[int(t) for t in rng.integers(0, 200, 9)]]
+    with Bank.open(bank_path, BankConfig(block_size=16, write_behind=2)) as bank:
+        pc = PrefixCache(bank, lm, background=True)
+        pc.prefill(a, pc.new_cache())
+        assert pc.last_pending is not None
+        cache, n = pc.restore(b)  # queued or written: the same prefix
+        assert n == 32
+        logits = pc.prefill(b, cache, start=n)
+        want = straight_logits(pc, b)
+        assert float(np.max(np.abs(np.array(logits) - np.array(want)))) <= 1e-4
+        bank.flush()
+        assert bank.stats().blocks == 3
