@@ -36,7 +36,8 @@ class BankConfig(BaseModel):
     file_min_bytes: int | None = Field(default=64 * 1024, ge=0, strict=True)
     """Payloads of at least this many bytes are kept as files beside the database and
     read straight into a restore's arrays (`blocks.files`); None keeps every payload in
-    RocksDB (read through rocksdict, ~1 GB/s). Files already written stay readable."""
+    RocksDB (read through rocksdict, slower: docs/design.md, "Restore path"). Files
+    already written stay readable."""
 
     write_behind: int = Field(default=0, ge=0, strict=True)
     """Stores `Namespace.store_later` (and `PrefixCache(background=True)`) may queue for

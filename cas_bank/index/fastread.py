@@ -3,8 +3,8 @@
 A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed lead,
 the array descriptors, then each attention array's block slice in C order. Per block:
 one `preadv` of the whole file into the reading thread's reused buffer, one blake3
-call over it (the codec's digest; blake3-py costs ~13 us a call, so hashing the
-destination's row runs one call each was slower than this extra copy), then, once it
+call over it (the codec's digest; blake3-py's fixed cost per call made hashing the
+destination's row runs one call each slower than this extra copy), then, once it
 verified, one strided copy per array into its rows of the destination. Blocks go to a
 small thread pool: `preadv`, blake3 and `np.copyto` release the GIL.
 
