@@ -361,7 +361,7 @@ class Namespace:
         # The one probe of memory: the deepest matched block a lease holds.
         leases = self.bank.leases
         # A chain queued for the background writer counts too (attention-only models).
-        queued = self.bank.writer is not None and not hybrid
+        queued = self.bank.writer is not None and not hybrid and cont is None
         probed = hashes if queued else hashes[:n_blocks]
         leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
         n_blocks = max(n_blocks, leased)
