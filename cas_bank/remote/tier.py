@@ -193,31 +193,33 @@ class RemoteTier:
         present = self.client.run(probe)
         if present is None:
             return
-        cmds: list[tuple[str, bytes, bytes]] = []
-        entries = 0
+        # SET ... NX: two hosts that store the same block at once both see it absent, and
+        # only the first write of each key lands (same key, same bytes: content-addressed).
+        cmds: list[tuple[str, bytes, bytes, str]] = []
+        counted: list[bool] = []  # the header or state write that makes an entry
         for (header, payload), (hk, pk), have in zip(job.blocks, block_keys, present, strict=False):
             if have == 2:
                 continue
             # The payload first: a reader that sees the header finds the payload.
-            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload)))
-            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode())))
-            entries += 1
+            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), "NX"))
+            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), "NX"))
+            counted += [False, True]
         for (_, payload), sk, have in zip(
             job.states, state_keys, present[len(block_keys) :], strict=True
         ):
             if have == 1:
                 continue
-            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload)))
-            entries += 1
+            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload), "NX"))
+            counted.append(True)
         if not cmds:
             return
         done = self.client.run(cmds)
         if done is None:
             return
-        ok = sum(1 for a in done if a is not None)
+        # None: refused (a full node), not sent, or already written by another host.
         written = sum(len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None)
         self.bank.counters.count(
-            remote_publishes=entries if ok == len(cmds) else ok // 2,
+            remote_publishes=sum(1 for a, c in zip(done, counted, strict=True) if c and a),
             remote_published_bytes=written,
         )
 
