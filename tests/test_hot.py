@@ -29,6 +29,7 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
 from cas_bank.index.evict import evict_to_budget
+from cas_bank.testing import StoreConformance
 
 
 class CountingStore(BlockStore):
@@ -37,6 +38,7 @@ class CountingStore(BlockStore):
     def __init__(self, inner: BlockStore) -> None:
         self.inner = inner
         self.read_only = inner.read_only
+        self.capabilities = inner.capabilities
         self.reads: list[tuple[Family, int]] = []  # (family, number of keys) per call
         self.batches: list[list[Write]] = []
         self.fail_reads = False
@@ -60,6 +62,16 @@ class CountingStore(BlockStore):
         if self.fail_reads:
             raise AssertionError(f"iteration of {family.value} below the hot tier")
         return self.inner.iterate(family, values=values)
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def compact(self) -> None:
+        self.inner.compact()
 
     def disk_bytes(self) -> int | None:
         return self.inner.disk_bytes()
@@ -86,6 +98,16 @@ def open_counted(path: Path, config: BankConfig) -> tuple[Bank, CountingStore]:
 
 
 MiB = 1 << 20
+
+
+class TestCountingStore(StoreConformance):
+    """The tests' own wrapper meets the store interface too."""
+
+    def make(self, tmp_path: Path) -> BlockStore:
+        return CountingStore(RocksStore(tmp_path / "db"))
+
+    def reopen(self, tmp_path: Path) -> BlockStore | None:
+        return CountingStore(RocksStore(tmp_path / "db"))
 
 
 # -- a hot restore reads nothing below --------------------------------------------
