@@ -114,7 +114,7 @@ def _restore_ways(workdir: Path, s: RemoteSettings, lm: Any, url: str) -> dict[s
     for r in range(s.repeats):
         with Bank.open(workdir / f"empty{r}", _config(s, url)) as empty:
             pc = PrefixCache(empty, lm, chunk_size=PREFILL_STEP)
-            pc.restore(prompt[:65])  # connect first: a running host is connected
+            pc.restore(np.arange(2 * s.block_size, dtype=np.uint32))  # connects (a miss)
             t = time.perf_counter()
             _, n = pc.restore(prompt)
             cluster.append(time.perf_counter() - t)
@@ -154,7 +154,7 @@ def _down(workdir: Path, s: RemoteSettings, lm: Any, cluster: LocalCluster) -> d
                     cluster.pause(i)
             times = []
             try:
-                for _ in range(max(4, s.repeats)):
+                for _ in range(max(9, s.repeats)):
                     t = time.perf_counter()
                     _, n = pc.restore(longer)  # its tail is asked of the cluster
                     times.append(time.perf_counter() - t)
@@ -191,7 +191,8 @@ def run(workdir: Path, s: RemoteSettings) -> dict[str, Any]:
         shared = _fleet(workdir / "shared", s, lm, cluster.url(), prompts)
         held = cluster.memory_usage()
         values = cluster.value_bytes()
-        spec = PrefixCache(Bank.open(workdir / "probe", _config(s, None)), lm).spec
+        with Bank.open(workdir / "probe", _config(s, None)) as probe:
+            spec = PrefixCache(probe, lm).spec
         bs = s.block_size
         distinct_blocks = s.system_tokens // bs + s.agents * (
             (s.system_tokens + s.turns * s.distinct_tokens) // bs - s.system_tokens // bs

@@ -98,8 +98,65 @@ def render(r: dict[str, Any]) -> list[str]:
     L += _overhead_section(r)
     L += _fleet_section(r)
     L += _admission_section(r)
+    L += _remote_section(r)
     L += _scale_section(r)
     L += _notes(r)
+    return L
+
+
+def _remote_section(r: dict[str, Any]) -> list[str]:
+    rt = r.get("remote")
+    if not rt:
+        return []
+    s, f = rt["settings"], rt["fleet"]
+    alone, shared = f["hosts_alone"], f["hosts_sharing_cluster"]
+    L = [
+        "## Shared tier (a real 3-master Valkey cluster on loopback)",
+        "",
+        f"{s['hosts']} hosts (one bank each), {s['agents']} agents sharing a "
+        f"{s['system_tokens']}-token system prompt, {s['turns']} turns of "
+        f"{s['distinct_tokens']} own tokens, {s['model']}; every turn each agent lands on "
+        "another host.",
+        "",
+    ]
+    L += _table(
+        ["fleet", "hit rate", "restored / queried tokens", "from the cluster", "rejected"],
+        [
+            ["hosts alone", f"{alone['hit_rate']:.1%}",
+             f"{alone['restored_tokens']} / {alone['queried_tokens']}", "–", "–"],
+            ["hosts sharing the cluster", f"{shared['hit_rate']:.1%}",
+             f"{shared['restored_tokens']} / {shared['queried_tokens']}",
+             str(shared["remote_hit_tokens"]), str(shared["rejected"])],
+        ],
+    )  # fmt: skip
+    rs, b, d = rt["restore"], rt["cluster_bytes"], rt["cluster_down"]
+    L += [f"The same {rs['tokens']}-token prefix, medians of {s['repeats']}:", ""]
+    L += _table(
+        ["way", "ms"],
+        [
+            ["local bank (RocksDB, hot tier off)", _ms(rs["local_s"])],
+            ["cluster, into an empty bank (verified)", _ms(rs["cluster_s"])],
+            ["cold prefill", _ms(rs["cold_prefill_s"])],
+        ],
+    )
+    L += _table(
+        ["cluster bytes", "value"],
+        [
+            ["MEMORY USAGE of every key", _mb(b["memory_usage"]) + " MB"],
+            ["values alone", _mb(b["value_bytes"]) + " MB"],
+            ["lower bound (distinct tokens' KV once)", _mb(b["lower_bound"]) + " MB"],
+            ["ratio", f"{b['ratio_to_lower_bound']:.3f}"],
+        ],
+    )
+    L += _table(
+        ["cluster down (every master paused)", "first request", "later (median)"],
+        [
+            ["no shared tier", _ms(d["no_remote"]["first_s"]),
+             _ms(d["no_remote"]["later_median_s"])],
+            ["shared tier down", _ms(d["down"]["first_s"]), _ms(d["down"]["later_median_s"])],
+            ["added", _ms(d["added_first_s"]), _ms(d["added_later_s"])],
+        ],
+    )  # fmt: skip
     return L
 
 

@@ -34,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fleet, restore, scale, ttft
+from benchmarks import fleet, remote_tier, restore, scale, ttft
 from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
@@ -109,6 +109,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
             "fleet": fleet.tiny_settings(),
             "admission": fleet.tiny_settings(),
+            "remote": remote_tier.tiny_settings(),
             "scale": scale.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
@@ -139,6 +140,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "overhead": overhead,
         "fleet": f,
         "admission": fleet.admission_settings(),
+        "remote": remote_tier.RemoteSettings(),
         "scale": s,
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
@@ -168,6 +170,7 @@ def run_all(p: dict[str, Any], workdir: Path) -> dict[str, Any]:
         )
     part("fleet", lambda: fleet.run(workdir / "fleet", p["fleet"]))
     part("admission", lambda: fleet.admission(workdir / "admission", p["admission"]))
+    part("remote", lambda: remote_tier.run(workdir / "remote", p["remote"]))
     part("scale", lambda: scale.run(workdir / "scale", p["scale"]))
     return out
 

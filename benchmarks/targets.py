@@ -158,6 +158,37 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             b["ratio_to_lower_bound"] <= 1.1,
             f"{fl['settings']['agents']} agents x {fl['settings']['turns']} turns",
         )
+    rt = r.get("remote")
+    if rt:
+        where = f"{rt['settings']['hosts']} hosts, {rt['settings']['model']}"
+        rs, b, d = rt["restore"], rt["cluster_bytes"], rt["cluster_down"]
+        alone, shared = rt["fleet"]["hosts_alone"], rt["fleet"]["hosts_sharing_cluster"]
+        add(
+            "cross-host hit rate with the cluster > hosts alone",
+            f"{shared['hit_rate']:.1%} vs {alone['hit_rate']:.1%}",
+            shared["hit_rate"] > alone["hit_rate"] and shared["rejected"] == 0,
+            where,
+        )
+        add(
+            "restore from the cluster faster than cold prefill",
+            f"{ms(rs['cluster_s'])} vs {ms(rs['cold_prefill_s'])} ms "
+            f"(local {ms(rs['local_s'])} ms)",
+            rs["cluster_s"] < rs["cold_prefill_s"],
+            f"{rs['tokens']} tokens, {where}",
+        )
+        add(
+            "cluster bytes <= 1.05x lower bound",
+            f"{b['ratio_to_lower_bound']:.3f}x",
+            b["ratio_to_lower_bound"] <= 1.05,
+            where,
+        )
+        add(
+            "cluster down: one read time-out, then <= 10 ms added (median)",
+            f"+{ms(d['added_first_s'])} ms first, +{ms(d['added_later_s'])} ms later",
+            d["added_first_s"] <= d["remote_timeout_setting_s"] + 0.1
+            and d["added_later_s"] <= 0.010,
+            where,
+        )
     sc = r.get("scale")
     if sc:
         lk = sc["lookup"]

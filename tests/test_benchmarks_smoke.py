@@ -49,6 +49,10 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
 
     out = tmp_path / "report"
     res = run.main(["--quick", "--out", str(out), "--workdir", str(tmp_path)])
+    rt = res["remote"]  # the shared tier on a real cluster: sharing restores across hosts
+    shared, alone = rt["fleet"]["hosts_sharing_cluster"], rt["fleet"]["hosts_alone"]
+    assert shared["hit_rate"] > alone["hit_rate"] and shared["rejected"] == 0
+    assert rt["cluster_bytes"]["ratio_to_lower_bound"] >= 1.0
     saved = json.loads((out / "results.json").read_text())
     assert saved["mode"] == "quick" and saved["targets"] == res["targets"]
     md = (out / "RESULTS.md").read_text()
