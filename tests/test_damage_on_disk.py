@@ -10,6 +10,7 @@ crash fails the test instead of ending the run.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 from damage_kit import build, check_bank, family_tables
-from tool_banks import cas_bank
+from tool_banks import CLI, cas_bank
 
 from cas_bank import Bank, BankDamagedError, CasBankError
 
@@ -94,6 +95,17 @@ def test_truncated_manifest_is_refused_and_nothing_is_deleted(built: Path, tmp_p
         Bank.open(path, mode="read_only")
     fixed = cas_bank("verify", path, "--fix")
     assert fixed.returncode == 1 and "does not open cleanly" in fixed.stderr
+    scratch = tmp_path / "tmp"  # the tool's private directories go here
+    scratch.mkdir()
+    stats = subprocess.run(
+        [*CLI, "stats", str(path)],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stats.returncode == 1 and "MANIFEST" in stats.stderr, stats.stderr
+    assert list(scratch.iterdir()) == []  # nothing left behind
     assert _files(path) == before  # every table and blob file is still there
 
 

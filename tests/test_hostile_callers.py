@@ -114,7 +114,7 @@ def test_a_non_streaming_client_that_disconnects_cancels_its_generation(server: 
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 90  # a busy machine starts slowly
     while not _health(server.url)["busy"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -145,7 +145,7 @@ def test_sigterm_refuses_the_queue_and_exits_within_seconds(tmp_path: Path) -> N
         for t in threads:
             t.start()
             time.sleep(0.2)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 90  # a busy machine starts slowly
         while _health(s.url)["queue_depth"] < 2:  # type: ignore[operator]
             assert time.monotonic() < deadline
             time.sleep(0.05)
