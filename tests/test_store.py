@@ -13,6 +13,7 @@ import pytest
 
 from cas_bank import Bank, BankConfig, BankLockedError, InvalidInputError
 from cas_bank.blocks.backends import open_store, split_url, store_exists
+from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Capability, Family, MemoryStore, batch_phases
@@ -39,6 +40,16 @@ class TestHotStoreOverRocks(StoreConformance):
 
     def reopen(self, tmp_path: Path) -> BlockStore | None:
         return HotStore(RocksStore(tmp_path / "db"), 16 * 1024)
+
+
+class TestFileTierOverRocks(StoreConformance):
+    """Payloads of 4 KiB and more as files beside the database (the default bank's stack)."""
+
+    def make(self, tmp_path: Path) -> BlockStore:
+        return FileTier(RocksStore(tmp_path / "db"), tmp_path / "payloads", min_bytes=4096)
+
+    def reopen(self, tmp_path: Path) -> BlockStore | None:
+        return FileTier(RocksStore(tmp_path / "db"), tmp_path / "payloads", min_bytes=4096)
 
 
 class TestRocksStore(StoreConformance):
