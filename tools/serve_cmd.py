@@ -160,6 +160,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _progress(args: argparse.Namespace, out: Console) -> Progress:
+    """The demos' progress bar (on stderr when the report goes to stdout as JSON)."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out if not args.json else console_stderr(),
+        transient=True,
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.hosts > 1:
         return _fleet_demo(args)
@@ -167,14 +179,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     out = console()
     steps = args.agents * (args.turns + 1) + args.agents
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out if not args.json else console_stderr(),
-        transient=True,
-    ) as bar:
+    with _progress(args, out) as bar:
         task = bar.add_task("starting the server", total=steps)
 
         def step(message: str) -> None:
@@ -202,14 +207,7 @@ def _fleet_demo(args: argparse.Namespace) -> int:
     from cas_bank.runtime.fleet_demo import fleet_tables, run_fleet_demo
 
     out = console()
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out if not args.json else console_stderr(),
-        transient=True,
-    ) as bar:
+    with _progress(args, out) as bar:
         task = bar.add_task(
             "starting the cluster and the hosts", total=1 + args.agents * args.turns
         )
