@@ -18,6 +18,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from cas_bank.runtime import PrefixCache
+from cas_bank.runtime.tokenizer import END_OF_MESSAGE_ID, EOS_TOKEN_ID
 from mlx_lm.models.cache import make_prompt_cache
 from runtime_helpers import temp_bank, tiny
 from test_server import MODEL, TIMEOUT, Server, cached, start_server
@@ -125,6 +126,9 @@ def test_a_non_streaming_client_that_disconnects_cancels_its_generation(server: 
         time.sleep(0.05)
 
 
+NO_END = (EOS_TOKEN_ID, END_OF_MESSAGE_ID)
+
+
 def test_sigterm_refuses_the_queue_and_exits_within_seconds(tmp_path: Path) -> None:
     s = start_server(tmp_path / "bank", tmp_path / "server.log")
     statuses: list[int] = []
@@ -133,7 +137,14 @@ def test_sigterm_refuses_the_queue_and_exits_within_seconds(tmp_path: Path) -> N
         try:
             r = httpx.post(
                 f"{s.url}/v1/completions",
-                json={"model": MODEL, "prompt": f"go {n}", "max_tokens": 5000},
+                # No end-of-text: each generation runs its 5000 tokens, so on a quiet
+                # machine too the first is still running while the others queue.
+                json={
+                    "model": MODEL,
+                    "prompt": f"go {n}",
+                    "max_tokens": 5000,
+                    "logit_bias": {str(i): -100 for i in NO_END},
+                },
                 timeout=TIMEOUT,
             )
             statuses.append(r.status_code)
