@@ -7,6 +7,8 @@ Models are built once per process (milliseconds each) and shared read-only.
 from __future__ import annotations
 
 import copy
+import signal
+import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
@@ -136,3 +138,17 @@ def close(a: mx.array, b: mx.array, dtype: str) -> bool:
 
 def random_tokens(rng: np.random.Generator, n: int, vocab: int = 512) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab, n)]
+
+
+def stop_process(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM a server subprocess (SIGKILL after 30 s), close its stdout, return its code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return int(proc.returncode)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from hf_models import hf_tokenizer, model_dir
+from runtime_helpers import stop_process
 
 from cas_bank import Bank
 from cas_bank.index.tree import load_namespaces
@@ -40,16 +40,7 @@ class MlxServer:
     url: str
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return int(self.proc.returncode)
+        return stop_process(self.proc)
 
 
 def start(bank: Path, model: Path, log: Path, *extra: str) -> MlxServer:

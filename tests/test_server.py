@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from cas_bank.runtime.generation import (
     GenerationRequest,
     GenerationResult,
 )
+from runtime_helpers import stop_process
 
 MODEL = "tiny-hybrid"
 BLOCK = 16
@@ -48,15 +48,7 @@ class Server:
     log: Path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        stop_process(self.proc)
 
 
 def start_server(bank: Path, log: Path, *extra: str) -> Server:
