@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench torture clean
 
-$(STAMP): pyproject.toml setup.py cas_bank/_native/chain.c
+$(STAMP): pyproject.toml setup.py $(wildcard cas_bank/_native/*.c cas_bank/_native/blake3/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

@@ -1,12 +1,22 @@
 """Payload files read, verified and copied into a restore's destination arrays.
 
 A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed lead,
-the array descriptors, then each attention array's block slice in C order. Per block:
-one `preadv` of the whole file into the reading thread's reused buffer, one blake3
-call over it (the codec's digest; blake3-py's fixed cost per call made hashing the
-destination's row runs one call each slower than this extra copy), then, once it
-verified, one strided copy per array into its rows of the destination. Blocks go to a
-small thread pool: `preadv`, blake3 and `np.copyto` release the GIL.
+the array descriptors, then each attention array's block slice in C order.
+
+With the native helper (`cas_bank._fill`, built with the package): per block, one C
+call, without the GIL, checks the file's head, `preadv`s the body straight into the
+destination rows (one iovec per contiguous row run, about 256 KiB at a time) and
+hashes each run with blake3 while it is still in the core's cache: one copy out of
+the page cache and one hashing pass, nothing else. The rows of a block that fails
+its digest hold unverified bytes, which the restore never hands out (it ends before
+that block, and bytes beyond a cache's offset are never read).
+
+Without it: one `preadv` of the whole file into the reading thread's reused buffer,
+one blake3 call over it, then, once it verified, one strided copy per array into its
+rows of the destination.
+
+Blocks go to a small thread pool either way: the C call, `preadv`, blake3 and
+`np.copyto` all release the GIL.
 
 A payload that is not a plain (uncompressed) payload of the expected layout, whose
 digest fails, or whose file is gone comes back as a failure; the caller reads it the
@@ -18,7 +28,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +37,20 @@ import numpy as np
 
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
+
+_read_into: Callable[[str, bytes, int, bytes, int, str], tuple[int, int]] | None
+try:
+    from cas_bank._fill import read_into as _read_into
+except ImportError:  # not built (no C compiler at install): the Python path below
+    _read_into = None
+
+# What the native reader's codes mean (cas_bank/_native/fill.c).
+_FAILURES = {
+    1: "payload file missing",
+    2: "payload file is truncated",  # or longer than its record says
+    4: "payload digest mismatch",
+    5: "payload file unreadable",
+}
 
 _LEAD = struct.Struct("<4sBBHQQ32s")  # blocks.codec._FIXED
 _DIGEST_AT = _LEAD.size - 32
@@ -83,9 +107,41 @@ class BlockFiles:
             n = int(np.prod(shape))
             self._parts.append((at, n, d.storage, tuple(shape)))
             at += n * d.itemsize
+        self._segments = _row_runs(self._dests, self.block_size)
+
+    def _native(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
+        """`read` by the native reader (`self._segments` is set)."""
+        assert _read_into is not None and self._segments is not None
+        head = (
+            _LEAD.pack(b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, expected)
+            + self.desc
+        )
+        if size != len(head) + self.body_len:  # compressed, or not this layout
+            return "not a plain payload"
+        code, errno = _read_into(
+            os.fsdecode(path),
+            head,
+            _LEAD.size,
+            self._segments,
+            index,
+            PAYLOAD_CONTEXT,
+        )
+        if code == 0:
+            return None
+        if code == 3:  # not the head expected: say why the slow way (rare)
+            return self._python(index, path, size, expected) or "payload head mismatch"
+        why = _FAILURES.get(code, f"native reader failed with code {code}")
+        return f"{why} ({os.strerror(errno)})" if errno else why
 
     def read(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
-        """Read and verify block `index` from `path`; None if good, else why not.
+        """Read and verify block `index` from `path` into its rows of the destination;
+        None if good, else why not."""
+        if self._segments is not None:
+            return self._native(index, path, size, expected)
+        return self._python(index, path, size, expected)
+
+    def _python(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
+        """`read` without the native helper.
 
         One `preadv` of the whole file into this thread's buffer, one blake3 over it
         (a single call: blake3's SIMD, without the GIL), then one strided copy per
@@ -93,8 +149,8 @@ class BlockFiles:
         destination only once it is verified.
         """
         head_len = _LEAD.size + len(self.desc)
-        if size != head_len + self.body_len:
-            return "payload file size does not fit the layout"
+        if size != head_len + self.body_len:  # compressed, or not this layout
+            return "not a plain payload"
         buf = _buffer(size)
         view = memoryview(buf)[:size]
         try:
@@ -135,3 +191,32 @@ class BlockFiles:
         if len(items) < 2:
             return [self.read(*item) for item in items]
         return list(_executor().map(lambda item: self.read(*item), items))
+
+
+def _row_runs(dests: Sequence[np.ndarray], block_size: int) -> bytes | None:
+    """The destination rows of every block as native int64 triples, in payload order:
+    (block 0's address, length, bytes to block i's rows per i); None without the
+    native reader or for views it cannot address this way.
+
+    A view [..., T, D] whose last axis is contiguous and whose token axis steps one
+    row at a time holds each leading index's block rows as one contiguous run.
+    """
+    if _read_into is None or not dests:
+        return None
+    runs: list[np.ndarray] = []
+    for dest in dests:
+        if dest.ndim < 2 or not dest.flags.writeable:
+            return None
+        item = dest.itemsize
+        row = dest.shape[-1] * item
+        if dest.strides[-1] != item or dest.strides[-2] != row:
+            return None
+        offsets = np.zeros(1, dtype=np.int64)
+        for n, stride in zip(dest.shape[:-2], dest.strides[:-2], strict=True):
+            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).ravel()
+        triples = np.empty((len(offsets), 3), dtype=np.int64)
+        triples[:, 0] = dest.__array_interface__["data"][0] + offsets
+        triples[:, 1] = block_size * row
+        triples[:, 2] = block_size * row
+        runs.append(triples)
+    return np.concatenate(runs).tobytes()

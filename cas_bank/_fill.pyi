@@ -1,0 +1,3 @@
+def read_into(
+    path: str, head: bytes, lead: int, segments: bytes, index: int, context: str, /
+) -> tuple[int, int]: ...

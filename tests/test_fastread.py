@@ -1,0 +1,145 @@
+"""The file tier's direct read (index.fastread): the native reader and the Python one
+put the same verified bytes in the same rows and refuse the same damage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cas_bank.arrays import DTYPES, DType
+from cas_bank.blocks import codec
+from cas_bank.index import fastread
+from cas_bank.index.fastread import BlockFiles
+
+pytestmark = pytest.mark.skipif(
+    fastread._read_into is None, reason="the native reader (cas_bank._fill) is not built"
+)
+
+
+def _layout(
+    rng: np.random.Generator, n_arrays: int, heads: int, block: int, dtype: DType
+) -> tuple[list[tuple[int, ...]], list[DType]]:
+    # Rows of different sizes, as quantized KV has (packed values, scales, biases).
+    dims = [int(rng.integers(1, 40)) for _ in range(n_arrays)]
+    return [(1, heads, block, d) for d in dims], [dtype] * n_arrays
+
+
+def _write(
+    tmp: Path, rng: np.random.Generator, shapes: list[tuple[int, ...]], dtypes: list[DType], n: int
+) -> tuple[list[Path], list[bytes], list[list[np.ndarray]]]:
+    paths, payloads, blocks = [], [], []
+    for i in range(n):
+        arrays = [
+            rng.integers(0, 255, int(np.prod(s)), dtype=np.uint8).view(np.uint8).astype(d.storage)
+            if d.storage.kind in "iu"
+            else rng.standard_normal(s).astype(d.storage)
+            for s, d in zip(shapes, dtypes, strict=True)
+        ]
+        arrays = [a.reshape(s) for a, s in zip(arrays, shapes, strict=True)]
+        payload = codec.encode(arrays, dtypes, compression="none")
+        path = tmp / f"b{i}"
+        path.write_bytes(payload)
+        paths.append(path)
+        payloads.append(payload)
+        blocks.append(arrays)
+    return paths, payloads, blocks
+
+
+def _dests(
+    shapes: list[tuple[int, ...]], dtypes: list[DType], n: int, block: int
+) -> list[np.ndarray]:
+    return [
+        np.full((*s[:-2], n * block, s[-1]), 7, dtype=d.storage)
+        for s, d in zip(shapes, dtypes, strict=True)
+    ]
+
+
+def _read(native: bool, dests: list[np.ndarray], shapes, dtypes, block, items) -> list[str | None]:
+    reader = BlockFiles(dests, shapes, dtypes, block)
+    if native:
+        assert reader._segments is not None
+    else:
+        reader._segments = None
+    return [reader.read(*item) for item in items]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_arrays=st.integers(1, 4),
+    heads=st.integers(1, 3),
+    block=st.sampled_from([1, 4, 16]),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
+def test_native_and_python_reads_fill_the_same_rows(
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    n_arrays: int,
+    heads: int,
+    block: int,
+    dtype: str,
+) -> None:
+    tmp = tmp_path_factory.mktemp("fastread")
+    rng = np.random.default_rng(seed)
+    shapes, dtypes = _layout(rng, n_arrays, heads, block, DTYPES[dtype])
+    n = 3
+    paths, payloads, blocks = _write(tmp, rng, shapes, dtypes, n)
+    items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
+    out = {}
+    for native in (True, False):
+        dests = _dests(shapes, dtypes, n, block)
+        assert _read(native, dests, shapes, dtypes, block, items) == [None] * n
+        out[native] = dests
+        for i, arrays in enumerate(blocks):
+            for dest, a in zip(dests, arrays, strict=True):
+                assert dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
+    for a, b in zip(out[True], out[False], strict=True):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        ("flip_body", "payload digest mismatch"),
+        ("flip_head", "payload layout does not fit the spec"),
+        ("truncate", "payload file is truncated"),
+        ("missing", "payload file missing"),
+        ("other_digest", "payload digest is not the header's"),
+        ("compressed", "not a plain payload"),
+    ],
+)
+def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, why: str) -> None:
+    rng = np.random.default_rng(5)
+    block = 8
+    shapes, dtypes = _layout(rng, 2, 2, block, DTYPES["float32"])
+    paths, payloads, _ = _write(tmp_path, rng, shapes, dtypes, 1)
+    path, payload = paths[0], payloads[0]
+    expected = codec.embedded_digest(payload)
+    size = len(payload)
+    if damage == "flip_body":
+        raw = bytearray(payload)
+        raw[-3] ^= 1
+        path.write_bytes(raw)
+    elif damage == "flip_head":
+        raw = bytearray(payload)
+        raw[codec._FIXED.size + 2] ^= 1  # a descriptor's shape
+        path.write_bytes(raw)
+    elif damage == "truncate":
+        path.write_bytes(payload[:-10])
+    elif damage == "missing":
+        path.unlink()
+    elif damage == "other_digest":
+        expected = bytes(32)
+    elif damage == "compressed":
+        zeros = [np.zeros(s, d.storage) for s, d in zip(shapes, dtypes, strict=True)]
+        packed = codec.encode(zeros, dtypes, compression="lz4")
+        path.write_bytes(packed)
+        size, expected = len(packed), codec.embedded_digest(packed)
+    for native in (True, False):
+        dests = _dests(shapes, dtypes, 1, block)
+        got = _read(native, dests, shapes, dtypes, block, [(0, path, size, expected)])
+        assert got[0] is not None and got[0].startswith(why), (native, got)
