@@ -7,7 +7,11 @@ measured in the same run on the same bytes:
 - memcpy: `np.copyto` into an array allocated beforehand (the hot tier's bound);
 - raw RocksDB: rocksdict get/put with the bank's own options (BlobDB for payloads,
   RocksDB's read checksum off), no cas_bank code in between (the cold path's bound);
-- blake3: the digest every payload read verifies, in the bank's derive-key mode.
+- blake3: the digest every payload read verifies, in the bank's derive-key mode;
+- payload files (the file tier): read on both cores into memory touched beforehand,
+  as a plain copy out of the page cache (what loading an mlx-lm file does) and
+  verified by the native reader (one copy and one blake3 pass: a verified restore's
+  floor).
 
 Timing: `sample` runs a function a few times (an untimed `setup` before each run)
 and returns every duration; report medians (`median`) and tails (`percentile`).
@@ -19,9 +23,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ import blake3
 import numpy as np
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
+from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 from cas_bank.blocks.rocks import _db_options, _family_options
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, Family
@@ -134,6 +142,48 @@ def blake3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[floa
             h.digest()
 
     return sample(run, repeats)
+
+
+def file_read_samples(
+    paths: Sequence[Path], repeats: int = 5, *, verified: bool, threads: int = 2
+) -> list[float]:
+    """Seconds to read every payload file of `paths` on `threads` threads into memory
+    touched beforehand: a plain `preadv` of each file, or (`verified`) the native
+    reader's verified read of its body (`cas_bank._fill`, as a restore does it)."""
+    try:
+        from cas_bank._fill import read_into
+    except ImportError as e:  # a build without the native helper has no such floor
+        raise RuntimeError("the native reader (cas_bank._fill) is not built") from e
+    if not paths:
+        raise ValueError("no payload files to read")
+    sizes = [p.stat().st_size for p in paths]
+    dest = np.ones(sum(sizes), dtype=np.uint8)  # touched: the floor is not page faults
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    lead = codec._FIXED.size
+    work: list[tuple[str, bytes, bytes, memoryview]] = []
+    for p, size, at in zip(paths, sizes, starts, strict=True):
+        raw = p.read_bytes()
+        body_len = struct.unpack_from("<Q", raw, 8)[0]  # the lead's body length
+        head = raw[: size - body_len]
+        addr = dest.ctypes.data + at + len(head)
+        segs = np.array([[addr, body_len, 0]], dtype=np.int64).tobytes()
+        work.append((str(p), head, segs, memoryview(dest)[at : at + size]))
+
+    def plain(item: tuple[str, bytes, bytes, memoryview]) -> None:
+        fd = os.open(item[0], os.O_RDONLY)
+        try:
+            os.preadv(fd, [item[3]], 0)
+        finally:
+            os.close(fd)
+
+    def checked(item: tuple[str, bytes, bytes, memoryview]) -> None:
+        code, _ = read_into(item[0], item[1], lead, item[2], 0, PAYLOAD_CONTEXT)
+        if code:
+            raise RuntimeError(f"{item[0]}: the native reader failed with code {code}")
+
+    with ThreadPoolExecutor(threads) as pool:
+        fn = checked if verified else plain
+        return sample(lambda: list(pool.map(fn, work)), repeats)
 
 
 # -- raw RocksDB with the bank's options ---------------------------------------------

@@ -254,7 +254,7 @@ def _restore_section(r: dict[str, Any]) -> list[str]:
                 _mb(c["kv_bytes"]),
                 f"{_ms(c['file_load_s'])} ({g['file_load']:.2f})",
                 f"{_ms(c['rocksdb_restore_s'])} ({g['rocksdb_restore']:.2f})",
-                f"{_ms(c['raw_read_s'])} + {_ms(c['memcpy_s'])} "
+                f"{_ms(c['file_copy_s'])} / {_ms(c['verified_floor_s'])} "
                 f"({f['rocksdb_restore_of_ceiling']:.2f})",
                 f"{_ms(c['hot_restore_s'])} ({g['hot_restore']:.2f})",
                 f"{_ms(c['memcpy_s'])} ({f['hot_restore_of_memcpy']:.2f})",
@@ -268,7 +268,7 @@ def _restore_section(r: dict[str, Any]) -> list[str]:
             "MB",
             "mlx-lm file load ms (GB/s)",
             "RocksDB restore ms (GB/s)",
-            "raw read + memcpy ms (fraction)",
+            "files: plain copy / verified floor ms (fraction of the floor)",
             "hot restore ms (GB/s)",
             "memcpy ms (fraction)",
             "MB on disk: file / bank",
@@ -292,12 +292,19 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
         "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
         "reopened, >= 2x hot.",
         "",
-        "The floor of a reopened restore: every payload verified means each byte is read "
-        "from the page cache once (as the file load does) and hashed once (blake3, ~5-6 "
-        "GB/s a core): about twice the file load's work, which only two idle cores can "
-        "spread to the file's time. With other work on the cores (see the load average "
-        "above) the read and the hash run one after the other, about 0.5x the file. The "
-        "medium models' TTFT is mostly the forward pass of the first token on this CPU.",
+        "Floors, measured in the same run on the same bytes. A reopened restore verifies "
+        "every payload: each byte is copied out of the page cache once (all the file "
+        "load does, on both cores: MLX reads a file on several threads) and hashed once "
+        "(blake3, ~3.3 GB/s a core with its AVX2 code). The verified floor is the bank's "
+        "own payload files read that way by the native reader on both cores, with no "
+        "index, allocation or Python between: `best` = file load / verified floor is the "
+        "most a verified restore can reach against the file on this machine, so the "
+        "reopened target of 1.0x is out of reach wherever `best` < 1.0; the target then "
+        "is the floor itself (`of floor`: the restore's speed as a fraction of it). TTFT's "
+        "floor is the first token's forward pass on a cache already in memory: `TTFT "
+        "best` = file TTFT / that forward is the most any restore can reach, so the hot "
+        "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
+        "forward pass on this CPU's reference BLAS dwarfs every load).",
         "",
     ]
     rows = []
@@ -313,10 +320,13 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
                 f"{_ms(c['file_load_s'])} / {_ms(c['rocksdb_restore_s'])} / "
                 f"{_ms(c['hot_restore_s'])}",
                 f"{f['file_load_over_rocksdb_restore']:.2f}x",
+                f"{f['file_load_over_floor']:.2f}x",
+                f"{f['rocksdb_restore_of_ceiling']:.2f}",
                 f"{f['file_load_over_hot_restore']:.2f}x",
                 f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])}",
                 f"{f['file_ttft_over_reopened_ttft']:.2f}x",
                 f"{f['file_ttft_over_hot_ttft']:.2f}x",
+                f"{f['file_ttft_over_forward']:.2f}x",
             ]
         )
     L += _table(
@@ -326,10 +336,13 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
             "MB",
             "restore ms: file / reopened / hot",
             "reopened",
+            "best",
+            "of floor",
             "hot",
             "TTFT ms: file / reopened / hot",
             "TTFT reopened",
             "TTFT hot",
+            "TTFT best",
         ],
         rows,
     )

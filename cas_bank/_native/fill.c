@@ -31,7 +31,9 @@
 
 enum { OK = 0, MISSING = 1, SIZE = 2, HEAD = 3, DIGEST = 4, IO = 5 };
 
+#ifndef RUN_BYTES
 #define RUN_BYTES (256 * 1024)
+#endif
 #define MAX_IOV 256
 
 /* preadv of every iovec in full (short reads continue); 0, or -1 with errno set, or -2
