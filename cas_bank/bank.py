@@ -201,6 +201,9 @@ class Bank:
                         gone = [k for f, k, v in tx.writes if f is Family.HEADERS and v is None]
                         if gone:
                             self.leases.forget(gone)
+                        states = [k for f, k, v in tx.writes if f is Family.STATES and v is None]
+                        if states:
+                            self.leases.forget_states(states)
             finally:
                 self._in_transaction = False
             if budget:

@@ -207,6 +207,8 @@ class Namespace:
             # The chain is in memory already: a restore of it hands these out (the cache
             # copies its buffer on its next update: see index.lease).
             bank.leases.put(hashes, [a for layer in arrays for a in layer])
+            for b, st in checked_states.items():
+                bank.leases.put_state(hashes[b // self.block_size - 1], st)
 
         return StoreReport(
             tokens=n,
@@ -250,7 +252,10 @@ class Namespace:
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
         if self.bank.leases is not None:
-            self.bank.leases.put(self.chain(toks), flat)
+            hashes = self.chain(toks)
+            self.bank.leases.put(hashes, flat)
+            for b, st in kept.items():
+                self.bank.leases.put_state(hashes[b // self.block_size - 1], st)
         return writer.submit(lambda: self.store(toks, snapshot, by_layer))
 
     def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
@@ -381,8 +386,13 @@ class Namespace:
         if good < n_blocks:  # a payload failed: the restore point moves back
             n_blocks = restore_blocks(matched[:good], hybrid)
         state: list[mx.array] | None = None
+        state_leased = False
         while hybrid and n_blocks:
             h = matched[n_blocks - 1]
+            state = leases.state(h.chain_hash) if leases is not None else None
+            if state is not None:
+                state_leased = True
+                break
             state = self._payloads.read_state(h, cont.states if cont is not None else None)
             if state is not None:
                 break
@@ -416,6 +426,8 @@ class Namespace:
                 leases.put(hashes[:n_blocks], flat_attention(kv))
         else:
             kv = group_layers(self.spec, [a[..., :n, :] for a in in_memory], None)
+        if state is not None and leases is not None and not state_leased:
+            leases.put_state(hashes[n_blocks - 1], state)
         if state is not None:
             kv = merge_layers(kv, group_layers(self.spec, None, state))
         # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this

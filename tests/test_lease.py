@@ -87,3 +87,43 @@ def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
         logits = pc.prefill(tokens, cache, start=n, store=False)
         want = straight_logits(pc, tokens)
         assert float(mx.max(mx.abs(logits - want)).item()) <= 1e-4
+
+
+def test_a_hybrid_state_is_leased_and_never_written_by_its_caches() -> None:
+    """The recurrent state at a boundary is handed out from memory too (no payload
+    read), and a runtime's later updates of the state arrays never reach the bank's."""
+    from cas_bank.index.payloads import PayloadReader
+
+    lm = tiny("tiny-hybrid")
+    rng = np.random.default_rng(7)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
+    reads: list[bytes] = []
+    real = PayloadReader.read_state
+
+    def counting(self: PayloadReader, header: Any, fetched: Any = None) -> Any:
+        reads.append(header.chain_hash)
+        return real(self, header, fetched)
+
+    with temp_bank(BLOCK) as bank, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PayloadReader, "read_state", counting)
+        pc = PrefixCache(bank, lm)
+        cache = pc.new_cache()
+        pc.prefill(tokens, cache, hints=[4 * BLOCK])  # stores blocks and the state at 64
+        before = _leased_bits(bank)
+        assert any(key.startswith(b"s") for key in bank.leases._entries)
+        restored, n = pc.restore(tokens)
+        assert n == 4 * BLOCK and reads == []  # blocks and state from the leases
+        # Every update a runtime makes: the rest of the prompt, decode steps, then
+        # writes straight into the state arrays the restore handed out.
+        pc.model(mx.array(tokens[n:])[None], cache=restored)
+        pc.model(mx.array([[3]]), cache=restored)
+        for c in restored:
+            if not hasattr(c, "keys"):
+                for i in range(len(c.cache)):
+                    c.cache[i][...] = 0
+        mx.eval([c.state for c in restored])
+        assert _leased_bits(bank) == before
+        again, n = pc.restore(tokens)
+        logits = pc.prefill(tokens, again, start=n, store=False)
+        assert float(mx.max(mx.abs(logits - straight_logits(pc, tokens))).item()) <= 1e-4
+        assert reads == []

@@ -12,7 +12,9 @@ the cache: its next update after a store copies the buffer it shares with the ba
 Entries are chains: block i of an entry is the block named `hashes[i]`, and a chain
 hash names its whole prefix, so an entry that holds block k of a prompt holds blocks
 0..k as well. A restore probes once: the deepest of its matched blocks that some
-entry holds. Bounded by bytes (the buffers held), least recently used first out.
+entry holds. A hybrid model's recurrent state at a boundary is leased the same way,
+by the chain hash of the block that ends there (`put_state`, `state`). Bounded by
+bytes (the buffers held, chains and states together), least recently used first out.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ import mlx.core as mx
 
 @dataclass(slots=True)
 class _Entry:
-    hashes: list[bytes]
+    hashes: list[bytes]  # empty for a state
     arrays: list[mx.array]  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
+
+
+def _state_key(chain_hash: bytes) -> bytes:
+    """A state's entry key: never a chain's (those are 32-byte chain hashes)."""
+    return b"s" + bytes(chain_hash)
 
 
 class Leases:
@@ -107,13 +114,51 @@ class Leases:
         mx.eval(out)
         return lo, out
 
+    def put_state(self, chain_hash: bytes, arrays: Sequence[mx.array]) -> None:
+        """Keep the recurrent state (flat arrays) at the end of block `chain_hash`."""
+        if self.max_bytes <= 0:
+            return
+        kept = [a.reshape(a.shape) for a in arrays]  # new objects, the same buffers
+        mx.eval(kept)
+        nbytes = sum(int(a.nbytes) for a in kept)
+        if nbytes > self.max_bytes:
+            return
+        key = _state_key(chain_hash)
+        with self._lock:
+            self._drop(key)
+            self._entries[key] = _Entry([], kept, nbytes)
+            self._bytes += nbytes
+            while self._bytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+
+    def state(self, chain_hash: bytes) -> list[mx.array] | None:
+        """The leased state at the end of block `chain_hash` (new array objects sharing
+        the leased buffers), or None."""
+        key = _state_key(chain_hash)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+        out = [a.reshape(a.shape) for a in entry.arrays]
+        mx.eval(out)
+        return out
+
     def forget(self, hashes: Sequence[bytes]) -> None:
-        """Drop every entry holding any of these blocks (evicted or rewritten)."""
+        """Drop every entry holding any of these blocks, and their states (evicted or
+        rewritten)."""
         with self._lock:
             for h in hashes:
                 held = self._blocks.get(bytes(h))
                 if held is not None:
                     self._drop(held[0])
+                self._drop(_state_key(h))
+
+    def forget_states(self, hashes: Sequence[bytes]) -> None:
+        """Drop the states at the end of these blocks (their records were removed)."""
+        with self._lock:
+            for h in hashes:
+                self._drop(_state_key(h))
 
     def clear(self) -> None:
         with self._lock:
