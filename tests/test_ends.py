@@ -107,14 +107,20 @@ def test_a_lookup_finds_the_longest_stored_tail(
         base = matched * B
         ends = {tuple(p) for p in stored}
         best = max(
-            (n for n in range(base, min(base + B - 1, len(prompt)) + 1) if tuple(prompt[:n]) in ends),
+            (
+                n
+                for n in range(base, min(base + B - 1, len(prompt)) + 1)
+                if tuple(prompt[:n]) in ends
+            ),
             default=0,
         )
         want = best if best > base or best == len(prompt) else base
         hit = ns.restore(prompt)
         assert (hit.tokens if hit else 0) == want
         if hit is not None:
-            assert layers_bits(hit.layers, SPEC) == _kv_bits(prefix_layers(SPEC, prompt), SPEC, want)
+            assert layers_bits(hit.layers, SPEC) == _kv_bits(
+                prefix_layers(SPEC, prompt), SPEC, want
+            )
             assert hit.exact == (best == len(prompt) and want == best)
             if hit.exact:
                 assert bits(hit.logits) == bits(_logits(len(prompt)))  # type: ignore[arg-type]
