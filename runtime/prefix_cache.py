@@ -285,13 +285,13 @@ class PrefixCache:
         states: dict[int, list[Any]] = {}
         logits: mx.array | None = None
         pos = start
-        for end in ends:
-            logits = self.model(mx.array(toks[pos:end])[None], cache=cache)
-            if end in boundaries:
-                states[end] = snapshot_states(self.spec, cache)  # evaluates the chunk
+        for stop in ends:
+            logits = self.model(mx.array(toks[pos:stop])[None], cache=cache)
+            if stop in boundaries:
+                states[stop] = snapshot_states(self.spec, cache)  # evaluates the chunk
             else:
                 mx.eval([c.state for c in cache])
-            pos = end
+            pos = stop
         assert logits is not None
         last = logits[0, -1]
         mx.eval(last)
