@@ -341,9 +341,7 @@ class Engine:
         if stored_logits is not None:
             logits = stored_logits
         else:
-            logits = pc.prefill(
-                prompt, cache, start=cached, hints=request.branch_hints, end=True
-            )
+            logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints, end=True)
         recorder = pc.recorder(cache)
         sampler = self._sampler(request)
         text = TextStream(self.loaded.tokenizer, request.stop)

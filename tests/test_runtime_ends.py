@@ -26,7 +26,9 @@ VARIANTS = {
 }
 
 
-def greedy(pc: PrefixCache, cache: list[Any], logits: mx.array, n: int) -> tuple[list[int], list[mx.array]]:
+def greedy(
+    pc: PrefixCache, cache: list[Any], logits: mx.array, n: int
+) -> tuple[list[int], list[mx.array]]:
     """n greedy tokens decoded from `logits` on `cache`, and the logits of each step."""
     out, seen = [], []
     for _ in range(n):
