@@ -262,3 +262,30 @@ def test_a_damaged_record_is_refused_by_its_name(bank: Bank) -> None:
     other = end_key(ns.root, np.array([4], "<u4").tobytes())
     with pytest.raises(Exception, match="its own name"):
         split_record(other, value)
+
+
+# -- the tools -----------------------------------------------------------------------
+def test_the_tools_count_list_and_show_end_records(bank_path: Path) -> None:
+    from tool_banks import cas_bank, cas_bank_json
+
+    tokens = tokens_of(np.random.default_rng(8), B + 3)
+    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(tokens, prefix_layers(SPEC, tokens))
+        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=_logits(2))
+        assert ns.restore(tokens) is not None
+        ((key, _),) = list(bank.store.iterate(Family.ENDS))
+    stats = cas_bank_json("stats", bank_path)
+    assert (stats["ends"], stats["exact_hits"], stats["ends_written"]) == (1, 1, 1)
+    assert "1 exact repeats, 0 extensions" in cas_bank("stats", bank_path, check=True).stdout
+    (row,) = cas_bank_json("ls", bank_path)["blocks"]
+    assert row["ends"] == 1 and row["hash"] == key[:32].hex()
+    (group,) = cas_bank_json("tree", bank_path)
+    assert group["ends"] == 1
+    shown = cas_bank_json("show", bank_path, key[32:].hex()[:10])
+    assert shown["tokens"] == B + 3 and shown["tail"] == tokens[B:]
+    assert shown["holds"] == ["tail KV", "logits"] and shown["status"] == "ok"
+    assert shown["parent"] == key[:32].hex()
+    assert "end record" in cas_bank("show", bank_path, key[32:].hex()[:10], check=True).stdout
+    report = cas_bank_json("verify", bank_path)
+    assert report["ok"] and report["ends_checked"] == 1, report
