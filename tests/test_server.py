@@ -420,6 +420,9 @@ def test_health_models_and_metrics(server: Server) -> None:
     assert _metric(text, "cas_bank_blocks_written_total") > 0
     assert _metric(text, "cas_bank_corrupt_reads_total") == 0
     assert _metric(text, "cas_bank_requests_total") >= 2
+    # The same prompt twice: the second restored its end record, logits and all.
+    assert _metric(text, "cas_bank_prefix_exact_hits_total") >= 1
+    assert _metric(text, "cas_bank_ends") >= 1 and _metric(text, "cas_bank_end_bytes") > 0
     assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 
 
