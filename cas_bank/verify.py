@@ -14,9 +14,10 @@ starts, and its payload matches its digest.
 A block that fails any block-level check is *bad*; every block below a bad block can
 never be restored (a lookup stops at the first broken link) and is *unreachable*.
 `fix=True` deletes bad and unreachable blocks with their payloads, states and access
-records (and the end records under them), bad end records, drops states that fail their digest (the block stays, without a state), and
+records, drops states that fail their digest (the block stays, without a state), and
 deletes unclaimed payloads and states, all in one batch that carries the stats
-counters (decremented as `Namespace.store` incremented them). Like diskcache's
+counters (decremented as `Namespace.store` incremented them); then, in a second batch,
+bad end records and those under the blocks it removed. Like diskcache's
 `check()`, nothing is changed unless asked.
 """
 

@@ -147,7 +147,7 @@ def test_exact_repeat_of_a_hybrid_prompt(bank: Bank) -> None:
     assert bits(hit.logits) == bits(_logits(3))  # type: ignore[arg-type]
     assert bits(hit.hidden) == bits(_logits(4))  # type: ignore[arg-type]
     # An extension resumes from the end record (no logits: it is not the prompt's end).
-    longer = tokens + [5, 6, 7, 8, 9]
+    longer = [*tokens, 5, 6, 7, 8, 9]
     hit = ns.restore(longer, room_for=len(longer))
     assert hit is not None and hit.tokens == len(tokens) and not hit.exact and hit.end
     assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)

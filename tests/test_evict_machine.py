@@ -35,9 +35,9 @@ from hypothesis.stateful import (
 )
 
 from cas_bank import Bank, BankConfig
+from cas_bank.blocks.hashing import end_hash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.blocks.hashing import end_hash
 from cas_bank.index.chain import Header
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.leaves import LeafIndex

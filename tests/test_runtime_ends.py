@@ -13,10 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache
-from runtime_helpers import bit_equal, close, random_tokens, straight_logits, temp_bank, tiny
-
 from cas_bank.runtime.engine import Engine
 from cas_bank.runtime.generation import GenerationRequest
+from runtime_helpers import bit_equal, close, random_tokens, straight_logits, temp_bank, tiny
 
 BLOCK = 16
 VARIANTS = {
