@@ -18,9 +18,9 @@ import mlx.core as mx
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
-from cas_bank.index.ends import EndPlan, check_end_input, find_end, plan_end, tail_of, write_end
+from cas_bank.index.ends import EndPlan, end_layers, find_end, plan_end, prepare_end, write_end
 from cas_bank.index.layout import (
     Assembler,
     BlockCutter,
@@ -282,23 +282,8 @@ class Namespace:
         """
         if self.bank.read_only:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
-        toks = as_token_array(tokens)
-        if len(toks) == 0:
-            raise InvalidInputError("an end record needs at least one token")
-        arrays = check_layers(self.spec, layers, len(toks))
-        flat_state, logits, hidden = check_end_input(self.spec, state, logits, hidden)
-        tail = tail_of(arrays, len(toks), self.block_size)
-        return write_end(
-            self.bank,
-            self.spec,
-            self.root,
-            self.chain(toks),
-            toks,
-            tail,
-            flat_state,
-            logits,
-            hidden,
-        )
+        end = prepare_end(self.spec, self.block_size, tokens, layers, state, logits, hidden)
+        return write_end(self.bank, self.spec, self.root, self.chain(end.tokens), end)
 
     def store_end_later(
         self,
@@ -316,20 +301,11 @@ class Namespace:
             done: PendingStore[int] = PendingStore()
             done._set(self.store_end(tokens, layers, state, logits=logits, hidden=hidden), None)
             return done
-        toks = as_token_array(tokens)
-        n = len(toks)
-        tail = [
-            mx.array(a) for a in tail_of(check_layers(self.spec, layers, n), n, self.block_size)
-        ]
-        flat_state, logits, hidden = check_end_input(self.spec, state, logits, hidden)
-        flat_state = [mx.array(a) for a in flat_state] if flat_state is not None else None
-        mx.eval(tail, flat_state or [], [a for a in (logits, hidden) if a is not None])
-        hashes = self.chain(toks)
-        return writer.submit(
-            lambda: write_end(
-                self.bank, self.spec, self.root, hashes, toks, tail, flat_state, logits, hidden
-            )
+        end = prepare_end(
+            self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
         )
+        hashes = self.chain(end.tokens)
+        return writer.submit(lambda: write_end(self.bank, self.spec, self.root, hashes, end))
 
     def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
         """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit
@@ -532,23 +508,13 @@ class Namespace:
         if not covered:
             return None
         n = n_blocks * bs
-        if assembler is not None:
-            if end is not None:
-                assembler.put_tail(n, end.payload.tail)
-            kv = assembler.layers(n_blocks, room=room_for > 0, tokens=covered)
-            if leases is not None and not capacity and end is None:
+        if end is not None:
+            kv = end_layers(self.spec, end, assembler, in_memory, room=room_for > 0)
+        elif assembler is not None:
+            kv = assembler.layers(n_blocks, room=capacity > 0)
+            if leases is not None and not capacity:
                 # Exact arrays: the first update copies them anyway, so keep them too.
                 leases.put(hashes[:n_blocks], flat_attention(kv))
-        elif end is not None:
-            tail = end.payload.tail_arrays()
-            if n_blocks:  # the blocks from a lease, the tail after them
-                flat = [
-                    mx.concatenate([a[..., :n, :], t], axis=-2)
-                    for a, t in zip(in_memory, tail, strict=True)
-                ]
-            else:
-                flat = tail
-            kv = group_layers(self.spec, flat, None)
         else:
             kv = group_layers(self.spec, [a[..., :n, :] for a in in_memory], None)
         if state is not None:

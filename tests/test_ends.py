@@ -289,3 +289,21 @@ def test_the_tools_count_list_and_show_end_records(bank_path: Path) -> None:
     assert "end record" in cas_bank("show", bank_path, key[32:].hex()[:10], check=True).stdout
     report = cas_bank_json("verify", bank_path)
     assert report["ok"] and report["ends_checked"] == 1, report
+
+
+def test_an_end_record_queued_behind_its_blocks(bank_path: Path) -> None:
+    """With the background writer, the end record is written after the blocks queued
+    before it (its parent), from arrays copied when it was queued."""
+    tokens = tokens_of(np.random.default_rng(9), 2 * B + 2)
+    layers = prefix_layers(HYBRID, tokens)
+    state = random_state(HYBRID, 4)
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=4)) as bank:
+        ns = bank.namespace(HYBRID)
+        ns.store_later(tokens, layers)
+        pending = ns.store_end_later(tokens, layers, state, logits=_logits(5))
+        bank.flush()
+        assert pending.result() > 0
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.exact and hit.tokens == len(tokens)
+        assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+        assert layers_bits(hit.layers, HYBRID) == _kv_bits(layers, HYBRID, len(tokens))

@@ -104,3 +104,13 @@ def test_the_engine_samples_an_exact_repeat_from_stored_logits() -> None:
             turn = prompt + first.token_ids + random_tokens(np.random.default_rng(3), 4)
             third = engine.generate(GenerationRequest(prompt=turn, max_tokens=2))
             assert third.cached_tokens == len(prompt) + len(first.token_ids) - 1
+
+
+def test_a_background_prefill_stores_its_end_record_after_its_blocks() -> None:
+    with temp_bank(BLOCK, write_behind=4) as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"), chunk_size=BLOCK, background=True)
+        tokens = random_tokens(np.random.default_rng(4), BLOCK + 9)
+        first = pc.prefill(tokens, pc.new_cache(), end=True)
+        bank.flush()
+        _, n, logits = pc.restore_exact(tokens)
+        assert n == len(tokens) and logits is not None and bit_equal(logits, first)

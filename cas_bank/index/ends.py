@@ -30,10 +30,10 @@ import numpy as np
 from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
-from cas_bank.blocks.hashing import BlockHash, end_hash
+from cas_bank.blocks.hashing import BlockHash, as_token_array, end_hash
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.layout import check_state
+from cas_bank.index.layout import Assembler, check_layers, check_state, group_layers
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -223,10 +223,35 @@ def find_end(
     return None
 
 
-def check_end_input(
-    spec: ModelSpec, state: Sequence[Any] | None, logits: Any, hidden: Any
-) -> tuple[list[mx.array] | None, mx.array | None, mx.array | None]:
-    """The state (flat), logits and hidden state of a store_end, checked."""
+@dataclass(frozen=True, slots=True)
+class EndInput:
+    """What a store of an end record writes, checked against the spec."""
+
+    tokens: np.ndarray
+    tail: list[mx.array]  # attention arrays (flat) of the tokens after the last full block
+    state: list[mx.array] | None  # recurrent state arrays (flat) at len(tokens)
+    logits: mx.array | None
+    hidden: mx.array | None
+
+
+def prepare_end(
+    spec: ModelSpec,
+    block_size: int,
+    tokens: Any,
+    layers: Sequence[Any],
+    state: Sequence[Any] | None,
+    logits: Any,
+    hidden: Any,
+    *,
+    copy: bool = False,
+) -> EndInput:
+    """The checked input of `Namespace.store_end` (bad input raises `InvalidInputError`);
+    with `copy`, its arrays are copied and evaluated now (a queued store)."""
+    toks = as_token_array(tokens)
+    n = len(toks)
+    if n == 0:
+        raise InvalidInputError("an end record needs at least one token")
+    arrays = check_layers(spec, layers, n)
     flat: list[mx.array] | None = None
     if spec.is_hybrid:
         if state is None:
@@ -241,7 +266,13 @@ def check_end_input(
             raise InvalidInputError(f"{name} must be an mlx array, got {type(a).__name__}")
     if logits is not None:
         logits = logits.reshape(-1)
-    return flat, logits, hidden
+    base = n - n % block_size
+    tail = [a[..., base:n, :] for layer in arrays for a in layer]
+    if copy:
+        tail = [mx.array(a) for a in tail]
+        flat = [mx.array(a) for a in flat] if flat is not None else None
+        mx.eval(tail, flat or [], [a for a in (logits, hidden) if a is not None])
+    return EndInput(toks, tail, flat, logits, hidden)
 
 
 def write_end(
@@ -249,19 +280,15 @@ def write_end(
     spec: ModelSpec,
     root: bytes,
     hashes: Sequence[BlockHash],
-    tokens: np.ndarray,
-    tail_arrays: Sequence[mx.array],
-    state: list[mx.array] | None,
-    logits: mx.array | None,
-    hidden: mx.array | None,
+    end: EndInput,
 ) -> int:
     """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
     when nothing was written: the same record is stored already (holding at least as
     much, and intact), or its parent block is not stored (an end record never dangles).
 
-    `tail_arrays`: the attention arrays (flat, in spec order) of the tokens after the
-    last full block (`tail_of`).
+    `hashes`: the chain hashes of `end.tokens`.
     """
+    tokens, state, logits, hidden = end.tokens, end.state, end.logits, end.hidden
     bs = bank.config.block_size
     n = len(tokens)
     tail_len = n % bs
@@ -277,7 +304,7 @@ def write_end(
     if _holds(bank.store.get(Family.ENDS, key), key, flags):
         bank.access.touch((), ends=[parent])
         return 0
-    payload, flags = encode_end(spec, tail_arrays, state, logits, hidden, bank.config.compression)
+    payload, flags = encode_end(spec, end.tail, state, logits, hidden, bank.config.compression)
     header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
     value = header.encode() + payload
     with bank.transaction() as tx:
@@ -294,12 +321,6 @@ def write_end(
         )
         tx.touch((), ends=[parent])
     return len(value)
-
-
-def tail_of(arrays: Sequence[Sequence[mx.array]], n: int, block_size: int) -> list[mx.array]:
-    """The attention arrays (flat) of the last n % block_size of `n` tokens (views)."""
-    base = n - n % block_size
-    return [a[..., base:n, :] for layer in arrays for a in layer]
 
 
 def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
@@ -363,3 +384,26 @@ def plan_end(
         )
         return None
     return EndPlan(header, payload, header.parent_blocks(block_size))
+
+
+def end_layers(
+    spec: ModelSpec,
+    end: EndPlan,
+    assembler: Assembler | None,
+    in_memory: Sequence[mx.array],
+    *,
+    room: bool,
+) -> list[tuple[Any, ...] | None]:
+    """The attention layers of a restore from `end`: its `end.blocks` blocks (in the
+    `assembler`, or the arrays of a lease, `in_memory`) and its tail after them."""
+    n = end.tokens - end.header.tail_len
+    if assembler is not None:
+        assembler.put_tail(n, end.payload.tail)
+        return assembler.layers(end.blocks, room=room, tokens=end.tokens)
+    tail = end.payload.tail_arrays()
+    if end.blocks:  # the blocks from a lease, the tail after them
+        tail = [
+            mx.concatenate([a[..., :n, :], t], axis=-2)
+            for a, t in zip(in_memory, tail, strict=True)
+        ]
+    return group_layers(spec, tail, None)
