@@ -307,3 +307,23 @@ def test_an_end_record_queued_behind_its_blocks(bank_path: Path) -> None:
         assert hit is not None and hit.exact and hit.tokens == len(tokens)
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
         assert layers_bits(hit.layers, HYBRID) == _kv_bits(layers, HYBRID, len(tokens))
+
+
+def test_salvage_copies_end_records_that_verify(tmp_path: Path) -> None:
+    from cas_bank.salvage import salvage
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    long, short = tokens_of(np.random.default_rng(10), B + 2), [7, 8]
+    with Bank.open(src, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(long, prefix_layers(SPEC, long))
+        for t in (long, short):
+            ns.store_end(t, prefix_layers(SPEC, t), logits=_logits(len(t)))
+    report = salvage(src, dst)
+    assert report.ends_copied == 2
+    with Bank.open(dst) as bank:
+        assert bank.stats().ends == 2
+        for t in (long, short):
+            hit = bank.namespace(SPEC).restore(t)
+            assert hit is not None and hit.exact
+        assert verify_bank(bank).ok
