@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig, InvalidInputError
-from cas_bank.blocks.hashing import chain_hashes, end_hash
+from cas_bank.blocks.hashing import chain_hashes, end_hash, end_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.bundle import chain_for_tokens, export_chain, import_bundle
 from cas_bank.index.ends import END_VERSION, end_key, split_record
@@ -57,9 +57,17 @@ def test_end_hash_vector_and_context() -> None:
     tail = np.arange(4, dtype="<u4")
     assert end_hash(parent, tail) != chain_hashes(parent, list(range(4)), 4)[0]
     assert end_hash(parent, tail) == end_hash(parent, tail.tobytes())
-    # A golden vector: a change here is a format change (bump the end record version).
+    # Golden vectors (docs/design.md, "Hashing"): a change here is a format change.
     assert END_VERSION == 1
+    assert end_hash(parent, np.arange(3, dtype="<u4")).hex() == (
+        "54a04e06fec255fe8d441d7855619b1578ae6fd8055c2d0404eb417d1a3a3351"
+    )
+    assert end_hash(parent, b"").hex() == (
+        "3a86f4948d67e129d19780e964fa4a2bc16fe06c09da3821842ce2a87c85aab5"
+    )
     assert end_hash(parent, np.array([], "<u4")).hex() == end_hash(parent, b"").hex()
+    tail = np.arange(7, dtype="<u4")
+    assert end_hashes(parent, tail.tobytes()) == [end_hash(parent, tail[:t]) for t in range(8)]
 
 
 @settings(max_examples=60, deadline=None)

@@ -115,6 +115,18 @@ def end_hash(parent: bytes, tail_tokens: np.ndarray | bytes) -> BlockHash:
     return BlockHash(h.digest())
 
 
+def end_hashes(parent: bytes, tail_tokens: bytes) -> list[BlockHash]:
+    """`end_hash(parent, tail_tokens[:4 * t])` for t = 0..len(tail_tokens) // 4, in one
+    incremental pass (a restore's lookup names all its candidates)."""
+    h = blake3.blake3(derive_key_context=END_CONTEXT)
+    h.update(parent)
+    out = [BlockHash(h.digest())]
+    for at in range(0, len(tail_tokens), 4):
+        h.update(tail_tokens[at : at + 4])
+        out.append(BlockHash(h.digest()))
+    return out
+
+
 def chain_hashes(root: bytes, tokens: Any, block_size: int) -> list[BlockHash]:
     """Names of every full block of `tokens`, in order (the partial tail has none)."""
     arr = as_token_array(tokens)

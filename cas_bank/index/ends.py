@@ -30,7 +30,7 @@ import numpy as np
 from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
-from cas_bank.blocks.hashing import BlockHash, as_token_array, end_hash
+from cas_bank.blocks.hashing import BlockHash, as_token_array, end_hash, end_hashes
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.layout import Assembler, check_layers, check_state, group_layers
@@ -210,7 +210,7 @@ def find_end(
     if longest < 0:
         return None
     data = tokens[base : base + longest].astype("<u4").tobytes()
-    keys = [end_key(parent, data[: 4 * t]) for t in range(longest, -1, -1)]
+    keys = [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
     for key, value in zip(keys, store.get_many(Family.ENDS, keys), strict=True):
         if value is None:
             continue
