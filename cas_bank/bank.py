@@ -44,11 +44,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cas_bank")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
-(`blocks.files`), their records stubs. A version-1 bank opens as it is (its payloads
-stay readable where they are) and is marked version 2 by its first writer; a cas_bank
-that reads only version 1 refuses a version-2 bank, naming the version."""
+(`blocks.files`), their records stubs. 3: the `ends` family (end records,
+`index.ends`). An older bank opens as it is (its payloads stay readable where they
+are; the writer's open creates the missing family) and is marked with this version by
+its first writer; a cas_bank that reads an older version refuses a newer bank, naming
+the version."""
 _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
@@ -215,7 +217,7 @@ class Bank:
         if limit is None:
             return None
         v = self.counters.values()
-        if v["payload_bytes"] + v["state_bytes"] <= limit:
+        if v["payload_bytes"] + v["state_bytes"] + v["end_bytes"] <= limit:
             return None
         return evict_to_budget(self, limit)
 
@@ -342,7 +344,8 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
             f"{FORMAT_VERSION}: upgrade cas_bank"
         )
     if version < FORMAT_VERSION and not store.read_only:
-        # Version 1 -> 2 needs no rewrite: new large payloads go to files from now on.
+        # 1 -> 2 -> 3 need no rewrite: new large payloads go to files, the ends family
+        # was created by this open.
         store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION))])
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
     if hash_version != HASH_FORMAT_VERSION:

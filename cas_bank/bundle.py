@@ -5,7 +5,11 @@ Layout (little-endian):
 
     magic "CASBUNDL" | version u32 | manifest_len u32 | manifest (JSON, UTF-8)
     | per block: header record, payload, state (the lengths are in the manifest)
+    | per end record (version 2): its value (key and length in the manifest)
     | blake3 digest (32 bytes, bundle context) of every byte before it
+
+Version 2 adds the end records (`index.ends`) under the chain's blocks and root; a
+bundle without any is written as version 1, which older builds read.
 
 The manifest names the block size, hash format, namespace root and its `ModelSpec`,
 and per block its hash and record lengths. A bundle always holds a chain from its
@@ -13,7 +17,8 @@ first block (index 0), so an importer can recompute every chain hash from the ro
 
 Import trusts nothing in the file: the whole-file digest, then every header (its
 namespace, index, parent link and chain hash recomputed with `hash_block`), every
-payload and state against its header's digest. Only then is everything written, in
+payload and state against its header's digest, every end record's name, parent and
+payload digest. Only then is everything written, in
 one batch: a damaged bundle imports nothing.
 """
 
@@ -22,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +45,7 @@ from cas_bank.blocks.hashing import (
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.ends import split_record
 from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.spec import ModelSpec
 
@@ -47,7 +53,7 @@ if TYPE_CHECKING:
     from cas_bank.bank import Bank
 
 MAGIC = b"CASBUNDL"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2
 BUNDLE_CONTEXT = "cas_bank 2026-11-29 bundle v1"
 _LEAD = struct.Struct("<8sII")
 _TRAILER = 32
@@ -68,6 +74,7 @@ class Bundle:
     root: bytes
     spec: ModelSpec
     entries: list[BundleEntry]
+    ends: list[tuple[bytes, bytes]] = field(default_factory=list)  # end records (key, value)
 
     @property
     def tokens(self) -> int:
@@ -83,6 +90,7 @@ class ExportReport:
     tokens: int
     file_bytes: int  # size of the bundle file
     leaf: bytes
+    ends: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +102,7 @@ class ImportReport:
     states_written: int
     bytes_written: int
     leaf: bytes
+    ends_written: int = 0
 
 
 # -- choosing a chain ----------------------------------------------------------------
@@ -160,8 +169,9 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
                 state = st
                 states += 1
         records.append((h.encode() if state else h.with_state(None).encode(), payload, state))
+    ends = _chain_ends(bank.store, root, chain)
     manifest = {
-        "format": BUNDLE_VERSION,
+        "format": BUNDLE_VERSION if ends else 1,
         "hash_format": HASH_FORMAT_VERSION,
         "block_size": bank.config.block_size,
         "root": root.hex(),
@@ -176,6 +186,8 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
             for h, r in zip(chain, records, strict=True)
         ],
     }
+    if ends:
+        manifest["ends"] = [{"key": k.hex(), "length": len(v)} for k, v in ends]
     body = json.dumps(manifest, separators=(",", ":")).encode()
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
@@ -183,15 +195,14 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     size = 0
     try:
         with open(tmp, "wb") as f:
-            for piece in (_LEAD.pack(MAGIC, BUNDLE_VERSION, len(body)), body):
+            for piece in (_LEAD.pack(MAGIC, manifest["format"], len(body)), body):
                 f.write(piece)
                 hasher.update(piece)
                 size += len(piece)
-            for record in records:
-                for piece in record:
-                    f.write(piece)
-                    hasher.update(piece)
-                    size += len(piece)
+            for piece in [p for record in records for p in record] + [v for _, v in ends]:
+                f.write(piece)
+                hasher.update(piece)
+                size += len(piece)
             f.write(hasher.digest())
             f.flush()
             os.fsync(f.fileno())
@@ -209,7 +220,25 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
         tokens=len(chain) * bank.config.block_size,
         file_bytes=size + _TRAILER,
         leaf=chain[-1].chain_hash,
+        ends=len(ends),
     )
+
+
+def _chain_ends(store: BlockStore, root: bytes, chain: list[Header]) -> list[tuple[bytes, bytes]]:
+    """The intact end records under the chain's blocks and its root (one walk of the
+    ends family)."""
+    parents = {root} | {h.chain_hash for h in chain}
+    out = []
+    for key, value in store.iterate(Family.ENDS):
+        if key[:32] not in parents:
+            continue
+        try:
+            end, payload = split_record(key, value)
+        except CorruptDataError:
+            continue
+        if end.root == root and codec.verify(payload, end.payload_digest):
+            out.append((key, value))
+    return out
 
 
 # -- reading and checking ------------------------------------------------------------
@@ -227,7 +256,7 @@ def read_bundle(path: str | Path) -> Bundle:
     if blake3.blake3(body, derive_key_context=BUNDLE_CONTEXT).digest() != trailer:
         raise _damaged("file digest mismatch (truncated or altered)")
     _magic, version, manifest_len = _LEAD.unpack_from(data)
-    if version != BUNDLE_VERSION:
+    if version not in (1, BUNDLE_VERSION):
         raise _damaged(f"bundle format {version}; this build reads {BUNDLE_VERSION}")
     pos = _LEAD.size + manifest_len
     try:
@@ -240,6 +269,9 @@ def read_bundle(path: str | Path) -> Bundle:
             for b in manifest["blocks"]
         ]
         hash_format = int(manifest["hash_format"])
+        end_records = [
+            (bytes.fromhex(e["key"]), int(e["length"])) for e in manifest.get("ends", [])
+        ]
     except (ValueError, KeyError, TypeError, ValidationError) as e:
         raise _damaged(f"manifest does not parse ({type(e).__name__})") from None
     if hash_format != HASH_FORMAT_VERSION:
@@ -260,11 +292,39 @@ def read_bundle(path: str | Path) -> Bundle:
         h = _check_entry(i, key, raw_header, payload, state, parent, root, block_size)
         entries.append(BundleEntry(h, payload, state or None))
         parent = key
+    ends: list[tuple[bytes, bytes]] = []
+    by_hash: dict[bytes, Header] = {e.header.chain_hash: e.header for e in entries}
+    for key, length in end_records:
+        if length < 0 or pos + length > len(body):
+            raise _damaged(f"end record {key.hex()[64:80]} runs past the end of the file")
+        value = bytes(body[pos : pos + length])
+        pos += length
+        _check_end(key, value, root, block_size, by_hash)
+        ends.append((key, value))
     if pos != len(body):
-        raise _damaged(f"{len(body) - pos} unexplained bytes after the last block")
+        raise _damaged(f"{len(body) - pos} unexplained bytes after the last record")
     if not entries:
         raise _damaged("it holds no blocks")
-    return Bundle(block_size, root, spec, entries)
+    return Bundle(block_size, root, spec, entries, ends)
+
+
+def _check_end(
+    key: bytes, value: bytes, root: bytes, block_size: int, blocks: dict[bytes, Header]
+) -> None:
+    """An end record of the bundle: its name, its parent in the bundle, its digest."""
+    try:
+        end, payload = split_record(key, value)
+    except CorruptDataError as e:
+        raise _damaged(str(e)) from None
+    where = f"end record {key.hex()[64:80]}"
+    base = end.n_tokens - end.tail_len
+    parent = blocks.get(end.parent)
+    if end.root != root or end.tail_len >= block_size:
+        raise _damaged(f"{where}: not of this namespace")
+    if not (base == 0 and end.parent == root) and (parent is None or parent.end != base):
+        raise _damaged(f"{where}: its parent is not a block of the bundle ending at {base}")
+    if not codec.verify(payload, end.payload_digest):
+        raise _damaged(f"{where}: payload fails its digest")
 
 
 def _check_entry(
@@ -358,8 +418,18 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             if rewrite or write_state:
                 assert base is not None
                 tx.put(Family.HEADERS, key, base.encode())
+        ends_in = 0
+        olds = tx.store.get_many(Family.ENDS, [k for k, _ in bundle.ends])
+        for (end_key, value), held in zip(bundle.ends, olds, strict=True):
+            if held == value:
+                continue
+            tx.put(Family.ENDS, end_key, value)
+            tx.add(ends=0 if held is not None else 1, end_bytes=len(value) - len(held or b""))
+            ends_in += 1
+            bytes_written += len(value)
         written = len(blocks_in)
         tx.add(
+            ends_written=ends_in,
             logical_tokens=bundle.tokens,
             blocks_written=written,
             blocks_deduplicated=len(hashes) - written,
@@ -376,6 +446,7 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
         states_written=len(states_in),
         bytes_written=bytes_written,
         leaf=hashes[-1],
+        ends_written=ends_in,
     )
 
 

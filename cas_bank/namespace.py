@@ -20,6 +20,7 @@ from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
+from cas_bank.index.ends import EndPlan, end_layers, find_end, plan_end, prepare_end, write_end
 from cas_bank.index.layout import (
     Assembler,
     BlockCutter,
@@ -63,6 +64,16 @@ class Hit:
     tokens: int
     layers: list[tuple[Any, ...] | None]
     blocks: list[BlockHash] = field(repr=False)
+    # From an end record (`index.ends`): the logits of token `tokens - 1` and the hidden
+    # state stored with them, when it held them; None otherwise.
+    logits: mx.array | None = field(default=None, repr=False)
+    hidden: mx.array | None = field(default=None, repr=False)
+    end: bool = False  # resumed from an end record
+
+    @property
+    def exact(self) -> bool:
+        """Whether the logits of the prompt's last token came with it (no prefill left)."""
+        return self.logits is not None
 
 
 class Namespace:
@@ -258,6 +269,49 @@ class Namespace:
                 self.bank.leases.put_state(hashes[b // self.block_size - 1], st)
         return writer.submit(lambda: self.store(toks, snapshot, by_layer))
 
+    def store_end(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        state: Sequence[Any] | None = None,
+        *,
+        logits: Any = None,
+        hidden: Any = None,
+    ) -> int:
+        """Store the end record of `tokens` (docs/design.md, "End records"): the KV of its
+        partial last block (`layers` as for `store`, holding at least the tokens), the
+        recurrent layers' `state` at exactly `len(tokens)` (required for a hybrid model;
+        per-layer, None for attention layers), and optionally the `logits` of the last
+        token and a `hidden` state. Its full blocks must be stored already (`store`
+        first); else nothing is written. Returns the bytes written (0: nothing new).
+        """
+        if self.bank.read_only:
+            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
+        end = prepare_end(self.spec, self.block_size, tokens, layers, state, logits, hidden)
+        return write_end(self.bank, self.spec, self.root, self.chain(end.tokens), end)
+
+    def store_end_later(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        state: Sequence[Any] | None = None,
+        *,
+        logits: Any = None,
+        hidden: Any = None,
+    ) -> PendingStore[int]:
+        """`store_end` through the bank's background writer, after the stores queued
+        before it (their blocks are its parents); the arrays are copied now."""
+        writer = self.bank.writer
+        if writer is None or self.bank.read_only:
+            done: PendingStore[int] = PendingStore()
+            done._set(self.store_end(tokens, layers, state, logits=logits, hidden=hidden), None)
+            return done
+        end = prepare_end(
+            self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
+        )
+        hashes = self.chain(end.tokens)
+        return writer.submit(lambda: write_end(self.bank, self.spec, self.root, hashes, end))
+
     def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
         """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit
         and admit_min_tokens); the chain stays prefix-closed: only a tail is left out."""
@@ -288,11 +342,21 @@ class Namespace:
         Reads only what it needs: the chain's stored length by binary search and, for a
         hybrid model, headers from its end back to the deepest one with a state.
         """
-        hashes = self.chain(tokens)
+        toks = as_token_array(tokens)
+        hashes = self.chain(toks)
         store = self.bank.store
-        end = stored_prefix(store, hashes)
+        stored = stored_prefix(store, hashes)
+        try:  # an end record under the deepest stored block (no payload is decoded)
+            found = find_end(store, self.root, hashes, toks, stored, self.block_size)
+        except CorruptDataError:
+            found = None
+        at_end = found[0].n_tokens if found is not None else 0
+        return max(at_end, self._chain_match(hashes, stored))
+
+    def _chain_match(self, hashes: list[BlockHash], end: int) -> int:
         if not self.spec.is_hybrid:
             return end * self.block_size
+        store = self.bank.store
         window = 8  # states sit near chain ends (the policy puts them there)
         while end > 0:
             lo = max(0, end - window)
@@ -362,6 +426,24 @@ class Namespace:
             matched = cont.matched
         hybrid = self.spec.is_hybrid
         n_blocks = restore_blocks(matched, hybrid)
+        bs = self.block_size
+        # An end record under the deepest matched block (index.ends): an exact repeat,
+        # or a prompt that extends a stored one past the chain's restore point.
+        end: EndPlan | None = None
+        if cont is None:
+            end = plan_end(
+                self.bank.store,
+                self.spec,
+                self.root,
+                hashes,
+                toks,
+                len(matched),
+                bs,
+                n_blocks * bs,
+                self.bank.counters,
+            )
+            if end is not None:
+                n_blocks = end.blocks
         capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
         # The one probe of memory: the deepest matched block a lease holds.
         leases = self.bank.leases
@@ -369,7 +451,11 @@ class Namespace:
         queued = self.bank.writer is not None and not hybrid and cont is None
         probed = hashes if queued else hashes[:n_blocks]
         leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+        if end is not None and leased > end.blocks:
+            end, n_blocks = None, restore_blocks(matched, hybrid)  # the chain goes deeper
         n_blocks = max(n_blocks, leased)
+        if end is not None:
+            capacity = max(capacity, end.tokens)
         assembler: Assembler | None = None
         if leased and leased == n_blocks:
             good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
@@ -385,9 +471,12 @@ class Namespace:
             good, hot_hits = 0, 0
         if good < n_blocks:  # a payload failed: the restore point moves back
             n_blocks = restore_blocks(matched[:good], hybrid)
+            end = None
         state: list[mx.array] | None = None
         state_leased = False
-        while hybrid and n_blocks:
+        if end is not None and hybrid:
+            state = end.payload.state
+        while hybrid and n_blocks and end is None:
             h = matched[n_blocks - 1]
             state = leases.state(h.chain_hash) if leases is not None else None
             if state is not None:
@@ -398,13 +487,17 @@ class Namespace:
                 break
             n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
 
+        covered = end.tokens if end is not None else n_blocks * bs
+        exact = end is not None and covered == len(toks)
         self.bank.counters.count(
             restores=1,
             queried_tokens=len(toks),
-            hit_tokens=n_blocks * self.block_size,
-            hits=1 if n_blocks else 0,
-            misses=0 if n_blocks else 1,
+            hit_tokens=covered,
+            hits=1 if covered else 0,
+            misses=0 if covered else 1,
             hot_hits=hot_hits,
+            exact_hits=1 if exact else 0,
+            end_hits=1 if end is not None and not exact else 0,
         )
         if cont is not None and remote is not None:  # counts it, writes it locally later
             remote.restored(self, cont, n_blocks, state is not None)
@@ -412,26 +505,44 @@ class Namespace:
             # Last uses stay in memory; written at most every access_flush_interval.
             # Blocks from the shared tier are not local yet: their local write records them.
             local = n_blocks if cont is None else min(n_blocks, cont.start)
-            state_at = [hashes[n_blocks - 1]] if state is not None and local == n_blocks else []
+            state_at = (
+                [hashes[n_blocks - 1]]
+                if state is not None and local == n_blocks and end is None
+                else []
+            )
             self.bank.access.touch(hashes[:local], state_at)
-            if self.bank.access.due():
-                self.bank.flush(wait=False)
-        if not n_blocks:
+        if end is not None:
+            self.bank.access.touch((), ends=[end.header.parent])
+        if covered and self.bank.access.due():
+            self.bank.flush(wait=False)
+        if not covered:
             return None
-        n = n_blocks * self.block_size
-        if assembler is not None:
+        n = n_blocks * bs
+        if end is not None:
+            kv = end_layers(self.spec, end, assembler, in_memory, room=room_for > 0)
+        elif assembler is not None:
             kv = assembler.layers(n_blocks, room=capacity > 0)
             if leases is not None and not capacity:
                 # Exact arrays: the first update copies them anyway, so keep them too.
                 leases.put(hashes[:n_blocks], flat_attention(kv))
         else:
             kv = group_layers(self.spec, [a[..., :n, :] for a in in_memory], None)
-        if state is not None and leases is not None and not state_leased:
+        if state is not None and leases is not None and not state_leased and end is None:
+            # A boundary's state (an end record's is at its own position, not leased).
             leases.put_state(hashes[n_blocks - 1], state)
         if state is not None:
             kv = merge_layers(kv, group_layers(self.spec, None, state))
         # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
         # thread's MLX stream, and runtimes may restore on one thread and prefill on
         # another. The views share their buffers, so this copies nothing.
-        mx.eval(kv)
-        return Hit(tokens=n_blocks * self.block_size, layers=kv, blocks=hashes[:n_blocks])
+        logits = end.payload.logits if exact and end is not None else None
+        hidden = end.payload.hidden if exact and end is not None else None
+        mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+        return Hit(
+            tokens=covered,
+            layers=kv,
+            blocks=hashes[:n_blocks],
+            logits=logits,
+            hidden=hidden,
+            end=end is not None,
+        )

@@ -8,7 +8,9 @@ then read from the blob files directly, each record checked against its header's
 digest). Then every header is walked (a walk that fails part-way keeps what it read);
 a block is copied when its header decodes, its chain hash recomputes, its payload
 matches its digest and its parent was copied (or it is block 0 of a recorded
-namespace); a state is copied when it matches its digest.
+namespace); a state is copied when it matches its digest; an end record when it
+parses under its own name, matches its digest and its parent block was copied (or is
+a recorded namespace root).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cas_bank.blocks.store import Family
 from cas_bank.config import BankConfig
 from cas_bank.errors import CasBankError, InvalidInputError
 from cas_bank.index.chain import Header
+from cas_bank.index.ends import split_record
 
 
 @dataclass
@@ -37,6 +40,7 @@ class SalvageReport:
     headers_read: int = 0
     blocks_copied: int = 0
     states_copied: int = 0
+    ends_copied: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # why blocks were left behind
     walk_errors: list[str] = field(default_factory=list)
 
@@ -133,6 +137,27 @@ def _copy(old: Bank, dst: Path, report: SalvageReport, blobs: dict[bytes, list[b
             copied.add(h.chain_hash)
             report.blocks_copied += 1
             report.states_copied += state is not None
+        _copy_ends(old, new, copied, roots, report)
+
+
+def _copy_ends(
+    old: Bank, new: Bank, copied: set[bytes], roots: dict[bytes, bytes], report: SalvageReport
+) -> None:
+    """The end records that verify and hang under a copied block (or a recorded root)."""
+    with new.transaction(budget=False) as tx:
+        for key, value in _walk(old, Family.ENDS, report):
+            try:
+                end, payload = split_record(key, value)
+            except CasBankError:
+                continue
+            if end.parent not in copied and end.parent not in roots:
+                continue
+            if codec.verify(payload, end.payload_digest):
+                if end.parent in roots:  # a prompt shorter than a block: its namespace
+                    tx.put(Family.NAMESPACES, end.parent, roots[end.parent])
+                tx.put(Family.ENDS, key, value)
+                tx.add(ends=1, end_bytes=len(value))
+                report.ends_copied += 1
 
 
 def _payload(

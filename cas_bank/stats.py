@@ -21,6 +21,8 @@ STORED = (
     "payload_bytes",
     "state_bytes",
     "logical_tokens",
+    "ends",
+    "end_bytes",
 )
 REMOTE = (
     "remote_hits",
@@ -55,6 +57,10 @@ ACTIVITY = (
     "corrupt_reads",
     "bytes_written",
     "blocks_deferred",
+    "ends_written",
+    "ends_evicted",
+    "exact_hits",
+    "end_hits",
     *REMOTE,
 )
 NAMES = STORED + ACTIVITY
@@ -89,6 +95,12 @@ class BankStats(BaseModel):
     corrupt_reads: int
     bytes_written: int = 0  # payload and state bytes written by stores
     blocks_deferred: int = 0  # new blocks a store left out (BankConfig.admit)
+    ends: int = 0  # end records stored (index.ends)
+    end_bytes: int = 0  # their bytes (headers and payloads)
+    ends_written: int = 0
+    ends_evicted: int = 0
+    exact_hits: int = 0  # restores that covered the whole prompt from an end record
+    end_hits: int = 0  # restores that resumed from an end record short of the prompt's end
     disk_bytes: int | None = None
     remote: str | None = None  # the shared tier's URL (password hidden), when open with one
     remote_hits: int = 0  # restores that took at least one block from the shared tier

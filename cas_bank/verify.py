@@ -7,14 +7,17 @@ Checked, per block (the headers family first, then one pass over each payload fa
 - its payload is stored, has the size and digest its header names;
 - the state its header announces is stored and matches its digest.
 Records of the payload and state families that no header claims are found in the
-same pass.
+same pass. End records (`index.ends`): each parses, is stored under its own name, hangs
+under an intact stored block (or a recorded namespace root) that ends where its tail
+starts, and its payload matches its digest.
 
 A block that fails any block-level check is *bad*; every block below a bad block can
 never be restored (a lookup stops at the first broken link) and is *unreachable*.
 `fix=True` deletes bad and unreachable blocks with their payloads, states and access
 records, drops states that fail their digest (the block stays, without a state), and
 deletes unclaimed payloads and states, all in one batch that carries the stats
-counters (decremented as `Namespace.store` incremented them). Like diskcache's
+counters (decremented as `Namespace.store` incremented them); then, in a second batch,
+bad end records and those under the blocks it removed. Like diskcache's
 `check()`, nothing is changed unless asked.
 """
 
@@ -29,6 +32,7 @@ from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
+from cas_bank.index.ends import split_record
 from cas_bank.index.records import block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
 from cas_bank.spec import ModelSpec
@@ -50,6 +54,9 @@ ProblemKind = Literal[
     "orphan_payload",  # a payload no header claims
     "orphan_state",  # a state no header announces
     "bad_namespace",  # a namespace record that does not parse
+    "bad_end",  # an end record that does not parse, or not under its own name
+    "corrupt_end",  # an end record whose payload fails its digest
+    "dangling_end",  # an end record whose parent block is not stored (or is bad)
 ]
 
 _STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
@@ -70,12 +77,14 @@ class VerifyReport:
 
     blocks_checked: int = 0
     states_checked: int = 0
+    ends_checked: int = 0
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     fixed: bool = False
     removed_blocks: list[bytes] = field(default_factory=list)
     removed_states: list[bytes] = field(default_factory=list)  # states dropped, blocks kept
     removed_orphans: int = 0
+    removed_ends: int = 0
     # Stored-content counters that disagree with what was found: name -> (counter, found).
     counter_drift: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -118,9 +127,11 @@ def verify(
         found.append(Problem("unreachable", key, "below a bad block", index=h.index, root=h.root))
     # In chain order, so a reader can follow each chain down to where it breaks.
     found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
-    report.problems += found + orphans
+    ends = _scan_ends(bank, index, specs, bad | unreachable, report)
+    report.problems += found + orphans + [p for p, _ in ends]
     if fix and report.problems:
         _fix(bank, index, bad | unreachable, bad_state - unreachable, orphans, report)
+        _fix_ends(bank, index, bad | unreachable, ends, report)
     if fix and bank.files is not None:
         with bank.write_lock:  # payload files a crash left without their records
             report.removed_orphans += bank.files.sweep()
@@ -241,6 +252,69 @@ def _scan(
     return orphans
 
 
+def _scan_ends(
+    bank: Bank,
+    index: HeaderIndex,
+    specs: dict[bytes, ModelSpec],
+    bad: set[bytes],
+    report: VerifyReport,
+) -> list[tuple[Problem, int]]:
+    """Every end record, checked; the bad ones with their sizes (one pass)."""
+    out: list[tuple[Problem, int]] = []
+    try:
+        records = list(bank.store.iterate(Family.ENDS))
+    except CorruptDataError as e:
+        return [(Problem("bad_end", b"", f"end records unreadable: {e}"), 0)]
+    for key, value in records:
+        report.ends_checked += 1
+        report.bytes_checked += len(value)
+        try:
+            end, payload = split_record(key, value)
+        except CorruptDataError as e:
+            out.append((Problem("bad_end", key, str(e)), len(value)))
+            continue
+        parent = index.headers.get(end.parent)
+        base = end.n_tokens - end.tail_len
+        if base == 0:
+            linked = end.parent == end.root and end.root in specs
+        else:
+            linked = (
+                parent is not None
+                and end.parent not in bad
+                and parent.root == end.root
+                and parent.end == base
+            )
+        if not linked:
+            what = f"parent {end.parent.hex()[:16]} is not an intact stored block ending at {base}"
+            out.append((Problem("dangling_end", key, what, root=end.root), len(value)))
+        elif not codec.verify(payload, end.payload_digest):
+            out.append((Problem("corrupt_end", key, "digest mismatch", root=end.root), len(value)))
+    return out
+
+
+def _fix_ends(
+    bank: Bank,
+    index: HeaderIndex,
+    removed: set[bytes],
+    bad: list[tuple[Problem, int]],
+    report: VerifyReport,
+) -> None:
+    """Delete the bad end records, and those under blocks `_fix` removed."""
+    doomed = {p.chain_hash: size for p, size in bad if p.chain_hash}
+    for key, value in bank.store.iterate(Family.ENDS):
+        if key[:32] in removed:
+            doomed[key] = len(value)
+    if not doomed:
+        return
+    with bank.transaction(budget=False) as tx:
+        for key in doomed:
+            tx.delete(Family.ENDS, key)
+        tx.add(ends=-len(doomed), end_bytes=-sum(doomed.values()))
+        tx.forget(ends={k[:32] for k in doomed})
+    report.removed_ends += len(doomed)
+    report.fixed = True
+
+
 def _count(report: VerifyReport, family: Family, size: int | None) -> None:
     if family is Family.BLOCKS:
         report.blocks_checked += 1
@@ -280,6 +354,11 @@ def _found(bank: Bank, index: HeaderIndex) -> dict[str, int]:
     return found
 
 
+def _found_ends(bank: Bank) -> dict[str, int]:
+    sizes = [len(v) for _, v in bank.store.iterate(Family.ENDS)]
+    return {"ends": len(sizes), "end_bytes": sum(sizes)}
+
+
 def _excess(bank: Bank, index: HeaderIndex) -> dict[str, int]:
     counted = bank.counters.values()
     return {k: counted[k] - v for k, v in _found(bank, index).items()}
@@ -289,7 +368,8 @@ def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
     """Stored-content counters that disagree with the headers (informative only: a
     header deleted behind the bank's back leaves its block counted)."""
     counted = bank.counters.values()
-    return {k: (counted[k], v) for k, v in _found(bank, index).items() if counted[k] != v}
+    found = _found(bank, index) | _found_ends(bank)
+    return {k: (counted[k], v) for k, v in found.items() if counted[k] != v}
 
 
 def _fix(

@@ -9,12 +9,13 @@ queue is bounded (`max_queue`); a full queue is refused at once (`EngineBusyErro
 rather than letting latency grow without bound.
 
 One request, on the worker:
-  restore (longest stored prefix) -> prefill the rest (stores its blocks and the
-  states the bank asks for) -> sample -> decode token by token on the same cache,
-  recording the hybrid model's state at every block boundary decoding crosses ->
-  stop at an end token, `max_tokens` or a stop string -> store prompt + response
-  (the tokens that went through the model) so that the next turn of the
-  conversation restores through this answer.
+  restore (longest stored prefix; for an exact repeat, the prompt's end record and
+  its logits: no prefill at all) -> prefill the rest (stores its blocks, the states
+  the bank asks for and the prompt's end record) -> sample -> decode token by token
+  on the same cache, recording the hybrid model's state at every block boundary
+  decoding crosses -> stop at an end token, `max_tokens` or a stop string -> store
+  prompt + response (the tokens that went through the model) and its end record, so
+  that the next turn of the conversation restores through this answer exactly.
 
 Callers hand `submit` a sink: it receives a `TextDelta` per generated token (the
 text may be "" while a character or a possible stop string is incomplete), then the
@@ -334,8 +335,13 @@ class Engine:
         started = time.perf_counter()
         pc = self.prefix_cache.salted(request.cache_salt)
         prompt = list(request.prompt)
-        cache, cached = pc.restore(prompt)
-        logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints)
+        # An exact repeat (a regenerate, a retry) restores the prompt's end record with
+        # its logits: the first token is sampled from them, with no forward pass.
+        cache, cached, stored_logits = pc.restore_exact(prompt)
+        if stored_logits is not None:
+            logits = stored_logits
+        else:
+            logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints, end=True)
         recorder = pc.recorder(cache)
         sampler = self._sampler(request)
         text = TextStream(self.loaded.tokenizer, request.stop)
@@ -366,13 +372,17 @@ class Engine:
         if tail:
             job.sink(TextDelta(generated[-1], tail))
         # The last sampled token never went through the model: the cache ends before it.
+        # Its end record holds the logits the last token was sampled from: a next turn
+        # (or the same conversation again) resumes exactly here.
         through_model = prompt + generated[:-1]
         block = pc.block_size
-        if len(through_model) // block > len(prompt) // block:
-            try:
+        try:
+            if len(through_model) // block > len(prompt) // block:
                 pc.store(through_model, cache, states=recorder)
-            except BankFullError as e:  # degraded: the answer still goes out
-                log.warning("cas_bank: answer not stored: %s", e)
+            if len(through_model) > len(prompt):
+                pc.store_end(through_model, cache, logits=logits)
+        except BankFullError as e:  # degraded: the answer still goes out
+            log.warning("cas_bank: answer not stored: %s", e)
         return GenerationResult(
             text=text.text,
             token_ids=generated,

@@ -103,17 +103,35 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
             "Recurrent states evicted (on their own or with their block).",
             stats.states_evicted,
         ),
-        ("bytes_evicted_total", "Payload and state bytes evicted.", stats.bytes_evicted),
+        (
+            "bytes_evicted_total",
+            "Payload, state and end-record bytes evicted.",
+            stats.bytes_evicted,
+        ),
+        ("ends_written_total", "End records (a prompt's exact end) written.", stats.ends_written),
+        ("ends_evicted_total", "End records evicted.", stats.ends_evicted),
+        (
+            "prefix_exact_hits_total",
+            "Restores of a whole prompt from its end record (no prefill).",
+            stats.exact_hits,
+        ),
+        (
+            "prefix_end_hits_total",
+            "Restores that resumed from an end record short of the prompt's end.",
+            stats.end_hits,
+        ),
     ]
     gauges = [
         ("blocks", "KV blocks stored.", stats.blocks),
         ("states", "Recurrent states stored.", stats.states),
         ("payload_bytes", "Bytes of stored KV block payloads.", stats.payload_bytes),
         ("state_bytes", "Bytes of stored recurrent states.", stats.state_bytes),
+        ("ends", "End records stored.", stats.ends),
+        ("end_bytes", "Bytes of stored end records.", stats.end_bytes),
         (
             "stored_bytes",
-            "Bytes of stored payloads and states together.",
-            stats.payload_bytes + stats.state_bytes,
+            "Bytes of stored payloads, states and end records together.",
+            stats.payload_bytes + stats.state_bytes + stats.end_bytes,
         ),
         ("block_size_tokens", "Tokens per block.", stats.block_size),
         (

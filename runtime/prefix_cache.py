@@ -7,7 +7,11 @@ A runtime's whole integration is two calls per prompt:
     logits = pc.prefill(tokens, cache, start=n)    # prefill the rest, store what is new
 
 `restore` looks up `tokens[:-1]`, so at least one token is always left to prefill
-(the runtime needs its logits). `prefill` runs the model over `tokens[start:]` in
+(the runtime needs its logits). `restore_exact` looks up all of `tokens` and also
+returns the logits of the last one when an end record (docs/design.md, "End records")
+holds them: an exact repeat of a prompt then needs no forward pass at all.
+`prefill(..., end=True)` and `store_end` store such records (the engine does after
+every prefill and at the end of every request). `prefill` runs the model over `tokens[start:]` in
 chunks that end on the grid of `chunk_size` and on every boundary where a recurrent
 state must be captured, copies the states there before the next forward pass, and
 stores the new full blocks and the states in one batch when the prompt is done.
@@ -209,6 +213,32 @@ class PrefixCache:
         fill_cache(self.spec, cache, hit.layers, hit.tokens)
         return cache, hit.tokens
 
+    def restore_exact(self, tokens: Any) -> tuple[list[Any], int, mx.array | None]:
+        """`restore` that may cover the whole prompt: `(cache, n, logits)`.
+
+        With `logits` (an end record of exactly `tokens` that holds them), the cache
+        holds all of `tokens` and `logits` are the last token's, shape `[vocab]`: sample
+        from them, no prefill. Otherwise `logits` is None and `(cache, n)` is what
+        `restore` returns (n < len(tokens)).
+        """
+        toks = self.tokens(tokens)
+        if len(toks) == 0:
+            raise InvalidInputError("restore needs at least one token")
+        hit = self.namespace.restore(toks, room_for=len(toks))
+        if hit is not None and hit.tokens == len(toks) and hit.logits is not None:
+            cache = self.new_cache()
+            fill_cache(self.spec, cache, hit.layers, hit.tokens)
+            return cache, hit.tokens, hit.logits
+        if hit is not None and hit.tokens == len(toks):
+            # Covered, but without the last token's logits: it is prefilled again.
+            cache, n = self.restore(toks)
+            return cache, n, None
+        cache = self.new_cache()
+        if hit is None:
+            return cache, 0, None
+        fill_cache(self.spec, cache, hit.layers, hit.tokens)
+        return cache, hit.tokens, None
+
     # -- prefill -------------------------------------------------------------------
     def prefill(
         self,
@@ -219,6 +249,7 @@ class PrefixCache:
         store: bool = True,
         hints: Sequence[int] = (),
         this_model: bool = False,
+        end: bool = False,
     ) -> mx.array:
         """Run `tokens[start:]` through the model into `cache`; the last position's logits.
 
@@ -227,7 +258,9 @@ class PrefixCache:
         branch points, see the module docstring) and, with `store`
         (and a writable bank), the full blocks and states are stored. Returns the
         logits of the last token, shape `[vocab]`. Bad input raises
-        `InvalidInputError` before any forward pass; nothing is stored then.
+        `InvalidInputError` before any forward pass; nothing is stored then. With
+        `end` (and `store`), the end record of `tokens` is stored too, with the logits:
+        the same prompt again restores with no forward pass (`restore_exact`).
         """
         toks = self.tokens(tokens)
         n = len(toks)
@@ -252,13 +285,13 @@ class PrefixCache:
         states: dict[int, list[Any]] = {}
         logits: mx.array | None = None
         pos = start
-        for end in ends:
-            logits = self.model(mx.array(toks[pos:end])[None], cache=cache)
-            if end in boundaries:
-                states[end] = snapshot_states(self.spec, cache)  # evaluates the chunk
+        for stop in ends:
+            logits = self.model(mx.array(toks[pos:stop])[None], cache=cache)
+            if stop in boundaries:
+                states[stop] = snapshot_states(self.spec, cache)  # evaluates the chunk
             else:
                 mx.eval([c.state for c in cache])
-            pos = end
+            pos = stop
         assert logits is not None
         last = logits[0, -1]
         mx.eval(last)
@@ -268,9 +301,13 @@ class PrefixCache:
         if store and not self.bank.read_only:
             if self.background:
                 self.last_pending = self.store_later(toks, cache, states)
+                if end:
+                    self.store_end(toks, cache, logits=last)
             else:
                 try:
                     report = self.store(toks, cache, states)
+                    if end:
+                        self.store_end(toks, cache, logits=last)
                 except BankFullError as e:
                     if not self.skip_store_when_full:
                         raise
@@ -316,6 +353,38 @@ class PrefixCache:
             states = states.states_for(len(toks))
         layers = cache_layers(self.spec, cache, len(toks))
         return self.namespace.store(toks, layers, states)
+
+    def store_end(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        *,
+        logits: mx.array | None = None,
+        hidden: mx.array | None = None,
+        this_model: bool = False,
+    ) -> int:
+        """Store the end record of `tokens` (docs/design.md, "End records") from `cache`,
+        which must hold exactly them: the KV of the tokens after the last full block,
+        the recurrent states (hybrid models), and the `logits` of the last token (and a
+        `hidden` state) when given. The full blocks must be stored already (`store`).
+        Through the background writer when this PrefixCache stores in the background.
+        Returns the bytes written now (0: nothing new, or queued).
+        """
+        toks = self.tokens(tokens)
+        n = len(toks)
+        offset = self._offset(cache, n)
+        if offset != n:
+            raise InvalidInputError(
+                f"an end record needs a cache of exactly its {n} tokens; this one holds {offset}"
+            )
+        check_cache(self.spec, cache, n)
+        vouch_for(self.spec, cache, this_model)
+        layers = cache_layers(self.spec, cache, n)
+        state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
+        if self.background:
+            self.namespace.store_end_later(toks, layers, state, logits=logits, hidden=hidden)
+            return 0
+        return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
 
     def store_later(
         self,

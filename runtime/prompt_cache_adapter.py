@@ -15,8 +15,16 @@ shared block by block between prompts:
   fresh mlx-lm cache and returns it with the tokens left to prefill (at least one:
   mlx-lm's `generate_step` refuses an empty prompt); `(None, tokens)` on a miss.
 - `insert_cache` stores the full blocks of the tokens the cache holds (its offset;
-  the last sampled token may not have been through the model). Blocks already
-  stored are not written again.
+  the last sampled token may not have been through the model), and the end record
+  of exactly those tokens (docs/design.md, "End records"): the KV of the partial last
+  block and, for a hybrid model, the recurrent state at that exact position, which
+  is what mlx-lm's cache holds at an insert. So a prompt that extends an inserted
+  one (the next turn of a chat, the next segment) restores up to its very end, also
+  on a hybrid model whose boundary states were never captured. Blocks and end
+  records already stored are not written again. mlx-lm passes no logits, so these
+  end records carry none, and mlx-lm's own contract for an exact match (`rest=[]`)
+  is not used: `generate_step` refuses an empty prompt, so a fetch always leaves at
+  least one token to prefill.
 - Hybrid models: mlx-lm prefills on its own, so the recurrent state inside a prompt
   is never seen, only the one at the end of an inserted cache (stored when that end
   is a block boundary). With `capture_states` (the default), an insert of a hybrid
@@ -92,6 +100,7 @@ class AdapterStats:
     bytes_written: int = 0
     other_model: int = 0  # calls for another model_key: a miss, nothing stored
     recomputed_tokens: int = 0  # hybrid models: tokens prefilled again to capture states
+    end_bytes_written: int = 0  # end records written by inserts
     failures: int = 0  # fetches or inserts that failed (logged), served uncached
 
     def as_dict(self) -> dict[str, int]:
@@ -148,9 +157,9 @@ class BankPromptCache:
 
     @property
     def nbytes(self) -> int:
-        """Payload and state bytes the bank holds (every namespace)."""
+        """Payload, state and end-record bytes the bank holds (every namespace)."""
         v = self.bank.counters.values()
-        return int(v["payload_bytes"] + v["state_bytes"])
+        return int(v["payload_bytes"] + v["state_bytes"] + v["end_bytes"])
 
     def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[Any, Any]:
         """`(cache, rest)`: a fresh cache holding the longest stored prefix of
@@ -250,8 +259,18 @@ class BankPromptCache:
         pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
         held = self._held(pc, cache)
         n = min(held, len(tokens))
-        if n < pc.block_size:
-            return 0, 0
+        written = self._store_blocks(pc, tokens, cache, n, held) if n >= pc.block_size else (0, 0)
+        if n == held and n > 0:
+            # The cache holds exactly tokens[:held]: its end record (KV of the partial
+            # block, the recurrent state right there) lets a longer prompt resume here.
+            end_bytes = pc.store_end(list(tokens[:held]), cache, this_model=True)
+            self.counters.end_bytes_written += end_bytes
+            written = (written[0], written[1] + end_bytes)
+        return written
+
+    def _store_blocks(
+        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], n: int, held: int
+    ) -> tuple[int, int]:
         states = None
         if pc.spec.is_hybrid:
             if n == held and n % pc.block_size == 0:
@@ -260,7 +279,7 @@ class BankPromptCache:
                 return self._capture(pc, tokens, (n // pc.block_size) * pc.block_size)
             else:
                 # The recurrent state is at `held`; without a boundary there, a hybrid
-                # restore can use none of these blocks (the README says why).
+                # restore of these blocks needs the end record stored next.
                 n = (n // pc.block_size) * pc.block_size
         # mlx-lm made this cache for the model this adapter serves (`_accepts`).
         report = pc.store(list(tokens[:n]), cache, states, this_model=True)

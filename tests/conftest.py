@@ -27,6 +27,7 @@ from cas_bank.arrays import DTYPES
 from cas_bank.blocks import codec
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.index.chain import Header
+from cas_bank.index.ends import split_record
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -226,6 +227,10 @@ def check_every_block(store: BlockStore) -> int:
             state = store.get(Family.STATES, key)
             assert state is not None, f"{key.hex()} claims a state that is not there"
             codec.decode(state, h.state_digest)
+    for key, value in store.iterate(Family.ENDS):  # an end record never dangles
+        end, payload = split_record(key, value)
+        assert end.parent in headers or end.parent in roots, f"end {key.hex()} has no parent"
+        codec.decode(payload, end.payload_digest)
     return len(headers)
 
 

@@ -70,6 +70,7 @@ def test_ls_lists_every_block_with_namespace_depth_size_chains(built: BuiltBank)
         "depth",
         "size",
         "state",
+        "ends",
         "chains",
         "last",
         "use",

@@ -35,12 +35,13 @@ from hypothesis.stateful import (
 )
 
 from cas_bank import Bank, BankConfig
+from cas_bank.blocks.hashing import end_hash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.index.chain import Header
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.leaves import LeafIndex
-from cas_bank.index.records import STATE_SUFFIX
+from cas_bank.index.records import END_SUFFIX, STATE_SUFFIX
 
 SPEC = hybrid_spec()
 ATTENTION = [ls for ls in SPEC.layers if ls.kind == "attention"]
@@ -130,8 +131,13 @@ class EvictionMachine(RuleBasedStateMachine):
         return self.bank
 
     # -- rules ---------------------------------------------------------------------
-    @rule(tokens=prompts, picks=st.sets(st.integers(1, 6), max_size=3), skip_last=st.booleans())
-    def store(self, tokens: list[int], picks: set[int], skip_last: bool) -> None:
+    @rule(
+        tokens=prompts,
+        picks=st.sets(st.integers(1, 6), max_size=3),
+        skip_last=st.booleans(),
+        end=st.booleans(),
+    )
+    def store(self, tokens: list[int], picks: set[int], skip_last: bool, end: bool) -> None:
         self.now += 1
         bs = self.config.block_size
         boundaries = {p * bs for p in picks if p * bs <= len(tokens)}
@@ -140,6 +146,8 @@ class EvictionMachine(RuleBasedStateMachine):
         states = {b: state_of(tokens[:b]) for b in boundaries}
         evicted = self.b.counters.values()["blocks_evicted"]
         self.ns.store(tokens, kv_of(tokens), states)
+        if end and tokens:  # its end record, as the runtime stores after a request
+            self.ns.store_end(tokens, kv_of(tokens), state_of(tokens))
         self.stored.append(tokens)
         event(f"store: evicted={self.b.counters.values()['blocks_evicted'] > evicted}")
 
@@ -158,7 +166,7 @@ class EvictionMachine(RuleBasedStateMachine):
         if expected == 0:
             assert hit is None
             return
-        assert hit is not None and hit.tokens == expected
+        assert hit is not None and hit.tokens == expected, (hit and hit.tokens, expected)
         want_kv = [
             (bits(k[..., :expected, :]), bits(v[..., :expected, :]))
             for k, v in (layer for layer in kv_of(tokens) if layer is not None)
@@ -204,6 +212,9 @@ class EvictionMachine(RuleBasedStateMachine):
         assert v["states"] == sum(h.has_state for h in hs)
         assert v["payload_bytes"] == sum(h.payload_size for h in hs)
         assert v["state_bytes"] == sum(h.state_size for h in hs)
+        ends = self._ends()
+        assert v["ends"] == len(ends)
+        assert v["end_bytes"] == sum(len(value) for value in ends.values())
 
     @invariant()
     def records_match_their_headers(self) -> None:
@@ -213,7 +224,13 @@ class EvictionMachine(RuleBasedStateMachine):
         hs = self._headers()
         assert set(store.keys(Family.BLOCKS)) == set(hs)
         assert set(store.keys(Family.STATES)) == {k for k, h in hs.items() if h.has_state}
+        ends = self._ends()
+        for key in ends:  # an end record never outlives its parent block
+            assert key[:32] == self.ns.root or key[:32] in hs
         for key in store.keys(Family.ACCESS):
+            if key[32:] == END_SUFFIX:
+                assert any(k[:32] == key[:32] for k in ends), "an access record outlived its ends"
+                continue
             owner = hs.get(key[:32])
             assert owner is not None, "an access record outlived its block"
             if key.endswith(STATE_SUFFIX) and len(key) == 33:
@@ -233,26 +250,44 @@ class EvictionMachine(RuleBasedStateMachine):
             }
 
         assert shape(self.b.access.index) == shape(rebuilt)
+        live = self.b.access.index
+        assert {k: g.sizes for k, g in live.ends.items()} == {
+            k: g.sizes for k, g in rebuilt.ends.items()
+        }
+        assert live.total == rebuilt.total
 
     # -- helpers ---------------------------------------------------------------------
     def _headers(self) -> dict[bytes, Header]:
         return {k: Header.decode(k, v) for k, v in disk(self.b).iterate(Family.HEADERS)}
 
+    def _ends(self) -> dict[bytes, bytes]:
+        return dict(disk(self.b).iterate(Family.ENDS))
+
     def _stored_bytes(self) -> int:
-        return sum(h.payload_size + h.state_size for h in self._headers().values())
+        blocks = sum(h.payload_size + h.state_size for h in self._headers().values())
+        return blocks + sum(len(v) for v in self._ends().values())
 
     def _restore_point(self, tokens: list[int]) -> int:
         """Tokens a restore must cover, from what is on disk."""
         hs = self._headers()
-        parent, deepest = self.ns.root, 0
+        bs = self.config.block_size
+        parent, deepest, matched = self.ns.root, 0, 0
         for i, h in enumerate(self.ns.chain(tokens)):
             header = hs.get(h)
             if header is None or header.parent != parent:
                 break
-            parent = h
+            parent, matched = h, i + 1
             if header.has_state:
                 deepest = i + 1
-        return deepest * self.config.block_size
+        # An end record under the deepest matched block, if one prefixes the prompt.
+        ends = {k[32:] for k in self._ends() if k[:32] == parent}
+        base = matched * bs
+        for n in range(min(len(tokens), base + bs - 1), base - 1, -1):
+            if end_hash(parent, np.array(tokens[base:n], "<u4")) in ends:
+                if n > deepest * bs or n == len(tokens):
+                    return n
+                break
+        return deepest * bs
 
 
 EvictionMachine.TestCase.settings = settings(

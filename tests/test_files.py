@@ -136,7 +136,7 @@ def test_eviction_and_verify_fix_remove_files(bank_path: Path) -> None:
         assert not stray.exists()
 
 
-def test_a_format_1_bank_opens_reads_and_is_marked_2(bank_path: Path) -> None:
+def test_a_format_1_bank_opens_reads_and_is_marked_current(bank_path: Path) -> None:
     """Version 1 kept every payload in RocksDB: it opens as it is and restores."""
     tokens = tokens_of(np.random.default_rng(6), 3 * B)
     with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
@@ -150,7 +150,7 @@ def test_a_format_1_bank_opens_reads_and_is_marked_2(bank_path: Path) -> None:
         want = prefix_layers(SPEC, tokens)
         assert layers_bits(hit.layers, SPEC) == layers_bits(want, SPEC)
     with RocksStore(bank_path, mode="read_only") as raw:
-        assert raw.get(Family.META, b"format_version") == struct.pack("<I", 2)
+        assert raw.get(Family.META, b"format_version") == struct.pack("<I", 3)
 
 
 def test_files_are_fsynced_only_when_durable(

@@ -120,12 +120,14 @@ def test_restore_of_a_hot_prefix_reads_nothing_below(bank_path: Path) -> None:
         layers = random_layers(spec, len(tokens), seed=1)
         ns.store(tokens, layers)
         below.reset()
-        below.fail_reads = True
-        for _ in range(2):  # the first restore verifies the written-through bytes
+        for attempt in range(2):  # the first restore verifies the written-through bytes
+            below.fail_reads = attempt > 0
             hit = ns.restore(tokens)
             assert hit is not None and hit.tokens == 6 * BLOCK_SIZE
             assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, hit.tokens)
-        assert below.reads == [] and below.batches == []
+        # Below it: only the first look for the prompt's end record (its absence is
+        # remembered): no header, no payload.
+        assert below.reads == [(Family.ENDS, 2)] and below.batches == []
         below.fail_reads = False  # stats() counts namespaces below
         assert bank.stats().hot_hits == 12
 
@@ -138,6 +140,9 @@ def test_hybrid_state_is_hot_too(bank_path: Path) -> None:
         tokens = list(range(3 * BLOCK_SIZE))
         layers, state = random_layers(spec, len(tokens), seed=2), random_state(spec, 3)
         ns.store(tokens, layers, {3 * BLOCK_SIZE: state})
+        below.reset()
+        assert ns.restore(tokens) is not None
+        assert below.reads == [(Family.ENDS, 1)]  # the end record's absence, remembered
         below.fail_reads = True
         hit = ns.restore(tokens)
         assert hit is not None and hit.tokens == 3 * BLOCK_SIZE
@@ -275,7 +280,11 @@ def test_eviction_through_the_bank_empties_the_tier(bank_path: Path) -> None:
         assert ns.restore(tokens) is not None
         report = evict_to_budget(bank, 0)
         assert report.blocks_evicted == 4
-        assert bank.hot is not None and len(bank.hot) == 0
+        # Nothing evicted stays; only the remembered absence of the prompt's end
+        # record (still absent: no end record outlives its parent).
+        hashes = ns.chain(tokens)
+        assert bank.hot is not None and len(bank.hot) == 1
+        assert not any((f, h) in bank.hot for h in hashes for f in Family)
         assert ns.restore(tokens) is None
         assert bank.stats().corrupt_reads == 0
 

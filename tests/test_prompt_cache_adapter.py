@@ -75,7 +75,8 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
             # boundary (mlx-lm's own prefill shows none).
             assert pc.stats()["recomputed_tokens"] == (len(held) // BLOCK) * BLOCK + 1
         n = len(follow) - len(rest)
-        assert n == (len(held) // BLOCK) * BLOCK and rest == follow[n:]
+        # The end record of the inserted cache: restored to its very end.
+        assert n == len(held) and rest == follow[n:]
         assert pc.stats()["hit_tokens"] == n
         again, logprobs = run(model, rest, restored)
         fresh = make_prompt_cache(model)
@@ -86,7 +87,9 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
         assert again == expected
 
 
-def test_without_capture_a_hybrid_keeps_blocks_a_restore_cannot_use() -> None:
+def test_without_capture_a_hybrid_resumes_only_from_the_end_record() -> None:
+    """No boundary state: the blocks alone restore nothing, but the end record of the
+    inserted cache (its state at exactly that position) restores a prompt extending it."""
     loaded = tiny("tiny-hybrid")
     prompt = random_tokens(np.random.default_rng(6), 2 * BLOCK + 3)
     with temp_bank(BLOCK) as bank:
@@ -95,7 +98,15 @@ def test_without_capture_a_hybrid_keeps_blocks_a_restore_cannot_use() -> None:
         loaded.model(mx.array(prompt)[None], cache=cache)
         pc.insert_cache(KEY, prompt, cache)
         assert pc.stats()["blocks_written"] == 2 and pc.stats()["recomputed_tokens"] == 0
-        assert pc.fetch_nearest_cache(KEY, [*prompt, 1]) == (None, [*prompt, 1])
+        assert pc.stats()["end_bytes_written"] > 0 and bank.stats().ends == 1
+        branch = [*prompt[:-1], prompt[-1] + 1, 1]  # leaves it inside the last block
+        assert pc.fetch_nearest_cache(KEY, branch) == (None, branch)
+        follow = [*prompt, 1, 2]
+        restored, rest = pc.fetch_nearest_cache(KEY, follow)
+        assert restored is not None and rest == [1, 2]
+        _, logprobs = run(loaded.model, rest, restored, n=1)
+        _, fresh = run(loaded.model, follow, make_prompt_cache(loaded.model), n=1)
+        assert close(logprobs, fresh, "float32")
 
 
 def test_a_hybrid_cache_ending_on_a_boundary_keeps_its_state_and_restores() -> None:

@@ -100,13 +100,13 @@ def conversation(user: str) -> list[dict[str, str]]:
 
 
 # -- prefix reuse -------------------------------------------------------------------------
-def test_the_same_prompt_again_restores_all_its_full_blocks(server: Server) -> None:
+def test_the_same_prompt_again_restores_all_of_it(server: Server) -> None:
     first = chat(server.url, conversation("same prompt twice, please"))
     second = chat(server.url, conversation("same prompt twice, please"))
     n = first["usage"]["prompt_tokens"]
     assert cached(first) == 0
-    # Everything but the last token is looked up; a restore stops on a block boundary.
-    assert cached(second) == (n - 1) // BLOCK * BLOCK
+    # The prompt's end record, with its last token's logits: no prefill at all.
+    assert cached(second) == n
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
 
 
@@ -159,7 +159,7 @@ def test_a_restarted_server_restores_what_the_last_one_stored(tmp_path: Path) ->
         second_server.stop()
     n = before["usage"]["prompt_tokens"]
     assert cached(before) == 0
-    assert cached(after) == (n - 1) // BLOCK * BLOCK
+    assert cached(after) == n  # its end record: a retry after a restart prefills nothing
     assert after["choices"][0]["message"] == before["choices"][0]["message"]
     # The bank's counters persist: the hit is in the new process's metrics.
     assert _metric(metrics, "cas_bank_prefix_hit_tokens_total") == cached(after)
@@ -420,6 +420,9 @@ def test_health_models_and_metrics(server: Server) -> None:
     assert _metric(text, "cas_bank_blocks_written_total") > 0
     assert _metric(text, "cas_bank_corrupt_reads_total") == 0
     assert _metric(text, "cas_bank_requests_total") >= 2
+    # The same prompt twice: the second restored its end record, logits and all.
+    assert _metric(text, "cas_bank_prefix_exact_hits_total") >= 1
+    assert _metric(text, "cas_bank_ends") >= 1 and _metric(text, "cas_bank_end_bytes") > 0
     assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 
 

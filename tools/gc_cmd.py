@@ -102,6 +102,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 ("stored after", human_bytes(report.bytes_after)),
                 ("blocks evicted", report.blocks_evicted),
                 ("states evicted", report.states_evicted),
+                ("end records evicted", report.ends_evicted),
                 ("bytes evicted", human_bytes(report.bytes_evicted)),
                 ("disk before", human_bytes(disk_before)),
                 ("disk after", human_bytes(disk_after)),
@@ -111,7 +112,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if report.evicted:
         rows = [
             [
-                e.kind + (" + state" if e.with_state else ""),
+                e.kind
+                + (" + state" if e.with_state else "")
+                + (" + end records" if e.kind == "block" and e.ends else ""),
                 short(e.chain_hash),
                 e.size,
                 when(e.last_use),
@@ -137,6 +140,7 @@ def report_json(
         "bytes_after": report.bytes_after,
         "blocks_evicted": report.blocks_evicted,
         "states_evicted": report.states_evicted,
+        "ends_evicted": report.ends_evicted,
         "bytes_evicted": report.bytes_evicted,
         "disk_bytes_before": disk_before,
         "disk_bytes_after": disk_after,
@@ -146,6 +150,8 @@ def report_json(
                 "hash": e.chain_hash.hex(),
                 "payload_bytes": e.payload_bytes,
                 "state_bytes": e.state_bytes,
+                "end_bytes": e.end_bytes,
+                "ends": e.ends,
                 "with_state": e.with_state,
                 "last_use": e.last_use,
             }

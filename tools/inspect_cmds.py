@@ -8,6 +8,7 @@ while a server or any other writer holds it. `show` lives in `show_cmd.py`.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,8 +17,11 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from cas_bank import Bank
+from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.access import last_use
 from cas_bank.index.chain import Header
+from cas_bank.index.ends import split_record
 from cas_bank.index.tree import (
     HeaderIndex,
     TreeNode,
@@ -117,6 +121,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("states", s.states),
         ("payload bytes", f"{human_bytes(s.payload_bytes)} ({s.payload_bytes})"),
         ("state bytes", f"{human_bytes(s.state_bytes)} ({s.state_bytes})"),
+        ("end records", f"{s.ends} ({human_bytes(s.end_bytes)}, {s.end_bytes} bytes)"),
         ("disk bytes", human_bytes(s.disk_bytes)),
         ("logical tokens", s.logical_tokens),
         ("unique tokens", s.unique_tokens),
@@ -125,8 +130,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("restores", s.restores),
         ("hits / misses", f"{s.hits} / {s.misses}"),
         ("hit rate", f"{s.hit_rate:.1%} of queried tokens"),
+        ("end hits", f"{s.exact_hits} exact repeats, {s.end_hits} extensions"),
         ("corrupt reads", s.corrupt_reads),
-        ("evicted", f"{s.blocks_evicted} blocks, {s.states_evicted} states"),
+        (
+            "evicted",
+            f"{s.blocks_evicted} blocks, {s.states_evicted} states, {s.ends_evicted} end records",
+        ),
     ]
     rows += remote_rows(s)
     if bad:
@@ -171,6 +180,7 @@ class LsRow:
     state_bytes: int | None
     chains: int
     last_use: float | None
+    ends: int = 0  # end records under this block
 
 
 _SORTS: dict[str, Callable[[LsRow], Any]] = {
@@ -182,16 +192,19 @@ _SORTS: dict[str, Callable[[LsRow], Any]] = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    def look(bank: Bank) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None]]:
+    def look(
+        bank: Bank,
+    ) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None], Counter[bytes]]:
         specs, _ = load_namespaces(bank.store)
         labels = namespace_labels(specs)
         index = HeaderIndex.load(bank.store)
         root = select_namespace(args.namespace, specs, labels) if args.namespace else None
         heads = [h for h in index.headers.values() if root is None or h.root == root]
         last = last_use(bank.store, bank.access, [h.chain_hash for h in heads])
-        return labels, index, heads, last
+        ends = Counter(k[:32] for k in bank.store.keys(Family.ENDS))
+        return labels, index, heads, last, ends
 
-    labels, index, heads, last = read_bank(args.bank, look)
+    labels, index, heads, last, ends = read_bank(args.bank, look)
     rows = [
         LsRow(
             hash=h.chain_hash.hex(),
@@ -201,6 +214,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             state_bytes=h.state_size if h.has_state else None,
             chains=index.chains_through(h.chain_hash),
             last_use=t,
+            ends=ends.get(h.chain_hash, 0),
         )
         for h, t in zip(heads, last, strict=True)
     ]
@@ -216,7 +230,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     out: list[Any] = []
     out.append(
         table(
-            ["hash", "namespace", "depth", "size", "state", "chains", "last use"],
+            ["hash", "namespace", "depth", "size", "state", "ends", "chains", "last use"],
             [
                 (
                     r.hash[:12],
@@ -224,6 +238,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     r.depth,
                     human_bytes(r.payload_bytes),
                     "-" if r.state_bytes is None else human_bytes(r.state_bytes),
+                    r.ends or "-",
                     r.chains,
                     when(r.last_use),
                 )
@@ -284,7 +299,23 @@ class TreeGroup:
     nodes: list[TreeNode]
 
 
-def _groups(index: HeaderIndex, labels: dict[bytes, str], only: bytes | None) -> list[TreeGroup]:
+def _end_roots(bank: Bank) -> Counter[bytes]:
+    """End records per namespace root (records that do not parse are left to verify)."""
+    out: Counter[bytes] = Counter()
+    for key, value in bank.store.iterate(Family.ENDS):
+        try:
+            out[split_record(key, value)[0].root] += 1
+        except CorruptDataError:
+            continue
+    return out
+
+
+def _groups(
+    index: HeaderIndex,
+    labels: dict[bytes, str],
+    only: bytes | None,
+    ends: Counter[bytes] | None = None,
+) -> list[TreeGroup]:
     tops = index.tops()
     roots = sorted(
         {*labels, *(h.root for h in tops if h.index == 0 and h.parent == h.root)},
@@ -299,11 +330,19 @@ def _groups(index: HeaderIndex, labels: dict[bytes, str], only: bytes | None) ->
         chains = sum(n.chains for n in nodes)
         blocks = _count_blocks(nodes)
         size = sum(n.subtree_bytes for n in nodes)
+        n_ends = (ends or Counter())[root]
         title = (
             f"[bold]{escape(name)}[/bold] (root {short(root, 8)}): "
-            f"{_plural(chains, 'chain')}, {_plural(blocks, 'block')}, {human_bytes(size)}"
+            f"{_plural(chains, 'chain')}, {_plural(blocks, 'block')}, "
+            f"{_plural(n_ends, 'end record')}, {human_bytes(size)}"
         )
-        info = {"namespace": name, "root": root.hex(), "chains": chains, "blocks": blocks}
+        info = {
+            "namespace": name,
+            "root": root.hex(),
+            "chains": chains,
+            "blocks": blocks,
+            "ends": n_ends,
+        }
         out.append(TreeGroup(title, {**info, "bytes": size}, nodes))
     # Blocks whose parent is gone hang below the missing parent (verify reports them).
     for parent in sorted({h.parent for h in tops if not (h.index == 0 and h.parent == h.root)}):
@@ -328,12 +367,13 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    (specs, _), index = read_bank(
-        args.bank, lambda bank: (load_namespaces(bank.store), HeaderIndex.load(bank.store))
+    (specs, _), index, ends = read_bank(
+        args.bank,
+        lambda bank: (load_namespaces(bank.store), HeaderIndex.load(bank.store), _end_roots(bank)),
     )
     labels = namespace_labels(specs)
     only = select_namespace(args.namespace, specs, labels) if args.namespace else None
-    groups = _groups(index, labels, only)
+    groups = _groups(index, labels, only, ends)
     if args.json:
         print_json([{**g.info, "children": [_node_json(n) for n in g.nodes]} for g in groups])
         return 0

@@ -35,6 +35,7 @@ def cmd_salvage(args: argparse.Namespace) -> int:
                 "headers_read": report.headers_read,
                 "blocks_copied": report.blocks_copied,
                 "states_copied": report.states_copied,
+                "ends_copied": report.ends_copied,
                 "skipped": report.skipped,
                 "walk_errors": report.walk_errors,
             }
@@ -42,7 +43,11 @@ def cmd_salvage(args: argparse.Namespace) -> int:
         return 0
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(report.skipped.items())) or "none"
     rows = [
-        ("copied", f"{report.blocks_copied} blocks, {report.states_copied} states"),
+        (
+            "copied",
+            f"{report.blocks_copied} blocks, {report.states_copied} states, "
+            f"{report.ends_copied} end records",
+        ),
         ("skipped", skipped),
         ("repaired", "yes (RocksDB rebuilt the copy's MANIFEST)" if report.repaired else "no"),
     ]

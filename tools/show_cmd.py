@@ -22,7 +22,13 @@ from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.access import last_use
 from cas_bank.index.chain import Header
-from cas_bank.index.tree import HeaderIndex, load_namespaces, namespace_labels, resolve_prefix
+from cas_bank.index.tree import (
+    HeaderIndex,
+    UnknownHashError,
+    load_namespaces,
+    namespace_labels,
+    resolve_prefix,
+)
 from cas_bank.spec import ModelSpec
 from cas_bank.verify import read_record
 
@@ -39,6 +45,7 @@ from .common import (
     table,
     when,
 )
+from .show_end import end_info, find_end, show_end
 
 
 def register(subparsers: Any) -> None:
@@ -53,7 +60,9 @@ def register(subparsers: Any) -> None:
         "fails its digest.",
     )
     add_bank_argument(p)
-    p.add_argument("hash", metavar="HASH", help="block hash or a unique hex prefix of it")
+    p.add_argument(
+        "hash", metavar="HASH", help="block hash or end-record hash, or a unique hex prefix of it"
+    )
     p.add_argument(
         "--tokenizer",
         type=Path,
@@ -184,8 +193,22 @@ def _look(bank: Bank, prefix: str) -> _Look:
     )
 
 
+def _look_any(bank: Bank, prefix: str) -> _Look | dict[str, Any]:
+    """A block's look, or an end record's info when `prefix` names one and no block."""
+    try:
+        return _look(bank, prefix)
+    except UnknownHashError:
+        found = find_end(bank, prefix)
+        if found is None:
+            raise
+        return end_info(bank, *found)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    look = read_bank(args.bank, lambda bank: _look(bank, args.hash), payloads=True)
+    found = read_bank(args.bank, lambda bank: _look_any(bank, args.hash), payloads=True)
+    if isinstance(found, dict):
+        return show_end(args, found)
+    look = found
     h, index, specs, last = look.header, look.index, look.specs, look.last
     raw, raw_error, raw_state, state_error = (
         look.raw,

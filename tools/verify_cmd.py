@@ -81,6 +81,7 @@ def report_json(report: VerifyReport, labels: dict[bytes, str], looks: int) -> d
         "looks": looks,
         "blocks_checked": report.blocks_checked,
         "states_checked": report.states_checked,
+        "ends_checked": report.ends_checked,
         "bytes_checked": report.bytes_checked,
         "problems": [
             {
@@ -96,6 +97,7 @@ def report_json(report: VerifyReport, labels: dict[bytes, str], looks: int) -> d
         "removed_blocks": [h.hex() for h in report.removed_blocks],
         "removed_states": [h.hex() for h in report.removed_states],
         "removed_orphans": report.removed_orphans,
+        "removed_ends": report.removed_ends,
         "counter_drift": {
             k: {"counter": c, "found": f} for k, (c, f) in report.counter_drift.items()
         },
@@ -165,7 +167,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         (
             "checked",
             f"{_plural(report.blocks_checked, 'block')}, "
-            f"{_plural(report.states_checked, 'state')}, {human_bytes(report.bytes_checked)}",
+            f"{_plural(report.states_checked, 'state')}, "
+            f"{_plural(report.ends_checked, 'end record')}, {human_bytes(report.bytes_checked)}",
         ),
         ("problems", len(report.problems)),
     ]
@@ -175,7 +178,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "removed",
                 f"{_plural(len(report.removed_blocks), 'block')}, "
                 f"{_plural(len(report.removed_states), 'state')}, "
-                f"{_plural(report.removed_orphans, 'unclaimed record')}",
+                f"{_plural(report.removed_orphans, 'unclaimed record')}, "
+                f"{_plural(report.removed_ends, 'end record')}",
             )
         )
     elif report.problems:

@@ -37,6 +37,7 @@ BLOCK_CONTEXT = "cas_bank 2026-11-29 block chain v1"
 ROOT_CONTEXT = "cas_bank 2026-11-29 namespace root v1"
 SPEC_CONTEXT = "cas_bank 2026-11-29 model spec v1"
 PAYLOAD_CONTEXT = "cas_bank 2026-11-29 payload v1"
+END_CONTEXT = "cas_bank 2026-12-01 prompt end v1"
 
 _MAX_TOKEN = (1 << 32) - 1
 
@@ -100,6 +101,30 @@ def hash_block(parent: bytes, block_tokens: np.ndarray | bytes) -> BlockHash:
     h.update(parent)
     h.update(data)
     return BlockHash(h.digest())
+
+
+def end_hash(parent: bytes, tail_tokens: np.ndarray | bytes) -> BlockHash:
+    """The name of an end record: a whole prompt, as the chain hash of its last full
+    block (or the namespace root) and the 0..block_size-1 tokens after it.
+
+    Its own derive-key context: an end hash never equals a block hash (docs/design.md,
+    "End records")."""
+    h = blake3.blake3(derive_key_context=END_CONTEXT)
+    h.update(parent)
+    h.update(tail_tokens if isinstance(tail_tokens, bytes) else tail_tokens.astype("<u4").tobytes())
+    return BlockHash(h.digest())
+
+
+def end_hashes(parent: bytes, tail_tokens: bytes) -> list[BlockHash]:
+    """`end_hash(parent, tail_tokens[:4 * t])` for t = 0..len(tail_tokens) // 4, in one
+    incremental pass (a restore's lookup names all its candidates)."""
+    h = blake3.blake3(derive_key_context=END_CONTEXT)
+    h.update(parent)
+    out = [BlockHash(h.digest())]
+    for at in range(0, len(tail_tokens), 4):
+        h.update(tail_tokens[at : at + 4])
+        out.append(BlockHash(h.digest()))
+    return out
 
 
 def chain_hashes(root: bytes, tokens: Any, block_size: int) -> list[BlockHash]:

@@ -2,8 +2,10 @@
 
 A wrapper store (docs/design.md, "Store interface and put_batch promise": cross-cutting
 concerns wrap a store, they are not flags inside a backend). It caches the families a
-restore reads: headers, block payloads and states. A restore of a prefix whose headers
-and payloads are all hot reads nothing from the store below.
+restore reads: headers, block payloads, states and end records, and remembers the
+end-record keys it found absent (a restore looks up a few candidates that mostly do
+not exist; a write of such a key drops the absence). A restore of a prefix whose
+headers and payloads are all hot reads nothing from the store below.
 
 Two levels per entry:
 - the raw value (what `get_many` returns), filled on a read miss and on every put
@@ -33,7 +35,11 @@ from dataclasses import dataclass
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.store import BlockStore, Family, Write
 
-CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES})
+CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES, Family.ENDS})
+# Families whose absent keys are remembered too: a restore looks up end records that
+# mostly do not exist, and a hot restore must not read below (dropped by any write).
+NEGATIVE_FAMILIES = frozenset({Family.ENDS})
+_ABSENT = b""  # the raw value of a remembered absence (no end record is empty)
 _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
 
 
@@ -46,7 +52,8 @@ class _Entry:
 
 
 class HotStore(BlockStore):
-    """An LRU of at most `max_bytes` over `inner`'s headers, blocks and states."""
+    """An LRU of at most `max_bytes` over `inner`'s headers, blocks, states and end
+    records (and the end-record keys found absent)."""
 
     def __init__(self, inner: BlockStore, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -111,7 +118,7 @@ class HotStore(BlockStore):
                     missing.append(i)
                 else:
                     self._entries.move_to_end((family, key))
-                    out[i] = entry.raw
+                    out[i] = None if entry.raw is _ABSENT else entry.raw
             self.hits += len(keys) - len(missing)
             self.misses += len(missing)
         if not missing:
@@ -120,10 +127,13 @@ class HotStore(BlockStore):
         with self._lock:
             # A write since our look may have replaced or deleted what we just read.
             fresh = generation == self._generation and not self._writing
+            negative = family in NEGATIVE_FAMILIES
             for i, value in zip(missing, got, strict=True):
                 out[i] = value
                 if fresh and value is not None:
                     self._insert(family, bytes(keys[i]), value)
+                elif fresh and negative:
+                    self._insert(family, bytes(keys[i]), _ABSENT)
             self._shrink()
         return out
 
@@ -201,7 +211,7 @@ class HotStore(BlockStore):
             self._bytes = 0
 
     def _insert(self, family: Family, key: bytes, value: bytes) -> None:
-        raw = value if type(value) is bytes else bytes(value)
+        raw = value if type(value) is bytes or value is _ABSENT else bytes(value)
         size = len(raw) + len(key) + _ENTRY_OVERHEAD
         if size > self.max_bytes:
             return  # never cache what alone exceeds the bound

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.store import BlockStore, Family, Write
-from cas_bank.index.records import TIME, access_key
+from cas_bank.index.records import TIME, access_key, end_access_key
 
 if TYPE_CHECKING:
     from cas_bank.index.leaves import LeafIndex
@@ -54,12 +54,16 @@ class AccessLog:
         self.clock = clock
         self._last_flush = clock()
 
-    def touch(self, blocks: Iterable[bytes], states: Iterable[bytes] = ()) -> None:
-        """Record a use of `blocks` and of the states at the ends of `states`, now."""
+    def touch(
+        self, blocks: Iterable[bytes], states: Iterable[bytes] = (), ends: Iterable[bytes] = ()
+    ) -> None:
+        """Record a use of `blocks`, of the states at the ends of `states` and of the end
+        records under the parents `ends`, now."""
         if not self.enabled:
             return
         now = self.clock()
         keys = [bytes(h) for h in blocks] + [access_key(h, True) for h in states]
+        keys += [end_access_key(p) for p in ends]
         with self._lock:
             for k in keys:
                 self._pending[k] = now

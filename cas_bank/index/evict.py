@@ -13,9 +13,12 @@ Eviction order (`evict_to_budget`)
 While payload + state bytes exceed the budget, remove the first of these
 candidates, ordered by (last use, states before blocks, chain hash):
 1. every stored state, on its own: the block stays, only its restore point goes;
-2. every leaf block (no stored child), together with its state if it has one.
+2. the end records under a block (or a namespace root), together (`index.ends`: an
+   end record is a leaf, used when its group was last stored or restored from);
+3. every leaf block (no stored child), together with its state if it has one and
+   the end records under it.
 So the least recently used thing goes first; a state is a candidate on its own
-and goes before a block of the same age, and a state whose boundary is rarely
+and goes before end records and a block of the same age, and a state whose boundary is rarely
 restored (intermediate boundaries, branch points nobody resumes from) ages out
 long before the blocks it sits on, which restores keep touching. A block with a
 stored child is never a candidate: only after its last child goes does it become a
@@ -38,9 +41,9 @@ from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.access import AccessLog
 from cas_bank.index.chain import Header
-from cas_bank.index.leaves import LeafIndex
+from cas_bank.index.leaves import EndGroup, LeafIndex, Node
 from cas_bank.index.owner import Writer
-from cas_bank.index.records import block_deletes, state_deletes
+from cas_bank.index.records import block_deletes, end_deletes, state_deletes
 
 
 def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
@@ -55,18 +58,21 @@ def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
 
 @dataclass(frozen=True, slots=True)
 class Evicted:
-    """One removal: a state on its own, or a leaf block (with its state, if any)."""
+    """One removal: a state on its own, the end records under a block (or a root) on
+    their own, or a leaf block (with its state and end records, if any)."""
 
-    kind: Literal["block", "state"]
-    chain_hash: BlockHash
-    payload_bytes: int  # 0 for a state on its own
+    kind: Literal["block", "state", "ends"]
+    chain_hash: BlockHash  # the block, or the parent of the end records
+    payload_bytes: int  # 0 for a state or end records on their own
     state_bytes: int  # the state's bytes, alone or with its block
-    last_use: float  # of the block, or of the state for a state on its own
+    last_use: float  # of the block, or of the state or end records on their own
+    end_bytes: int = 0
+    ends: int = 0  # end records removed
 
     @property
     def size(self) -> int:
-        """Bytes removed: the payload and/or the state."""
-        return self.payload_bytes + self.state_bytes
+        """Bytes removed: the payload, the state, the end records."""
+        return self.payload_bytes + self.state_bytes + self.end_bytes
 
     @property
     def with_state(self) -> bool:
@@ -88,6 +94,10 @@ class EvictionReport:
         return sum(1 for e in self.evicted if e.kind == "block")
 
     @property
+    def ends_evicted(self) -> int:
+        return sum(e.ends for e in self.evicted)
+
+    @property
     def states_evicted(self) -> int:
         return sum(1 for e in self.evicted if e.state_bytes > 0)
 
@@ -97,7 +107,7 @@ class EvictionReport:
 
 
 def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
-    """Evict in the documented order until payload + state bytes <= `max_bytes`.
+    """Evict in the documented order until payload + state + end bytes <= `max_bytes`.
 
     Used after a store when `BankConfig.max_bytes` is exceeded, and offline by
     `cas-bank gc`. One transaction for all the deletes and the counters.
@@ -117,7 +127,14 @@ def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
                 tx.on_abort(lambda: setattr(access, "index", None))
             kind, key, node = victim
             h = BlockHash(key)
-            if kind == "state":
+            if kind == "ends":
+                assert isinstance(node, EndGroup)
+                tx.extend(end_deletes(list(node.sizes), key))
+                tx.forget(ends=[key])
+                evicted.append(Evicted("ends", h, 0, 0, node.used, node.size, len(node.sizes)))
+                index.drop_ends(key)
+            elif kind == "state":
+                assert isinstance(node, Node)
                 raw = tx.store.get(Family.HEADERS, key)
                 assert raw is not None, "the leaf index lists only stored headers"
                 tx.extend(state_deletes(Header.decode(key, raw)))
@@ -126,23 +143,43 @@ def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
                 evicted.append(Evicted("state", h, 0, node.state_size, node.state_used))
                 index.drop_state(key)
             else:
+                assert isinstance(node, Node)
                 tx.extend(block_deletes(key, with_state=node.has_state))
                 tx.forget(blocks=[key])
                 tx.clear_suspect(blocks=[key], states=[key])
-                evicted.append(Evicted("block", h, node.payload_size, node.state_size, node.used))
+                group = index.drop_ends(key)  # an end record goes with its parent
+                sizes = group.sizes if group is not None else {}
+                if sizes:
+                    tx.extend(end_deletes(list(sizes), key))
+                evicted.append(
+                    Evicted(
+                        "block",
+                        h,
+                        node.payload_size,
+                        node.state_size,
+                        node.used,
+                        sum(sizes.values()),
+                        len(sizes),
+                    )
+                )
                 index.remove(key)
         payload_bytes = sum(e.payload_bytes for e in evicted)
         state_bytes = sum(e.state_bytes for e in evicted)
+        end_bytes = sum(e.end_bytes for e in evicted)
+        ends = sum(e.ends for e in evicted)
         blocks = sum(1 for e in evicted if e.kind == "block")
         states = sum(1 for e in evicted if e.state_bytes > 0)
         tx.add(
             blocks=-blocks,
             states=-states,
+            ends=-ends,
             payload_bytes=-payload_bytes,
             state_bytes=-state_bytes,
+            end_bytes=-end_bytes,
             blocks_evicted=blocks,
             states_evicted=states,
-            bytes_evicted=payload_bytes + state_bytes,
+            ends_evicted=ends,
+            bytes_evicted=payload_bytes + state_bytes + end_bytes,
         )
         if not evicted:
             tx.abort()  # nothing to write: the pending uses stay pending

@@ -230,12 +230,22 @@ class Assembler:
         """A reader of block payload files into these arrays (`direct` only)."""
         return BlockFiles(self._views, self.block_shapes, self.dtypes, self.block_size)
 
-    def layers(self, n_blocks: int, *, room: bool = False) -> list[tuple[Any, ...] | None]:
+    def put_tail(self, start: int, arrays: Sequence[np.ndarray]) -> None:
+        """Copy an end record's tail (`index.ends`, checked against the spec by its
+        decoder) in at token `start`; the capacity must hold it."""
+        for src, view in zip(arrays, self._views, strict=True):
+            t = src.shape[-2]
+            np.copyto(view[..., start : start + t, :], src)
+
+    def layers(
+        self, n_blocks: int, *, room: bool = False, tokens: int | None = None
+    ) -> list[tuple[Any, ...] | None]:
         """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers:
-        exactly that many tokens, or (`room`) the whole capacity, whose first
-        `n_blocks * block_size` tokens are the blocks and the rest undefined."""
+        exactly that many tokens (or `tokens`, when a tail was put after them), or
+        (`room`) the whole capacity, whose first tokens are the blocks and the rest
+        undefined."""
         self._copy_later(n_blocks)
-        n = n_blocks * self.block_size
+        n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]

@@ -20,13 +20,14 @@ from typing import Literal
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
-from cas_bank.index.records import parse_time
+from cas_bank.index.records import END_SUFFIX, parse_time
 
-_STATE, _BLOCK = 0, 1  # heap kinds: a state goes before a block of the same age
+# Heap kinds: a state goes before the end records and a block of the same age.
+_STATE, _ENDS, _BLOCK = 0, 1, 2
 
 
 @dataclass(slots=True)
-class _Node:
+class Node:
     parent: bytes
     payload_size: int
     state_size: int
@@ -38,18 +39,33 @@ class _Node:
     state_queued: bool = False
 
 
+@dataclass(slots=True)
+class EndGroup:
+    """The end records under one parent (a block, or a namespace root): a leaf group."""
+
+    sizes: dict[bytes, int]  # record key -> bytes
+    used: float = 0.0
+    queued: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes.values())
+
+
 class LeafIndex:
     """Every stored block's parent, child count, sizes and last uses; a candidate heap."""
 
     def __init__(self) -> None:
-        self.nodes: dict[bytes, _Node] = {}
+        self.nodes: dict[bytes, Node] = {}
+        self.ends: dict[bytes, EndGroup] = {}  # by parent
         self.payload_bytes = 0
         self.state_bytes = 0
+        self.end_bytes = 0
         self._heap: list[tuple[float, int, bytes]] = []
 
     @property
     def total(self) -> int:
-        return self.payload_bytes + self.state_bytes
+        return self.payload_bytes + self.state_bytes + self.end_bytes
 
     def load(self, store: BlockStore) -> None:
         for key, raw in store.iterate(Family.HEADERS):
@@ -58,6 +74,8 @@ class LeafIndex:
             except CorruptDataError:
                 continue  # `cas-bank verify` reports it; eviction cannot place it
             self._add(key, header)
+        for key, raw in store.iterate(Family.ENDS):
+            self._put_end(key, len(raw))
         for key, raw in store.iterate(Family.ACCESS):
             t = parse_time(raw)
             if t is not None:
@@ -68,6 +86,8 @@ class LeafIndex:
                 parent.children += 1
         for key, node in self.nodes.items():
             self._queue(key, node)
+        for owner, group in self.ends.items():
+            self._queue_ends(owner, group)
 
     # -- keeping it current ----------------------------------------------------
     def touch(self, keys: Sequence[bytes], now: float) -> None:
@@ -79,7 +99,11 @@ class LeafIndex:
             self._touch_one(k, t)
 
     def _touch_one(self, key: bytes, t: float) -> None:
-        if len(key) > 32:
+        if key[32:] == END_SUFFIX:
+            group = self.ends.get(key[:32])
+            if group is not None and t > group.used:
+                group.used = t
+        elif len(key) > 32:
             node = self.nodes.get(key[:32])
             if node is not None and t > node.state_used:
                 node.state_used = t
@@ -119,6 +143,14 @@ class LeafIndex:
             parent = self.nodes.get(self.nodes[key].parent)
             if parent is not None:
                 parent.children += 1
+        ends_changed: set[bytes] = set()
+        for family, key, value in writes:
+            if family is Family.ENDS:
+                if value is None:
+                    self._drop_end(key)
+                else:
+                    self._put_end(key, len(value))
+                    ends_changed.add(key[:32])
         for family, key, value in writes:
             t = parse_time(value) if family is Family.ACCESS and value is not None else None
             if t is not None:
@@ -127,15 +159,41 @@ class LeafIndex:
             node = self.nodes.get(key)
             if node is not None:
                 self._queue(key, node)
+        for owner in ends_changed:
+            group = self.ends.get(owner)
+            if group is not None:
+                self._queue_ends(owner, group)
 
-    def _add(self, key: bytes, header: Header) -> _Node:
-        node = _Node(header.parent, header.payload_size, header.state_size, header.has_state)
+    def _put_end(self, key: bytes, size: int) -> None:
+        group = self.ends.get(key[:32])
+        if group is None:
+            group = self.ends[bytes(key[:32])] = EndGroup({})
+        self.end_bytes += size - group.sizes.get(key, 0)
+        group.sizes[bytes(key)] = size
+
+    def _drop_end(self, key: bytes) -> None:
+        group = self.ends.get(key[:32])
+        if group is None or key not in group.sizes:
+            return
+        self.end_bytes -= group.sizes.pop(key)
+        if not group.sizes:
+            del self.ends[key[:32]]
+
+    def drop_ends(self, parent: bytes) -> EndGroup | None:
+        """Forget every end record under `parent`; what it held."""
+        group = self.ends.pop(parent, None)
+        if group is not None:
+            self.end_bytes -= group.size
+        return group
+
+    def _add(self, key: bytes, header: Header) -> Node:
+        node = Node(header.parent, header.payload_size, header.state_size, header.has_state)
         self.nodes[bytes(key)] = node
         self.payload_bytes += header.payload_size
         self.state_bytes += header.state_size
         return node
 
-    def remove(self, key: bytes) -> _Node | None:
+    def remove(self, key: bytes) -> Node | None:
         """Forget a block (and its state); its parent may become a leaf."""
         node = self.nodes.pop(key, None)
         if node is None:
@@ -153,7 +211,12 @@ class LeafIndex:
         self.state_bytes -= node.state_size
         node.state_size, node.has_state, node.state_used = 0, False, 0.0
 
-    def _queue(self, key: bytes, node: _Node) -> None:
+    def _queue_ends(self, parent: bytes, group: EndGroup) -> None:
+        if not group.queued:
+            group.queued = True
+            heapq.heappush(self._heap, (group.used, _ENDS, parent))
+
+    def _queue(self, key: bytes, node: Node) -> None:
         if node.has_state and not node.state_queued:
             node.state_queued = True
             heapq.heappush(self._heap, (node.state_used, _STATE, key))
@@ -162,11 +225,20 @@ class LeafIndex:
             heapq.heappush(self._heap, (node.used, _BLOCK, key))
 
     # -- choosing ----------------------------------------------------------------
-    def pop_victim(self) -> tuple[Literal["block", "state"], bytes, _Node] | None:
+    def pop_victim(self) -> tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup] | None:
         """The next candidate in eviction order (not yet removed), or None."""
         heap = self._heap
         while heap:
             t, kind, key = heapq.heappop(heap)
+            if kind == _ENDS:
+                group = self.ends.get(key)
+                if group is None:
+                    continue
+                group.queued = False
+                if group.used > t:
+                    self._queue_ends(key, group)
+                    continue
+                return "ends", key, group
             node = self.nodes.get(key)
             if node is None:
                 continue

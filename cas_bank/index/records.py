@@ -4,7 +4,9 @@ deltas they carry). Stores, imports, eviction and `verify --fix` all use these, 
 block is removed the same way wherever it goes.
 
 Last uses live in the `access` family, one little-endian f64 (seconds since the
-epoch) per key: the chain hash for the block, the chain hash + b"s" for its state.
+epoch) per key: the chain hash for the block, the chain hash + b"s" for its state,
+the chain hash + b"e" for the end records under it (`index.ends`; under a namespace
+root, the root + b"e").
 """
 
 from __future__ import annotations
@@ -16,11 +18,23 @@ from cas_bank.index.chain import Header
 
 TIME = struct.Struct("<d")
 STATE_SUFFIX = b"s"
+END_SUFFIX = b"e"
 
 
 def access_key(chain_hash: bytes, state: bool = False) -> bytes:
     """The access-family key holding the last use of a block (or of its state)."""
     return chain_hash + STATE_SUFFIX if state else chain_hash
+
+
+def end_access_key(parent: bytes) -> bytes:
+    """The access-family key holding the last use of the end records under `parent`."""
+    return bytes(parent) + END_SUFFIX
+
+
+def end_deletes(keys: list[bytes], parent: bytes) -> list[Write]:
+    """The writes that remove the end records `keys` (all under `parent`) and their last use."""
+    writes: list[Write] = [(Family.ENDS, k, None) for k in keys]
+    return [*writes, (Family.ACCESS, end_access_key(parent), None)]
 
 
 def parse_time(value: bytes) -> float | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.index.access import AccessLog
-from cas_bank.index.records import TIME, access_key
+from cas_bank.index.records import TIME, access_key, end_access_key
 from cas_bank.stats import NAMES, Counters, counter_writes
 
 
@@ -103,21 +103,29 @@ class Transaction:
         for name, d in deltas.items():
             self.deltas[name] = self.deltas.get(name, 0) + d
 
-    def touch(self, blocks: Iterable[bytes], states: Iterable[bytes] = ()) -> None:
-        """A use of `blocks` and of the states at the ends of `states`, now; written
-        with the batch (nothing is recorded if it fails)."""
+    def touch(
+        self, blocks: Iterable[bytes], states: Iterable[bytes] = (), ends: Iterable[bytes] = ()
+    ) -> None:
+        """A use of `blocks`, of the states at the ends of `states` and of the end records
+        under the parents `ends`, now; written with the batch (nothing is recorded if it
+        fails)."""
         if not self._access.enabled:
             return
         now = self._access.clock()
-        for k in [bytes(h) for h in blocks] + [access_key(h, True) for h in states]:
+        keys = [bytes(h) for h in blocks] + [access_key(h, True) for h in states]
+        for k in keys + [end_access_key(p) for p in ends]:
             self._uses[k] = now
 
-    def forget(self, blocks: Iterable[bytes] = (), states: Iterable[bytes] = ()) -> None:
-        """The last uses of removed blocks (and their states) and of removed states:
-        none is written with or after the batch."""
+    def forget(
+        self, blocks: Iterable[bytes] = (), states: Iterable[bytes] = (), ends: Iterable[bytes] = ()
+    ) -> None:
+        """The last uses of removed blocks (their states and end records), of removed
+        states and of the end records removed under the parents `ends`: none is written
+        with or after the batch."""
         for h in blocks:
-            self._forget.update((bytes(h), access_key(h, True)))
+            self._forget.update((bytes(h), access_key(h, True), end_access_key(h)))
         self._forget.update(access_key(h, True) for h in states)
+        self._forget.update(end_access_key(h) for h in ends)
 
     def clear_suspect(self, blocks: Iterable[bytes] = (), states: Iterable[bytes] = ()) -> None:
         """Records this batch rewrites or removes: no longer suspect once it is written."""
@@ -173,7 +181,12 @@ class Transaction:
         keep: list[Write] = []
         for w in drained:
             key = w[1]
-            gone = index is not None and key[:32] not in index.nodes and key[:32] not in written
+            gone = (
+                index is not None
+                and key[:32] not in index.nodes
+                and key[:32] not in index.ends
+                and key[:32] not in written
+            )
             if gone and key not in self._forget:
                 continue  # stale: its block was evicted after the use was recorded
             keep.append(w)

@@ -1,0 +1,409 @@
+"""End records: a whole prompt's exact end (docs/design.md, "End records").
+
+An end record names a prompt of n tokens by `end_hash(parent, tail)`: `parent` is
+the chain hash of its last full block (the namespace root when n < block_size) and
+`tail` its last n % block_size tokens (possibly none). It holds what a restore needs
+to resume at exactly n without a forward pass: the attention layers' KV of the tail
+tokens, the recurrent layers' state at n (hybrid models), and optionally the logits
+of token n-1 and a hidden state. Records live in the `ends` family under
+`parent || end_hash` (64 bytes), so a lookup multi-gets the few candidates under the
+deepest matched block, and the records under a block are found by that block's hash.
+An end record is a leaf: it goes with its parent block (`index.evict`).
+
+Record value, little-endian: the end header (`_FIXED` then the tail tokens as <u4)
+followed by the codec payload (`blocks.codec`; its digest is in the header too and
+is checked on every read): the tail's attention arrays in spec order, then the state
+arrays (flag), the logits (flag), the hidden state (flag).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
+from cas_bank.blocks import codec
+from cas_bank.blocks.codec import Compression
+from cas_bank.blocks.hashing import BlockHash, as_token_array, end_hash, end_hashes
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.layout import Assembler, check_layers, check_state, group_layers
+from cas_bank.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from cas_bank.index.owner import Owner
+    from cas_bank.stats import Counters
+
+log = logging.getLogger("cas_bank")
+
+END_VERSION = 1
+FLAG_STATE, FLAG_LOGITS, FLAG_HIDDEN = 1, 2, 4
+_FIXED = struct.Struct("<BBHIQ32s32s32s")
+KEY_SIZE = 64
+
+
+def end_key(parent: bytes, tail: bytes) -> bytes:
+    """The `ends` family key of the prompt ending with `tail` (<u4 bytes) after `parent`."""
+    return bytes(parent) + end_hash(parent, tail)
+
+
+@dataclass(frozen=True, slots=True)
+class EndHeader:
+    """What an end record says of itself; the payload follows it in the value."""
+
+    parent: bytes  # chain hash of the prompt's last full block, or the namespace root
+    root: bytes
+    n_tokens: int  # the prompt's length
+    tail: bytes  # its last n_tokens % block_size tokens, <u4
+    payload_digest: bytes
+    payload_size: int
+    flags: int
+
+    @property
+    def tail_len(self) -> int:
+        return len(self.tail) // 4
+
+    def parent_blocks(self, block_size: int) -> int:
+        """Full blocks below the end (the parent's index + 1; 0 under the root)."""
+        return (self.n_tokens - self.tail_len) // block_size
+
+    @property
+    def has_logits(self) -> bool:
+        return bool(self.flags & FLAG_LOGITS)
+
+    @property
+    def has_hidden(self) -> bool:
+        return bool(self.flags & FLAG_HIDDEN)
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.flags & FLAG_STATE)
+
+    def key(self) -> bytes:
+        return end_key(self.parent, self.tail)
+
+    def encode(self) -> bytes:
+        return (
+            _FIXED.pack(
+                END_VERSION,
+                self.flags,
+                self.tail_len,
+                self.n_tokens,
+                self.payload_size,
+                self.parent,
+                self.root,
+                self.payload_digest,
+            )
+            + self.tail
+        )
+
+    def token_ids(self) -> list[int]:
+        return [int(t) for t in np.frombuffer(self.tail, dtype="<u4")]
+
+
+def split_record(key: bytes, value: bytes) -> tuple[EndHeader, bytes]:
+    """The header and payload of an end record; `CorruptDataError` if it is not one
+    (bad version or lengths, or a key that is not the hash of what it says)."""
+    where = key.hex()[64:80] if len(key) == KEY_SIZE else key.hex()[:16]
+    try:
+        version, flags, tail_len, n, size, parent, root, pd = _FIXED.unpack_from(value)
+    except struct.error:
+        raise CorruptDataError(f"end record {where} is truncated") from None
+    if version != END_VERSION:
+        raise CorruptDataError(f"end record {where} has version {version}")
+    at = _FIXED.size + 4 * tail_len
+    tail, payload = value[_FIXED.size : at], value[at:]
+    if len(tail) != 4 * tail_len or len(payload) != size or n < tail_len:
+        raise CorruptDataError(f"end record {where} has bad lengths")
+    header = EndHeader(parent, root, n, bytes(tail), pd, size, flags)
+    if len(key) != KEY_SIZE or key != header.key():
+        raise CorruptDataError(f"end record {where} is not stored under its own name")
+    return header, payload
+
+
+def encode_end(
+    spec: ModelSpec,
+    tail_arrays: Sequence[mx.array],
+    state: Sequence[mx.array] | None,
+    logits: mx.array | None,
+    hidden: mx.array | None,
+    compression: Compression,
+) -> tuple[bytes, int]:
+    """The payload of an end record, and its flags."""
+    arrays = list(tail_arrays)
+    flags = 0
+    if state is not None:
+        arrays += list(state)
+        flags |= FLAG_STATE
+    for extra, flag in ((logits, FLAG_LOGITS), (hidden, FLAG_HIDDEN)):
+        if extra is not None:
+            arrays.append(extra)
+            flags |= flag
+    mx.eval(*arrays)
+    views = [to_numpy(a) for a in arrays]
+    return codec.encode(views, [dtype_of(a) for a in arrays], compression), flags
+
+
+@dataclass(frozen=True, slots=True)
+class EndPayload:
+    """An end record's arrays: the tail's KV as numpy views of the record's bytes (bf16
+    as uint16: `tail_arrays` copies them into MLX), the rest as MLX arrays (copies)."""
+
+    tail: list[np.ndarray]  # attention arrays of the tail tokens, flat, in spec order
+    tail_dtypes: list[DType]
+    state: list[mx.array] | None  # recurrent state arrays, flat
+    logits: mx.array | None
+    hidden: mx.array | None
+
+    def tail_arrays(self) -> list[mx.array]:
+        return [from_numpy(a, d) for a, d in zip(self.tail, self.tail_dtypes, strict=True)]
+
+
+def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes) -> EndPayload:
+    """The arrays of an end payload after checking its digest and its fit with `spec`."""
+    block = codec.decode(payload, header.payload_digest)
+    arrays = block.arrays
+    att = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
+    rec = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    n_state = len(rec) if header.has_state else 0
+    want = len(att) + n_state + header.has_logits + header.has_hidden
+    if len(arrays) != want or (spec.is_hybrid and not header.has_state):
+        raise CorruptDataError("end payload does not fit the spec")
+    dtypes = [dtype_named(s.dtype) for s in att]
+    for a, s, d in zip(arrays[: len(att)], att, dtypes, strict=True):
+        if a.shape != s.with_tokens(header.tail_len) or a.dtype != d.storage:
+            raise CorruptDataError("end payload does not fit the spec")
+    state: list[mx.array] | None = None
+    if n_state:
+        state = []
+        for a, s in zip(arrays[len(att) : len(att) + n_state], rec, strict=True):
+            d = dtype_named(s.dtype)
+            if a.shape != s.shape or a.dtype != d.storage:
+                raise CorruptDataError("end payload does not fit the spec")
+            state.append(from_numpy(a, d))
+    rest = list(zip(arrays[len(att) + n_state :], block.dtypes[len(att) + n_state :], strict=True))
+    logits = from_numpy(*rest.pop(0)) if header.has_logits else None
+    hidden = from_numpy(*rest.pop(0)) if header.has_hidden else None
+    return EndPayload(list(arrays[: len(att)]), dtypes, state, logits, hidden)
+
+
+def find_end(
+    store: BlockStore,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    tokens: np.ndarray,
+    matched: int,
+    block_size: int,
+) -> tuple[EndHeader, bytes] | None:
+    """The deepest end record under block `matched - 1` (the root when 0) whose tail
+    prefixes `tokens` after that block: one multi-get of at most `block_size`
+    candidates. Records that do not decode or do not match are skipped."""
+    parent = root if matched == 0 else hashes[matched - 1]
+    base = matched * block_size
+    longest = min(block_size - 1, len(tokens) - base)
+    if longest < 0:
+        return None
+    data = tokens[base : base + longest].astype("<u4").tobytes()
+    keys = [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
+    for key, value in zip(keys, store.get_many(Family.ENDS, keys), strict=True):
+        if value is None:
+            continue
+        try:
+            header, payload = split_record(key, value)
+        except CorruptDataError:
+            continue  # `cas-bank verify` reports it
+        if header.root == root and header.n_tokens == base + header.tail_len:
+            return header, payload
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class EndInput:
+    """What a store of an end record writes, checked against the spec."""
+
+    tokens: np.ndarray
+    tail: list[mx.array]  # attention arrays (flat) of the tokens after the last full block
+    state: list[mx.array] | None  # recurrent state arrays (flat) at len(tokens)
+    logits: mx.array | None
+    hidden: mx.array | None
+
+
+def prepare_end(
+    spec: ModelSpec,
+    block_size: int,
+    tokens: Any,
+    layers: Sequence[Any],
+    state: Sequence[Any] | None,
+    logits: Any,
+    hidden: Any,
+    *,
+    copy: bool = False,
+) -> EndInput:
+    """The checked input of `Namespace.store_end` (bad input raises `InvalidInputError`);
+    with `copy`, its arrays are copied and evaluated now (a queued store)."""
+    toks = as_token_array(tokens)
+    n = len(toks)
+    if n == 0:
+        raise InvalidInputError("an end record needs at least one token")
+    arrays = check_layers(spec, layers, n)
+    flat: list[mx.array] | None = None
+    if spec.is_hybrid:
+        if state is None:
+            raise InvalidInputError(
+                f"{spec.name!r} has recurrent layers: an end record needs their state at its end"
+            )
+        flat = check_state(spec, state, "end state")
+    elif state is not None and any(s is not None for s in state):
+        raise InvalidInputError(f"a state given but {spec.name!r} has no recurrent layers")
+    for name, a in (("logits", logits), ("hidden", hidden)):
+        if a is not None and not isinstance(a, mx.array):
+            raise InvalidInputError(f"{name} must be an mlx array, got {type(a).__name__}")
+    if logits is not None:
+        logits = logits.reshape(-1)
+    base = n - n % block_size
+    tail = [a[..., base:n, :] for layer in arrays for a in layer]
+    if copy:
+        tail = [mx.array(a) for a in tail]
+        flat = [mx.array(a) for a in flat] if flat is not None else None
+        mx.eval(tail, flat or [], [a for a in (logits, hidden) if a is not None])
+    return EndInput(toks, tail, flat, logits, hidden)
+
+
+def write_end(
+    bank: Owner,
+    spec: ModelSpec,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    end: EndInput,
+) -> int:
+    """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
+    when nothing was written: the same record is stored already (holding at least as
+    much, and intact), or its parent block is not stored (an end record never dangles).
+
+    `hashes`: the chain hashes of `end.tokens`.
+    """
+    tokens, state, logits, hidden = end.tokens, end.state, end.logits, end.hidden
+    bs = bank.config.block_size
+    n = len(tokens)
+    tail_len = n % bs
+    base = n - tail_len
+    parent = root if base == 0 else hashes[base // bs - 1]
+    tail = tokens[base:].astype("<u4").tobytes()
+    key = end_key(parent, tail)
+    flags = (
+        (FLAG_STATE if state is not None else 0)
+        | (FLAG_LOGITS if logits is not None else 0)
+        | (FLAG_HIDDEN if hidden is not None else 0)
+    )
+    if _holds(bank.store.get(Family.ENDS, key), key, flags):
+        bank.access.touch((), ends=[parent])
+        return 0
+    payload, flags = encode_end(spec, end.tail, state, logits, hidden, bank.config.compression)
+    header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
+    value = header.encode() + payload
+    with bank.transaction() as tx:
+        if base and tx.store.get(Family.HEADERS, parent) is None:
+            tx.abort()  # its block was not stored (admission) or was evicted since
+            return 0
+        old = tx.store.get(Family.ENDS, key)
+        tx.put(Family.ENDS, key, value)
+        tx.add(
+            ends=0 if old is not None else 1,
+            end_bytes=len(value) - len(old or b""),
+            ends_written=1,
+            bytes_written=len(value),
+        )
+        tx.touch((), ends=[parent])
+    return len(value)
+
+
+def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
+    """Whether a stored end record is intact and holds everything `flags` asks for."""
+    if value is None:
+        return False
+    try:
+        header, payload = split_record(key, value)
+    except CorruptDataError:
+        return False
+    return (header.flags | flags) == header.flags and codec.verify(payload, header.payload_digest)
+
+
+@dataclass(frozen=True, slots=True)
+class EndPlan:
+    """An end record a restore resumes from: deeper than the chain's restore point."""
+
+    header: EndHeader
+    payload: EndPayload
+    blocks: int  # full blocks below it (restored from the chain)
+
+    @property
+    def tokens(self) -> int:
+        return self.header.n_tokens
+
+
+def plan_end(
+    store: BlockStore,
+    spec: ModelSpec,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    tokens: np.ndarray,
+    matched: int,
+    block_size: int,
+    floor: int,
+    counters: Counters,
+) -> EndPlan | None:
+    """The end record to restore from, if one under block `matched - 1` prefixes `tokens`
+    and reaches past `floor` (the chain's restore point, in tokens) or to the end of
+    `tokens` (its logits then spare the last forward pass). Its payload is read and
+    verified here; a corrupt one is counted and logged, and the restore goes without."""
+    try:
+        found = find_end(store, root, hashes, tokens, matched, block_size)
+    except CorruptDataError as e:  # RocksDB's own checks
+        counters.count(corrupt_reads=1)
+        log.warning("cas_bank: end records unreadable (%s); served as a miss", e)
+        return None
+    if found is None:
+        return None
+    header, raw = found
+    if header.n_tokens <= floor and header.n_tokens != len(tokens):
+        return None
+    try:
+        payload = decode_end(spec, header, raw)
+    except CorruptDataError as e:
+        counters.count(corrupt_reads=1)
+        log.warning(
+            "cas_bank: end record %s failed verification (%s); served as a miss",
+            header.key().hex()[64:80],
+            e,
+        )
+        return None
+    return EndPlan(header, payload, header.parent_blocks(block_size))
+
+
+def end_layers(
+    spec: ModelSpec,
+    end: EndPlan,
+    assembler: Assembler | None,
+    in_memory: Sequence[mx.array],
+    *,
+    room: bool,
+) -> list[tuple[Any, ...] | None]:
+    """The attention layers of a restore from `end`: its `end.blocks` blocks (in the
+    `assembler`, or the arrays of a lease, `in_memory`) and its tail after them."""
+    n = end.tokens - end.header.tail_len
+    if assembler is not None:
+        assembler.put_tail(n, end.payload.tail)
+        return assembler.layers(end.blocks, room=room, tokens=end.tokens)
+    tail = end.payload.tail_arrays()
+    if end.blocks:  # the blocks from a lease, the tail after them
+        tail = [
+            mx.concatenate([a[..., :n, :], t], axis=-2)
+            for a, t in zip(in_memory, tail, strict=True)
+        ]
+    return group_layers(spec, tail, None)
