@@ -39,7 +39,6 @@ CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES, Famil
 # Families whose absent keys are remembered too: a restore looks up end records that
 # mostly do not exist, and a hot restore must not read below (dropped by any write).
 NEGATIVE_FAMILIES = frozenset({Family.ENDS})
-_ABSENT = b""  # the raw value of a remembered absence (no end record is empty)
 _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
 
 
@@ -49,6 +48,7 @@ class _Entry:
     size: int  # bytes charged against the bound
     decoded: Decoded | None = None
     digest: bytes | None = None  # the digest `decoded` was verified against
+    absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
 
 
 class HotStore(BlockStore):
@@ -77,7 +77,7 @@ class HotStore(BlockStore):
         else None (not hot)."""
         with self._lock:
             entry = self._entries.get((family, key))
-            if entry is None:
+            if entry is None or entry.absent:
                 return None
             self._entries.move_to_end((family, key))
             self.hits += 1
@@ -118,7 +118,7 @@ class HotStore(BlockStore):
                     missing.append(i)
                 else:
                     self._entries.move_to_end((family, key))
-                    out[i] = None if entry.raw is _ABSENT else entry.raw
+                    out[i] = None if entry.absent else entry.raw
             self.hits += len(keys) - len(missing)
             self.misses += len(missing)
         if not missing:
@@ -133,7 +133,7 @@ class HotStore(BlockStore):
                 if fresh and value is not None:
                     self._insert(family, bytes(keys[i]), value)
                 elif fresh and negative:
-                    self._insert(family, bytes(keys[i]), _ABSENT)
+                    self._insert(family, bytes(keys[i]), b"", absent=True)
             self._shrink()
         return out
 
@@ -210,13 +210,13 @@ class HotStore(BlockStore):
             self._entries.clear()
             self._bytes = 0
 
-    def _insert(self, family: Family, key: bytes, value: bytes) -> None:
-        raw = value if type(value) is bytes or value is _ABSENT else bytes(value)
+    def _insert(self, family: Family, key: bytes, value: bytes, *, absent: bool = False) -> None:
+        raw = value if type(value) is bytes else bytes(value)
         size = len(raw) + len(key) + _ENTRY_OVERHEAD
         if size > self.max_bytes:
             return  # never cache what alone exceeds the bound
         self._drop((family, key))
-        self._entries[(family, key)] = _Entry(raw, size)
+        self._entries[(family, key)] = _Entry(raw, size, absent=absent)
         self._bytes += size
 
     def _drop(self, k: tuple[Family, bytes]) -> None:
