@@ -57,7 +57,7 @@ def test_end_hash_vector_and_context() -> None:
     tail = np.arange(4, dtype="<u4")
     assert end_hash(parent, tail) != chain_hashes(parent, list(range(4)), 4)[0]
     assert end_hash(parent, tail) == end_hash(parent, tail.tobytes())
-    # Golden vectors (docs/design.md, "Hashing"): a change here is a format change.
+    # Golden vectors (docs/design.md, "Hashing (format v1)"): a change here is a format change.
     assert END_VERSION == 1
     assert end_hash(parent, np.arange(3, dtype="<u4")).hex() == (
         "54a04e06fec255fe8d441d7855619b1578ae6fd8055c2d0404eb417d1a3a3351"
