@@ -62,7 +62,8 @@ def test_matched_diverged_absent_corrupt_and_evicted(tmp_path: Path) -> None:
         longer = a[: 5 * BLOCK] + random_tokens(rng, 2 * BLOCK)
         e = explain(bank, root, longer)
         assert (e.stop, e.matched_blocks, e.divergence) == ("absent", 5, None)
-        assert "evicted nothing" in " ".join(e.summary())
+        assert e.missing == "never_stored" and e.memory_horizon is None
+        assert "was never stored here" in " ".join(e.summary())
         for tokens in (a, b, longer):
             assert explain(bank, root, tokens).restorable_tokens == restored(pc, tokens)
     finally:
@@ -78,7 +79,8 @@ def test_matched_diverged_absent_corrupt_and_evicted(tmp_path: Path) -> None:
         evict_to_budget(bank, 0)
         e = explain(bank, root, a)
         assert (e.stop, e.matched_blocks, e.blocks_evicted) == ("absent", 0, 5)
-        assert "evicted 5 blocks" in " ".join(e.summary())
+        assert (e.missing, e.evicted_by) == ("evicted", "budget")
+        assert "was evicted at " in " ".join(e.summary())
 
 
 def test_a_hybrid_restore_stops_at_the_deepest_boundary_with_a_state(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ class Family(str, Enum):
     BLOCKS = "blocks"
     STATES = "states"
     ACCESS = "access"
+    EVICTED = "evicted"
 
 
 PAYLOAD_FAMILIES = (Family.BLOCKS, Family.STATES)
