@@ -102,7 +102,7 @@ class Explanation:
     missing: Missing | None = None  # what became of the first block not stored
     evicted_at: float | None = None  # when it was removed (missing == "evicted")
     evicted_by: Reason | None = None  # why
-    memory_horizon: float | None = None  # removals before this left no record (None: all did)
+    memory_horizon: float | None = None  # removals then or before may lack records (None: none)
     states_evicted: list[StateEviction] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -158,7 +158,7 @@ class Explanation:
         if self.memory_horizon is None:
             return "was never stored here, or removed before this bank recorded removals"
         return (
-            f"was never stored here, or removed before {_when(self.memory_horizon)} "
+            f"was never stored here, or removed {_when(self.memory_horizon)} or before "
             "(the bank remembers only its latest removals)"
         )
 
