@@ -273,6 +273,11 @@ class EvictionMachine(RuleBasedStateMachine):
             assert block not in hs or (len(key) == 34 and not hs[block].has_state)
             assert nxt - cap <= r.seq < nxt
             assert store.get(Family.EVICTED, b"q" + (r.seq % cap).to_bytes(8, "big")) == key
+
+        def stored(key: bytes) -> bool:  # stored again since: its record was cleared
+            h = hs.get(key[1:33])
+            return h is not None and (len(key) == 33 or h.has_state)
+
         # Every removal of the newest steps that fit the cap has its record.
         room = cap
         for t, n, keys in reversed(self.steps):
@@ -280,14 +285,20 @@ class EvictionMachine(RuleBasedStateMachine):
             if room < 0:
                 break
             for key in keys:
+                if stored(key):
+                    continue
                 r = records.get(key)
                 assert r is not None, "a removal within the cap left no record"
                 assert r.time >= t and r.reason == "budget"
         reach = horizon(store, 0)
-        if nxt > cap:
-            assert not reach.complete
-        elif cap and not self.relaid:  # a relayout may drop records: then it is not
-            assert reach.complete
+        if nxt <= cap and not self.relaid:  # nothing can have been dropped
+            assert reach.complete or cap == 0
+        if reach.complete and not self.relaid:  # then every removal not stored again has one
+            assert all(
+                key in records for _, _, keys in self.steps for key in keys if not stored(key)
+            )
+        else:
+            assert reach.complete or reach.time is not None
 
     # -- helpers ---------------------------------------------------------------------
     @contextmanager
