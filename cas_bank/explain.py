@@ -159,7 +159,7 @@ class Explanation:
             return "was never stored here, or removed before this bank recorded removals"
         return (
             f"was never stored here, or removed {_when(self.memory_horizon)} or before "
-            "(the bank remembers only its latest removals)"
+            "(removals until then may have left no record)"
         )
 
 

@@ -15,6 +15,7 @@ from cas_bank.runtime.server import create_app
 from cas_bank.tools.cli import main as cli_main
 from conftest import attention_spec, hybrid_spec, random_layers, random_state
 from fastapi.testclient import TestClient
+from rocksdict import Options, Rdict
 from runtime_helpers import random_tokens, tiny
 from test_bank_corruption import _corrupt
 
@@ -282,3 +283,31 @@ def test_the_memory_is_bounded_and_says_its_horizon(tmp_path: Path) -> None:
         assert explain(bank, ns.root, prompts[4]).missing == "evicted"
         e = explain(bank, ns.root, prompts[3])
         assert (e.missing, e.memory_horizon) == ("not_recorded", times[3])
+
+
+def test_a_bank_from_before_removal_records_says_what_it_can(tmp_path: Path) -> None:
+    spec = attention_spec()
+    path = tmp_path / "bank"
+    a, b = list(range(1, 2 * SMALL + 1)), list(range(100, 100 + 2 * SMALL))
+    with Bank.open(path, BankConfig(block_size=SMALL)) as bank:
+        ns = bank.namespace(spec)
+        root = ns.root
+        ns.store(a, random_layers(spec, len(a), seed=1))
+        evict_to_budget(bank, 0)
+        ns.store(b, random_layers(spec, len(b), seed=2))
+    # As a bank written before the `evicted` family: RocksDB without it.
+    families = {n: Options(raw_mode=True) for n in Rdict.list_cf(str(path))}
+    db = Rdict(str(path), options=Options(raw_mode=True), column_families=families)
+    db.drop_column_family("evicted")
+    db.close()
+    del db
+    with Bank.open(path, mode="read_only") as bank:
+        e = explain(bank, root, a)
+        assert (e.missing, e.memory_horizon, e.blocks_evicted) == ("not_recorded", None, 2)
+        assert "before this bank recorded removals" in e.summary()[-1]
+    with Bank.open(path) as bank:  # a writer begins recording; what went before is past
+        e = explain(bank, root, a)
+        assert e.missing == "not_recorded" and e.memory_horizon is not None
+        evict_to_budget(bank, 0)
+        e = explain(bank, root, b)
+        assert (e.missing, e.evicted_by) == ("evicted", "budget")
