@@ -32,6 +32,7 @@ from cas_bank.errors import (
 from cas_bank.index.access import AccessLog
 from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.evict import EvictionReport, evict_to_budget
+from cas_bank.index.evicted import EvictionMemory
 from cas_bank.index.lease import Leases
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
@@ -93,6 +94,13 @@ class Bank:
         self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
+        # What was removed, when and why (for explain), written with the removals.
+        self.evictions = EvictionMemory(config.eviction_memory)
+        if not self.read_only:
+            try:
+                self.evictions.start(store, self.counters.values()["blocks_evicted"], time.time())
+            except BankFullError as e:  # recording begins at the next open with room
+                log.warning("cas_bank: %s; removals are not recorded yet", e)
         self._namespaces: dict[str, Namespace] = {}
         # The shared tier (config.remote): restores continue from it, stores publish to it.
         self.remote: RemoteTier | None = None
@@ -189,7 +197,7 @@ class Bank:
         with self.write_lock:
             if self._in_transaction:
                 raise RuntimeError("a transaction is already open on this bank")
-            tx = Transaction(self.store, self.counters, self.access, self.suspects)
+            tx = Transaction(self.store, self.counters, self.access, self.suspects, self.evictions)
             self._in_transaction = True
             try:
                 try:

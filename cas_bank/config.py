@@ -60,6 +60,13 @@ class BankConfig(BaseModel):
     access_flush_interval: float = Field(default=5.0, ge=0.0)
     """Seconds between batched writes of last-use times (never a write per restore)."""
 
+    eviction_memory: int = Field(default=1 << 19, ge=0, strict=True)
+    """Removals (evictions, `verify --fix`) the bank remembers, newest first, so that
+    `explain` tells a block evicted (when, why) from one never stored: at most this
+    many records, about 100 bytes each on disk (52 MiB at the default 524288). 0
+    remembers none (explain then says "never stored, or evicted before" the last
+    removal)."""
+
     state_stride: int | None = Field(default=None, ge=1, strict=True)
     """Also capture a recurrent state every this many blocks during prefill."""
 

@@ -8,13 +8,17 @@ restore where it happened:
 - at the first block that is not: `diverged_at`, the first token where the prompt
   leaves a stored sibling block (the stored block under the same parent that shares
   the most leading tokens with the prompt's block, and the token ids on each side),
-  or, when no stored block continues the chain there, "absent" (never stored here,
-  or evicted: the bank keeps no record of what it evicted, only how much, which
-  `blocks_evicted` carries);
+  or, when no stored block continues the chain there, "absent"; either way
+  `missing` says what became of the prompt's own block there: `evicted` (at
+  `evicted_at`, by `evicted_by`: the byte budget, `cas-bank gc`, or `verify --fix`
+  as damaged or below a damaged block), `never_stored`, or `not_recorded` (never
+  stored, or removed before `memory_horizon`: the bank remembers a bounded number of
+  removals, `cas_bank.index.evicted`);
 - the tail: tokens after the last full block are never a block (`tail_tokens`);
 - for a hybrid model, `state_at`: the deepest matched boundary with a stored state
   (a restore stops there) and `boundaries_without_state`: the matched boundaries
-  below the chain's end that hold none;
+  below the chain's end that hold none, and of those `states_evicted`: the ones
+  whose state was removed on its own (when, why);
 - `corrupt`: matched blocks (and the state a restore would use) whose payload fails
   its digest or cannot be read; a restore stops before the first one.
 
@@ -27,6 +31,7 @@ find sibling blocks (as `cas-bank tree` does): a diagnostic, not a hot-path call
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from cas_bank.blocks import codec
@@ -34,6 +39,7 @@ from cas_bank.blocks.hashing import as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.tree import HeaderIndex
 from cas_bank.spec import ModelSpec
 
@@ -41,6 +47,14 @@ if TYPE_CHECKING:
     from cas_bank.bank import Bank
 
 StopReason = Literal["complete", "diverged", "absent", "no_state", "corrupt"]
+Missing = Literal["evicted", "never_stored", "not_recorded"]
+
+_BY: dict[Reason, str] = {
+    "budget": "by the byte budget (max_bytes)",
+    "gc": "by cas-bank gc",
+    "damaged": "by verify --fix, as damaged",
+    "unreachable": "by verify --fix, below a damaged block",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +77,13 @@ class CorruptRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class StateEviction:
+    boundary: int  # the token position of the state that was removed on its own
+    at: float  # seconds since the epoch
+    by: Reason
+
+
+@dataclass(frozen=True, slots=True)
 class Explanation:
     tokens: int
     block_size: int
@@ -77,7 +98,12 @@ class Explanation:
     state_at: int | None = None  # hybrid: deepest matched boundary with a state
     boundaries_without_state: list[int] = field(default_factory=list)
     corrupt: list[CorruptRecord] = field(default_factory=list)
-    blocks_evicted: int = 0  # by this bank so far (it keeps no list of them)
+    blocks_evicted: int = 0  # by this bank so far
+    missing: Missing | None = None  # what became of the first block not stored
+    evicted_at: float | None = None  # when it was removed (missing == "evicted")
+    evicted_by: Reason | None = None  # why
+    memory_horizon: float | None = None  # removals then or before may lack records (None: none)
+    states_evicted: list[StateEviction] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -99,15 +125,12 @@ class Explanation:
                 f"id {d.prompt_token}, the stored block {d.sibling[:16]} has {d.stored_token}."
             )
         elif self.missing_block is not None:
-            evicted = (
-                f"; this bank has evicted {self.blocks_evicted} blocks, it may be one"
-                if self.blocks_evicted
-                else "; this bank has evicted nothing, so it was never stored"
-            )
             lines.append(
                 f"block {self.matched_blocks} ({self.missing_block[:16]}) is absent and no "
-                f"stored block continues the chain there{evicted}."
+                "stored block continues the chain there."
             )
+        if self.missing_block is not None:
+            lines.append(f"the prompt's block {self.matched_blocks} {self._history()}.")
         if self.hybrid and self.matched_blocks:
             if self.state_at is None:
                 lines.append("no matched boundary holds a recurrent state: nothing to restore.")
@@ -116,11 +139,28 @@ class Explanation:
                     f"the deepest matched boundary with a state is token {self.state_at}; "
                     f"boundaries {_ranges(self.boundaries_without_state)} hold none."
                 )
+            for s in self.states_evicted:
+                lines.append(
+                    f"the state at token {s.boundary} was removed {_when(s.at)} {_BY[s.by]}."
+                )
         for c in self.corrupt:
             lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
         if self.tail_tokens:
             lines.append(f"the last {self.tail_tokens} tokens fill no whole block.")
         return lines
+
+    def _history(self) -> str:
+        if self.missing == "evicted":
+            assert self.evicted_at is not None and self.evicted_by is not None
+            return f"was evicted {_when(self.evicted_at)} {_BY[self.evicted_by]}"
+        if self.missing == "never_stored":
+            return "was never stored here (the bank remembers every block it removed)"
+        if self.memory_horizon is None:
+            return "was never stored here, or removed before this bank recorded removals"
+        return (
+            f"was never stored here, or removed {_when(self.memory_horizon)} or before "
+            "(removals until then may have left no record)"
+        )
 
 
 def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = None) -> Explanation:
@@ -150,12 +190,14 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
             break
 
     state_at, without, usable = None, [], good
+    stateless: dict[int, bytes] = {}  # boundary -> chain hash, of boundaries without a state
     if hybrid:
         usable = 0
         for i in range(good - 1, -1, -1):
             h = matched[i]
             if not h.has_state:
                 without.append(h.end)
+                stateless[h.end] = h.chain_hash
                 continue
             assert h.state_digest is not None
             why = _check(bank, Family.STATES, h.chain_hash, h.state_digest)
@@ -165,6 +207,26 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
             corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "state", why))
             without.append(h.end)
         without.sort()
+    states_evicted: list[StateEviction] = []
+    if stateless:
+        ends = sorted(stateless)
+        for end, r in zip(
+            ends, lookup(store, [record_key(stateless[e], True) for e in ends]), strict=True
+        ):
+            if r is not None:
+                states_evicted.append(StateEviction(end, r.time, r.reason))
+
+    blocks_evicted = bank.counters.values()["blocks_evicted"]
+    fate: Missing | None = None
+    at, by, memory_horizon = None, None, None
+    if missing is not None:
+        record = lookup(store, [record_key(hashes[k])])[0]
+        reach = horizon(store, blocks_evicted)
+        memory_horizon = reach.time
+        if record is not None:
+            fate, at, by = "evicted", record.time, record.reason
+        else:
+            fate = "never_stored" if reach.complete else "not_recorded"
 
     stop: StopReason = "complete"
     if corrupt:
@@ -189,7 +251,12 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         state_at=state_at,
         boundaries_without_state=without,
         corrupt=corrupt,
-        blocks_evicted=bank.counters.values()["blocks_evicted"],
+        blocks_evicted=blocks_evicted,
+        missing=fate,
+        evicted_at=at,
+        evicted_by=by,
+        memory_horizon=memory_horizon,
+        states_evicted=states_evicted,
     )
 
 
@@ -227,6 +294,12 @@ def _check(bank: Bank, family: Family, key: bytes, digest: bytes) -> str | None:
     if not codec.verify(raw, digest):
         return "fails its digest"
     return None
+
+
+def _when(t: float) -> str:
+    return "at " + datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace(
+        "+00:00", "Z"
+    )
 
 
 def _ranges(values: list[int]) -> str:

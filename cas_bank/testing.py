@@ -27,14 +27,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from cas_bank.arrays import dtype_named
+from cas_bank.blocks import codec
 from cas_bank.blocks.store import BlockStore, Capability, Family
 
 BIG = bytes(range(256)) * 400  # 100 KiB: above RocksDB's min blob size
+
+
+def codec_payload(seed: int, n: int = 20_000) -> bytes:
+    """A real codec payload (`blocks.codec`) of `n` float32 values (80 KiB by default):
+    the shape a bank writes, so a file tier (`blocks.files`, payloads of 64 KiB and
+    more) keeps it as a file."""
+    a = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    return codec.encode([a], [dtype_named("float32")], "none")
+
+
+PAYLOAD_A, PAYLOAD_B = codec_payload(1), codec_payload(2, 24_000)
 
 
 class StoreConformance(ABC):
@@ -97,6 +111,20 @@ class StoreConformance(ABC):
         store.put_batch([(Family.META, b"empty", b""), (Family.BLOCKS, b"big", BIG)])
         assert store.get(Family.META, b"empty") == b""
         assert store.get(Family.BLOCKS, b"big") == BIG
+
+    def test_codec_payloads_written_overwritten_and_deleted(self, store: BlockStore) -> None:
+        """Payloads as a bank writes them (a file tier keeps these as files)."""
+        store.put_batch([(Family.BLOCKS, b"k", PAYLOAD_A), (Family.STATES, b"k", PAYLOAD_B)])
+        assert store.get_many(Family.BLOCKS, [b"k"]) == [PAYLOAD_A]
+        assert store.get(Family.STATES, b"k") == PAYLOAD_B
+        store.put_batch([(Family.BLOCKS, b"k", PAYLOAD_B), (Family.BLOCKS, b"j", PAYLOAD_A)])
+        assert list(store.iterate(Family.BLOCKS)) == [(b"j", PAYLOAD_A), (b"k", PAYLOAD_B)]
+        store.put_batch([(Family.BLOCKS, b"k", b"small"), (Family.STATES, b"k", None)])
+        assert store.get_many(Family.BLOCKS, [b"j", b"k"]) == [PAYLOAD_A, b"small"]
+        assert store.get(Family.STATES, b"k") is None
+        store.put_batch([(Family.BLOCKS, b"j", None), (Family.BLOCKS, b"k", None)])
+        assert list(store.iterate(Family.BLOCKS)) == []
+        assert list(store.iterate(Family.STATES)) == []
 
     def test_iterate_in_key_order(self, store: BlockStore) -> None:
         keys = [bytes([b]) * 3 for b in (9, 1, 200, 0, 7)]
@@ -212,7 +240,9 @@ class StoreConformance(ABC):
 # -- the state machine ----------------------------------------------------------------
 FAMILIES = st.sampled_from([Family.HEADERS, Family.BLOCKS])
 KEYS = st.binary(min_size=0, max_size=3)
-VALUES = st.one_of(st.binary(max_size=40), st.sampled_from([BIG, BIG[:4096], BIG[:4095]]))
+VALUES = st.one_of(
+    st.binary(max_size=40), st.sampled_from([BIG, BIG[:4096], BIG[:4095], PAYLOAD_A, PAYLOAD_B])
+)
 
 
 class StoreFactory(ABC):

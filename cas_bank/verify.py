@@ -130,7 +130,7 @@ def verify(
     ends = _scan_ends(bank, index, specs, bad | unreachable, report)
     report.problems += found + orphans + [p for p, _ in ends]
     if fix and report.problems:
-        _fix(bank, index, bad | unreachable, bad_state - unreachable, orphans, report)
+        _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
         _fix_ends(bank, index, bad | unreachable, ends, report)
     if fix and bank.files is not None:
         with bank.write_lock:  # payload files a crash left without their records
@@ -375,7 +375,8 @@ def _drift(bank: Bank, index: HeaderIndex) -> dict[str, tuple[int, int]]:
 def _fix(
     bank: Bank,
     index: HeaderIndex,
-    remove: set[bytes],
+    bad: set[bytes],
+    unreachable: set[bytes],
     drop_state: set[bytes],
     orphans: list[Problem],
     report: VerifyReport,
@@ -383,7 +384,7 @@ def _fix(
     """Delete what `verify` found, in one transaction with the counters it changes."""
     with bank.transaction(budget=False) as tx:
         deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
-        for key in sorted(remove):
+        for key in sorted(bad | unreachable):
             h = index.headers.get(key)
             if h is not None:
                 payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
@@ -399,12 +400,14 @@ def _fix(
                 deltas["states"] -= 1
                 deltas["state_bytes"] -= state_size
             report.removed_blocks.append(key)
+            tx.removed([key], reason="unreachable" if key in unreachable else "damaged")
         for key in sorted(drop_state):
             h = index.headers[key]
             tx.extend(state_deletes(h))
             deltas["states"] -= 1
             deltas["state_bytes"] -= h.state_size
             report.removed_states.append(key)
+            tx.removed(states=[key], reason="damaged")
         orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
         for p in orphans:
             family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES

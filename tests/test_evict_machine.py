@@ -7,7 +7,10 @@ machine knows what every restore must return. After every step:
 - payload + state bytes are within `max_bytes`;
 - the counters equal a recount from the headers; payloads, states and access
   records exist exactly for the headers that claim them;
-- a built leaf index agrees with one rebuilt from disk.
+- a built leaf index agrees with one rebuilt from disk;
+- the removal records (`index.evicted`) are at most `eviction_memory`, name nothing
+  stored, fill their ring slots, and hold every removal of the newest steps that fit
+  the cap (with the step's time and reason); a changed cap at reopen keeps the newest.
 Every restore returns exactly the restore point the disk holds (the deepest matched
 boundary with a state, so never a chain with a hole and never a state without every
 block below it), with arrays equal to the stored ones for every returned token.
@@ -18,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +45,7 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.index.chain import Header
 from cas_bank.index.evict import evict_to_budget
+from cas_bank.index.evicted import Removal, horizon
 from cas_bank.index.leaves import LeafIndex
 from cas_bank.index.records import END_SUFFIX, STATE_SUFFIX
 
@@ -102,6 +108,9 @@ class EvictionMachine(RuleBasedStateMachine):
         self.bank: Bank | None = None
         self.now = 0.0
         self.stored: list[list[int]] = []
+        # Per step that removed something: (time, removals numbered, record keys).
+        self.steps: list[tuple[float, int, set[bytes]]] = []
+        self.relaid = False
 
     def clock(self) -> float:
         return self.now
@@ -110,9 +119,12 @@ class EvictionMachine(RuleBasedStateMachine):
         block_size=st.integers(2, 4),
         max_bytes=st.integers(2000, 8000),
         hot_bytes=st.sampled_from([0, 3000, 1 << 20]),
+        memory=st.integers(0, 6) | st.just(1 << 19),
     )
-    def open_bank(self, block_size: int, max_bytes: int, hot_bytes: int) -> None:
-        self.config = BankConfig(block_size=block_size, max_bytes=max_bytes, hot_bytes=hot_bytes)
+    def open_bank(self, block_size: int, max_bytes: int, hot_bytes: int, memory: int) -> None:
+        self.config = BankConfig(
+            block_size=block_size, max_bytes=max_bytes, hot_bytes=hot_bytes, eviction_memory=memory
+        )
         self._open()
 
     def _open(self) -> None:
@@ -145,9 +157,10 @@ class EvictionMachine(RuleBasedStateMachine):
             boundaries.add(len(tokens) // bs * bs)
         states = {b: state_of(tokens[:b]) for b in boundaries}
         evicted = self.b.counters.values()["blocks_evicted"]
-        self.ns.store(tokens, kv_of(tokens), states)
-        if end and tokens:  # its end record, as the runtime stores after a request
-            self.ns.store_end(tokens, kv_of(tokens), state_of(tokens))
+        with self._step():
+            self.ns.store(tokens, kv_of(tokens), states)
+            if end and tokens:  # its end record, as the runtime stores after a request
+                self.ns.store_end(tokens, kv_of(tokens), state_of(tokens))
         self.stored.append(tokens)
         event(f"store: evicted={self.b.counters.values()['blocks_evicted'] > evicted}")
 
@@ -177,14 +190,27 @@ class EvictionMachine(RuleBasedStateMachine):
     @rule(budget=st.integers(0, 8000))
     def evict(self, budget: int) -> None:
         before = self._stored_bytes()
-        report = evict_to_budget(self.b, budget)
+        with self._step():
+            report = evict_to_budget(self.b, budget)
         event(f"evict: removed something={bool(report.evicted)}")
         assert report.bytes_before == before
         assert report.bytes_after == self._stored_bytes() <= budget
 
-    @rule()
-    def reopen(self) -> None:
+    @rule(memory=st.none() | st.integers(0, 6))
+    def reopen(self, memory: int | None) -> None:
+        before = sorted(self._records().items(), key=lambda kv: kv[1].seq)
         self.b.close()
+        if memory is not None and memory != self.config.eviction_memory:
+            self.config = self.config.model_copy(update={"eviction_memory": memory})
+            self._open()
+            # The ring is laid out again: the newest records that fit stay, as they were.
+            kept = before[len(before) - memory :] if memory else []
+            got = self._records()
+            assert set(got) == {k for k, _ in kept}
+            assert all(got[k].time == r.time and got[k].reason == r.reason for k, r in kept)
+            self.steps.clear()  # the records from before count as older than any step
+            self.relaid = True
+            return
         self._open()
 
     # -- invariants ------------------------------------------------------------------
@@ -256,7 +282,78 @@ class EvictionMachine(RuleBasedStateMachine):
         }
         assert live.total == rebuilt.total
 
+    @invariant()
+    def removal_records_are_bounded_and_exact(self) -> None:
+        if self.bank is None:
+            return
+        store, cap = disk(self.b), self.config.eviction_memory
+        records, nxt = self._records(), self._next()
+        assert len(records) <= cap
+        hs = self._headers()
+        for key, r in records.items():
+            block = key[1:33]
+            assert block not in hs or (len(key) == 34 and not hs[block].has_state)
+            assert nxt - cap <= r.seq < nxt
+            assert store.get(Family.EVICTED, b"q" + (r.seq % cap).to_bytes(8, "big")) == key
+
+        def stored(key: bytes) -> bool:  # stored again since: its record was cleared
+            h = hs.get(key[1:33])
+            return h is not None and (len(key) == 33 or h.has_state)
+
+        # Every removal of the newest steps that fit the cap has its record.
+        room = cap
+        for t, n, keys in reversed(self.steps):
+            room -= n
+            if room < 0:
+                break
+            for key in keys:
+                if stored(key):
+                    continue
+                r = records.get(key)
+                assert r is not None, "a removal within the cap left no record"
+                assert r.time >= t and r.reason == "budget"
+        reach = horizon(store, 0)
+        if nxt <= cap and not self.relaid:  # nothing can have been dropped
+            assert reach.complete or cap == 0
+        if reach.complete and not self.relaid:  # then every removal not stored again has one
+            assert all(
+                key in records for _, _, keys in self.steps for key in keys if not stored(key)
+            )
+        else:
+            assert reach.complete or reach.time is not None
+
     # -- helpers ---------------------------------------------------------------------
+    @contextmanager
+    def _step(self) -> Iterator[None]:
+        """Note what the step removes (a block, or a state on its own)."""
+        before, first = self._headers(), self._next()
+        yield
+        after = self._headers()
+        gone = {b"r" + k for k in before if k not in after}
+        gone |= {
+            b"r" + k + STATE_SUFFIX
+            for k, h in before.items()
+            if h.has_state and k in after and not after[k].has_state
+        }
+        for _, _, keys in self.steps:  # a later removal of a key is its record
+            keys -= gone
+        n = self._next() - first
+        if n:
+            self.steps.append((self.now, n, gone))
+
+    def _records(self) -> dict[bytes, Removal]:
+        out = {}
+        for key, raw in disk(self.b).iterate(Family.EVICTED):
+            if key[:1] == b"r":
+                r = Removal.decode(raw)
+                assert r is not None
+                out[key] = r
+        return out
+
+    def _next(self) -> int:
+        raw = disk(self.b).get(Family.EVICTED, b"mnext")
+        return int.from_bytes(raw, "little") if raw else 0
+
     def _headers(self) -> dict[bytes, Header]:
         return {k: Header.decode(k, v) for k, v in disk(self.b).iterate(Family.HEADERS)}
 

@@ -17,7 +17,14 @@ from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Capability, Family, MemoryStore, batch_phases
-from cas_bank.testing import BIG, StoreConformance, StoreFactory, store_machine
+from cas_bank.testing import (
+    BIG,
+    PAYLOAD_A,
+    PAYLOAD_B,
+    StoreConformance,
+    StoreFactory,
+    store_machine,
+)
 
 MiB = 1 << 20
 
@@ -50,6 +57,18 @@ class TestFileTierOverRocks(StoreConformance):
 
     def reopen(self, tmp_path: Path) -> BlockStore | None:
         return FileTier(RocksStore(tmp_path / "db"), tmp_path / "payloads", min_bytes=4096)
+
+    def test_codec_payloads_are_files(self, tmp_path: Path) -> None:
+        """The suite's codec payloads take the file path: written, replaced, unlinked."""
+        files = lambda: sorted(p.name for p in (tmp_path / "payloads").rglob("*.*"))  # noqa: E731
+        with self.make(tmp_path) as tier:
+            assert isinstance(tier, FileTier)
+            tier.put_batch([(Family.BLOCKS, b"k", PAYLOAD_A), (Family.STATES, b"k", PAYLOAD_B)])
+            assert tier.files_written == 2 and len(files()) == 2
+            tier.put_batch([(Family.BLOCKS, b"k", PAYLOAD_B)])  # the old file goes
+            assert len(files()) == 2 and tier.get(Family.BLOCKS, b"k") == PAYLOAD_B
+            tier.put_batch([(Family.BLOCKS, b"k", None), (Family.STATES, b"k", None)])
+            assert files() == []
 
 
 class TestRocksStore(StoreConformance):
@@ -219,6 +238,16 @@ class HotOverRocksFactory(RocksFactory):
         return HotStore(RocksStore(directory), 64 * 1024)
 
 
+class FileTierOverRocksFactory(RocksFactory):
+    """The default bank's stack: codec payloads of 64 KiB and more become files."""
+
+    def make(self, directory: Path) -> BlockStore:
+        return FileTier(RocksStore(directory / "db"), directory / "payloads")
+
+    def reopen(self, directory: Path) -> BlockStore | None:
+        return self.make(directory)
+
+
 class MemoryFactory(StoreFactory):
     def make(self, directory: Path) -> BlockStore:
         return MemoryStore()
@@ -227,3 +256,4 @@ class MemoryFactory(StoreFactory):
 TestRocksAgainstDict = store_machine(RocksFactory())
 TestHotOverRocksAgainstDict = store_machine(HotOverRocksFactory(), max_examples=15)
 TestMemoryAgainstDict = store_machine(MemoryFactory(), max_examples=15)
+TestFileTierOverRocksAgainstDict = store_machine(FileTierOverRocksFactory(), max_examples=15)

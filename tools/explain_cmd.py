@@ -2,7 +2,8 @@
 
 How far the prompt's chain matched, where it diverged from a stored block and at
 which token, which boundaries lacked a recurrent state, which blocks are corrupt,
-and what a restore would cover now (see `cas_bank.explain`). The tokens file holds
+whether the first missing block was evicted (when, by what) or never stored, and
+what a restore would cover now (see `cas_bank.explain`). The tokens file holds
 the ids a restore looks up: a JSON list or whitespace-separated integers (a runtime
 looks up a prompt's ids less the last one). `--json` prints the same as the
 server's `POST /v1/explain`.
@@ -34,7 +35,8 @@ def register(subparsers: Any) -> None:
         subparsers,
         "explain",
         cmd_explain,
-        "why a prompt did (not) hit: matched blocks, divergence, missing states, corruption",
+        "why a prompt did (not) hit: matched blocks, divergence, missing states, corruption, "
+        "evicted or never stored",
     )
     add_bank_argument(p)
     p.add_argument(

@@ -84,7 +84,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     bank = open_writer(args.bank)
     with bank:
         disk_before = bank.store.disk_bytes()
-        report = evict_to_budget(bank, args.max_bytes)
+        report = evict_to_budget(bank, args.max_bytes, reason="gc")
         if bank.files is not None:
             bank.files.sweep()  # payload files a crash left without their records
         if report.evicted and Capability.COMPACT in bank.store.capabilities:

@@ -46,6 +46,7 @@ class Family(str, Enum):
     STATES = "states"
     ACCESS = "access"
     ENDS = "ends"
+    EVICTED = "evicted"
 
 
 PAYLOAD_FAMILIES = (Family.BLOCKS, Family.STATES)

@@ -41,6 +41,7 @@ from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.access import AccessLog
 from cas_bank.index.chain import Header
+from cas_bank.index.evicted import Reason
 from cas_bank.index.leaves import EndGroup, LeafIndex, Node
 from cas_bank.index.owner import Writer
 from cas_bank.index.records import block_deletes, end_deletes, state_deletes
@@ -106,11 +107,12 @@ class EvictionReport:
         return sum(e.size for e in self.evicted)
 
 
-def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
+def evict_to_budget(bank: Writer, max_bytes: int, *, reason: Reason = "budget") -> EvictionReport:
     """Evict in the documented order until payload + state + end bytes <= `max_bytes`.
 
     Used after a store when `BankConfig.max_bytes` is exceeded, and offline by
-    `cas-bank gc`. One transaction for all the deletes and the counters.
+    `cas-bank gc` (`reason="gc"`). One transaction for all the deletes, the counters
+    and the removal records (`index.evicted`: what went, when, and `reason`).
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise InvalidInputError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
@@ -140,6 +142,7 @@ def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
                 tx.extend(state_deletes(Header.decode(key, raw)))
                 tx.forget(states=[key])
                 tx.clear_suspect(states=[key])
+                tx.removed(states=[key], reason=reason)
                 evicted.append(Evicted("state", h, 0, node.state_size, node.state_used))
                 index.drop_state(key)
             else:
@@ -147,6 +150,7 @@ def evict_to_budget(bank: Writer, max_bytes: int) -> EvictionReport:
                 tx.extend(block_deletes(key, with_state=node.has_state))
                 tx.forget(blocks=[key])
                 tx.clear_suspect(blocks=[key], states=[key])
+                tx.removed(blocks=[key], reason=reason)
                 group = index.drop_ends(key)  # an end record goes with its parent
                 sizes = group.sizes if group is not None else {}
                 if sizes:

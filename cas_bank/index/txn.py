@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.index.access import AccessLog
+from cas_bank.index.evicted import EvictionMemory, Reason, record_key
 from cas_bank.index.records import TIME, access_key, end_access_key
 from cas_bank.stats import NAMES, Counters, counter_writes
 
@@ -70,12 +71,19 @@ class Transaction:
     """A batch of writes and the in-memory effects that follow it; see the module."""
 
     def __init__(
-        self, store: BlockStore, counters: Counters, access: AccessLog, suspects: Suspects
+        self,
+        store: BlockStore,
+        counters: Counters,
+        access: AccessLog,
+        suspects: Suspects,
+        memory: EvictionMemory | None = None,
     ) -> None:
         self.store = store
         self._counters = counters
         self._access = access
         self._suspects = suspects
+        self._memory = memory
+        self._removed: list[tuple[bytes, Reason]] = []
         self.writes: list[Write] = []
         self.deltas: dict[str, int] = {}
         self._uses: dict[bytes, float] = {}
@@ -132,6 +140,14 @@ class Transaction:
         self._clear_blocks.update(blocks)
         self._clear_states.update(states)
 
+    def removed(
+        self, blocks: Iterable[bytes] = (), states: Iterable[bytes] = (), *, reason: Reason
+    ) -> None:
+        """Blocks (with their states) and states on their own this batch removes, and
+        why: their removal records go into the batch (`index.evicted`)."""
+        self._removed += [(record_key(h), reason) for h in blocks]
+        self._removed += [(record_key(h, True), reason) for h in states]
+
     def on_abort(self, undo: Callable[[], None]) -> None:
         """Run `undo` if the batch fails (an in-memory effect taken ahead of it)."""
         self._undo.append(undo)
@@ -146,12 +162,20 @@ class Transaction:
         uses, keep = self._live_uses(drained)
         values = self._counters.stage(self.deltas)
         batch = self.writes + uses + counter_writes(values)
+        remember: Callable[[], None] | None = None
         try:
+            if self._memory is not None:  # removal records, and clears of what is stored again
+                extra, remember = self._memory.writes(
+                    self.store, self.writes, self._removed, self._access.clock
+                )
+                batch += extra
             self.store.put_batch(batch)
         except BaseException:
             self._access.requeue(keep)  # those uses happened; they go with a later batch
             self._run_undo()
             raise
+        if remember is not None:
+            remember()
         self._counters.commit(self.deltas, values)
         self._suspects._clear(self._clear_blocks, self._clear_states)
         self._access.forget(self._forget)  # uses recorded meanwhile of what went
