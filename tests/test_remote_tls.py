@@ -219,3 +219,40 @@ def test_tls_settings_are_checked(tls_files: TLSFiles, tmp_path: Path) -> None:
         BankConfig(remote="https://cas:secret-pw@127.0.0.1:1")
     assert "secret-pw" not in str(e.value)
     assert "secret-pw" not in repr(BankConfig(remote=url, remote_tls_ca=str(tls_files.ca)))
+
+
+def test_serve_passes_the_tls_files_through(
+    tls_cluster: LocalCluster,
+    tls_files: TLSFiles,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cas_bank.runtime.engine import Engine
+    from cas_bank.tools import cli
+
+    # `serve`'s flags: a missing file is refused, named, and the password not shown.
+    url = tls_cluster.url()
+    missing = str(tmp_path / "no-ca.pem")
+    argv = ["serve", "--bank", str(tmp_path / "s"), "--remote", url, "--remote-tls-ca", missing]
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert "remote_tls_ca" in err and "no-ca.pem" in err and tls_cluster.password not in err
+    argv = ["serve", "--bank", str(tmp_path / "s"), "--remote", url, "--remote-tls-cert", missing]
+    assert cli.main(argv) != 0
+    assert "go together" in capsys.readouterr().err
+    # What `serve` opens with them reaches the mutual-TLS cluster.
+    engine = Engine.open(
+        tmp_path / "e",
+        remote=url,
+        remote_tls_ca=str(tls_files.ca),
+        remote_tls_cert=str(tls_files.client_cert),
+        remote_tls_key=str(tls_files.client_key),
+    )
+    try:
+        remote = engine.bank.remote
+        assert remote is not None
+        assert remote.client.run([("EXISTS", b"cas_bank-tls-probe")]) == [0]
+        assert remote.client.cluster is True
+        assert engine.bank.stats().remote_errors == 0
+    finally:
+        engine.close()
