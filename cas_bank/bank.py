@@ -131,6 +131,10 @@ class Bank:
         explicitly must match it.
         """
         config = config or BankConfig()
+        if config.remote is not None:  # a missing TLS file: refused before anything opens
+            from cas_bank.remote.client import tls_options
+
+            tls_options(config)
         if isinstance(path, BlockStore):
             store: BlockStore = path
             built = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MiB = 1 << 20
 
@@ -17,7 +17,8 @@ MiB = 1 << 20
 class BankConfig(BaseModel):
     """Settings of one bank, frozen; pass it to `Bank.open`."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # hide_input_in_errors: an error about `remote` must not print its password.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     block_size: int = Field(default=64, ge=1, le=1 << 16, strict=True)
     """Tokens per block. Persisted at creation; reopening with another value is an error."""
@@ -80,6 +81,19 @@ class BankConfig(BaseModel):
     derived from the URL's credentials (then whoever can write to the cluster could
     forge entries; set a secret the cluster never sees)."""
 
+    remote_tls_ca: str | None = None
+    """With `valkeys://`: the PEM file of the CA (bundle) that signed the servers'
+    certificates; None trusts the system's CAs. A server's certificate chain is always
+    verified; its host name is not (a cluster's nodes are reached at the addresses of
+    its slot map, so the CA is what is trusted: use a CA of the fleet's own)."""
+
+    remote_tls_cert: str | None = None
+    """With `valkeys://`: this host's client certificate (PEM), for servers that ask for
+    one (`tls-auth-clients yes`, mutual TLS). Set with `remote_tls_key`."""
+
+    remote_tls_key: str | None = None
+    """The private key (PEM, unencrypted) of `remote_tls_cert`."""
+
     remote_connect_timeout: float = Field(default=0.25, gt=0.0)
     """Seconds to connect to a node of the shared tier before counting a time-out."""
 
@@ -114,3 +128,18 @@ class BankConfig(BaseModel):
         if not parts.hostname or port is None:
             raise ValueError("remote must name a host and a port: valkey://host:port")
         return url
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> BankConfig:
+        given = [
+            name
+            for name in ("remote_tls_ca", "remote_tls_cert", "remote_tls_key")
+            if getattr(self, name) is not None
+        ]
+        if given and urlsplit(self.remote or "").scheme not in ("valkeys", "rediss"):
+            raise ValueError(
+                f"{', '.join(given)} set, but remote is not a TLS URL: use valkeys://host:port"
+            )
+        if (self.remote_tls_cert is None) != (self.remote_tls_key is None):
+            raise ValueError("remote_tls_cert and remote_tls_key go together (mutual TLS)")
+        return self

@@ -129,16 +129,26 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         remote: str | None = None,
         remote_secret: str | None = None,
+        remote_tls_ca: str | None = None,
+        remote_tls_cert: str | None = None,
+        remote_tls_key: str | None = None,
     ) -> Engine:
         """Open (or create) the bank at `bank_dir` and serve `model` from it.
 
         `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
         ...), or the path of a local mlx-lm model directory. `block_size`: None takes
         the bank's own (64 for a new bank). `remote`: the shared tier's URL
-        (`BankConfig.remote`), `remote_secret` its fleet secret.
+        (`BankConfig.remote`), `remote_secret` its fleet secret, `remote_tls_*` its TLS
+        files (`BankConfig.remote_tls_ca` and the client certificate and key).
         """
         loaded = resolve_model(model, seed=seed)
-        settings: dict[str, Any] = {"remote": remote, "remote_secret": remote_secret}
+        settings: dict[str, Any] = {
+            "remote": remote,
+            "remote_secret": remote_secret,
+            "remote_tls_ca": remote_tls_ca,
+            "remote_tls_cert": remote_tls_cert,
+            "remote_tls_key": remote_tls_key,
+        }
         if block_size is not None:
             settings["block_size"] = block_size
         config = BankConfig(**settings)

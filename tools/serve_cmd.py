@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cas_bank.errors import BankLockedError
+from cas_bank.errors import BankLockedError, InvalidInputError
 
 from .common import CliError, add_command, console, print_json
 
@@ -71,7 +71,27 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="URL",
         help="shared tier: valkey://[user][:password]@host:port of any node of a Valkey "
-        "cluster (or one server); the fleet secret is read from $CAS_BANK_REMOTE_SECRET",
+        "cluster (or one server), valkeys:// for TLS; the fleet secret is read from "
+        "$CAS_BANK_REMOTE_SECRET",
+    )
+    serve.add_argument(
+        "--remote-tls-ca",
+        default=None,
+        metavar="PEM",
+        help="with valkeys://: the CA file that signed the servers' certificates "
+        "(default: the system's CAs)",
+    )
+    serve.add_argument(
+        "--remote-tls-cert",
+        default=None,
+        metavar="PEM",
+        help="with valkeys://: this host's client certificate (mutual TLS)",
+    )
+    serve.add_argument(
+        "--remote-tls-key",
+        default=None,
+        metavar="PEM",
+        help="the private key of --remote-tls-cert",
     )
     serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
     serve.add_argument(
@@ -133,9 +153,14 @@ def _serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             remote=args.remote,
             remote_secret=os.environ.get("CAS_BANK_REMOTE_SECRET"),
+            remote_tls_ca=args.remote_tls_ca,
+            remote_tls_cert=args.remote_tls_cert,
+            remote_tls_key=args.remote_tls_key,
         )
     except ValidationError as e:
         raise CliError(f"bad --remote: {e.errors()[0]['msg']}") from None
+    except InvalidInputError as e:  # e.g. a TLS file missing: the message names it
+        raise CliError(str(e)) from None
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
     try:

@@ -15,6 +15,12 @@ nodes go on being asked. Failures are counted once per node and call
 count `remote_skipped` (once per call). An error answer (a full node refusing a
 write) is counted but leaves the breaker alone: the node is alive. A MOVED answer
 (the cluster's slots moved) reads the slot map again on the next call.
+
+TLS: a `valkeys://` (or `rediss://`) URL connects with TLS, to the node of the URL and
+to every node the slot map names; `tls_options` gives the CA file and the client
+certificate (mutual TLS) from `BankConfig`. Servers are always verified. A handshake
+that fails (an unknown CA, a missing client certificate, a plain-text server) is a
+connection error like any other: counted, the breaker opened, never raised.
 """
 
 from __future__ import annotations
@@ -22,11 +28,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from cas_bank.config import BankConfig
+from cas_bank.errors import InvalidInputError
 from cas_bank.remote.breaker import Breaker
 
 log = logging.getLogger("cas_bank.remote")
@@ -34,6 +43,26 @@ log = logging.getLogger("cas_bank.remote")
 Command = tuple[Any, ...]
 Count = Callable[..., None]
 _SINGLE = "server"  # the node name of a plain (non-cluster) server
+
+
+def tls_options(config: BankConfig) -> dict[str, Any]:
+    """The `valkey` client's TLS options for `config` (empty for a plain URL); raises
+    `InvalidInputError` naming a TLS file that is missing or unreadable."""
+    files = {
+        "ssl_ca_certs": ("remote_tls_ca", config.remote_tls_ca),
+        "ssl_certfile": ("remote_tls_cert", config.remote_tls_cert),
+        "ssl_keyfile": ("remote_tls_key", config.remote_tls_key),
+    }
+    opts: dict[str, Any] = {}
+    for option, (name, path) in files.items():
+        if path is None:
+            continue
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise InvalidInputError(f"{name}: no readable file at {path}")
+        opts[option] = path
+    if opts:
+        opts["ssl_cert_reqs"] = "required"
+    return opts
 
 
 class RemoteClient:
@@ -45,8 +74,10 @@ class RemoteClient:
         timeout: float,
         retry_after: float,
         count: Count,
+        tls: dict[str, Any] | None = None,
     ) -> None:
         self.url = url
+        self.tls = dict(tls or {})  # `tls_options`: the scheme itself turns TLS on
         self.connect_timeout = connect_timeout
         self.timeout = timeout
         self.retry_after = retry_after
@@ -74,7 +105,9 @@ class RemoteClient:
                     self._client.nodes_manager.initialize()
                 return self._client
             opts: dict[str, Any] = dict(
-                socket_timeout=self.timeout, socket_connect_timeout=self.connect_timeout
+                socket_timeout=self.timeout,
+                socket_connect_timeout=self.connect_timeout,
+                **self.tls,
             )
             probe = valkey.Valkey.from_url(self.url, **opts)
             try:

