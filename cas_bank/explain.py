@@ -22,6 +22,10 @@ restore where it happened:
 - `corrupt`: matched blocks (and the state a restore would use) whose payload fails
   its digest or cannot be read; a restore stops before the first one.
 
+- `end_record_tokens`: an end record (docs/design.md, "End records") under the
+  deepest matched block whose tail prefixes the prompt: an exact repeat, or a finished
+  request the prompt extends, and the tokens it covers.
+
 `restorable_tokens` is what `Namespace.restore(tokens)` would return now. A runtime
 restores `tokens[:-1]` of a prompt (`PrefixCache.restore`), so explain a prompt by
 its tokens less the last one to see what a request gets. Reads every header once to
@@ -39,6 +43,7 @@ from cas_bank.blocks.hashing import as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index.ends import find_end
 from cas_bank.index.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.tree import HeaderIndex
 from cas_bank.spec import ModelSpec
@@ -104,6 +109,7 @@ class Explanation:
     evicted_by: Reason | None = None  # why
     memory_horizon: float | None = None  # removals then or before may lack records (None: none)
     states_evicted: list[StateEviction] = field(default_factory=list)
+    end_record_tokens: int | None = None  # an end record under the matched chain covers these
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -143,6 +149,12 @@ class Explanation:
                 lines.append(
                     f"the state at token {s.boundary} was removed {_when(s.at)} {_BY[s.by]}."
                 )
+        if self.end_record_tokens is not None:
+            exact = self.end_record_tokens == self.tokens
+            lines.append(
+                f"an end record covers {self.end_record_tokens} tokens"
+                + (": an exact repeat, restored with no prefill." if exact else ".")
+            )
         for c in self.corrupt:
             lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
         if self.tail_tokens:
@@ -228,6 +240,14 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         else:
             fate = "never_stored" if reach.complete else "not_recorded"
 
+    # An end record under the deepest matched block (as a restore looks for one): used
+    # when no payload on the way is corrupt (a restore then stops before it).
+    try:
+        found = None if corrupt else find_end(store, root, hashes, toks, k, bs)
+    except CorruptDataError:  # the ends family unreadable: a restore reads no record either
+        found = None
+    end_tokens = found[0].n_tokens if found is not None else None
+
     stop: StopReason = "complete"
     if corrupt:
         stop = "corrupt"
@@ -243,7 +263,7 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         full_blocks=len(hashes),
         tail_tokens=len(toks) - len(hashes) * bs,
         matched_blocks=k,
-        restorable_tokens=usable * bs,
+        restorable_tokens=max(usable * bs, end_tokens or 0),
         stop=stop,
         hybrid=hybrid,
         divergence=divergence,
@@ -257,6 +277,7 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         evicted_by=by,
         memory_horizon=memory_horizon,
         states_evicted=states_evicted,
+        end_record_tokens=end_tokens,
     )
 
 

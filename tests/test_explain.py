@@ -311,3 +311,27 @@ def test_a_bank_from_before_removal_records_says_what_it_can(tmp_path: Path) -> 
         evict_to_budget(bank, 0)
         e = explain(bank, root, b)
         assert (e.missing, e.evicted_by) == ("evicted", "budget")
+
+
+def test_an_end_record_is_explained_and_counted_as_a_restore_does(tmp_path: Path) -> None:
+    """An exact repeat and an extension of a finished request: explain reports the end
+    record and the tokens a restore covers through it (hybrid: no boundary state)."""
+    rng = np.random.default_rng(9)
+    a = random_tokens(rng, 3 * BLOCK + 5)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK)) as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"))
+        cache = pc.new_cache()
+        pc.prefill(a, cache, store=False)  # no boundary state is captured
+        pc.store(a, cache)
+        pc.store_end(a, cache)
+        root = pc.namespace.root
+        before = explain(bank, root, a)
+        assert before.end_record_tokens == len(a) == before.restorable_tokens
+        assert any("exact repeat" in line for line in before.summary())
+        longer = [*a, 1, 2, 3]
+        e = explain(bank, root, longer)
+        assert (e.end_record_tokens, e.restorable_tokens) == (len(a), len(a))
+        assert e.restorable_tokens == restored(pc, longer)
+        other = [*a[:-1], (a[-1] + 1) % 200]  # the same blocks, another tail
+        e = explain(bank, root, other)
+        assert e.end_record_tokens is None and e.restorable_tokens == restored(pc, other) == 0
