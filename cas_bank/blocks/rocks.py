@@ -71,7 +71,9 @@ log = logging.getLogger("cas_bank")
 
 def _family_options(family: Family) -> Options:
     opt = Options(raw_mode=True)
-    if family in PAYLOAD_FAMILIES:
+    # End records carry payloads too (partial KV, a hybrid state, logits: up to MBs on
+    # real models): their values go to blob files as well, out of the LSM's rewrites.
+    if family in PAYLOAD_FAMILIES or family is Family.ENDS:
         opt.set_enable_blob_files(True)
         opt.set_min_blob_size(_MIN_BLOB_SIZE)
         opt.set_blob_compression_type(DBCompressionType.none())
