@@ -56,6 +56,10 @@ def render(r: dict[str, Any]) -> list[str]:
                 f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_start'])} / "
                 f"{', '.join(f'{x:.1f}' for x in m['load_avg_at_end'])}",
             ],
+            [
+                "freed memory reused (`keep_freed_memory`, as `cas-bank serve` runs)",
+                "yes" if m.get("keep_freed_memory") else "no",
+            ],
         ],
     )
     L += ["## Targets", ""]

@@ -39,6 +39,7 @@ from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
 from benchmarks.targets import evaluate_targets
+from cas_bank.arrays import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 
@@ -203,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ap.error("--agents, --turns and --blocks must be >= 1")
     settings = plan(args)
     machine = describe_machine()
+    # As a serving process runs (cas-bank serve does this): every way measured in this
+    # process, mlx-lm's file load included, reuses freed memory.
+    machine["keep_freed_memory"] = keep_freed_memory() if not args.quick else False
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cas_bank_bench_", dir=args.workdir) as tmp:
         results = run_all(settings, Path(tmp))

@@ -23,6 +23,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from cas_bank.arrays import keep_freed_memory
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 
@@ -150,6 +151,7 @@ def serve(
     Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank.
     """
     mls = _mlx_lm_server()
+    keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
 
     argv = sys.argv
     sys.argv = ["mlx_lm.server", *mlx_lm_args]

@@ -143,3 +143,16 @@ def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, w
         dests = _dests(shapes, dtypes, 1, block)
         got = _read(native, dests, shapes, dtypes, block, [(0, path, size, expected)])
         assert got[0] is not None and got[0].startswith(why), (native, got)
+
+
+def test_keep_freed_memory_checks_its_input_and_reports_what_it_did() -> None:
+    from cas_bank.arrays import keep_freed_memory
+    from cas_bank.errors import InvalidInputError
+
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InvalidInputError, match="threshold"):
+            keep_freed_memory(bad)  # type: ignore[arg-type]
+    import platform
+
+    took = keep_freed_memory(1 << 30)
+    assert took is (platform.libc_ver()[0] == "glibc")  # mallopt is glibc's

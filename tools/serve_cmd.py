@@ -143,6 +143,9 @@ def _serve(args: argparse.Namespace) -> int:
     from cas_bank.runtime.engine import Engine
     from cas_bank.runtime.server import bind, run_server, url_of
 
+    from cas_bank.arrays import keep_freed_memory
+
+    keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
     args.bank.parent.mkdir(parents=True, exist_ok=True)
     try:
         engine = Engine.open(
