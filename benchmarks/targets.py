@@ -73,15 +73,6 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         t = c["ttft_s"]
         if not all(k in t for k in ("mlx_lm_file", "cas_bank_rocksdb", "cas_bank_hot")):
             continue
-        if "store_later_caller_s" in c:
-            add(
-                "store_later costs the caller <= 2x a memcpy of the new bytes",
-                f"{f['store_later_caller_over_memcpy']:.2f}x "
-                f"({ms(c['store_later_caller_s'])} ms vs {ms(c['memcpy_s'])} ms; written "
-                f"by the background writer in {ms(c['store_later_flush_s'])} ms)",
-                f["store_later_caller_over_memcpy"] <= 2.0,
-                where,
-            )
         add(
             "TTFT from a reopened bank >= 1.0x the file's",
             f"{t['mlx_lm_file'] / t['cas_bank_rocksdb']:.2f}x "
