@@ -17,7 +17,8 @@ from cas_bank.errors import (
     CorruptDataError,
     InvalidInputError,
 )
-from cas_bank.namespace import Hit, Namespace, StoreReport
+from cas_bank.namespace import Namespace, StoreReport
+from cas_bank.restoring import Hit
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 from cas_bank.stats import BankStats
 

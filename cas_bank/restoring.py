@@ -1,0 +1,215 @@
+"""The restore path of a `Namespace`: the longest stored prefix of a prompt as MLX arrays.
+
+The walk: chain hashes of the prompt's full blocks -> `longest_chain` (`stored_prefix`
+by binary search, then one multi-get of its headers) -> the shared tier's continuation
+(if any) -> an end record under the deepest matched block (`index.ends`) ->
+`restore_blocks` (hybrid: deepest boundary with a state) -> one probe of the leases ->
+`index.payloads` reads and verifies each payload -> `index.layout.Assembler` copies it
+once into fresh MLX arrays (payload files straight into them) -> `Hit`.
+docs/design.md, "Restore path", says why each step is there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+
+from cas_bank.blocks.hashing import BlockHash, as_token_array
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import longest_chain
+from cas_bank.index.ends import EndPlan, end_layers, plan_end
+from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
+from cas_bank.index.states import restore_blocks
+
+if TYPE_CHECKING:
+    from cas_bank.index.owner import Owner
+    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.spec import ModelSpec
+
+ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A restore: `tokens` covered and per-layer arrays aligned with `spec.layers`."""
+
+    tokens: int
+    layers: list[tuple[Any, ...] | None]
+    blocks: list[BlockHash] = field(repr=False)
+    # From an end record (`index.ends`): the logits of token `tokens - 1` and the hidden
+    # state stored with them, when it held them; None otherwise.
+    logits: mx.array | None = field(default=None, repr=False)
+    hidden: mx.array | None = field(default=None, repr=False)
+    end: bool = False  # resumed from an end record
+
+    @property
+    def exact(self) -> bool:
+        """Whether the logits of the prompt's last token came with it (no prefill left)."""
+        return self.logits is not None
+
+
+class Restorable(Protocol):
+    """What a restore needs of a namespace (`cas_bank.namespace.Namespace`)."""
+
+    bank: Owner
+    spec: ModelSpec
+    root: bytes
+    block_size: int
+    _payloads: PayloadReader
+
+    def chain(self, tokens: Any) -> list[BlockHash]: ...
+
+
+def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
+    """The longest stored prefix of `tokens` as MLX arrays, or None on a miss.
+
+    `room_for`: the tokens the caller's cache will hold in all (its prompt's
+    length). Attention arrays then come with room for them, rounded up to mlx-lm's
+    step of 256 (`Hit.tokens` of them hold the prefix, the rest is undefined), so
+    that prefilling the rest writes in place instead of copying the restored
+    cache. 0: arrays of exactly `Hit.tokens` tokens.
+
+    A payload that fails its digest ends the restore before it (counted as a
+    corrupt read, never raised); a hybrid restore then steps back to the deepest
+    boundary below it that has an intact state.
+    """
+    toks = as_token_array(tokens)
+    hashes = ns.chain(toks)
+    try:
+        matched = longest_chain(ns.bank.store, ns.root, hashes)
+    except CorruptDataError as e:  # a damaged headers table: a counted miss
+        ns._payloads.damaged_headers(str(e))
+        matched = []
+    remote = ns.bank.remote
+    # The shared tier continues the local chain where it ends (verified, in memory).
+    cont = (
+        remote.continue_chain(ns, toks, hashes, matched)
+        if remote is not None and len(matched) < len(hashes)
+        else None
+    )
+    if cont is not None:
+        matched = cont.matched
+    hybrid = ns.spec.is_hybrid
+    n_blocks = restore_blocks(matched, hybrid)
+    bs = ns.block_size
+    # An end record under the deepest matched block (index.ends): an exact repeat,
+    # or a prompt that extends a stored one past the chain's restore point.
+    end: EndPlan | None = None
+    if cont is None:
+        end = plan_end(
+            ns.bank.store,
+            ns.spec,
+            ns.root,
+            hashes,
+            toks,
+            len(matched),
+            bs,
+            n_blocks * bs,
+            ns.bank.counters,
+        )
+        if end is not None:
+            n_blocks = end.blocks
+    capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
+    # The one probe of memory: the deepest matched block a lease holds.
+    leases = ns.bank.leases
+    # A chain queued for the background writer counts too (attention-only models).
+    queued = ns.bank.writer is not None and not hybrid and cont is None
+    probed = hashes if queued else hashes[:n_blocks]
+    leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+    if end is not None and leased > end.blocks:
+        end, n_blocks = None, restore_blocks(matched, hybrid)  # the chain goes deeper
+    n_blocks = max(n_blocks, leased)
+    if end is not None:
+        capacity = max(capacity, end.tokens)
+    assembler: Assembler | None = None
+    if leased and leased == n_blocks:
+        good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
+    elif n_blocks:
+        assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity)
+        if leased:
+            assembler.put_arrays(in_memory, leased)
+        good, hot_hits = ns._payloads.assemble(
+            matched[:n_blocks], assembler, leased, cont.blocks if cont is not None else None
+        )
+        hot_hits += leased
+    else:
+        good, hot_hits = 0, 0
+    if good < n_blocks:  # a payload failed: the restore point moves back
+        n_blocks = restore_blocks(matched[:good], hybrid)
+        end = None
+    state: list[mx.array] | None = None
+    state_leased = False
+    if end is not None and hybrid:
+        state = end.payload.state
+    while hybrid and n_blocks and end is None:
+        h = matched[n_blocks - 1]
+        state = leases.state(h.chain_hash) if leases is not None else None
+        if state is not None:
+            state_leased = True
+            break
+        state = ns._payloads.read_state(h, cont.states if cont is not None else None)
+        if state is not None:
+            break
+        n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
+
+    covered = end.tokens if end is not None else n_blocks * bs
+    exact = end is not None and covered == len(toks)
+    ns.bank.counters.count(
+        restores=1,
+        queried_tokens=len(toks),
+        hit_tokens=covered,
+        hits=1 if covered else 0,
+        misses=0 if covered else 1,
+        hot_hits=hot_hits,
+        exact_hits=1 if exact else 0,
+        end_hits=1 if end is not None and not exact else 0,
+    )
+    if cont is not None and remote is not None:  # counts it, writes it locally later
+        remote.restored(ns, cont, n_blocks, state is not None)
+    if n_blocks:
+        # Last uses stay in memory; written at most every access_flush_interval.
+        # Blocks from the shared tier are not local yet: their local write records them.
+        local = n_blocks if cont is None else min(n_blocks, cont.start)
+        state_at = (
+            [hashes[n_blocks - 1]]
+            if state is not None and local == n_blocks and end is None
+            else []
+        )
+        ns.bank.access.touch(hashes[:local], state_at)
+    if end is not None:
+        ns.bank.access.touch((), ends=[end.header.parent])
+    if covered and ns.bank.access.due():
+        ns.bank.flush(wait=False)
+    if not covered:
+        return None
+    n = n_blocks * bs
+    if end is not None:
+        kv = end_layers(ns.spec, end, assembler, in_memory, room=room_for > 0)
+    elif assembler is not None:
+        kv = assembler.layers(n_blocks, room=capacity > 0)
+        if leases is not None and not capacity:
+            # Exact arrays: the first update copies them anyway, so keep them too.
+            leases.put(hashes[:n_blocks], flat_attention(kv))
+    else:
+        kv = group_layers(ns.spec, [a[..., :n, :] for a in in_memory], None)
+    if state is not None and leases is not None and not state_leased and end is None:
+        # A boundary's state (an end record's is at its own position, not leased).
+        leases.put_state(hashes[n_blocks - 1], state)
+    if state is not None:
+        kv = merge_layers(kv, group_layers(ns.spec, None, state))
+    # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
+    # thread's MLX stream, and runtimes may restore on one thread and prefill on
+    # another. The views share their buffers, so this copies nothing.
+    logits = end.payload.logits if exact and end is not None else None
+    hidden = end.payload.hidden if exact and end is not None else None
+    mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+    return Hit(
+        tokens=covered,
+        layers=kv,
+        blocks=hashes[:n_blocks],
+        logits=logits,
+        hidden=hidden,
+        end=end is not None,
+    )
