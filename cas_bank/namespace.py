@@ -192,9 +192,7 @@ class Namespace:
         if bank.leases is not None:
             # The chain is in memory already: a restore of it hands these out (the cache
             # copies its buffer on its next update: see index.lease).
-            bank.leases.put(hashes, [a for layer in arrays for a in layer])
-            for b, st in checked_states.items():
-                bank.leases.put_state(hashes[b // self.block_size - 1], st)
+            bank.leases.put_chain(hashes, [a for layer in arrays for a in layer], checked_states)
 
         return StoreReport(
             tokens=n,
@@ -238,10 +236,7 @@ class Namespace:
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
         if self.bank.leases is not None:
-            hashes = self.chain(toks)
-            self.bank.leases.put(hashes, flat)
-            for b, st in kept.items():
-                self.bank.leases.put_state(hashes[b // self.block_size - 1], st)
+            self.bank.leases.put_chain(self.chain(toks), flat, kept)
         return writer.submit(lambda: self.store(toks, snapshot, by_layer))
 
     def store_end(

@@ -63,18 +63,8 @@ class Restorable(Protocol):
 
 
 def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
-    """The longest stored prefix of `tokens` as MLX arrays, or None on a miss.
-
-    `room_for`: the tokens the caller's cache will hold in all (its prompt's
-    length). Attention arrays then come with room for them, rounded up to mlx-lm's
-    step of 256 (`Hit.tokens` of them hold the prefix, the rest is undefined), so
-    that prefilling the rest writes in place instead of copying the restored
-    cache. 0: arrays of exactly `Hit.tokens` tokens.
-
-    A payload that fails its digest ends the restore before it (counted as a
-    corrupt read, never raised); a hybrid restore then steps back to the deepest
-    boundary below it that has an intact state.
-    """
+    """`Namespace.restore(tokens, room_for=room_for)` of `ns` (its docstring says what
+    comes back)."""
     toks = as_token_array(tokens)
     hashes = ns.chain(toks)
     try:

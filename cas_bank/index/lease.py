@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -75,14 +75,19 @@ class Leases:
             if held is not None and held[1] == len(hashes) - 1 and held[0] in self._entries:
                 self._entries.move_to_end(held[0])  # already leased: just used
                 return
-            self._drop(last)
-            entry = _Entry([bytes(h) for h in hashes], kept, nbytes)
-            self._entries[last] = entry
-            for i, h in enumerate(entry.hashes):
-                self._blocks[h] = (last, i)
-            self._bytes += nbytes
-            while self._bytes > self.max_bytes and self._entries:
-                self._drop(next(iter(self._entries)))
+            self._insert(last, _Entry([bytes(h) for h in hashes], kept, nbytes))
+
+    def put_chain(
+        self,
+        hashes: Sequence[bytes],
+        arrays: Sequence[mx.array],
+        states: Mapping[int, Sequence[mx.array]],
+    ) -> None:
+        """`put` of a stored chain and `put_state` of its boundary states (by token
+        position, a multiple of the block size)."""
+        self.put(hashes, arrays)
+        for boundary, state in states.items():
+            self.put_state(hashes[boundary // self.block_size - 1], state)
 
     def probe(self, hashes: Sequence[bytes]) -> tuple[int, list[mx.array]]:
         """(k, arrays): the leased arrays of the deepest block k-1 of the chain `hashes`
@@ -123,13 +128,8 @@ class Leases:
         nbytes = sum(int(a.nbytes) for a in kept)
         if nbytes > self.max_bytes:
             return
-        key = _state_key(chain_hash)
         with self._lock:
-            self._drop(key)
-            self._entries[key] = _Entry([], kept, nbytes)
-            self._bytes += nbytes
-            while self._bytes > self.max_bytes and self._entries:
-                self._drop(next(iter(self._entries)))
+            self._insert(_state_key(chain_hash), _Entry([], kept, nbytes))
 
     def state(self, chain_hash: bytes) -> list[mx.array] | None:
         """The leased state at the end of block `chain_hash` (new array objects sharing
@@ -165,6 +165,17 @@ class Leases:
             self._entries.clear()
             self._blocks.clear()
             self._bytes = 0
+
+    def _insert(self, key: bytes, entry: _Entry) -> None:
+        """Hold `entry` under `key` (replacing one there), then drop the least recently
+        used entries until the budget holds. Under the lock."""
+        self._drop(key)
+        self._entries[key] = entry
+        for i, h in enumerate(entry.hashes):
+            self._blocks[h] = (key, i)
+        self._bytes += entry.nbytes
+        while self._bytes > self.max_bytes and self._entries:
+            self._drop(next(iter(self._entries)))
 
     def _drop(self, last: bytes) -> None:
         entry = self._entries.pop(last, None)
