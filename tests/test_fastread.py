@@ -58,12 +58,16 @@ def _dests(
     ]
 
 
-def _read(native: bool, dests: list[np.ndarray], shapes, dtypes, block, items) -> list[str | None]:
+def _read(
+    native: bool, dests: list[np.ndarray], shapes, dtypes, block, items, *, batch: bool = False
+) -> list[str | None]:
     reader = BlockFiles(dests, shapes, dtypes, block)
     if native:
         assert reader._segments is not None
     else:
         reader._segments = None
+    if batch:  # both cores, one call each (the restore's way)
+        return reader.read_all(items)
     return [reader.read(*item) for item in items]
 
 
@@ -90,9 +94,9 @@ def test_native_and_python_reads_fill_the_same_rows(
     paths, payloads, blocks = _write(tmp, rng, shapes, dtypes, n)
     items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
     out = {}
-    for native in (True, False):
+    for native, batch in ((True, True), (True, False), (False, False)):
         dests = _dests(shapes, dtypes, n, block)
-        assert _read(native, dests, shapes, dtypes, block, items) == [None] * n
+        assert _read(native, dests, shapes, dtypes, block, items, batch=batch) == [None] * n
         out[native] = dests
         for i, arrays in enumerate(blocks):
             for dest, a in zip(dests, arrays, strict=True):
@@ -139,10 +143,43 @@ def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, w
         packed = codec.encode(zeros, dtypes, compression="lz4")
         path.write_bytes(packed)
         size, expected = len(packed), codec.embedded_digest(packed)
-    for native in (True, False):
+    for native, batch in ((True, True), (True, False), (False, False)):
         dests = _dests(shapes, dtypes, 1, block)
-        got = _read(native, dests, shapes, dtypes, block, [(0, path, size, expected)])
-        assert got[0] is not None and got[0].startswith(why), (native, got)
+        item = (0, path, size, expected)
+        got = _read(native, dests, shapes, dtypes, block, [item, item], batch=batch)
+        for g in got:
+            assert g is not None and g.startswith(why), (native, batch, got)
+
+
+@pytest.mark.parametrize(
+    "heads, dim",
+    [
+        (5, 300),  # rows of 76.8 KB: the 256 KiB staging runs end inside them
+        (1, 1500),  # one row run of 384 KB, more than a staging run
+        (7, 3),  # many rows of 768 bytes
+    ],
+)
+def test_large_payloads_split_across_staging_runs_land_in_their_rows(
+    tmp_path: Path, heads: int, dim: int
+) -> None:
+    rng = np.random.default_rng(heads * dim)
+    block, n = 64, 5
+    shapes = [(1, heads, block, dim), (1, heads, block, dim + 1)]
+    dtypes = [DTYPES["float32"]] * 2
+    paths, payloads, blocks = _write(tmp_path, rng, shapes, dtypes, n)
+    items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
+    raw = bytearray(payloads[3])
+    raw[-1] ^= 0x40  # block 3 damaged: the others still land
+    paths[3].write_bytes(raw)
+    for native, batch in ((True, True), (True, False), (False, False)):
+        dests = _dests(shapes, dtypes, n, block)
+        got = _read(native, dests, shapes, dtypes, block, items, batch=batch)
+        assert got == [None, None, None, "payload digest mismatch", None], (native, batch)
+        for i, arrays in enumerate(blocks):
+            if i == 3:
+                continue
+            for dest, a in zip(dests, arrays, strict=True):
+                assert dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
 
 
 def test_keep_freed_memory_checks_its_input_and_reports_what_it_did() -> None:

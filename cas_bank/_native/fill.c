@@ -3,12 +3,15 @@
  * A block payload file (cas_bank.blocks.files) holds the codec's bytes: a fixed lead
  * ending in the blake3 digest, the array descriptors, then each array's block slice in
  * C order. `read_into` checks the head against the one the caller expects (the layout
- * and the header's digest), then `preadv`s the body in runs of about 256 KiB straight
- * into the destination rows (one iovec per contiguous run of a destination array) and
- * hashes each run while it is still in the core's cache: one copy out of the page
- * cache, one pass of blake3 (its SIMD code, picked at run time), no GIL, no
- * intermediate buffer. The digest covers the lead before the digest, the descriptors
- * and the body, as blocks.codec computes it.
+ * and the header's digest), then reads the body in runs of 256 KiB into this thread's
+ * staging buffer, hashes each run while it is in the core's cache and copies it out to
+ * the destination rows: no GIL, one blake3 pass (its SIMD code, picked at run time).
+ * Staging measured faster than `preadv` straight into the rows (scattered 32 KiB runs,
+ * one per head and block): on 100 MB of a 4k-token cache on both cores, 34-40 ms against
+ * 43-48 ms, the floor of one contiguous verified read being 33-36 ms; the kernel's
+ * copy lands in a buffer that stays in L2, and the copy out reads it from there.
+ * The digest covers the lead before the digest, the descriptors and the body, as
+ * blocks.codec computes it.
  *
  * The destination is given as raw addresses (int64 triples: block 0's address, the
  * length, how many bytes further each next block's run starts): the
@@ -21,6 +24,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -31,10 +36,27 @@
 
 enum { OK = 0, MISSING = 1, SIZE = 2, HEAD = 3, DIGEST = 4, IO = 5 };
 
-#ifndef RUN_BYTES
-#define RUN_BYTES (256 * 1024)
+#ifndef STAGE_BYTES
+#define STAGE_BYTES (256 * 1024)
 #endif
-#define MAX_IOV 256
+
+/* Each reading thread's staging buffer (freed when the thread exits). */
+static pthread_key_t stage_key;
+static pthread_once_t stage_once = PTHREAD_ONCE_INIT;
+static void make_stage_key(void) { (void)pthread_key_create(&stage_key, free); }
+
+static uint8_t *staging(void) {
+  (void)pthread_once(&stage_once, make_stage_key);
+  uint8_t *buf = pthread_getspecific(stage_key);
+  if (buf == NULL) {
+    buf = aligned_alloc(4096, STAGE_BYTES);
+    if (buf != NULL && pthread_setspecific(stage_key, buf) != 0) {
+      free(buf);
+      buf = NULL;
+    }
+  }
+  return buf;
+}
 
 /* preadv of every iovec in full (short reads continue); 0, or -1 with errno set, or -2
  * at an unexpected end of file. Advances the iovecs it is given. */
@@ -103,30 +125,40 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
   blake3_hasher_init_derive_key(&h, context);
   blake3_hasher_update(&h, got_head, lead - BLAKE3_OUT_LEN);
   blake3_hasher_update(&h, got_head + lead, head_len - lead);
+  uint8_t *stage = staging();
+  if (stage == NULL) {
+    *err = ENOMEM;
+    rc = IO;
+    goto out;
+  }
   off_t at = (off_t)head_len;
-  struct iovec iov[MAX_IOV];
   Py_ssize_t i = 0;
-  while (i < n_segs) {
-    /* One run: whole segments, until RUN_BYTES are reached (one larger segment is a run). */
-    int n = 0;
-    size_t run = 0;
-    while (i < n_segs && n < MAX_IOV && run < RUN_BYTES) {
-      iov[n].iov_base = (void *)(intptr_t)(segs[3 * i] + index * segs[3 * i + 2]);
-      iov[n].iov_len = (size_t)segs[3 * i + 1];
-      run += iov[n].iov_len;
-      n++;
-      i++;
-    }
-    struct iovec hashed[MAX_IOV];
-    memcpy(hashed, iov, sizeof(struct iovec) * (size_t)n);
-    r = preadv_full(fd, iov, n, at);
+  size_t part = 0; /* bytes of segment i already copied out */
+  uint64_t left = body;
+  while (left > 0) {
+    size_t want = left < STAGE_BYTES ? (size_t)left : STAGE_BYTES;
+    struct iovec run = {stage, want};
+    r = preadv_full(fd, &run, 1, at);
     if (r != 0) {
       *err = r == -1 ? errno : 0;
       rc = r == -1 ? IO : SIZE;
       goto out;
     }
-    at += (off_t)run;
-    for (int k = 0; k < n; k++) blake3_hasher_update(&h, hashed[k].iov_base, hashed[k].iov_len);
+    blake3_hasher_update(&h, stage, want);
+    /* Scatter the run into the segments it covers (a run may end inside one). */
+    for (size_t done = 0; done < want;) {
+      size_t rest = (size_t)segs[3 * i + 1] - part;
+      size_t take = rest < want - done ? rest : want - done;
+      memcpy((char *)(intptr_t)(segs[3 * i] + index * segs[3 * i + 2]) + part, stage + done, take);
+      done += take;
+      part += take;
+      if (part == (size_t)segs[3 * i + 1]) {
+        i++;
+        part = 0;
+      }
+    }
+    at += (off_t)want;
+    left -= want;
   }
   uint8_t digest[BLAKE3_OUT_LEN];
   blake3_hasher_finalize(&h, digest, BLAKE3_OUT_LEN);
@@ -165,6 +197,84 @@ static PyObject *read_into(PyObject *self, PyObject *args) {
   return out;
 }
 
+/* read_many: `fill` of many files, the GIL released for all of them. Threads that call
+ * it with the same `counter` share the work: each takes the next file from it. */
+static PyObject *read_many(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *paths, *heads;
+  Py_buffer index, segs, counter, codes;
+  Py_ssize_t lead;
+  const char *context;
+  if (!PyArg_ParseTuple(args, "O!O!y*ny*sw*w*", &PyTuple_Type, &paths, &PyTuple_Type, &heads,
+                        &index, &lead, &segs, &context, &counter, &codes)) {
+    return NULL;
+  }
+  PyObject *out = NULL;
+  Py_ssize_t n = PyTuple_GET_SIZE(paths);
+  const char **path_at = NULL;
+  const uint8_t **head_at = NULL;
+  Py_ssize_t *head_len = NULL;
+  if (PyTuple_GET_SIZE(heads) != n || index.len != n * (Py_ssize_t)sizeof(int64_t) ||
+      codes.len != 2 * n * (Py_ssize_t)sizeof(int32_t)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "read_many needs one head, one int64 index and two int32 codes a path");
+    goto done;
+  }
+  if (counter.len != (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)counter.buf % 8) != 0) {
+    PyErr_SetString(PyExc_ValueError, "counter must be 8 aligned writable bytes");
+    goto done;
+  }
+  if (segs.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+    PyErr_SetString(PyExc_ValueError, "segments must be int64 (address, length, step) triples");
+    goto done;
+  }
+  path_at = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+  head_at = PyMem_Calloc((size_t)n + 1, sizeof(uint8_t *));
+  head_len = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+  if (path_at == NULL || head_at == NULL || head_len == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *p = PyTuple_GET_ITEM(paths, i), *h = PyTuple_GET_ITEM(heads, i);
+    if (!PyBytes_Check(p) || !PyBytes_Check(h)) {
+      PyErr_SetString(PyExc_TypeError, "paths and heads must be bytes");
+      goto done;
+    }
+    path_at[i] = PyBytes_AS_STRING(p);
+    head_at[i] = (const uint8_t *)PyBytes_AS_STRING(h);
+    head_len[i] = PyBytes_GET_SIZE(h);
+    if (lead < BLAKE3_OUT_LEN || lead > head_len[i]) {
+      PyErr_Format(PyExc_ValueError, "lead of %zd bytes does not fit a head of %zd", lead,
+                   head_len[i]);
+      goto done;
+    }
+  }
+  Py_BEGIN_ALLOW_THREADS
+  int64_t *next = counter.buf;
+  const int64_t *at = index.buf;
+  int32_t *code = codes.buf;
+  for (;;) {
+    int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    if (i >= n) break;
+    int err = 0;
+    code[2 * i] = fill(path_at[i], head_at[i], (size_t)head_len[i], (size_t)lead, segs.buf,
+                       segs.len / (Py_ssize_t)(3 * sizeof(int64_t)), at[i], context, &err);
+    code[2 * i + 1] = err;
+  }
+  Py_END_ALLOW_THREADS
+  out = Py_NewRef(Py_None);
+done:
+  PyMem_Free(path_at);
+  PyMem_Free(head_at);
+  PyMem_Free(head_len);
+  PyBuffer_Release(&index);
+  PyBuffer_Release(&segs);
+  PyBuffer_Release(&counter);
+  PyBuffer_Release(&codes);
+  return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_into", read_into, METH_VARARGS,
      "read_into(path, head, lead, segments, index, context) -> (code, errno): read the "
@@ -173,6 +283,12 @@ static PyMethodDef methods[] = {
      "checking its first len(head) bytes equal head and its blake3 digest (derive-key "
      "context) equals head[lead-32:lead]. code: 0 good, 1 missing, 2 size, 3 head, "
      "4 digest, 5 I/O error (errno)."},
+    {"read_many", read_many, METH_VARARGS,
+     "read_many(paths, heads, indices, lead, segments, context, counter, codes) -> None: "
+     "read_into of each (path, head, index) of the tuples paths and heads (bytes) and the "
+     "int64 indices, taking the next one from the int64 counter (8 aligned writable "
+     "bytes) until none is left: threads given the same counter share the work. Each "
+     "file's (code, errno) goes to codes (int32 pairs, one pair a path)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,11 +3,12 @@
 A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed lead,
 the array descriptors, then each attention array's block slice in C order.
 
-With the native helper (`cas_bank._fill`, built with the package): per block, one C
-call, without the GIL, checks the file's head, `preadv`s the body straight into the
-destination rows (one iovec per contiguous row run, about 256 KiB at a time) and
-hashes each run with blake3 while it is still in the core's cache: one copy out of
-the page cache and one hashing pass, nothing else. The rows of a block that fails
+With the native helper (`cas_bank._fill`, built with the package): one C call on the
+restoring thread and one on a pool thread, without the GIL, take the blocks from a
+shared counter; per block it checks the file's head, reads the body in runs of 256 KiB
+into the thread's staging buffer, hashes each run while it is in the core's cache and
+copies it out to the destination rows: one copy out of the page cache, one hashing
+pass, one copy from cache to the rows. The rows of a block that fails
 its digest hold unverified bytes, which the restore never hands out (it ends before
 that block, and bytes beyond a cache's offset are never read).
 
@@ -15,8 +16,8 @@ Without it: one `preadv` of the whole file into the reading thread's reused buff
 one blake3 call over it, then, once it verified, one strided copy per array into its
 rows of the destination.
 
-Blocks go to a small thread pool either way: the C call, `preadv`, blake3 and
-`np.copyto` all release the GIL.
+Blocks go to a small thread pool on that path: `preadv`, blake3 and `np.copyto` all
+release the GIL.
 
 A payload that is not a plain (uncompressed) payload of the expected layout, whose
 digest fails, or whose file is gone comes back as a failure; the caller reads it the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,11 +39,12 @@ import numpy as np
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 
-_read_into: Callable[[str, bytes, int, bytes, int, str], tuple[int, int]] | None
 try:
-    from cas_bank._fill import read_into as _read_into
+    from cas_bank import _fill
 except ImportError:  # not built (no C compiler at install): the Python path below
-    _read_into = None
+    _fill = None  # type: ignore[assignment]
+_read_into = _fill.read_into if _fill is not None else None
+_read_many = _fill.read_many if _fill is not None else None
 
 # What the native reader's codes mean (cas_bank/_native/fill.c).
 _FAILURES = {
@@ -108,30 +110,30 @@ class BlockFiles:
             self._parts.append((at, n, d.storage, tuple(shape)))
             at += n * d.itemsize
         self._segments = _row_runs(self._dests, self.block_size)
+        # A plain payload's lead up to its digest, and its whole size.
+        self._lead_prefix = _LEAD.pack(
+            b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, bytes(32)
+        )[:_DIGEST_AT]
+        self._file_len = _LEAD.size + len(self.desc) + self.body_len
+
+    def _head(self, expected: bytes) -> bytes:
+        """The head a plain payload of this layout with digest `expected` starts with."""
+        return self._lead_prefix + expected + self.desc
 
     def _native(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
         """`read` by the native reader (`self._segments` is set)."""
         assert _read_into is not None and self._segments is not None
-        head = (
-            _LEAD.pack(b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, expected)
-            + self.desc
-        )
-        if size != len(head) + self.body_len:  # compressed, or not this layout
+        if size != self._file_len:  # compressed, or not this layout
             return "not a plain payload"
         code, errno = _read_into(
             os.fsdecode(path),
-            head,
+            self._head(expected),
             _LEAD.size,
             self._segments,
             index,
             PAYLOAD_CONTEXT,
         )
-        if code == 0:
-            return None
-        if code == 3:  # not the head expected: say why the slow way (rare)
-            return self._python(index, path, size, expected) or "payload head mismatch"
-        why = _FAILURES.get(code, f"native reader failed with code {code}")
-        return f"{why} ({os.strerror(errno)})" if errno else why
+        return self._failure(code, errno, (index, path, size, expected))
 
     def read(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
         """Read and verify block `index` from `path` into its rows of the destination;
@@ -187,10 +189,45 @@ class BlockFiles:
         return None
 
     def read_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:
-        """`read` of every (index, path, size, digest), on the pool; results in order."""
+        """`read` of every (index, path, size, digest), on both cores; results in order."""
+        if self._segments is not None and _read_many is not None and len(items) > 1:
+            return self._native_all(items)
         if len(items) < 2:
             return [self.read(*item) for item in items]
         return list(_executor().map(lambda item: self.read(*item), items))
+
+    def _native_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:
+        """`read_all` by the native reader: one C call on this thread and one on the
+        pool's, taking files from a shared counter (no task per block)."""
+        assert _read_many is not None and self._segments is not None
+        out: list[str | None] = ["not a plain payload"] * len(items)
+        plain = [k for k, (_, _, size, _) in enumerate(items) if size == self._file_len]
+        if not plain:
+            return out
+        paths = tuple(os.fsencode(items[k][1]) for k in plain)
+        heads = tuple(self._head(items[k][3]) for k in plain)
+        indices = np.array([items[k][0] for k in plain], dtype=np.int64).tobytes()
+        counter = np.zeros(1, dtype=np.int64)
+        codes = np.zeros(2 * len(plain), dtype=np.int32)
+        args = (paths, heads, indices, _LEAD.size, self._segments, PAYLOAD_CONTEXT, counter, codes)
+        helper = _executor().submit(_read_many, *args)
+        try:
+            _read_many(*args)
+        finally:
+            helper.result()
+        for j, k in enumerate(plain):
+            code, errno = int(codes[2 * j]), int(codes[2 * j + 1])
+            out[k] = self._failure(code, errno, items[k])
+        return out
+
+    def _failure(self, code: int, errno: int, item: tuple[int, Path, int, bytes]) -> str | None:
+        """What a native reader's (code, errno) for `item` means: None if it was good."""
+        if code == 0:
+            return None
+        if code == 3:  # not the head expected: say why the slow way (rare)
+            return self._python(*item) or "payload head mismatch"
+        why = _FAILURES.get(code, f"native reader failed with code {code}")
+        return f"{why} ({os.strerror(errno)})" if errno else why
 
 
 def _row_runs(dests: Sequence[np.ndarray], block_size: int) -> bytes | None:
