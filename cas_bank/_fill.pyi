@@ -6,7 +6,7 @@ def read_many(
     heads: tuple[bytes, ...],
     indices: bytes,
     lead: int,
-    segments: bytes,
+    segments: tuple[bytes, ...],
     context: str,
     counter: object,
     codes: object,

@@ -88,7 +88,9 @@ def from_numpy(a: np.ndarray, dtype: DType) -> mx.array:
 
 
 _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destination
-_UNFILLED_FROM = 2 << 20  # below this, zeroing costs less than `unfilled`'s load call
+# An array below this is zeroed rather than left unfilled: `unfilled` costs ~85-115 us
+# an array (MLX's load call), a zero fill ~7 GB/s (1 MiB: ~150 us) measured here.
+_UNFILLED_FROM = 1 << 20
 
 
 class Destination:
@@ -130,8 +132,9 @@ class Destination:
         """One destination per (shape, dtype).
 
         `overwritten`: the caller writes every byte it will read back, so the memory
-        need not be zeroed (`unfilled`): a large restore saves its zero-fill pass.
-        Otherwise (MLX has no uninitialized allocation: `mx.empty` is `mx.zeros`), above
+        of each array from `_UNFILLED_FROM` on need not be zeroed (`unfilled`): a large
+        restore saves its zero-fill pass. The others are zeroed (MLX has no
+        uninitialized allocation: `mx.empty` is `mx.zeros`): above
         `_BATCH_EVAL_BYTES` in all, each destination is evaluated on its own: one
         `mx.eval` of all of them, in a process that also reads payloads, makes the
         allocator hand memory back and fault it in again on every restore. Up to
@@ -139,21 +142,23 @@ class Destination:
         an `mx.eval` per array costs more than its zero fill. The measurements behind
         both: docs/design.md, "Where each figure is measured".
         """
-        total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted)
-        if overwritten and total >= _UNFILLED_FROM:
-            storages = unfilled(wanted)
-            if storages is not None:
-                return [
-                    cls(shape, dtype, storage)
-                    for (shape, dtype), storage in zip(wanted, storages, strict=True)
-                ]
-        if total > _BATCH_EVAL_BYTES:
-            return [cls(shape, dtype) for shape, dtype in wanted]
-        zeroed = [_zeros(shape, dtype) for shape, dtype in wanted]
-        mx.eval(*zeroed)
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
+        storages: list[mx.array | None] = [None] * len(wanted)
+        big = [i for i, n in enumerate(sizes) if n >= _UNFILLED_FROM] if overwritten else []
+        got = unfilled([wanted[i] for i in big]) if big else None
+        for i, storage in zip(big, got or [], strict=False):
+            storages[i] = storage
+        rest = [i for i, storage in enumerate(storages) if storage is None]
+        zeroed = {i: _zeros(*wanted[i]) for i in rest}
+        if sum(sizes[i] for i in rest) > _BATCH_EVAL_BYTES:
+            for array in zeroed.values():
+                mx.eval(array)
+        elif zeroed:
+            mx.eval(*zeroed.values())
+        storages = [zeroed.get(i, storage) for i, storage in enumerate(storages)]
         return [
             cls(shape, dtype, storage)
-            for (shape, dtype), storage in zip(wanted, zeroed, strict=True)
+            for (shape, dtype), storage in zip(wanted, storages, strict=True)
         ]
 
     def finish(self) -> mx.array:

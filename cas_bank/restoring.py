@@ -25,7 +25,7 @@ from cas_bank.index.states import restore_blocks
 
 if TYPE_CHECKING:
     from cas_bank.index.owner import Owner
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.index.payloads import PayloadReader, StateRead
     from cas_bank.spec import ModelSpec
 
 ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
@@ -114,14 +114,24 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     if end is not None:
         capacity = max(capacity, end.tokens)
     assembler: Assembler | None = None
+    along: StateRead | None = None
     if leased and leased == n_blocks:
         good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
     elif n_blocks:
-        assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity)
+        # The boundary state this restore ends on, read along with the blocks (a
+        # state in memory or from an end record or the shared tier is not read).
+        wanted = matched[n_blocks - 1] if hybrid and end is None and cont is None else None
+        if wanted is not None and leases is not None and leases.has_state(wanted.chain_hash):
+            wanted = None
+        assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity, state=wanted is not None)
         if leased:
             assembler.put_arrays(in_memory, leased)
-        good, hot_hits = ns._payloads.assemble(
-            matched[:n_blocks], assembler, leased, cont.blocks if cont is not None else None
+        good, hot_hits, along = ns._payloads.assemble(
+            matched[:n_blocks],
+            assembler,
+            leased,
+            cont.blocks if cont is not None else None,
+            state=wanted,
         )
         hot_hits += leased
     else:
@@ -139,7 +149,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         if state is not None:
             state_leased = True
             break
-        state = ns._payloads.read_state(h, cont.states if cont is not None else None)
+        state = ns._payloads.read_state(h, cont.states if cont is not None else None, along)
         if state is not None:
             break
         n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)

@@ -164,3 +164,66 @@ def test_files_are_fsynced_only_when_durable(
     assert not synced
     _store(bank_path / "wal", tokens, durability="wal")
     assert len(synced) >= 2 + 2  # each file, and the directories
+
+
+# A hybrid layout whose states are files too: a GDN layer's recurrent state of
+# (1, 8, 64, 64) float32 is 128 KiB; the attention blocks are 64 KiB each.
+HYBRID = ModelSpec(
+    name="filed-hybrid",
+    layers=(
+        LayerSpec.recurrent([((1, 3, 96), "bfloat16"), ((1, 8, 64, 64), "float32")]),
+        LayerSpec.attention(kv_heads=4, head_dim=128, dtype="float32"),
+    ),
+    weights_digest="w-filed-hybrid",
+)
+
+
+def _state_files(path: Path) -> list[Path]:
+    return sorted((path / "payloads" / "states").iterdir())
+
+
+def test_a_hybrid_restore_reads_its_state_file_with_the_blocks_and_refuses_damage(
+    bank_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import random_state, state_bits
+
+    from cas_bank.index.payloads import PayloadReader
+
+    slow: list[Family] = []  # payloads read one by one (not with the blocks)
+    one_by_one = PayloadReader._read
+
+    def spy(self: PayloadReader, family: Family, key: bytes, expected: bytes):  # type: ignore[no-untyped-def]
+        slow.append(family)
+        return one_by_one(self, family, key, expected)
+
+    monkeypatch.setattr(PayloadReader, "_read", spy)
+
+    tokens = tokens_of(np.random.default_rng(7), 4 * B)
+    states = {2 * B: random_state(HYBRID, 1), 4 * B: random_state(HYBRID, 2)}
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        bank.namespace(HYBRID).store(tokens, prefix_layers(HYBRID, tokens), states)
+    assert len(_state_files(bank_path)) == 2
+    want = prefix_layers(HYBRID, tokens)
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        ns = bank.namespace(HYBRID)
+        hit = ns.restore(tokens, room_for=5 * B)
+        assert hit is not None and hit.tokens == 4 * B
+        assert state_bits(hit.layers, HYBRID) == state_bits(states[4 * B], HYBRID)
+        att = hit.layers[1]
+        assert att is not None
+        assert mx.array_equal(att[0][..., : 4 * B, :], want[1][0]).item()
+        assert mx.array_equal(att[1][..., : 4 * B, :], want[1][1]).item()
+        assert bank.stats().corrupt_reads == 0
+        assert slow == []  # the state came with the blocks
+        # Damage the deepest state's file: the restore moves back to the state at 2B,
+        # counting the damage once.
+        deepest = ns.chain(tokens)[3].hex()
+        damaged = next(p for p in _state_files(bank_path) if p.name.startswith(deepest))
+        raw = bytearray(damaged.read_bytes())
+        raw[-7] ^= 0x10
+        damaged.write_bytes(raw)
+        hit = ns.restore(tokens, room_for=5 * B)
+        assert hit is not None and hit.tokens == 2 * B
+        assert state_bits(hit.layers, HYBRID) == state_bits(states[2 * B], HYBRID)
+        assert bank.stats().corrupt_reads == 1
+        assert slow == [Family.STATES, Family.STATES]  # the damaged one, then 2B's

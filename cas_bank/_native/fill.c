@@ -201,12 +201,12 @@ static PyObject *read_into(PyObject *self, PyObject *args) {
  * it with the same `counter` share the work: each takes the next file from it. */
 static PyObject *read_many(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *paths, *heads;
-  Py_buffer index, segs, counter, codes;
+  PyObject *paths, *heads, *segments;
+  Py_buffer index, counter, codes;
   Py_ssize_t lead;
   const char *context;
-  if (!PyArg_ParseTuple(args, "O!O!y*ny*sw*w*", &PyTuple_Type, &paths, &PyTuple_Type, &heads,
-                        &index, &lead, &segs, &context, &counter, &codes)) {
+  if (!PyArg_ParseTuple(args, "O!O!y*nO!sw*w*", &PyTuple_Type, &paths, &PyTuple_Type, &heads,
+                        &index, &lead, &PyTuple_Type, &segments, &context, &counter, &codes)) {
     return NULL;
   }
   PyObject *out = NULL;
@@ -214,36 +214,51 @@ static PyObject *read_many(PyObject *self, PyObject *args) {
   const char **path_at = NULL;
   const uint8_t **head_at = NULL;
   Py_ssize_t *head_len = NULL;
-  if (PyTuple_GET_SIZE(heads) != n || index.len != n * (Py_ssize_t)sizeof(int64_t) ||
+  const int64_t **seg_at = NULL;
+  Py_ssize_t *seg_n = NULL;
+  if (PyTuple_GET_SIZE(heads) != n || PyTuple_GET_SIZE(segments) != n ||
+      index.len != n * (Py_ssize_t)sizeof(int64_t) ||
       codes.len != 2 * n * (Py_ssize_t)sizeof(int32_t)) {
     PyErr_SetString(PyExc_ValueError,
-                    "read_many needs one head, one int64 index and two int32 codes a path");
+                    "read_many needs one head, one segments, one int64 index and two int32 "
+                    "codes a path");
     goto done;
   }
   if (counter.len != (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)counter.buf % 8) != 0) {
     PyErr_SetString(PyExc_ValueError, "counter must be 8 aligned writable bytes");
     goto done;
   }
-  if (segs.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
-    PyErr_SetString(PyExc_ValueError, "segments must be int64 (address, length, step) triples");
-    goto done;
-  }
   path_at = PyMem_Calloc((size_t)n + 1, sizeof(char *));
   head_at = PyMem_Calloc((size_t)n + 1, sizeof(uint8_t *));
   head_len = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
-  if (path_at == NULL || head_at == NULL || head_len == NULL) {
+  seg_at = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
+  seg_n = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+  if (path_at == NULL || head_at == NULL || head_len == NULL || seg_at == NULL ||
+      seg_n == NULL) {
     PyErr_NoMemory();
     goto done;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     PyObject *p = PyTuple_GET_ITEM(paths, i), *h = PyTuple_GET_ITEM(heads, i);
-    if (!PyBytes_Check(p) || !PyBytes_Check(h)) {
-      PyErr_SetString(PyExc_TypeError, "paths and heads must be bytes");
+    PyObject *g = PyTuple_GET_ITEM(segments, i);
+    if (!PyBytes_Check(p) || !PyBytes_Check(h) || !PyBytes_Check(g)) {
+      PyErr_SetString(PyExc_TypeError, "paths, heads and segments must be bytes");
+      goto done;
+    }
+    if (PyBytes_GET_SIZE(g) % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+      PyErr_SetString(PyExc_ValueError,
+                      "segments must be int64 (address, length, step) triples");
       goto done;
     }
     path_at[i] = PyBytes_AS_STRING(p);
     head_at[i] = (const uint8_t *)PyBytes_AS_STRING(h);
     head_len[i] = PyBytes_GET_SIZE(h);
+    seg_at[i] = (const int64_t *)PyBytes_AS_STRING(g);
+    if ((uintptr_t)seg_at[i] % sizeof(int64_t) != 0) {  /* CPython's bytes are 8-aligned */
+      PyErr_SetString(PyExc_ValueError, "segments are not 8-byte aligned");
+      goto done;
+    }
+    seg_n[i] = PyBytes_GET_SIZE(g) / (Py_ssize_t)(3 * sizeof(int64_t));
     if (lead < BLAKE3_OUT_LEN || lead > head_len[i]) {
       PyErr_Format(PyExc_ValueError, "lead of %zd bytes does not fit a head of %zd", lead,
                    head_len[i]);
@@ -258,8 +273,8 @@ static PyObject *read_many(PyObject *self, PyObject *args) {
     int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
     if (i >= n) break;
     int err = 0;
-    code[2 * i] = fill(path_at[i], head_at[i], (size_t)head_len[i], (size_t)lead, segs.buf,
-                       segs.len / (Py_ssize_t)(3 * sizeof(int64_t)), at[i], context, &err);
+    code[2 * i] = fill(path_at[i], head_at[i], (size_t)head_len[i], (size_t)lead, seg_at[i],
+                       seg_n[i], at[i], context, &err);
     code[2 * i + 1] = err;
   }
   Py_END_ALLOW_THREADS
@@ -268,8 +283,9 @@ done:
   PyMem_Free(path_at);
   PyMem_Free(head_at);
   PyMem_Free(head_len);
+  PyMem_Free(seg_at);
+  PyMem_Free(seg_n);
   PyBuffer_Release(&index);
-  PyBuffer_Release(&segs);
   PyBuffer_Release(&counter);
   PyBuffer_Release(&codes);
   return out;
@@ -285,8 +301,8 @@ static PyMethodDef methods[] = {
      "4 digest, 5 I/O error (errno)."},
     {"read_many", read_many, METH_VARARGS,
      "read_many(paths, heads, indices, lead, segments, context, counter, codes) -> None: "
-     "read_into of each (path, head, index) of the tuples paths and heads (bytes) and the "
-     "int64 indices, taking the next one from the int64 counter (8 aligned writable "
+     "read_into of each (path, head, segments, index) of the tuples paths, heads and "
+     "segments (bytes) and the int64 indices, taking the next one from the int64 counter (8 aligned writable "
      "bytes) until none is left: threads given the same counter share the work. Each "
      "file's (code, errno) goes to codes (int32 pairs, one pair a path)."},
     {NULL, NULL, 0, NULL},

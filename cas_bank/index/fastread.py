@@ -26,12 +26,15 @@ slow way or stops the restore there.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import blake3
 import numpy as np
@@ -70,11 +73,18 @@ def _executor() -> ThreadPoolExecutor:
 
 def expected_head(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> tuple[bytes, int]:
     """The descriptors (padded) a payload of these block arrays carries, and its body size."""
+    return _expected_head(tuple(map(tuple, shapes)), tuple(dtypes))
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_head(
+    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]
+) -> tuple[bytes, int]:
     desc = bytearray()
     body = 0
     for shape, d in zip(shapes, dtypes, strict=True):
         desc += struct.pack(f"<BB{len(shape)}I", d.code, len(shape), *shape)
-        body += int(np.prod(shape)) * d.itemsize
+        body += math.prod(shape) * d.itemsize
     desc += b"\0" * (-(len(desc) + _LEAD.size) % 8)
     return bytes(desc), body
 
@@ -90,15 +100,22 @@ def _buffer(size: int) -> bytearray:
 
 
 class BlockFiles:
-    """Reads block payload files into the writable views `dests` (each [..., T, D])."""
+    """Reads block payload files into the writable views `dests` (each [..., T, D]).
+
+    `shapes` are one block's arrays: block i of array j fills rows
+    [i * r, (i + 1) * r) of `dests[j]`'s axis -2, r being `shapes[j][-2]` (the block
+    size). A state payload is block 0 of arrays whose shapes are the whole state's.
+    """
 
     def __init__(
         self,
         dests: Sequence[np.ndarray],
         shapes: Sequence[tuple[int, ...]],
         dtypes: Sequence[DType],
-        block_size: int,
+        block_size: int | None = None,
     ) -> None:
+        if block_size is not None and any(s[-2] != block_size for s in shapes):
+            raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
         self.block_size = block_size
         self.desc, self.body_len = expected_head(shapes, dtypes)
         self._dests = list(dests)
@@ -106,10 +123,10 @@ class BlockFiles:
         self._parts: list[tuple[int, int, np.dtype[np.generic], tuple[int, ...]]] = []
         at = _LEAD.size + len(self.desc)
         for shape, d in zip(shapes, dtypes, strict=True):
-            n = int(np.prod(shape))
+            n = math.prod(shape)
             self._parts.append((at, n, d.storage, tuple(shape)))
             at += n * d.itemsize
-        self._segments = _row_runs(self._dests, self.block_size)
+        self._segments = _row_runs(self._dests, [s[-2] if len(s) >= 2 else 0 for s in shapes])
         # A plain payload's lead up to its digest, and its whole size.
         self._lead_prefix = _LEAD.pack(
             b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, bytes(32)
@@ -182,43 +199,18 @@ class BlockFiles:
         h.update(view[_LEAD.size :])
         if h.digest() != claimed:
             return "payload digest mismatch"
-        lo, hi = index * self.block_size, (index + 1) * self.block_size
         for dest, (at, count, dtype, shape) in zip(self._dests, self._parts, strict=True):
             src = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)
-            np.copyto(dest[..., lo:hi, :], src)
+            if dest.shape == shape and index == 0:
+                np.copyto(dest, src)
+            else:
+                rows = shape[-2]
+                np.copyto(dest[..., index * rows : (index + 1) * rows, :], src)
         return None
 
     def read_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:
         """`read` of every (index, path, size, digest), on both cores; results in order."""
-        if self._segments is not None and _read_many is not None and len(items) > 1:
-            return self._native_all(items)
-        if len(items) < 2:
-            return [self.read(*item) for item in items]
-        return list(_executor().map(lambda item: self.read(*item), items))
-
-    def _native_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:
-        """`read_all` by the native reader: one C call on this thread and one on the
-        pool's, taking files from a shared counter (no task per block)."""
-        assert _read_many is not None and self._segments is not None
-        out: list[str | None] = ["not a plain payload"] * len(items)
-        plain = [k for k, (_, _, size, _) in enumerate(items) if size == self._file_len]
-        if not plain:
-            return out
-        paths = tuple(os.fsencode(items[k][1]) for k in plain)
-        heads = tuple(self._head(items[k][3]) for k in plain)
-        indices = np.array([items[k][0] for k in plain], dtype=np.int64).tobytes()
-        counter = np.zeros(1, dtype=np.int64)
-        codes = np.zeros(2 * len(plain), dtype=np.int32)
-        args = (paths, heads, indices, _LEAD.size, self._segments, PAYLOAD_CONTEXT, counter, codes)
-        helper = _executor().submit(_read_many, *args)
-        try:
-            _read_many(*args)
-        finally:
-            helper.result()
-        for j, k in enumerate(plain):
-            code, errno = int(codes[2 * j]), int(codes[2 * j + 1])
-            out[k] = self._failure(code, errno, items[k])
-        return out
+        return read_files([(self, item) for item in items])
 
     def _failure(self, code: int, errno: int, item: tuple[int, Path, int, bytes]) -> str | None:
         """What a native reader's (code, errno) for `item` means: None if it was good."""
@@ -230,10 +222,54 @@ class BlockFiles:
         return f"{why} ({os.strerror(errno)})" if errno else why
 
 
-def _row_runs(dests: Sequence[np.ndarray], block_size: int) -> bytes | None:
+def read_files(jobs: Sequence[tuple[BlockFiles, tuple[int, Path, int, bytes]]]) -> list[str | None]:
+    """`reader.read(*item)` of every (reader, item), on both cores; results in order.
+
+    With the native reader, one C call on this thread and one on the pool's take the
+    files from a shared counter (no task per file); files it cannot read this way
+    (the Python path's, one of another size) are read one by one after them.
+    """
+    out: list[str | None] = [None] * len(jobs)
+    native = [
+        k
+        for k, (reader, (_, _, size, _)) in enumerate(jobs)
+        if reader._segments is not None and size == reader._file_len
+    ]
+    if _read_many is not None and len(native) > 1:
+        paths = tuple(os.fsencode(jobs[k][1][1]) for k in native)
+        heads = tuple(jobs[k][0]._head(jobs[k][1][3]) for k in native)
+        segments = tuple(cast(bytes, jobs[k][0]._segments) for k in native)
+        indices = np.array([jobs[k][1][0] for k in native], dtype=np.int64).tobytes()
+        counter = np.zeros(1, dtype=np.int64)
+        codes = np.zeros(2 * len(native), dtype=np.int32)
+        args = (paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, counter, codes)
+        helper = _executor().submit(_read_many, *args)
+        try:
+            _read_many(*args)
+        finally:
+            helper.result()
+        for j, k in enumerate(native):
+            reader, item = jobs[k]
+            out[k] = reader._failure(int(codes[2 * j]), int(codes[2 * j + 1]), item)
+        done = set(native)
+        rest = [k for k in range(len(jobs)) if k not in done]
+    else:
+        rest = list(range(len(jobs)))
+    if len(rest) < 2:
+        for k in rest:
+            out[k] = jobs[k][0].read(*jobs[k][1])
+    else:
+        results = _executor().map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
+        for k, why in zip(rest, results, strict=True):
+            out[k] = why
+    return out
+
+
+def _row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
     """The destination rows of every block as native int64 triples, in payload order:
-    (block 0's address, length, bytes to block i's rows per i); None without the
-    native reader or for views it cannot address this way.
+    (block 0's address, length, bytes to block i's rows per i), a block of array j
+    being `rows[j]` rows; None without the native reader or for views it cannot address
+    this way.
 
     A view [..., T, D] whose last axis is contiguous and whose token axis steps one
     row at a time holds each leading index's block rows as one contiguous run.
@@ -241,19 +277,29 @@ def _row_runs(dests: Sequence[np.ndarray], block_size: int) -> bytes | None:
     if _read_into is None or not dests:
         return None
     runs: list[np.ndarray] = []
-    for dest in dests:
+    for dest, r in zip(dests, rows, strict=True):
         if dest.ndim < 2 or not dest.flags.writeable:
             return None
         item = dest.itemsize
         row = dest.shape[-1] * item
         if dest.strides[-1] != item or dest.strides[-2] != row:
             return None
-        offsets = np.zeros(1, dtype=np.int64)
-        for n, stride in zip(dest.shape[:-2], dest.strides[:-2], strict=True):
-            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).ravel()
-        triples = np.empty((len(offsets), 3), dtype=np.int64)
-        triples[:, 0] = dest.__array_interface__["data"][0] + offsets
-        triples[:, 1] = block_size * row
-        triples[:, 2] = block_size * row
+        pattern = _runs_pattern(dest.shape[:-2], dest.strides[:-2], r * row)
+        triples = pattern.copy()
+        triples[:, 0] += dest.__array_interface__["data"][0]
         runs.append(triples)
     return np.concatenate(runs).tobytes()
+
+
+@functools.lru_cache(maxsize=256)
+def _runs_pattern(lead: tuple[int, ...], strides: tuple[int, ...], run: int) -> np.ndarray:
+    """`_row_runs`' triples for a view at address 0 (read only: callers copy it)."""
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(lead, strides, strict=True):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).ravel()
+    triples = np.empty((len(offsets), 3), dtype=np.int64)
+    triples[:, 0] = offsets
+    triples[:, 1] = run
+    triples[:, 2] = run
+    triples.flags.writeable = False
+    return triples

@@ -142,23 +142,41 @@ class Assembler:
     alone does not reach the memory bandwidth, and `np.copyto` releases the GIL.
     """
 
-    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int, capacity: int = 0) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        n_blocks: int,
+        block_size: int,
+        capacity: int = 0,
+        *,
+        state: bool = False,
+    ) -> None:
         """Arrays for `n_blocks` blocks, with room for `capacity` tokens if that is more
-        (the cache's later tokens then land in place: no copy of the restored ones)."""
+        (the cache's later tokens then land in place: no copy of the restored ones),
+        and (`state`) for a recurrent state read from its payload file."""
         self.spec = spec
         self.block_size = block_size
         n = n_blocks * block_size
         self.capacity = max(n, capacity)
         self.specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
         self.dtypes = [dtype_named(s.dtype) for s in self.specs]
-        # Every token a restore hands out is written by a block: no zero fill needed.
-        self.dests = Destination.allocate(
+        state_specs = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+        self.state_shapes = [s.shape for s in state_specs] if state else []
+        self.state_dtypes = [dtype_named(s.dtype) for s in state_specs] if state else []
+        # Every token a restore hands out is written by a block, every state byte by its
+        # payload: no zero fill needed. One allocation for all of them.
+        everything = Destination.allocate(
             [
-                (s.with_tokens(self.capacity), d)
-                for s, d in zip(self.specs, self.dtypes, strict=True)
+                *(
+                    (s.with_tokens(self.capacity), d)
+                    for s, d in zip(self.specs, self.dtypes, strict=True)
+                ),
+                *zip(self.state_shapes, self.state_dtypes, strict=True),
             ],
             overwritten=True,
         )
+        self.dests = everything[: len(self.specs)]
+        self._state_dests = everything[len(self.specs) :]
         self._views = [d.view for d in self.dests]
         # What each array of a block must be, checked before its copy.
         self.block_shapes = [s.with_tokens(block_size) for s in self.specs]
@@ -229,6 +247,18 @@ class Assembler:
     def block_files(self) -> BlockFiles:
         """A reader of block payload files into these arrays (`direct` only)."""
         return BlockFiles(self._views, self.block_shapes, self.dtypes, self.block_size)
+
+    def state_files(self) -> BlockFiles | None:
+        """A reader of a state payload file into this restore's state arrays (block 0 of
+        arrays of the state's shapes); None if they were not allocated or are not MLX's
+        own memory."""
+        if not self._state_dests or not all(d.direct for d in self._state_dests):
+            return None
+        return BlockFiles([d.view for d in self._state_dests], self.state_shapes, self.state_dtypes)
+
+    def state_arrays(self) -> list[mx.array]:
+        """The state arrays (call once `state_files` read a payload and it verified)."""
+        return [d.finish() for d in self._state_dests]
 
     def put_tail(self, start: int, arrays: Sequence[np.ndarray]) -> None:
         """Copy an end record's tail (`index.ends`, checked against the spec by its

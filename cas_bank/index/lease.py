@@ -131,6 +131,11 @@ class Leases:
         with self._lock:
             self._insert(_state_key(chain_hash), _Entry([], kept, nbytes))
 
+    def has_state(self, chain_hash: bytes) -> bool:
+        """Whether a state at the end of block `chain_hash` is leased now."""
+        with self._lock:
+            return _state_key(chain_hash) in self._entries
+
     def state(self, chain_hash: bytes) -> list[mx.array] | None:
         """The leased state at the end of block `chain_hash` (new array objects sharing
         the leased buffers), or None."""

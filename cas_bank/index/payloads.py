@@ -21,6 +21,7 @@ from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.fastread import BlockFiles, read_files
 from cas_bank.index.layout import Assembler, decode_state
 from cas_bank.spec import ModelSpec
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 # A payload decoded and verified, None if absent, or why it failed; and whether it was hot.
 _Fetched = tuple[codec.Decoded | CorruptDataError | None, bool]
+
+# A boundary state read along with a restore's blocks: (chain hash, its arrays).
+StateRead = tuple[bytes, list[mx.array]]
 
 log = logging.getLogger("cas_bank")
 
@@ -65,35 +69,44 @@ class PayloadReader:
         assembler: Assembler,
         first: int = 0,
         fetched: Mapping[bytes, codec.Decoded] | None = None,
-    ) -> tuple[int, int]:
+        state: Header | None = None,
+    ) -> tuple[int, int, StateRead | None]:
         """Reads, verifies and copies the payloads of `headers[first:]` in order, up to
         the first missing or corrupt one; returns (blocks assembled, counting the
-        `first` ones the caller put in, and hot-tier hits).
+        `first` ones the caller put in, hot-tier hits, and the state read along).
 
         `fetched`: payloads already read and verified elsewhere (the shared tier's
         continuation of the chain), by chain hash; they follow the local ones.
+        `state`: a header whose boundary state the restore will want: a state in a
+        payload file is then read along with the blocks, on the same two cores, for
+        `read_state` (verified; None if it was not read this way or failed: `read_state`
+        then reads it the usual way and counts what is wrong with it).
         """
         remote = fetched or {}
         n_local = next((n for n, h in enumerate(headers) if h.chain_hash in remote), len(headers))
-        good, hot_hits = self._assemble_local(headers[:n_local], assembler, first)
+        good, hot_hits, along = self._assemble_local(headers[:n_local], assembler, first, state)
         if good < n_local:
-            return good, hot_hits
+            return good, hot_hits, along
         for i in range(max(n_local, first), len(headers)):
             key = headers[i].chain_hash
             block = remote.get(key)
             if block is None:
-                return i, hot_hits
+                return i, hot_hits, along
             try:
                 assembler.put(i, block, later=True)
             except CorruptDataError as e:  # MAC'd, but not this model's layout
                 self.counters.count(remote_rejected=1)
                 log.warning("cas_bank: remote block %s rejected (%s)", key.hex()[:16], e)
-                return i, hot_hits
-        return len(headers), hot_hits
+                return i, hot_hits, along
+        return len(headers), hot_hits, along
 
     def _assemble_local(
-        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
-    ) -> tuple[int, int]:
+        self,
+        headers: Sequence[Header],
+        assembler: Assembler,
+        first: int = 0,
+        state: Header | None = None,
+    ) -> tuple[int, int, StateRead | None]:
         """`assemble` of payloads stored in this bank.
 
         Payloads in the file tier are read, verified and copied into the arrays by `fastread`,
@@ -101,14 +114,14 @@ class PayloadReader:
         """
         files = self.files
         if files is None or not assembler.direct or len(headers) <= first:
-            return self._assemble_each(headers, assembler, first)
+            return (*self._assemble_each(headers, assembler, first), None)
         keys = [h.chain_hash for h in headers]
         # Only payloads of the tier's size can be files: the others are not read twice.
         big = [i for i, h in enumerate(headers) if i >= first and h.payload_size >= files.min_bytes]
         try:
             raws = files.get_raw(Family.BLOCKS, [keys[i] for i in big])
         except CorruptDataError:  # RocksDB's own checks, on a payload kept in it
-            return self._assemble_each(headers, assembler, first)
+            return (*self._assemble_each(headers, assembler, first), None)
         located: dict[int, tuple[Path, int]] = {}
         damaged: set[int] = set()  # stubs that do not name the header's payload
         kept: dict[int, bytes] = {}  # large payloads still in the database (format 1)
@@ -121,13 +134,22 @@ class PayloadReader:
             elif raw is not None:
                 kept[i] = raw
         if not located:
-            return self._assemble_each(headers, assembler, first)
+            return (*self._assemble_each(headers, assembler, first), None)
         items = [
             (i, *located[i], headers[i].payload_digest) for i in sorted(located) if i not in damaged
         ]
-        failed = dict(
-            zip([it[0] for it in items], assembler.block_files().read_all(items), strict=True)
-        )
+        blocks = assembler.block_files()
+        jobs = [(blocks, item) for item in items]
+        state_job = self._state_file(state, assembler) if state is not None else None
+        if state_job is not None:  # first: the largest file, the one to start early
+            jobs.insert(0, state_job)
+        results = read_files(jobs)
+        along: StateRead | None = None
+        if state is not None and state_job is not None:
+            if results[0] is None:
+                along = (state.chain_hash, assembler.state_arrays())
+            results = results[1:]
+        failed = dict(zip([it[0] for it in items], results, strict=True))
         failed.update(dict.fromkeys(damaged, "payload record does not match its header"))
         hot_hits = 0
         for i, header in enumerate(headers):
@@ -137,10 +159,10 @@ class PayloadReader:
             if why is None:
                 continue
             if why == "payload file missing" and self._evicted(Family.BLOCKS, keys[i]):
-                return i, hot_hits
+                return i, hot_hits, along
             if why not in ("not a file", "not a plain payload"):
                 self._corrupt(Family.BLOCKS, keys[i], why)
-                return i, hot_hits
+                return i, hot_hits, along
             # Kept in the database, or compressed: decode it and copy it in.
             if i in kept:
                 try:
@@ -154,13 +176,13 @@ class PayloadReader:
                 hot_hits += from_hot
             block = self._verified(Family.BLOCKS, keys[i], value)
             if block is None:
-                return i, hot_hits
+                return i, hot_hits, along
             try:
                 assembler.put(i, block)
             except CorruptDataError as e:
                 self._corrupt(Family.BLOCKS, keys[i], str(e))
-                return i, hot_hits
-        return len(headers), hot_hits
+                return i, hot_hits, along
+        return len(headers), hot_hits, along
 
     def _assemble_each(
         self, headers: Sequence[Header], assembler: Assembler, first: int = 0
@@ -257,10 +279,40 @@ class PayloadReader:
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
+    def _state_file(
+        self, header: Header, assembler: Assembler
+    ) -> tuple[BlockFiles, tuple[int, Path, int, bytes]] | None:
+        """A read of `header`'s state payload file into the assembler's state arrays, if
+        it is a file the native reader can fill in place; None otherwise (`read_state`
+        reads it then)."""
+        files = self.files
+        if files is None or header.state_digest is None or header.state_size < files.min_bytes:
+            return None
+        reader = assembler.state_files()
+        if reader is None or reader._segments is None:
+            return None
+        try:
+            raw = files.get_raw(Family.STATES, [header.chain_hash])[0]
+        except CorruptDataError:
+            return None
+        loc = files.payload_file(Family.STATES, header.chain_hash, raw) if raw else None
+        if loc is None or stub_of(raw or b"") != (header.state_digest, header.state_size):
+            return None
+        return reader, (0, loc[0], loc[1], header.state_digest)
+
     def read_state(
-        self, header: Header, fetched: Mapping[bytes, codec.Decoded] | None = None
+        self,
+        header: Header,
+        fetched: Mapping[bytes, codec.Decoded] | None = None,
+        along: StateRead | None = None,
     ) -> list[mx.array] | None:
+        """`header`'s boundary state, verified, or None after counting why not.
+
+        `along`: the state `assemble` read with the blocks, used if it is this one.
+        """
         assert header.state_digest is not None
+        if along is not None and along[0] == header.chain_hash:
+            return along[1]  # read and verified with the blocks
         block = (fetched or {}).get(header.chain_hash) or self._read(
             Family.STATES, header.chain_hash, header.state_digest
         )
