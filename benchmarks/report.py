@@ -304,7 +304,9 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
         "index, allocation or Python between: `best` = file load / verified floor is the "
         "most a verified restore can reach against the file on this machine, so the "
         "reopened target of 1.0x is out of reach wherever `best` < 1.0; the target then "
-        "is the floor itself (`of floor`: the restore's speed as a fraction of it). TTFT's "
+        "is the floor itself (`of floor`: the restore's speed as a fraction of it). `alloc` "
+        "is one part of what lies between: allocating the restore's destination arrays "
+        "(fresh, unfilled above 1 MiB an array), which the floor does not pay. TTFT's "
         "floor is the first token's forward pass on a cache already in memory: `TTFT "
         "best` = file TTFT / that forward is the most any restore can reach, so the hot "
         "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
@@ -326,6 +328,7 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
                 f"{f['file_load_over_rocksdb_restore']:.2f}x",
                 f"{f['file_load_over_floor']:.2f}x",
                 f"{f['rocksdb_restore_of_ceiling']:.2f}",
+                _ms(c["alloc_s"]) if "alloc_s" in c else "-",
                 f"{f['file_load_over_hot_restore']:.2f}x",
                 f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])}",
                 f"{f['file_ttft_over_reopened_ttft']:.2f}x",
@@ -342,6 +345,7 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
             "reopened",
             "best",
             "of floor",
+            "alloc ms",
             "hot",
             "TTFT ms: file / reopened / hot",
             "TTFT reopened",
