@@ -26,6 +26,13 @@ def mb(n: int | None) -> str:
     return "–" if n is None else f"{n / 1e6:.2f}"
 
 
+def table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table, and the blank line after it."""
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*out, ""]
+
+
 def top_functions(profile: list[dict[str, Any]], n: int = 4) -> str:
     return "; ".join(f"{r['function']} {r['own_share']:.0%}" for r in profile[:n])
 

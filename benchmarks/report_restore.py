@@ -1,0 +1,204 @@
+"""The report's restore sections: time to first token per way, restore alone at the
+medium models' sizes, and issue 11's table against mlx-lm's own file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.targets import WAY_LABELS
+from benchmarks.targets import mb as _mb
+from benchmarks.targets import ms as _ms
+from benchmarks.targets import table as _table
+
+
+def ttft_section(r: dict[str, Any]) -> list[str]:
+    t = r.get("ttft")
+    if not t:
+        return []
+    L = ["## Time to first token", "", "![TTFT against prompt length](ttft.png)", ""]
+    rows = []
+    for c in t["cases"]:
+        for way, label in WAY_LABELS.items():
+            rows.append(
+                [
+                    c["model"],
+                    str(c["tokens"]),
+                    label,
+                    _ms(c["ttft_s"][way]),
+                    _ms(c["restore_s"].get(way)),
+                    str(c["restored"][way]),
+                    _mb(c["bytes_on_disk"].get(way)),
+                    "–" if way == "cold" else f"{c['logits_max_diff'][way]:.1e}",
+                ]
+            )
+    L += _table(
+        [
+            "model",
+            "prompt",
+            "way",
+            "TTFT ms",
+            "restore/load ms",
+            "tokens reused",
+            "MB on disk",
+            "logits vs cold",
+        ],
+        rows,
+    )
+    rows = []
+    for c in t["cases"]:
+        f, ce = c["fractions"], c["ceilings"]
+        rows.append(
+            [
+                c["model"],
+                str(c["tokens"]),
+                _mb(c["kv_bytes"]),
+                f"{_ms(c['restore_s']['cas_bank_rocksdb'])} / "
+                f"{_ms(ce['raw_read_plus_memcpy_s'])} = {f['rocksdb_restore_of_ceiling']:.2f}",
+                f"{_ms(c['restore_s']['cas_bank_hot'])} / {_ms(ce['memcpy_s'])} = "
+                f"{f['hot_restore_of_memcpy']:.2f}",
+                f"{f['file_load_over_rocksdb_restore']:.2f}",
+                f"{c['hot_hits_per_request']:.0f}",
+                f"{c['store']['store_s'] * 1e3:.1f} ms ({f['store_share_of_prefill']:.1%})",
+            ]
+        )
+    L += [
+        "Against the ceilings, on the same bytes "
+        "(restore ms / ceiling ms = fraction of the ceiling's speed):",
+        "",
+    ]
+    L += _table(
+        [
+            "model",
+            "prompt",
+            "KV MB",
+            "RocksDB restore vs raw read + memcpy",
+            "hot restore vs memcpy",
+            "file load / RocksDB restore",
+            "hot hits per request",
+            "store (share of its prefill)",
+        ],
+        rows,
+    )
+    if t.get("problems"):
+        L += ["**Problems found:**", ""] + [f"- {p}" for p in t["problems"]] + [""]
+    return L
+
+
+def restore_section(r: dict[str, Any]) -> list[str]:
+    rs = r.get("restore")
+    if not rs:
+        return []
+    L = [
+        "## Restore alone at the medium models' sizes",
+        "",
+        "The medium models' real cache layouts filled with random KV (no prefill needed): "
+        "time to a ready, evaluated cache. GB/s are of the cache's bytes.",
+        "",
+    ]
+    rows = []
+    for c in rs["cases"]:
+        g, f = c["gbps"], c["fractions"]
+        rows.append(
+            [
+                c["model"],
+                str(c["tokens"]),
+                _mb(c["kv_bytes"]),
+                f"{_ms(c['file_load_s'])} ({g['file_load']:.2f})",
+                f"{_ms(c['rocksdb_restore_s'])} ({g['rocksdb_restore']:.2f})",
+                f"{_ms(c['file_copy_s'])} / {_ms(c['verified_floor_s'])} "
+                f"({f['rocksdb_restore_of_ceiling']:.2f})",
+                f"{_ms(c['hot_restore_s'])} ({g['hot_restore']:.2f})",
+                f"{_ms(c['memcpy_s'])} ({f['hot_restore_of_memcpy']:.2f})",
+                f"{_mb(c['bytes_on_disk']['mlx_lm_file'])} / {_mb(c['bytes_on_disk']['cas_bank'])}",
+            ]
+        )
+    L += _table(
+        [
+            "model",
+            "tokens",
+            "MB",
+            "mlx-lm file load ms (GB/s)",
+            "RocksDB restore ms (GB/s)",
+            "files: plain copy / verified floor ms (fraction of the floor)",
+            "hot restore ms (GB/s)",
+            "memcpy ms (fraction)",
+            "MB on disk: file / bank",
+        ],
+        rows,
+    )
+    L += _against_file(rs)
+    return L
+
+
+def _against_file(rs: dict[str, Any]) -> list[str]:
+    """Issue 11's table: each way against mlx-lm's own file, at >= 64 MB and below."""
+    L = [
+        "",
+        "### Restore against mlx-lm's file",
+        "",
+        "Ratios are file time / cas_bank time (>= 1.0: cas_bank is as fast or faster). "
+        "Reopened: the bank closed and opened again before each request, page cache warm "
+        "as for the file; every payload verified. Hot: the process that stored the prefix "
+        "(its lease). TTFT: the restore (or load) and the first prefill token through the "
+        "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
+        "reopened, >= 2x hot.",
+        "",
+        "Floors, measured in the same run on the same bytes. A reopened restore verifies "
+        "every payload: each byte is copied out of the page cache once (all the file "
+        "load does, on both cores: MLX reads a file on several threads) and hashed once "
+        "(blake3, ~3.3 GB/s a core with its AVX2 code). The verified floor is the bank's "
+        "own payload files read that way by the native reader on both cores, with no "
+        "index, allocation or Python between: `best` = file load / verified floor is the "
+        "most a verified restore can reach against the file on this machine, so the "
+        "reopened target of 1.0x is out of reach wherever `best` < 1.0; the target then "
+        "is the floor itself (`of floor`: the restore's speed as a fraction of it). `alloc` "
+        "is one part of what lies between: allocating the restore's destination arrays "
+        "(fresh, unfilled above 1 MiB an array), which the floor does not pay. TTFT's "
+        "floor is the first token's forward pass on a cache already in memory: `TTFT "
+        "best` = file TTFT / that forward is the most any restore can reach, so the hot "
+        "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
+        "forward pass on this CPU's reference BLAS dwarfs every load).",
+        "",
+    ]
+    rows = []
+    for c in rs["cases"]:
+        f, t = c["fractions"], c.get("ttft_s")
+        if t is None:
+            continue
+        rows.append(
+            [
+                c["model"],
+                str(c["tokens"]),
+                _mb(c["kv_bytes"]),
+                f"{_ms(c['file_load_s'])} / {_ms(c['rocksdb_restore_s'])} / "
+                f"{_ms(c['hot_restore_s'])}",
+                f"{f['file_load_over_rocksdb_restore']:.2f}x",
+                f"{f['file_load_over_floor']:.2f}x",
+                f"{f['rocksdb_restore_of_ceiling']:.2f}",
+                _ms(c["alloc_s"]) if "alloc_s" in c else "-",
+                f"{f['file_load_over_hot_restore']:.2f}x",
+                f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])}",
+                f"{f['file_ttft_over_reopened_ttft']:.2f}x",
+                f"{f['file_ttft_over_hot_ttft']:.2f}x",
+                f"{f['file_ttft_over_forward']:.2f}x",
+            ]
+        )
+    L += _table(
+        [
+            "model",
+            "tokens",
+            "MB",
+            "restore ms: file / reopened / hot",
+            "reopened",
+            "best",
+            "of floor",
+            "alloc ms",
+            "hot",
+            "TTFT ms: file / reopened / hot",
+            "TTFT reopened",
+            "TTFT hot",
+            "TTFT best",
+        ],
+        rows,
+    )
+    return L
