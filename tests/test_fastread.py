@@ -193,3 +193,41 @@ def test_keep_freed_memory_checks_its_input_and_reports_what_it_did() -> None:
 
     took = keep_freed_memory(1 << 30)
     assert took is (platform.libc_ver()[0] == "glibc")  # mallopt is glibc's
+
+
+def test_one_batch_reads_files_of_different_layouts_into_their_own_arrays(tmp_path: Path) -> None:
+    """`read_files` of block files and a state file together (a hybrid restore's batch):
+    each lands in its own arrays, with the native reader's batch and without it."""
+    rng = np.random.default_rng(11)
+    block, n = 16, 4
+    shapes, dtypes = _layout(rng, 2, 3, block, DTYPES["float32"])
+    paths, payloads, blocks = _write(tmp_path, rng, shapes, dtypes, n)
+    state_shapes = [(1, 3, 40), (1, 2, 8, 8)]
+    state_dtypes = [DTYPES["bfloat16"], DTYPES["float32"]]
+    (tmp_path / "state").mkdir()
+    s_paths, s_payloads, s_arrays = _write(tmp_path / "state", rng, state_shapes, state_dtypes, 1)
+    for native in (True, False):
+        dests = _dests(shapes, dtypes, n, block)
+        state_dests = [
+            np.zeros(s, d.storage) for s, d in zip(state_shapes, state_dtypes, strict=True)
+        ]
+        blocks_reader = BlockFiles(dests, shapes, dtypes, block)
+        state_reader = BlockFiles(state_dests, state_shapes, state_dtypes)
+        if not native:
+            blocks_reader._segments = state_reader._segments = None
+        jobs = [
+            (
+                state_reader,
+                (0, s_paths[0], len(s_payloads[0]), codec.embedded_digest(s_payloads[0])),
+            )
+        ]
+        jobs += [
+            (blocks_reader, (i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])))
+            for i in range(n)
+        ]
+        assert fastread.read_files(jobs) == [None] * (n + 1), native
+        for got, want in zip(state_dests, s_arrays[0], strict=True):
+            assert got.tobytes() == want.tobytes()
+        for i, arrays in enumerate(blocks):
+            for dest, a in zip(dests, arrays, strict=True):
+                assert dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
