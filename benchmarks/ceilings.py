@@ -35,12 +35,12 @@ from typing import Any
 
 import blake3
 import numpy as np
-from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
+from rocksdict import Rdict, WriteBatch, WriteOptions
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 from cas_bank.blocks.rocks import _db_options, _family_options
-from cas_bank.blocks.store import PAYLOAD_FAMILIES, Family
+from cas_bank.blocks.store import Family
 
 MiB = 1 << 20
 GB = 1e9
@@ -205,22 +205,17 @@ def evict_cpu_caches(nbytes: int = 96 << 20) -> None:
 def raw_db(path: str | Path) -> Iterator[tuple[Any, dict[Family, Any]]]:
     """A bank directory (or a new one) opened by rocksdict alone, with `RocksStore`'s options.
 
-    Yields the database and its column families (payload families read without
-    RocksDB's checksum, as the bank reads them). Closes every handle on exit, so the
-    directory can be opened again in this process.
+    Yields the database and its column families, read with RocksDB's checksums as the
+    bank reads every family (docs/design.md, "Damage and full disk"). Closes every
+    handle on exit, so the directory can be opened again in this process.
     """
     families = {f.value: _family_options(f) for f in Family}
     db = Rdict(str(path), options=_db_options("wal"), column_families=families)
-    fast = ReadOptions()
-    fast.set_verify_checksums(False)
     cfs: dict[Family, Any] = {}
     try:
         for f in Family:
             if f.value in families:
-                cf = db.get_column_family(f.value)
-                if f in PAYLOAD_FAMILIES:
-                    cf.set_read_options(fast)
-                cfs[f] = cf
+                cfs[f] = db.get_column_family(f.value)
         yield db, cfs
     finally:
         for cf in cfs.values():
