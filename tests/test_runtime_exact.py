@@ -98,6 +98,33 @@ def test_next_turn_restores_all_but_the_tail_exactly(variant: str) -> None:
         assert all(isinstance(c, QuantizedKVCache) for c in (pc.new_cache()[i] for i in (1, 3)))
 
 
+@pytest.mark.parametrize("variant", ["hybrid-fp32", "qwen3_5-bf16", "qwen3-kv8", "hybrid-kv4"])
+def test_restores_read_from_payload_files_are_exact(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No hot tier and no leases, every payload a file: the restore goes through the
+    file reader's batch (the hybrid state with the blocks) and is still exact."""
+    from cas_bank.index.payloads import PayloadReader
+
+    one_by_one: list[object] = []  # payloads read the slow way
+    slow = PayloadReader._read
+    monkeypatch.setattr(
+        PayloadReader, "_read", lambda self, *a: one_by_one.append(a[0]) or slow(self, *a)
+    )
+    factory, dtype, options = VARIANTS[variant]
+    rng = np.random.default_rng(8)
+    a = random_tokens(rng, 70)
+    b = [*a, *random_tokens(rng, 20)]
+    with temp_bank(BLOCK, hot_bytes=0, file_min_bytes=0) as bank:
+        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
+        assert check_restored_prefill(pc, a, b, dtype, chunk_size=32) == 64
+        files = sorted(p.parent.name for p in (bank.path / "payloads").rglob("*.*"))
+        assert "blocks" in files
+        assert ("states" in files) == pc.spec.is_hybrid
+        assert bank.stats().hot_hits == 0
+        assert one_by_one == []
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @settings(
     max_examples=6,
