@@ -9,7 +9,10 @@
  * Staging measured faster than `preadv` straight into the rows (scattered 32 KiB runs,
  * one per head and block): on 100 MB of a 4k-token cache on both cores, 34-40 ms against
  * 43-48 ms, the floor of one contiguous verified read being 33-36 ms; the kernel's
- * copy lands in a buffer that stays in L2, and the copy out reads it from there.
+ * copy lands in a buffer that stays in L2, and the copy out reads it from there. The
+ * copy out streams (non-temporal stores, x86-64): the rows are in no cache, and a plain
+ * store first reads each line from memory to overwrite it. Restores interleaved A/B
+ * (15 rounds): 0-17% faster at 11-100 MB, even at 400 MB.
  * The digest covers the lead before the digest, the descriptors and the body, as
  * blocks.codec computes it.
  *
@@ -31,6 +34,9 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "blake3/blake3.h"
 
@@ -39,6 +45,37 @@ enum { OK = 0, MISSING = 1, SIZE = 2, HEAD = 3, DIGEST = 4, IO = 5 };
 #ifndef STAGE_BYTES
 #define STAGE_BYTES (256 * 1024)
 #endif
+
+/* Copy a run out of the staging buffer (in L2) to destination rows that are not in any
+ * cache: non-temporal stores where the rows allow, so the copy does not first read
+ * every destination line from memory only to overwrite it. */
+static void copy_out(char *dst, const uint8_t *src, size_t n) {
+#if defined(__x86_64__) && defined(__SSE2__) && !defined(CAS_BANK_NO_STREAM)
+  size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+  if (n < 256 + head) {
+    memcpy(dst, src, n);
+    return;
+  }
+  memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  size_t body = n & ~(size_t)63;
+  for (size_t k = 0; k < body; k += 64) {
+    __m128i a = _mm_loadu_si128((const __m128i *)(src + k));
+    __m128i b = _mm_loadu_si128((const __m128i *)(src + k + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(src + k + 32));
+    __m128i d = _mm_loadu_si128((const __m128i *)(src + k + 48));
+    _mm_stream_si128((__m128i *)(dst + k), a);
+    _mm_stream_si128((__m128i *)(dst + k + 16), b);
+    _mm_stream_si128((__m128i *)(dst + k + 32), c);
+    _mm_stream_si128((__m128i *)(dst + k + 48), d);
+  }
+  memcpy(dst + body, src + body, n - body);
+#else
+  memcpy(dst, src, n);
+#endif
+}
 
 /* Each reading thread's staging buffer (freed when the thread exits). */
 static pthread_key_t stage_key;
@@ -149,7 +186,8 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
     for (size_t done = 0; done < want;) {
       size_t rest = (size_t)segs[3 * i + 1] - part;
       size_t take = rest < want - done ? rest : want - done;
-      memcpy((char *)(intptr_t)(segs[3 * i] + index * segs[3 * i + 2]) + part, stage + done, take);
+      copy_out((char *)(intptr_t)(segs[3 * i] + index * segs[3 * i + 2]) + part, stage + done,
+               take);
       done += take;
       part += take;
       if (part == (size_t)segs[3 * i + 1]) {
@@ -164,6 +202,9 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
   blake3_hasher_finalize(&h, digest, BLAKE3_OUT_LEN);
   if (memcmp(digest, head + lead - BLAKE3_OUT_LEN, BLAKE3_OUT_LEN) != 0) rc = DIGEST;
 out:
+#if defined(__x86_64__) && defined(__SSE2__)
+  _mm_sfence(); /* the streamed rows are visible before the caller hears of them */
+#endif
   free(got_head);
   close(fd);
   return rc;
