@@ -5,7 +5,8 @@ by binary search, then one multi-get of its headers) -> the shared tier's contin
 (if any) -> an end record under the deepest matched block (`index.ends`) ->
 `restore_blocks` (hybrid: deepest boundary with a state) -> one probe of the leases ->
 `index.payloads` reads and verifies each payload -> `index.layout.Assembler` copies it
-once into fresh MLX arrays (payload files straight into them) -> `Hit`.
+once into fresh MLX arrays (payload files straight into them, a hybrid boundary state
+in a file with them) -> `Hit`.
 docs/design.md, "Restore path", says why each step is there.
 """
 
@@ -121,7 +122,10 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         # The boundary state this restore ends on, read along with the blocks (a
         # state in memory or from an end record or the shared tier is not read).
         wanted = matched[n_blocks - 1] if hybrid and end is None and cont is None else None
-        if wanted is not None and leases is not None and leases.has_state(wanted.chain_hash):
+        if wanted is not None and (
+            not ns._payloads.state_in_file(wanted)
+            or (leases is not None and leases.has_state(wanted.chain_hash))
+        ):
             wanted = None
         assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity, state=wanted is not None)
         if leased:

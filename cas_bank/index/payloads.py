@@ -279,14 +279,23 @@ class PayloadReader:
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
+    def state_in_file(self, header: Header) -> bool:
+        """Whether `header`'s boundary state is of the file tier's size (a payload file
+        `assemble` can read along with the blocks)."""
+        return (
+            self.files is not None
+            and header.state_digest is not None
+            and header.state_size >= self.files.min_bytes
+        )
+
     def _state_file(
         self, header: Header, assembler: Assembler
     ) -> tuple[BlockFiles, tuple[int, Path, int, bytes]] | None:
         """A read of `header`'s state payload file into the assembler's state arrays, if
         it is a file the native reader can fill in place; None otherwise (`read_state`
         reads it then)."""
-        files = self.files
-        if files is None or header.state_digest is None or header.state_size < files.min_bytes:
+        files, digest = self.files, header.state_digest
+        if files is None or digest is None or not self.state_in_file(header):
             return None
         reader = assembler.state_files()
         if reader is None or reader._segments is None:
@@ -296,9 +305,9 @@ class PayloadReader:
         except CorruptDataError:
             return None
         loc = files.payload_file(Family.STATES, header.chain_hash, raw) if raw else None
-        if loc is None or stub_of(raw or b"") != (header.state_digest, header.state_size):
+        if loc is None or stub_of(raw or b"") != (digest, header.state_size):
             return None
-        return reader, (0, loc[0], loc[1], header.state_digest)
+        return reader, (0, loc[0], loc[1], digest)
 
     def read_state(
         self,
