@@ -1,50 +1,30 @@
-"""Bundles: one chain of blocks, its states and its namespace in a portable file, to
-prewarm another machine's bank.
-
-Layout (little-endian):
-
-    magic "CASBUNDL" | version u32 | manifest_len u32 | manifest (JSON, UTF-8)
-    | per block: header record, payload, state (the lengths are in the manifest)
-    | per end record (version 2): its value (key and length in the manifest)
-    | blake3 digest (32 bytes, bundle context) of every byte before it
-
-Version 2 adds the end records (`index.ends`) under the chain's blocks and root; a
-bundle without any is written as version 1, which older builds read.
-
-The manifest names the block size, hash format, namespace root and its `ModelSpec`,
-and per block its hash and record lengths. A bundle always holds a chain from its
-first block (index 0), so an importer can recompute every chain hash from the root.
-
-Import trusts nothing in the file: the whole-file digest, then every header (its
-namespace, index, parent link and chain hash recomputed with `hash_block`), every
-payload and state against its header's digest, every end record's name, parent and
-payload digest. Only then is everything written, in
-one batch: a damaged bundle imports nothing.
-"""
+"""Reading a bundle file, checking every record of it, and importing it into a bank
+in one batch."""
 
 from __future__ import annotations
 
 import json
-import os
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import blake3
 from pydantic import ValidationError
 
 from cas_bank.blocks import codec
-from cas_bank.blocks.damage import full_error, is_no_space
-from cas_bank.blocks.hashing import (
-    HASH_FORMAT_VERSION,
-    chain_hashes,
-    hash_block,
-    namespace_root,
-)
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, hash_block, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.bundle.format import (
+    _LEAD,
+    _TRAILER,
+    BUNDLE_CONTEXT,
+    BUNDLE_VERSION,
+    MAGIC,
+    Bundle,
+    BundleEntry,
+    ImportReport,
+)
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.ends import split_record
 from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.spec import ModelSpec
@@ -52,196 +32,7 @@ from cas_bank.spec import ModelSpec
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
 
-MAGIC = b"CASBUNDL"
-BUNDLE_VERSION = 2
-BUNDLE_CONTEXT = "cas_bank 2026-11-29 bundle v1"
-_LEAD = struct.Struct("<8sII")
-_TRAILER = 32
 
-
-@dataclass(frozen=True, slots=True)
-class BundleEntry:
-    header: Header
-    payload: bytes
-    state: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class Bundle:
-    """A checked bundle: a chain from block 0, in order."""
-
-    block_size: int
-    root: bytes
-    spec: ModelSpec
-    entries: list[BundleEntry]
-    ends: list[tuple[bytes, bytes]] = field(default_factory=list)  # end records (key, value)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.entries) * self.block_size
-
-
-@dataclass(frozen=True, slots=True)
-class ExportReport:
-    path: Path
-    namespace: str
-    blocks: int
-    states: int
-    tokens: int
-    file_bytes: int  # size of the bundle file
-    leaf: bytes
-    ends: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ImportReport:
-    namespace: str
-    blocks: int
-    blocks_written: int
-    blocks_existing: int
-    states_written: int
-    bytes_written: int
-    leaf: bytes
-    ends_written: int = 0
-
-
-# -- choosing a chain ----------------------------------------------------------------
-def chain_to_leaf(bank: Bank, leaf: bytes) -> list[Header]:
-    """The stored chain from block 0 down to `leaf`, walking parent links up."""
-    out: list[Header] = []
-    key = leaf
-    while True:
-        header = read_headers(bank.store, [key])[0]
-        if header is None:
-            where = "the block" if key == leaf else f"its ancestor {key.hex()[:16]}"
-            raise InvalidInputError(
-                f"cannot export {leaf.hex()[:16]}: {where} is not stored or unreadable; "
-                "run `cas-bank verify`"
-            )
-        # Indices must fall by one per step: this also ends the walk on a corrupt loop.
-        if out and header.index != out[-1].index - 1:
-            raise CorruptDataError(
-                f"chain of {leaf.hex()[:16]} has a broken link at block {out[-1].index}; "
-                "run `cas-bank verify`"
-            )
-        out.append(header)
-        if header.index == 0:
-            break
-        key = header.parent
-    if out[-1].parent != out[-1].root:
-        raise CorruptDataError(f"chain of {leaf.hex()[:16]} does not start at its namespace root")
-    out.reverse()
-    return out
-
-
-def chain_for_tokens(bank: Bank, root: bytes, tokens: Any) -> list[Header]:
-    """Headers of the longest stored chain that prefixes `tokens` in namespace `root`."""
-    return longest_chain(bank.store, root, chain_hashes(root, tokens, bank.config.block_size))
-
-
-# -- export --------------------------------------------------------------------------
-def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportReport:
-    """Write `chain` (from block 0, in order) with its states and namespace to `path`.
-
-    Every payload and state is checked against its header's digest first: a bank's
-    damage is not copied into a bundle. The file appears whole or not at all.
-    """
-    if not chain:
-        raise InvalidInputError("nothing to export: the chain has no stored blocks")
-    root = chain[0].root
-    raw_spec = bank.store.get(Family.NAMESPACES, root)
-    if raw_spec is None:
-        raise CorruptDataError(f"namespace {root.hex()[:16]} of the chain is not recorded")
-    spec = ModelSpec.model_validate(json.loads(raw_spec))
-    records: list[tuple[bytes, bytes, bytes]] = []
-    states = 0
-    for h in chain:
-        payload = bank.store.get(Family.BLOCKS, h.chain_hash)
-        if payload is None or not codec.verify(payload, h.payload_digest):
-            raise CorruptDataError(
-                f"block {h.chain_hash.hex()[:16]} (index {h.index}) fails its digest; "
-                "run `cas-bank verify`"
-            )
-        state = b""
-        if h.state_digest is not None:
-            st = bank.store.get(Family.STATES, h.chain_hash)
-            if st is not None and codec.verify(st, h.state_digest):
-                state = st
-                states += 1
-        records.append((h.encode() if state else h.with_state(None).encode(), payload, state))
-    ends = _chain_ends(bank.store, root, chain)
-    manifest = {
-        "format": BUNDLE_VERSION if ends else 1,
-        "hash_format": HASH_FORMAT_VERSION,
-        "block_size": bank.config.block_size,
-        "root": root.hex(),
-        "spec": spec.model_dump(mode="json"),
-        "blocks": [
-            {
-                "hash": h.chain_hash.hex(),
-                "header": len(r[0]),
-                "payload": len(r[1]),
-                "state": len(r[2]),
-            }
-            for h, r in zip(chain, records, strict=True)
-        ],
-    }
-    if ends:
-        manifest["ends"] = [{"key": k.hex(), "length": len(v)} for k, v in ends]
-    body = json.dumps(manifest, separators=(",", ":")).encode()
-    path = Path(path)
-    tmp = path.with_name(path.name + ".partial")
-    hasher = blake3.blake3(derive_key_context=BUNDLE_CONTEXT)
-    size = 0
-    try:
-        with open(tmp, "wb") as f:
-            for piece in (_LEAD.pack(MAGIC, manifest["format"], len(body)), body):
-                f.write(piece)
-                hasher.update(piece)
-                size += len(piece)
-            for piece in [p for record in records for p in record] + [v for _, v in ends]:
-                f.write(piece)
-                hasher.update(piece)
-                size += len(piece)
-            f.write(hasher.digest())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)  # no half bundle left behind (a full disk)
-        if isinstance(e, OSError) and is_no_space(e):
-            raise full_error(path.parent, size + _TRAILER, e) from None
-        raise
-    return ExportReport(
-        path=path,
-        namespace=spec.name,
-        blocks=len(chain),
-        states=states,
-        tokens=len(chain) * bank.config.block_size,
-        file_bytes=size + _TRAILER,
-        leaf=chain[-1].chain_hash,
-        ends=len(ends),
-    )
-
-
-def _chain_ends(store: BlockStore, root: bytes, chain: list[Header]) -> list[tuple[bytes, bytes]]:
-    """The intact end records under the chain's blocks and its root (one walk of the
-    ends family)."""
-    parents = {root} | {h.chain_hash for h in chain}
-    out = []
-    for key, value in store.iterate(Family.ENDS):
-        if key[:32] not in parents:
-            continue
-        try:
-            end, payload = split_record(key, value)
-        except CorruptDataError:
-            continue
-        if end.root == root and codec.verify(payload, end.payload_digest):
-            out.append((key, value))
-    return out
-
-
-# -- reading and checking ------------------------------------------------------------
 def _damaged(why: str) -> CorruptDataError:
     return CorruptDataError(f"damaged bundle: {why}")
 
