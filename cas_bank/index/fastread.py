@@ -116,7 +116,6 @@ class BlockFiles:
     ) -> None:
         if block_size is not None and any(s[-2] != block_size for s in shapes):
             raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
-        self.block_size = block_size
         self.desc, self.body_len = expected_head(shapes, dtypes)
         self._dests = list(dests)
         # Where each array of a block sits in the payload body, and its shape.
@@ -132,6 +131,11 @@ class BlockFiles:
             b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, bytes(32)
         )[:_DIGEST_AT]
         self._file_len = _LEAD.size + len(self.desc) + self.body_len
+
+    @property
+    def native(self) -> bool:
+        """Whether the native reader fills these destinations (else the Python path)."""
+        return self._segments is not None
 
     def _head(self, expected: bytes) -> bytes:
         """The head a plain payload of this layout with digest `expected` starts with."""
@@ -233,7 +237,7 @@ def read_files(jobs: Sequence[tuple[BlockFiles, tuple[int, Path, int, bytes]]]) 
     native = [
         k
         for k, (reader, (_, _, size, _)) in enumerate(jobs)
-        if reader._segments is not None and size == reader._file_len
+        if reader.native and size == reader._file_len
     ]
     if _read_many is not None and len(native) > 1:
         paths = tuple(os.fsencode(jobs[k][1][1]) for k in native)

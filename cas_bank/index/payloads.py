@@ -298,7 +298,7 @@ class PayloadReader:
         if files is None or digest is None or not self.state_in_file(header):
             return None
         reader = assembler.state_files()
-        if reader is None or reader._segments is None:
+        if reader is None or not reader.native:
             return None
         try:
             raw = files.get_raw(Family.STATES, [header.chain_hash])[0]
