@@ -89,6 +89,23 @@ def test_a_missing_file_is_a_counted_miss(bank_path: Path) -> None:
         assert bank.stats().corrupt_reads == 1
 
 
+def test_a_stub_that_names_another_payload_is_a_counted_miss(bank_path: Path) -> None:
+    """The database's record of block 1 replaced by block 2's (a file that exists and
+    verifies, but is not the payload block 1's header names): the restore stops before it."""
+    tokens = tokens_of(np.random.default_rng(4), 3 * B)
+    _store(bank_path, tokens)
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        chain = bank.namespace(SPEC).chain(tokens)
+    with RocksStore(bank_path) as raw:
+        stubs = raw.get_many(Family.BLOCKS, [chain[1], chain[2]])
+        assert all(s is not None and s[:4] == STUB_MAGIC for s in stubs)
+        raw.put_batch([(Family.BLOCKS, chain[1], stubs[1])])
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(SPEC).restore(tokens)
+        assert hit is not None and hit.tokens == B
+        assert bank.stats().corrupt_reads == 1
+
+
 def test_files_of_a_batch_that_never_committed_are_found_and_removed(bank_path: Path) -> None:
     """A crash between the files and their batch: the next open sweeps them away."""
     tokens = tokens_of(np.random.default_rng(4), 2 * B)

@@ -78,9 +78,12 @@ class FileTier(BlockStore):
 
     # -- naming --------------------------------------------------------------------
     def path(self, family: Family, key: bytes, digest: bytes) -> Path:
-        # One Path from one string: a restore names every block's file (pathlib's `/`
-        # twice cost more than the name itself).
-        return Path(f"{self._dirs[family]}/{key.hex()}.{digest[:8].hex()}")
+        return Path(self.name(family, key, digest))
+
+    def name(self, family: Family, key: bytes, digest: bytes) -> str:
+        """`path` as a string: a restore names every block's file, and a `Path` costs it
+        more than the read's system calls for a small payload (~8 us, pathlib's parse)."""
+        return f"{self._dirs[family]}/{key.hex()}.{digest[:8].hex()}"
 
     def payload_file(self, family: Family, key: bytes, stub: bytes) -> tuple[Path, int] | None:
         """The file and size behind a stub read from the inner store, or None."""
@@ -88,6 +91,15 @@ class FileTier(BlockStore):
         if found is None:
             return None
         return self.path(family, key, found[0]), found[1]
+
+    def file_of(
+        self, family: Family, key: bytes, stub: bytes, digest: bytes, size: int
+    ) -> str | None:
+        """The file behind a stub read from the inner store if the stub names this
+        payload (`digest`, `size`: its header's), as a string (`name`); else None."""
+        if stub_of(stub) != (digest, size):
+            return None
+        return self.name(family, key, digest)
 
     # -- reads ---------------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -34,13 +34,16 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import TypeAlias, cast
 
 import blake3
 import numpy as np
 
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
+
+FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
+Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
 
 try:
     from cas_bank import _fill
@@ -141,7 +144,7 @@ class BlockFiles:
         """The head a plain payload of this layout with digest `expected` starts with."""
         return self._lead_prefix + expected + self.desc
 
-    def _native(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
+    def _native(self, index: int, path: FilePath, size: int, expected: bytes) -> str | None:
         """`read` by the native reader (`self._segments` is set)."""
         assert _read_into is not None and self._segments is not None
         if size != self._file_len:  # compressed, or not this layout
@@ -156,14 +159,14 @@ class BlockFiles:
         )
         return self._failure(code, errno, (index, path, size, expected))
 
-    def read(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
+    def read(self, index: int, path: FilePath, size: int, expected: bytes) -> str | None:
         """Read and verify block `index` from `path` into its rows of the destination;
         None if good, else why not."""
         if self._segments is not None:
             return self._native(index, path, size, expected)
         return self._python(index, path, size, expected)
 
-    def _python(self, index: int, path: Path, size: int, expected: bytes) -> str | None:
+    def _python(self, index: int, path: FilePath, size: int, expected: bytes) -> str | None:
         """`read` without the native helper.
 
         One `preadv` of the whole file into this thread's buffer, one blake3 over it
@@ -212,11 +215,11 @@ class BlockFiles:
                 np.copyto(dest[..., index * rows : (index + 1) * rows, :], src)
         return None
 
-    def read_all(self, items: Sequence[tuple[int, Path, int, bytes]]) -> list[str | None]:
+    def read_all(self, items: Sequence[Job]) -> list[str | None]:
         """`read` of every (index, path, size, digest), on both cores; results in order."""
         return read_files([(self, item) for item in items])
 
-    def _failure(self, code: int, errno: int, item: tuple[int, Path, int, bytes]) -> str | None:
+    def _failure(self, code: int, errno: int, item: Job) -> str | None:
         """What a native reader's (code, errno) for `item` means: None if it was good."""
         if code == 0:
             return None
@@ -226,7 +229,7 @@ class BlockFiles:
         return f"{why} ({os.strerror(errno)})" if errno else why
 
 
-def read_files(jobs: Sequence[tuple[BlockFiles, tuple[int, Path, int, bytes]]]) -> list[str | None]:
+def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
     """`reader.read(*item)` of every (reader, item), on both cores; results in order.
 
     With the native reader, one C call on this thread and one on the pool's take the

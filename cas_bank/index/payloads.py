@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -21,7 +20,7 @@ from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.fastread import BlockFiles, read_files
+from cas_bank.index.fastread import BlockFiles, Job, read_files
 from cas_bank.index.layout import Assembler, decode_state
 from cas_bank.spec import ModelSpec
 
@@ -122,24 +121,28 @@ class PayloadReader:
             raws = files.get_raw(Family.BLOCKS, [keys[i] for i in big])
         except CorruptDataError:  # RocksDB's own checks, on a payload kept in it
             return (*self._assemble_each(headers, assembler, first), None)
-        located: dict[int, tuple[Path, int]] = {}
+        located: dict[int, str] = {}  # stubs naming the header's payload: their files
         damaged: set[int] = set()  # stubs that do not name the header's payload
         kept: dict[int, bytes] = {}  # large payloads still in the database (format 1)
         for i, raw in zip(big, raws, strict=True):
-            loc = files.payload_file(Family.BLOCKS, keys[i], raw) if raw is not None else None
-            if loc is not None:
-                located[i] = loc
-                if stub_of(raw or b"") != (headers[i].payload_digest, headers[i].payload_size):
-                    damaged.add(i)
-            elif raw is not None:
+            if raw is None:
+                continue
+            h = headers[i]
+            name = files.file_of(Family.BLOCKS, keys[i], raw, h.payload_digest, h.payload_size)
+            if name is not None:
+                located[i] = name
+            elif stub_of(raw) is not None:
+                damaged.add(i)
+            else:
                 kept[i] = raw
-        if not located:
+        if not located and not damaged:
             return (*self._assemble_each(headers, assembler, first), None)
         items = [
-            (i, *located[i], headers[i].payload_digest) for i in sorted(located) if i not in damaged
+            (i, located[i], headers[i].payload_size, headers[i].payload_digest)
+            for i in sorted(located)
         ]
         blocks = assembler.block_files()
-        jobs = [(blocks, item) for item in items]
+        jobs: list[tuple[BlockFiles, Job]] = [(blocks, item) for item in items]
         state_job = self._state_file(state, assembler) if state is not None else None
         if state_job is not None:  # first: the largest file, the one to start early
             jobs.insert(0, state_job)
@@ -155,7 +158,7 @@ class PayloadReader:
         for i, header in enumerate(headers):
             if i < first:
                 continue
-            why = failed[i] if i in located else "not a file"
+            why = failed[i] if i in located or i in damaged else "not a file"
             if why is None:
                 continue
             if why == "payload file missing" and self._evicted(Family.BLOCKS, keys[i]):
@@ -288,9 +291,7 @@ class PayloadReader:
             and header.state_size >= self.files.min_bytes
         )
 
-    def _state_file(
-        self, header: Header, assembler: Assembler
-    ) -> tuple[BlockFiles, tuple[int, Path, int, bytes]] | None:
+    def _state_file(self, header: Header, assembler: Assembler) -> tuple[BlockFiles, Job] | None:
         """A read of `header`'s state payload file into the assembler's state arrays, if
         it is a file the native reader can fill in place; None otherwise (`read_state`
         reads it then)."""
@@ -304,10 +305,12 @@ class PayloadReader:
             raw = files.get_raw(Family.STATES, [header.chain_hash])[0]
         except CorruptDataError:
             return None
-        loc = files.payload_file(Family.STATES, header.chain_hash, raw) if raw else None
-        if loc is None or stub_of(raw or b"") != (digest, header.state_size):
+        if not raw:
             return None
-        return reader, (0, loc[0], loc[1], digest)
+        name = files.file_of(Family.STATES, header.chain_hash, raw, digest, header.state_size)
+        if name is None:
+            return None
+        return reader, (0, name, header.state_size, digest)
 
     def read_state(
         self,
