@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -122,12 +123,18 @@ def profile_top(fn: Callable[[], object], repeats: int = 1, top: int = 10) -> li
 
 
 # -- memcpy and blake3 ---------------------------------------------------------------
-def memcpy_samples(nbytes: int, repeats: int = 7) -> list[float]:
-    """`np.copyto` of `nbytes` into an array allocated (and touched) beforehand."""
+def memcpy_samples(nbytes: int, repeats: int = 7, *, threads: int = 1) -> list[float]:
+    """`np.copyto` of `nbytes` into an array allocated (and touched) beforehand, split
+    over `threads` threads (`np.copyto` releases the GIL)."""
     src = np.random.default_rng(0).integers(0, 255, max(nbytes, 1), dtype=np.uint8)
     dst = np.empty_like(src)
     dst[:] = 1  # fault the pages in: the ceiling is the copy, not the page faults
-    return sample(lambda: np.copyto(dst, src), repeats)
+    if threads <= 1:
+        return sample(lambda: np.copyto(dst, src), repeats)
+    cuts = np.linspace(0, src.size, threads + 1, dtype=np.int64).tolist()
+    parts = [(dst[a:b], src[a:b]) for a, b in itertools.pairwise(cuts)]
+    with ThreadPoolExecutor(threads) as pool:
+        return sample(lambda: list(pool.map(lambda p: np.copyto(*p), parts)), repeats)
 
 
 def blake3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[float]:

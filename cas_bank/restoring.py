@@ -116,8 +116,17 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         capacity = max(capacity, end.tokens)
     assembler: Assembler | None = None
     along: StateRead | None = None
-    if leased and leased == n_blocks:
-        good, hot_hits = n_blocks, n_blocks  # handed out as they are: no copy
+    # All in memory: handed out as they are (no copy), unless the caller wants room
+    # after them. Then its cache must own its buffers (mlx-lm's first update would copy
+    # the prefix whole, on one core, to write after it): copied here on two.
+    full = leased > 0 and leased == n_blocks
+    roomy = capacity > (end.tokens if end is not None else n_blocks * bs)
+    if full and not roomy:
+        good, hot_hits = n_blocks, n_blocks
+    elif full:
+        assembler = Assembler(ns.spec, n_blocks, bs, capacity)
+        assembler.put_arrays(in_memory, leased)
+        good, hot_hits = n_blocks, n_blocks
     elif n_blocks:
         # The boundary state this restore ends on, read along with the blocks (a
         # state in memory or from an end record or the shared tier is not read).

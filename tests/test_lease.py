@@ -69,6 +69,32 @@ def test_a_lease_is_never_written_by_the_cache_it_came_from_or_went_to(dtype: st
         assert float(mx.max(mx.abs(logits - want)).item()) <= tol
 
 
+def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_all() -> None:
+    """A runtime's restore (room for its prompt) gets buffers of its own, filled from the
+    lease (the prefill then writes in place, nothing shared to copy again); a restore
+    that asks for no room gets the leased buffers themselves."""
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(8)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, lm)
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.leases is not None
+        leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
+        hot = bank.stats().hot_hits
+        cache, n = pc.restore(tokens)
+        assert n == 4 * BLOCK and bank.stats().hot_hits == hot + 4  # from the lease
+        keys = [np.asarray(c.keys) for c in cache]
+        assert all(k.shape[-2] == 256 for k in keys)
+        assert not any(np.shares_memory(k, a) for k in keys for a in leased)
+        for k, a in zip(keys, leased[::2], strict=True):  # keys and values alternate
+            assert np.array_equal(k[..., :n, :], a[..., :n, :])
+        hit = pc.namespace.restore(tokens[:n])  # no room asked for
+        assert hit is not None and hit.tokens == n
+        handed = [np.asarray(layer[0]) for layer in hit.layers if layer is not None]
+        assert all(any(np.shares_memory(h, a) for a in leased) for h in handed)
+
+
 def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
     """PrefixCache.restore reads into arrays with room for the prompt: the prefill of
     the rest writes in place; the bank keeps no reference, so nothing forces a copy."""

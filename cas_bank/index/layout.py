@@ -185,7 +185,7 @@ class Assembler:
         ]
         # Whether the views are the MLX arrays' own memory (blocks may be read into it).
         self.direct = all(d.direct for d in self.dests)
-        self._later: list[tuple[int, list[np.ndarray]]] = []
+        self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
 
     def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
@@ -197,23 +197,23 @@ class Assembler:
         for src, (shape, dtype) in zip(arrays, self._fits, strict=True):
             if src.shape != shape or src.dtype != dtype:
                 raise CorruptDataError(f"block array of shape {src.shape} does not fit the spec")
+        start = index * self.block_size
         if later:
-            self._later.append((index, arrays))
+            self._later.append((start, arrays))
             self._later_bytes += sum(a.nbytes for a in arrays)
         else:
-            self._copy([(index, arrays)], 0, len(self._views))
+            self._copy([(start, arrays)], 0, len(self._views))
 
-    def _copy(self, blocks: list[tuple[int, list[np.ndarray]]], lo: int, hi: int) -> None:
-        """Copy arrays lo..hi-1 of `blocks` into place."""
-        size = self.block_size
+    def _copy(self, runs: list[tuple[int, list[np.ndarray]]], lo: int, hi: int) -> None:
+        """Copy arrays lo..hi-1 of each (first token, arrays) of `runs` into place."""
         views = self._views[lo:hi]
-        for index, arrays in blocks:
-            at = (..., slice(index * size, (index + 1) * size), slice(None))
+        for start, arrays in runs:
             for src, view in zip(arrays[lo:hi], views, strict=True):
-                np.copyto(view[at], src)
+                np.copyto(view[..., start : start + src.shape[-2], :], src)
 
     def _copy_later(self, n_blocks: int) -> None:
-        blocks = [b for b in self._later if b[0] < n_blocks]
+        end = n_blocks * self.block_size
+        blocks = [b for b in self._later if b[0] < end]
         n = len(self._views)
         self._later, later_bytes, self._later_bytes = [], self._later_bytes, 0
         if later_bytes < _TWO_THREADS_FROM or n < 2:
@@ -237,12 +237,12 @@ class Assembler:
             raise failed[0]
 
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
-        """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed out."""
-        views = [to_numpy(a) for a in arrays]
-        for i in range(n_blocks):
-            lo, hi = i * self.block_size, (i + 1) * self.block_size
-            self._later.append((i, [v[..., lo:hi, :] for v in views]))
-            self._later_bytes += sum(int(v[..., lo:hi, :].nbytes) for v in views)
+        """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
+        out: one copy per array (on two threads, by `_copy_later`)."""
+        n = n_blocks * self.block_size
+        views = [to_numpy(a)[..., :n, :] for a in arrays]
+        self._later.append((0, views))
+        self._later_bytes += sum(int(v.nbytes) for v in views)
 
     def block_files(self) -> BlockFiles:
         """A reader of block payload files into these arrays (`direct` only)."""
