@@ -12,6 +12,8 @@ import pytest
 from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
+from cas_bank import restoring
+
 BLOCK = 16
 
 
@@ -93,6 +95,13 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
         assert hit is not None and hit.tokens == n
         handed = [np.asarray(layer[0]) for layer in hit.layers if layer is not None]
         assert all(any(np.shares_memory(h, a) for a in leased) for h in handed)
+        # On a GPU (its own copy is faster than two CPU threads) the lease is handed out.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(restoring, "copies_on_cpu", lambda: False)
+            cache, n = pc.restore(tokens)
+        keys = [np.asarray(c.keys) for c in cache]
+        assert n == 4 * BLOCK and all(k.shape[-2] == n for k in keys)
+        assert all(any(np.shares_memory(k, a) for a in leased) for k in keys)
 
 
 def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:

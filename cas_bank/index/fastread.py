@@ -67,7 +67,9 @@ _THREADS = 2
 _pool: ThreadPoolExecutor | None = None
 
 
-def _executor() -> ThreadPoolExecutor:
+def helper_pool() -> ThreadPoolExecutor:
+    """The threads that work beside a restoring thread (reads here, copies in
+    `index.layout`): started once, not per restore."""
     global _pool
     if _pool is None:
         _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="cas_bank-fastread")
@@ -250,7 +252,7 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         counter = np.zeros(1, dtype=np.int64)
         codes = np.zeros(2 * len(native), dtype=np.int32)
         args = (paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, counter, codes)
-        helper = _executor().submit(_read_many, *args)
+        helper = helper_pool().submit(_read_many, *args)
         try:
             _read_many(*args)
         finally:
@@ -266,7 +268,7 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         for k in rest:
             out[k] = jobs[k][0].read(*jobs[k][1])
     else:
-        results = _executor().map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
+        results = helper_pool().map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
         for k, why in zip(rest, results, strict=True):
             out[k] = why
     return out

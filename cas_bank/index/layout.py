@@ -8,7 +8,6 @@ state arrays. Both go through `blocks.codec`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ import numpy as np
 from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.fastread import BlockFiles
+from cas_bank.index.fastread import BlockFiles, helper_pool
 from cas_bank.spec import LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, starting a thread costs more than it saves
@@ -219,22 +218,13 @@ class Assembler:
         if later_bytes < _TWO_THREADS_FROM or n < 2:
             self._copy(blocks, 0, n)
             return
-        failed: list[BaseException] = []
-
-        def second_half() -> None:
-            try:
-                self._copy(blocks, n // 2, n)
-            except BaseException as e:  # re-raised below, on the caller's thread
-                failed.append(e)
-
-        helper = threading.Thread(target=second_half, name="cas_bank-copy")
-        helper.start()
+        helper = helper_pool().submit(self._copy, blocks, n // 2, n)
         try:
             self._copy(blocks, 0, n // 2)
-        finally:
-            helper.join()
-        if failed:
-            raise failed[0]
+        except BaseException:
+            helper.exception()  # the other half is done with the arrays first
+            raise
+        helper.result()  # raises what the other half raised
 
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
         """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
