@@ -93,6 +93,29 @@ def synthetic_cache(
     return cache, ({n: state} if pc.spec.is_hybrid else {})
 
 
+def _first_update(cache: list[Any]) -> None:
+    """What the first prefill chunk does to the KV cache alone, without the model: one
+    token appended to every attention layer (mlx-lm's `update_and_fetch`), evaluated.
+    A cache whose arrays hold exactly the prefix copies it whole here; one with room
+    writes in place."""
+    out: list[Any] = []
+    for entry in cache:
+        keys = getattr(entry, "keys", None)
+        if keys is None:
+            continue
+        one = mx.zeros((*keys.shape[:-2], 1, keys.shape[-1]), dtype=keys.dtype)
+        out += entry.update_and_fetch(one, one)
+    mx.eval(out)
+
+
+def _then(pc: PrefixCache, cache: list[Any], token: int, then: str | None) -> None:
+    """After a restore (or load): nothing, the first prefill token, or the first update."""
+    if then == "token":
+        _first_token(pc, cache, token)
+    elif then == "update":
+        _first_update(cache)
+
+
 def _first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
     """The first prefill chunk after a restore: one token through the model, evaluated."""
     mx.eval(pc.model(mx.array([[token]]), cache=cache))
@@ -100,8 +123,8 @@ def _first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
 
 def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[str, Any]:
     """File load, reopened-bank restore and hot restore of `length` tokens of `name`'s
-    cache, interleaved (one of each per round, medians), alone and with the first
-    prefill token (time to first token)."""
+    cache, interleaved (one of each per round, medians), alone, with the first
+    prefill token (time to first token) and with the first cache update alone."""
     lm = build_model(name)
     rng = np.random.default_rng(length)
     prompt = rng.integers(0, 256, length + 1).astype(np.uint32)
@@ -119,22 +142,20 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
         keys = pc.namespace.chain(prompt[:-1])
         hybrid = pc.spec.is_hybrid
 
-    def file_way(first: bool) -> float:
+    def file_way(then: str | None) -> float:
         t0 = time.perf_counter()
         loaded = load_prompt_cache(str(file))
         eval_cache(loaded)
-        if first:
-            _first_token(pc, loaded, last)
+        _then(pc, loaded, last, then)
         return time.perf_counter() - t0
 
-    def reopened_way(first: bool) -> float:
+    def reopened_way(then: str | None) -> float:
         with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
             rpc = PrefixCache(bank, lm)
             t0 = time.perf_counter()
             restored, n = rpc.restore(prompt)
             eval_cache(restored)
-            if first:
-                _first_token(rpc, restored, last)
+            _then(rpc, restored, last, then)
             took = time.perf_counter() - t0
             if n != length:
                 raise RuntimeError(f"{name}: restored {n} of {length} tokens")
@@ -155,15 +176,14 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
     )
     del cache, states
 
-    def hot_way(first: bool) -> float:
+    def hot_way(then: str | None) -> float:
         t0 = time.perf_counter()
         restored, _ = hpc.restore(prompt)
         eval_cache(restored)
-        if first:
-            _first_token(hpc, restored, last)
+        _then(hpc, restored, last, then)
         return time.perf_counter() - t0
 
-    def handout_way(first: bool) -> float:
+    def handout_way(then: str | None) -> float:
         """The lease handed out as it is (no room asked for): no copy, so the first
         prefill token copies the prefix (mlx-lm's concatenation) to write after it."""
         t0 = time.perf_counter()
@@ -173,18 +193,18 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
         restored = hpc.new_cache()
         fill_cache(hpc.spec, restored, hit.layers, hit.tokens)
         eval_cache(restored)
-        if first:
-            _first_token(hpc, restored, last)
+        _then(hpc, restored, last, then)
         return time.perf_counter() - t0
 
     ways = {"file": file_way, "reopened": reopened_way, "hot": hot_way, "handout": handout_way}
-    times: dict[str, list[float]] = {f"{w}{t}": [] for w in ways for t in ("", "_ttft")}
+    then = {"": None, "_ttft": "token", "_update": "update"}
+    times: dict[str, list[float]] = {f"{w}{t}": [] for w in ways for t in then}
     before = hot_bank.stats().hot_hits
     for _ in range(s.repeats):
         for way, fn in ways.items():
-            times[way].append(fn(False))
-            times[f"{way}_ttft"].append(fn(True))
-    hot_hits = (hot_bank.stats().hot_hits - before) / (4 * s.repeats)
+            for suffix, after in then.items():
+                times[f"{way}{suffix}"].append(fn(after))
+    hot_hits = (hot_bank.stats().hot_hits - before) / (2 * len(then) * s.repeats)
     profile_hot = profile_top(lambda: eval_cache(hpc.restore(prompt)[0]), 2, 6)
     hot_bank.close()
     with Bank.open(path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
@@ -234,6 +254,9 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
             "hot": m["hot_ttft"],
             "handout": m["handout_ttft"],
         },
+        # The restore (or load) and the first cache update alone (no model): what the
+        # first prefill chunk copies, without the forward pass that hides it in TTFT.
+        "first_update_s": {way: m[f"{way}_update"] for way in ways},
         "file_copy_s": median(copy_t),
         "verified_floor_s": ceiling,
         "alloc_s": median(alloc_t),
