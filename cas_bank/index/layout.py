@@ -20,7 +20,7 @@ from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.fastread import BlockFiles, helper_pool
 from cas_bank.spec import LayerSpec, ModelSpec
 
-_TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, starting a thread costs more than it saves
+_TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
 
 
 def _flatten_kv(layer: Any) -> list[Any]:
