@@ -18,7 +18,7 @@ from cas_bank.errors import (
     InvalidInputError,
 )
 from cas_bank.namespace import Namespace, StoreReport
-from cas_bank.restoring import Hit
+from cas_bank.restoring import Hit, RestoreTimings
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 from cas_bank.stats import BankStats
 
@@ -39,5 +39,6 @@ __all__ = [
     "LayerSpec",
     "ModelSpec",
     "Namespace",
+    "RestoreTimings",
     "StoreReport",
 ]

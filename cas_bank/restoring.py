@@ -12,6 +12,7 @@ docs/design.md, "Restore path", says why each step is there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +34,24 @@ ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
 
 
 @dataclass(frozen=True, slots=True)
+class RestoreTimings:
+    """Where one restore's time went, in seconds (`Hit.timings`): for a runtime's
+    metrics and for the benchmarks' account of a restore beside its floor.
+
+    `lookup_s`: the chain's hashes, the index reads (headers, end records, the shared
+    tier) and the lease probe. `allocate_s`: the destination arrays (with room when
+    asked for). `fill_s`: reading, verifying and copying the payloads into them (or
+    copying a lease), and the boundary state. `total_s`: the whole restore, including
+    counting, the access record and evaluating the arrays handed out.
+    """
+
+    lookup_s: float
+    allocate_s: float
+    fill_s: float
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Hit:
     """A restore: `tokens` covered and per-layer arrays aligned with `spec.layers`."""
 
@@ -44,6 +63,7 @@ class Hit:
     logits: mx.array | None = field(default=None, repr=False)
     hidden: mx.array | None = field(default=None, repr=False)
     end: bool = False  # resumed from an end record
+    timings: RestoreTimings | None = field(default=None, compare=False)
 
     @property
     def exact(self) -> bool:
@@ -72,6 +92,7 @@ def copies_on_cpu() -> bool:
 def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     """`Namespace.restore(tokens, room_for=room_for)` of `ns` (its docstring says what
     comes back)."""
+    started = time.perf_counter()
     toks = as_token_array(tokens)
     hashes = ns.chain(toks)
     try:
@@ -122,6 +143,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         capacity = max(capacity, end.tokens)
     assembler: Assembler | None = None
     along: StateRead | None = None
+    looked_up = allocated = time.perf_counter()
     # All in memory: handed out as they are (no copy), unless the caller wants room
     # after them and MLX computes on the CPU. Then its cache must own its buffers, and
     # mlx-lm's first update would copy the prefix whole to write after it, on one core
@@ -133,6 +155,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         good, hot_hits = n_blocks, n_blocks
     elif full:
         assembler = Assembler(ns.spec, n_blocks, bs, capacity)
+        allocated = time.perf_counter()
         assembler.put_arrays(in_memory, leased)
         good, hot_hits = n_blocks, n_blocks
     elif n_blocks:
@@ -145,6 +168,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         ):
             wanted = None
         assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity, state=wanted is not None)
+        allocated = time.perf_counter()
         if leased:
             assembler.put_arrays(in_memory, leased)
         good, hot_hits, along = ns._payloads.assemble(
@@ -174,6 +198,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         if state is not None:
             break
         n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
+    filled = time.perf_counter()
 
     covered = end.tokens if end is not None else n_blocks * bs
     exact = end is not None and covered == len(toks)
@@ -233,4 +258,10 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         logits=logits,
         hidden=hidden,
         end=end is not None,
+        timings=RestoreTimings(
+            lookup_s=looked_up - started,
+            allocate_s=allocated - looked_up,
+            fill_s=filled - allocated,
+            total_s=time.perf_counter() - started,
+        ),
     )

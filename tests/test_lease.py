@@ -124,6 +124,31 @@ def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
         assert float(mx.max(mx.abs(logits - want)).item()) <= 1e-4
 
 
+def test_a_restores_timings_say_where_its_time_went() -> None:
+    """`Hit.timings`: the lookup, allocation and fill of a restore that reads its
+    payloads add up to at most its total; a lease handed out allocates nothing."""
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(9)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, lm)
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.leases is not None
+        bank.leases.clear()
+        disk = pc.namespace.restore(tokens[:-1], room_for=len(tokens))
+        assert disk is not None and disk.tokens == 4 * BLOCK
+        t = disk.timings
+        assert t is not None
+        assert min(t.lookup_s, t.allocate_s, t.fill_s) > 0
+        assert t.lookup_s + t.allocate_s + t.fill_s <= t.total_s
+        pc.namespace.restore(tokens[:-1])  # exact arrays, which it leases
+        assert bank.leases.used_bytes > 0
+        handed = pc.namespace.restore(tokens[:-1])  # the lease handed out
+        assert handed is not None and handed.timings is not None
+        assert handed.timings.allocate_s == 0.0
+        assert handed.timings.lookup_s + handed.timings.fill_s <= handed.timings.total_s
+
+
 def test_a_hybrid_state_is_leased_and_never_written_by_its_caches() -> None:
     """The recurrent state at a boundary is handed out from memory too (no payload
     read), and a runtime's later updates of the state arrays never reach the bank's."""
