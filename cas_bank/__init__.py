@@ -17,8 +17,9 @@ from cas_bank.errors import (
     CorruptDataError,
     InvalidInputError,
 )
+from cas_bank.index.timings import RestoreTimings, RestoreTotals
 from cas_bank.namespace import Namespace, StoreReport
-from cas_bank.restoring import Hit, RestoreTimings
+from cas_bank.restoring import Hit
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 from cas_bank.stats import BankStats
 
@@ -40,5 +41,6 @@ __all__ = [
     "ModelSpec",
     "Namespace",
     "RestoreTimings",
+    "RestoreTotals",
     "StoreReport",
 ]

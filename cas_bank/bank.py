@@ -34,6 +34,7 @@ from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.evicted import EvictionMemory
 from cas_bank.index.lease import Leases
+from cas_bank.index.timings import RestoreClock, RestoreTotals
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
 from cas_bank.namespace import Namespace
@@ -90,6 +91,8 @@ class Bank:
         )
         # Blocks stores offered in this process (BankConfig.admit="second_use").
         self.seen = SeenBlocks()
+        # Where this process's restores spent their time (`restore_times`).
+        self.restore_clock = RestoreClock()
         # Chains stored or restored in this process, handed out again without a copy.
         self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
         # Last uses, recorded in memory and written in batches (see index.evict).
@@ -244,6 +247,12 @@ class Bank:
             remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
         )
+
+    def restore_times(self) -> RestoreTotals:
+        """Where this process's restores on this bank spent their time: the sums of
+        every restore's `Hit.timings` (misses too) since it opened. Process-local, unlike
+        `stats()`: a runtime's metrics divide them by `restores` for means."""
+        return self.restore_clock.totals()
 
     @property
     def degraded(self) -> str | None:

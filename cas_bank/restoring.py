@@ -24,6 +24,7 @@ from cas_bank.index.chain import longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
 from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
 from cas_bank.index.states import restore_blocks
+from cas_bank.index.timings import RestoreTimings
 
 if TYPE_CHECKING:
     from cas_bank.index.owner import Owner
@@ -31,24 +32,6 @@ if TYPE_CHECKING:
     from cas_bank.spec import ModelSpec
 
 ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreTimings:
-    """Where one restore's time went, in seconds (`Hit.timings`): for a runtime's
-    metrics and for the benchmarks' account of a restore beside its floor.
-
-    `lookup_s`: the chain's hashes, the index reads (headers, end records, the shared
-    tier) and the lease probe. `allocate_s`: the destination arrays (with room when
-    asked for). `fill_s`: reading, verifying and copying the payloads into them (or
-    copying a lease), and the boundary state. `total_s`: the whole restore, including
-    counting, the access record and evaluating the arrays handed out.
-    """
-
-    lookup_s: float
-    allocate_s: float
-    fill_s: float
-    total_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +212,14 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     if covered and ns.bank.access.due():
         ns.bank.flush(wait=False)
     if not covered:
+        ns.bank.restore_clock.add(
+            RestoreTimings(
+                lookup_s=looked_up - started,
+                allocate_s=allocated - looked_up,
+                fill_s=filled - allocated,
+                total_s=time.perf_counter() - started,
+            )
+        )
         return None
     n = n_blocks * bs
     if end is not None:
@@ -251,6 +242,13 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     logits = end.payload.logits if exact and end is not None else None
     hidden = end.payload.hidden if exact and end is not None else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+    timings = RestoreTimings(
+        lookup_s=looked_up - started,
+        allocate_s=allocated - looked_up,
+        fill_s=filled - allocated,
+        total_s=time.perf_counter() - started,
+    )
+    ns.bank.restore_clock.add(timings)
     return Hit(
         tokens=covered,
         layers=kv,
@@ -258,10 +256,5 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         logits=logits,
         hidden=hidden,
         end=end is not None,
-        timings=RestoreTimings(
-            lookup_s=looked_up - started,
-            allocate_s=allocated - looked_up,
-            fill_s=filled - allocated,
-            total_s=time.perf_counter() - started,
-        ),
+        timings=timings,
     )

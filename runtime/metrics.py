@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from cas_bank.index.timings import RestoreTotals
 from cas_bank.stats import BankStats
 
 if TYPE_CHECKING:
@@ -245,6 +246,35 @@ def _number(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return repr(float(value))
+
+
+def restore_metrics(totals: RestoreTotals) -> list[Metric]:
+    """Where this process's restores spent their time (`Bank.restore_times`): seconds
+    per part (`Hit.timings`) and how many restores they sum, for rates and means
+    (`rate(..._seconds_total[5m]) / rate(cas_bank_restores_timed_total[5m])`)."""
+    return [
+        Metric.single(
+            "restores_timed_total",
+            "Restores (hits and misses) whose time is summed below, since this process "
+            "opened the bank.",
+            "counter",
+            totals.restores,
+        ),
+        Metric.single(
+            "restore_seconds_total", "Seconds spent in those restores.", "counter", totals.total_s
+        ),
+        Metric(
+            "restore_part_seconds_total",
+            "Seconds of those restores by part: lookup (hashes, index, leases), allocate "
+            "(destination arrays), fill (payloads read, verified and copied in).",
+            "counter",
+            {
+                (("part", "lookup"),): totals.lookup_s,
+                (("part", "allocate"),): totals.allocate_s,
+                (("part", "fill"),): totals.fill_s,
+            },
+        ),
+    ]
 
 
 def engine_metrics(stats: EngineStats) -> list[Metric]:

@@ -46,6 +46,7 @@ from .metrics import (
     bank_metrics,
     engine_metrics,
     render,
+    restore_metrics,
 )
 from .responses import (
     ApiError,
@@ -159,7 +160,13 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             0 if engine.bank.degraded is None else 1,
         )
         body = render(
-            [*bank_metrics(stats), *engine_metrics(engine.stats()), degraded, requests.metric()]
+            [
+                *bank_metrics(stats),
+                *restore_metrics(engine.bank.restore_times()),
+                *engine_metrics(engine.stats()),
+                degraded,
+                requests.metric(),
+            ]
         )
         return PlainTextResponse(body, media_type=CONTENT_TYPE)
 

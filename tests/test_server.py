@@ -424,6 +424,14 @@ def test_health_models_and_metrics(server: Server) -> None:
     assert _metric(text, "cas_bank_prefix_exact_hits_total") >= 1
     assert _metric(text, "cas_bank_ends") >= 1 and _metric(text, "cas_bank_end_bytes") > 0
     assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    # Where the restores' time went: each request restored once (or more) in this process.
+    assert _metric(text, "cas_bank_restores_timed_total") >= 2
+    total = _metric(text, "cas_bank_restore_seconds_total")
+    parts = [
+        _metric(text, f'cas_bank_restore_part_seconds_total{{part="{p}"}}')
+        for p in ("lookup", "allocate", "fill")
+    ]
+    assert total > 0 and all(p >= 0 for p in parts) and sum(parts) <= total
 
 
 def _metric(text: str, name: str) -> float:

@@ -20,6 +20,7 @@ from cas_bank.index.access import AccessLog
 from cas_bank.index.admission import SeenBlocks
 from cas_bank.index.continuation import ChainTier
 from cas_bank.index.lease import Leases
+from cas_bank.index.timings import RestoreClock
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
 from cas_bank.stats import Counters
@@ -72,5 +73,8 @@ class Owner(Writer, Protocol):
 
     @property
     def seen(self) -> SeenBlocks: ...
+
+    @property
+    def restore_clock(self) -> RestoreClock: ...
 
     def flush(self, *, wait: bool = True) -> None: ...
