@@ -13,6 +13,7 @@ from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
 from cas_bank import restoring
+from cas_bank.index import layout
 
 BLOCK = 16
 
@@ -102,6 +103,27 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
         keys = [np.asarray(c.keys) for c in cache]
         assert n == 4 * BLOCK and all(k.shape[-2] == n for k in keys)
         assert all(any(np.shares_memory(k, a) for a in leased) for k in keys)
+
+
+def test_a_lease_copied_on_two_threads_arrives_whole() -> None:
+    """The room copy of a large lease runs on this thread and a helper, each taking the
+    next array (forced here for a tiny model's): every array arrives, once, whole."""
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(10)
+    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
+    with temp_bank(BLOCK) as bank, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layout, "_TWO_THREADS_FROM", 0)
+        pc = PrefixCache(bank, lm)
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.leases is not None
+        leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
+        cache, n = pc.restore(tokens)
+        assert n == 4 * BLOCK
+        got = [np.asarray(a) for c in cache for a in (c.keys, c.values)]
+        assert len(got) == len(leased)
+        for g, a in zip(got, leased, strict=True):
+            assert not np.shares_memory(g, a)
+            assert np.array_equal(g[..., :n, :], a[..., :n, :])
 
 
 def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:

@@ -4,13 +4,13 @@ A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed 
 the array descriptors, then each attention array's block slice in C order.
 
 With the native helper (`cas_bank._fill`, built with the package): one C call on the
-restoring thread and one on a pool thread, without the GIL, take the blocks from a
-shared counter; per block it checks the file's head, reads the body in runs of 256 KiB
-into the thread's staging buffer, hashes each run while it is in the core's cache and
-copies it out to the destination rows: one copy out of the page cache, one hashing
-pass, one copy from cache to the rows. The rows of a block that fails
-its digest hold unverified bytes, which the restore never hands out (it ends before
-that block, and bytes beyond a cache's offset are never read).
+restoring thread and one on a helper thread (`index.helpers.together`), without the
+GIL, take the blocks from a shared counter; per block it checks the file's head,
+reads the body in runs of 256 KiB into the thread's staging buffer, hashes each run
+while it is in the core's cache and copies it out to the destination rows: one copy
+out of the page cache, one hashing pass, one copy from cache to the rows. The rows of
+a block that fails its digest hold unverified bytes, which the restore never hands
+out (it ends before that block, and bytes beyond a cache's offset are never read).
 
 Without it: one `preadv` of the whole file into the reading thread's reused buffer,
 one blake3 call over it, then, once it verified, one strided copy per array into its
@@ -32,7 +32,6 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeAlias, cast
 
@@ -41,6 +40,7 @@ import numpy as np
 
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
+from cas_bank.index.helpers import helper_pool, together
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
@@ -62,18 +62,6 @@ _FAILURES = {
 
 _LEAD = struct.Struct("<4sBBHQQ32s")  # blocks.codec._FIXED
 _DIGEST_AT = _LEAD.size - 32
-_THREADS = 2
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def helper_pool() -> ThreadPoolExecutor:
-    """The threads that work beside a restoring thread (reads here, copies in
-    `index.layout`): started once, not per restore."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="cas_bank-fastread")
-    return _pool
 
 
 def expected_head(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> tuple[bytes, int]:
@@ -252,11 +240,8 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         counter = np.zeros(1, dtype=np.int64)
         codes = np.zeros(2 * len(native), dtype=np.int32)
         args = (paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, counter, codes)
-        helper = helper_pool().submit(_read_many, *args)
-        try:
-            _read_many(*args)
-        finally:
-            helper.result()
+        read_many = _read_many
+        together(lambda: read_many(*args))
         for j, k in enumerate(native):
             reader, item = jobs[k]
             out[k] = reader._failure(int(codes[2 * j]), int(codes[2 * j + 1]), item)

@@ -8,6 +8,7 @@ state arrays. Both go through `blocks.codec`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,8 @@ import numpy as np
 from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.fastread import BlockFiles, helper_pool
+from cas_bank.index.fastread import BlockFiles
+from cas_bank.index.helpers import together
 from cas_bank.spec import LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
@@ -218,13 +220,13 @@ class Assembler:
         if later_bytes < _TWO_THREADS_FROM or n < 2:
             self._copy(blocks, 0, n)
             return
-        helper = helper_pool().submit(self._copy, blocks, n // 2, n)
-        try:
-            self._copy(blocks, 0, n // 2)
-        except BaseException:
-            helper.exception()  # the other half is done with the arrays first
-            raise
-        helper.result()  # raises what the other half raised
+        arrays = itertools.count()  # shared: each thread takes the next array to copy
+
+        def copy_arrays() -> None:
+            while (j := next(arrays)) < n:
+                self._copy(blocks, j, j + 1)
+
+        together(copy_arrays)
 
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
         """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed

@@ -1,0 +1,71 @@
+"""The restoring thread's helpers (cas_bank.index.helpers): work shared through a common
+source, errors from either side, and helpers kept off the restoring thread's CPU."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+
+import pytest
+
+from cas_bank.index import helpers
+
+
+def test_together_runs_on_two_threads_and_does_each_piece_once() -> None:
+    pieces = itertools.count()
+    done: list[tuple[int, int]] = []
+    took = {True: threading.Event(), False: threading.Event()}  # by "is the main thread"
+
+    def work() -> None:
+        here = threading.current_thread() is threading.main_thread()
+        while (j := next(pieces)) < 200:
+            done.append((j, threading.get_ident()))
+            took[here].set()
+            if j < 100:
+                took[not here].wait(0.001)  # let the other side take a share too
+
+    helpers.together(work)
+    assert sorted(j for j, _ in done) == list(range(200))
+    assert len({t for _, t in done}) == 2  # both took pieces
+
+
+def test_together_raises_what_either_side_raised() -> None:
+    def fails_here() -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise ValueError("this thread")
+
+    with pytest.raises(ValueError, match="this thread"):
+        helpers.together(fails_here)
+
+    started = threading.Event()
+
+    def fails_there() -> None:
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            raise KeyError("helper")
+        started.wait(5)  # the helper has begun: its error is waited for, not cancelled
+
+    with pytest.raises(KeyError, match="helper"):
+        helpers.together(fails_there)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a system that pins threads to CPUs, and two CPUs",
+)
+def test_helpers_are_kept_off_the_restoring_threads_cpu() -> None:
+    allowed = os.sched_getaffinity(0)
+    first, second = sorted(allowed)[:2]
+    helpers.together(lambda: None)  # the helper threads start with this thread's CPUs
+    try:
+        for cpu in (first, second):  # the restoring thread moves: so do the helpers
+            os.sched_setaffinity(0, {cpu})
+            helpers.together(lambda: None)
+            tids = list(helpers._tids)
+            assert tids
+            for tid in tids:
+                mask = os.sched_getaffinity(tid)
+                assert cpu not in mask and mask == allowed - {cpu}
+    finally:
+        os.sched_setaffinity(0, allowed)
