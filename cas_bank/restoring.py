@@ -222,6 +222,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         )
         return None
     n = n_blocks * bs
+    finishing = time.perf_counter()  # the copies put off until now count as the fill
     if end is not None:
         kv = end_layers(ns.spec, end, assembler, in_memory, room=room_for > 0)
     elif assembler is not None:
@@ -236,6 +237,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         leases.put_state(hashes[n_blocks - 1], state)
     if state is not None:
         kv = merge_layers(kv, group_layers(ns.spec, None, state))
+    filled += time.perf_counter() - finishing
     # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
     # thread's MLX stream, and runtimes may restore on one thread and prefill on
     # another. The views share their buffers, so this copies nothing.
