@@ -69,3 +69,33 @@ def test_helpers_are_kept_off_the_restoring_threads_cpu() -> None:
                 assert cpu not in mask and mask == allowed - {cpu}
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_helpers() -> None:
+    """The parent's helper ids are not the child's threads: the child never pins them."""
+    helpers.together(lambda: None)
+    parent_tids = list(helpers._tids)
+    assert parent_tids
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's exit code
+        ok = not helpers._tids and helpers._pool is None
+        pieces = itertools.count()
+        done: list[int] = []
+
+        def work() -> None:
+            while (j := next(pieces)) < 50:
+                done.append(j)
+
+        helpers.together(work)
+        ok = ok and sorted(done) == list(range(50))
+        ok = ok and not set(helpers._tids) & set(parent_tids)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

@@ -34,6 +34,21 @@ _cpus: dict[int, set[int]] = {}  # helper tid -> the CPUs it started with
 _kept_off: dict[int, int] = {}  # helper tid -> the CPU it was last kept off
 
 
+def _forget() -> None:
+    """In a child forked from a process with helpers: none of them exist here (their
+    ids are the parent's threads), so start afresh."""
+    global _pool, _lock
+    _pool = None
+    _lock = threading.Lock()
+    _tids.clear()
+    _cpus.clear()
+    _kept_off.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
+
+
 def _register() -> None:
     tid = threading.get_native_id()
     try:
