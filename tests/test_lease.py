@@ -4,6 +4,8 @@ trim and overwrite) can write into the memory the bank holds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -45,6 +47,20 @@ def _abuse(pc: PrefixCache, cache: list[Any], tokens: list[int], start: int) -> 
     mx.eval([c.state for c in cache])
 
 
+@contextmanager
+def _stored(seed: int, n_tokens: int) -> Iterator[tuple[Any, PrefixCache, list[int]]]:
+    """A bank holding `n_tokens` random tokens of tiny-qwen3, stored (and leased) by a
+    prefill: (bank, its PrefixCache, the tokens)."""
+    lm = tiny("tiny-qwen3")
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in rng.integers(0, 200, n_tokens)]
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, lm)
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.leases is not None
+        yield bank, pc, tokens
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_lease_is_never_written_by_the_cache_it_came_from_or_went_to(dtype: str) -> None:
     lm = tiny("tiny-qwen3", dtype)
@@ -76,13 +92,7 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
     """A runtime's restore (room for its prompt) gets buffers of its own, filled from the
     lease (the prefill then writes in place, nothing shared to copy again); a restore
     that asks for no room gets the leased buffers themselves."""
-    lm = tiny("tiny-qwen3")
-    rng = np.random.default_rng(8)
-    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
-    with temp_bank(BLOCK) as bank:
-        pc = PrefixCache(bank, lm)
-        pc.prefill(tokens, pc.new_cache())
-        assert bank.leases is not None
+    with _stored(8, 4 * BLOCK + 1) as (bank, pc, tokens):
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         hot = bank.stats().hot_hits
         cache, n = pc.restore(tokens)
@@ -108,14 +118,8 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
 def test_a_lease_copied_on_two_threads_arrives_whole() -> None:
     """The room copy of a large lease runs on this thread and a helper, each taking the
     next array (forced here for a tiny model's): every array arrives, once, whole."""
-    lm = tiny("tiny-qwen3")
-    rng = np.random.default_rng(10)
-    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
-    with temp_bank(BLOCK) as bank, pytest.MonkeyPatch.context() as mp:
+    with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
         mp.setattr(layout, "_TWO_THREADS_FROM", 0)
-        pc = PrefixCache(bank, lm)
-        pc.prefill(tokens, pc.new_cache())
-        assert bank.leases is not None
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK
@@ -129,13 +133,7 @@ def test_a_lease_copied_on_two_threads_arrives_whole() -> None:
 def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
     """PrefixCache.restore reads into arrays with room for the prompt: the prefill of
     the rest writes in place; the bank keeps no reference, so nothing forces a copy."""
-    lm = tiny("tiny-qwen3")
-    rng = np.random.default_rng(6)
-    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 40)]
-    with temp_bank(BLOCK) as bank:
-        pc = PrefixCache(bank, lm)
-        pc.prefill(tokens, pc.new_cache())
-        assert bank.leases is not None
+    with _stored(6, 4 * BLOCK + 40) as (bank, pc, tokens):
         bank.leases.clear()
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK + 32
@@ -149,13 +147,7 @@ def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:
 def test_a_restores_timings_say_where_its_time_went() -> None:
     """`Hit.timings`: the lookup, allocation and fill of a restore that reads its
     payloads add up to at most its total; a lease handed out allocates nothing."""
-    lm = tiny("tiny-qwen3")
-    rng = np.random.default_rng(9)
-    tokens = [int(t) for t in rng.integers(0, 200, 4 * BLOCK + 1)]
-    with temp_bank(BLOCK) as bank:
-        pc = PrefixCache(bank, lm)
-        pc.prefill(tokens, pc.new_cache())
-        assert bank.leases is not None
+    with _stored(9, 4 * BLOCK + 1) as (bank, pc, tokens):
         bank.leases.clear()
         disk = pc.namespace.restore(tokens[:-1], room_for=len(tokens))
         assert disk is not None and disk.tokens == 4 * BLOCK
