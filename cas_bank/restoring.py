@@ -72,6 +72,21 @@ def copies_on_cpu() -> bool:
     return bool(mx.default_device() == mx.cpu)
 
 
+def _clocked(
+    ns: Restorable, started: float, looked_up: float, allocated: float, filled: float
+) -> RestoreTimings:
+    """A restore's timings from its clock readings (the total ends now), added to the
+    bank's sums."""
+    timings = RestoreTimings(
+        lookup_s=looked_up - started,
+        allocate_s=allocated - looked_up,
+        fill_s=filled - allocated,
+        total_s=time.perf_counter() - started,
+    )
+    ns.bank.restore_clock.add(timings)
+    return timings
+
+
 def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     """`Namespace.restore(tokens, room_for=room_for)` of `ns` (its docstring says what
     comes back)."""
@@ -212,14 +227,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     if covered and ns.bank.access.due():
         ns.bank.flush(wait=False)
     if not covered:
-        ns.bank.restore_clock.add(
-            RestoreTimings(
-                lookup_s=looked_up - started,
-                allocate_s=allocated - looked_up,
-                fill_s=filled - allocated,
-                total_s=time.perf_counter() - started,
-            )
-        )
+        _clocked(ns, started, looked_up, allocated, filled)
         return None
     n = n_blocks * bs
     finishing = time.perf_counter()  # the copies put off until now count as the fill
@@ -244,13 +252,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     logits = end.payload.logits if exact and end is not None else None
     hidden = end.payload.hidden if exact and end is not None else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
-    timings = RestoreTimings(
-        lookup_s=looked_up - started,
-        allocate_s=allocated - looked_up,
-        fill_s=filled - allocated,
-        total_s=time.perf_counter() - started,
-    )
-    ns.bank.restore_clock.add(timings)
+    timings = _clocked(ns, started, looked_up, allocated, filled)
     return Hit(
         tokens=covered,
         layers=kv,
