@@ -331,11 +331,8 @@ def _reopened_stages(
             hit = ns.restore(prompt[:-1], room_for=len(prompt))
             if hit is None or hit.timings is None:
                 raise RuntimeError(f"{path}: a reopened restore found nothing")
-            t = hit.timings
-            got["lookup"].append(t.lookup_s)
-            got["allocate"].append(t.allocate_s)
-            got["fill"].append(t.fill_s)
-            got["total"].append(t.total_s)
+            for part, seconds in got.items():
+                seconds.append(getattr(hit.timings, f"{part}_s"))
             del hit
     return {k: median(v) for k, v in got.items()}
 
