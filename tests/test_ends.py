@@ -299,6 +299,26 @@ def test_the_tools_count_list_and_show_end_records(bank_path: Path) -> None:
     assert report["ok"] and report["ends_checked"] == 1, report
 
 
+def test_the_header_tools_list_an_end_record_kept_in_a_blob_file(bank_path: Path) -> None:
+    """`ls` and `tree` open the bank as a RocksDB secondary, which crashes on a family
+    whose values are in blob files (an end record of 4 KiB or more: real models' tails
+    and logits): they must walk the end records through the read-only instance."""
+    from tool_banks import cas_bank_json
+
+    tokens = tokens_of(np.random.default_rng(9), B + 3)
+    big = mx.array(np.random.default_rng(9).standard_normal(4096).astype(np.float32))
+    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(tokens, prefix_layers(SPEC, tokens))
+        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=big)
+        ((key, value),) = list(bank.store.iterate(Family.ENDS))
+        assert len(value) > 4096  # over the blob threshold: in a blob file
+    (row,) = cas_bank_json("ls", bank_path)["blocks"]  # a crash here exits with -11
+    assert row["ends"] == 1 and row["hash"] == key[:32].hex()
+    (group,) = cas_bank_json("tree", bank_path)
+    assert group["ends"] == 1
+
+
 def test_an_end_record_queued_behind_its_blocks(bank_path: Path) -> None:
     """With the background writer, the end record is written after the blocks queued
     before it (its parent), from arrays copied when it was queued."""

@@ -17,9 +17,10 @@ Durability: `wal` (default) writes every batch to the write-ahead log, so a stor
 returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
 atomically: a crash may lose the stores since the last flush, never half a batch.
 A `read_only` open is frozen at open time; a `secondary` open follows the writer with
-`refresh()` and never takes the writer's lock. RocksDB cannot read BlobDB values
-through a secondary instance (it crashes the process: facebook/rocksdb#13296), so a
-secondary store reads the payload families through a read-only instance that
+`refresh()` and never takes the writer's lock. RocksDB cannot read a BlobDB family
+through a secondary instance (it crashes the process: facebook/rocksdb#13296; even a
+walk of the keys of one whose values are in blob files), so a secondary store reads
+the blob families (payloads and end records) through a read-only instance that
 `refresh()` reopens right after catching up: payloads are never older than headers.
 """
 
@@ -63,6 +64,10 @@ from cas_bank.errors import BankFullError, BankLockedError, CasBankError, Corrup
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
 _MIN_BLOB_SIZE = 4096
+# Families whose values go to BlobDB files: payloads, and end records (partial KV, a
+# hybrid state, logits: up to MBs on real models), out of the LSM's rewrites. A
+# secondary open reads them through its read-only instance (module docstring).
+_BLOB_FAMILIES = frozenset({*PAYLOAD_FAMILIES, Family.ENDS})
 # Free bytes beyond a write's own that a bank stopped by a full disk waits for.
 _RESUME_MARGIN = 1 << 20
 
@@ -71,9 +76,7 @@ log = logging.getLogger("cas_bank")
 
 def _family_options(family: Family) -> Options:
     opt = Options(raw_mode=True)
-    # End records carry payloads too (partial KV, a hybrid state, logits: up to MBs on
-    # real models): their values go to blob files as well, out of the LSM's rewrites.
-    if family in PAYLOAD_FAMILIES or family is Family.ENDS:
+    if family in _BLOB_FAMILIES:
         opt.set_enable_blob_files(True)
         opt.set_min_blob_size(_MIN_BLOB_SIZE)
         opt.set_blob_compression_type(DBCompressionType.none())
@@ -274,7 +277,7 @@ class RocksStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+        if self._payload_reader is not None and family in _BLOB_FAMILIES:
             return self._payload_reader.get_many(family, keys)
         if family not in self._cf and self._db is not None:
             return [None] * len(keys)
@@ -286,7 +289,7 @@ class RocksStore(BlockStore):
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
-        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+        if self._payload_reader is not None and family in _BLOB_FAMILIES:
             return self._payload_reader.get(family, key)
         if family not in self._cf and self._db is not None:
             return None
@@ -305,7 +308,7 @@ class RocksStore(BlockStore):
         return None if self._view is None else self._view.path
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
-        if self._payload_reader is not None and family in PAYLOAD_FAMILIES:
+        if self._payload_reader is not None and family in _BLOB_FAMILIES:
             return self._payload_reader.iterate(family, values=values)
         if family not in self._cf and self._db is not None:
             return iter(())
