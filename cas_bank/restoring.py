@@ -245,13 +245,14 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         leases.put_state(hashes[n_blocks - 1], state)
     if state is not None:
         kv = merge_layers(kv, group_layers(ns.spec, None, state))
-    filled += time.perf_counter() - finishing
     # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
     # thread's MLX stream, and runtimes may restore on one thread and prefill on
-    # another. The views share their buffers, so this copies nothing.
+    # another. Views share their buffers, so this copies nothing, except a lease's
+    # blocks joined to an end record's tail (`end_layers`): part of the fill.
     logits = end.payload.logits if exact and end is not None else None
     hidden = end.payload.hidden if exact and end is not None else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+    filled += time.perf_counter() - finishing
     timings = _clocked(ns, started, looked_up, allocated, filled)
     return Hit(
         tokens=covered,
