@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -48,6 +50,62 @@ def test_together_raises_what_either_side_raised() -> None:
 
     with pytest.raises(KeyError, match="helper"):
         helpers.together(fails_there)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+def test_an_interrupt_still_waits_for_the_helper() -> None:
+    """Ctrl-C while the helper works: `together` raises only once the helper is done
+    (it writes into memory the interrupted restore is about to give up)."""
+    started = threading.Event()
+    returned = threading.Event()
+    interrupted = threading.Event()
+    finished = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def work() -> None:
+        if threading.current_thread() is threading.main_thread():
+            assert started.wait(5)  # then nothing left to do here: wait for the helper
+            returned.set()
+            return
+        started.set()
+        assert returned.wait(5)
+        time.sleep(0.05)  # the main thread is waiting for this one by now
+        os.kill(os.getpid(), signal.SIGINT)  # lands on the main thread
+        assert interrupted.wait(5)
+        time.sleep(0.2)  # still writing, well after the interrupt
+        finished.set()
+
+    before = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            helpers.together(work)
+        assert finished.is_set()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_together_runs_alone_once_threads_can_no_longer_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At interpreter shutdown the pool takes no new work: `fn` runs on the caller."""
+
+    class Closed:
+        def submit(self, fn: object) -> None:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(helpers, "helper_pool", Closed)
+    pieces = itertools.count()
+    done: list[int] = []
+
+    def work() -> None:
+        while (j := next(pieces)) < 20:
+            done.append(j)
+
+    helpers.together(work)
+    assert done == list(range(20))
 
 
 @pytest.mark.skipif(

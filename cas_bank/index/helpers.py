@@ -13,21 +13,22 @@ one, a scheduler tick later: on a 2-vCPU VM, about half of all restores read as
 slowly as on one thread, each thread showing 4.0 ms of run-queue delay in
 `/proc/self/task/*/schedstat`; kept apart, a 1k-token reopened restore's read went
 from 12.6 to 8.4 ms (medians; docs/design.md, "Restore path"). Elsewhere (macOS)
-nothing is pinned.
+nothing is pinned. The helpers follow the thread that called last: with two restoring
+threads at once, they are kept off the CPU of the later one.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 _THREADS = 2
 
 _pool: ThreadPoolExecutor | None = None
+_starting = threading.Lock()  # held while the pool starts (its threads take `_lock`)
 _lock = threading.Lock()
 _tids: list[int] = []  # the helpers' native thread ids, as they start
 _cpus: dict[int, set[int]] = {}  # helper tid -> the CPUs it started with
@@ -37,8 +38,9 @@ _kept_off: dict[int, int] = {}  # helper tid -> the CPU it was last kept off
 def _forget() -> None:
     """In a child forked from a process with helpers: none of them exist here (their
     ids are the parent's threads), so start afresh."""
-    global _pool, _lock
+    global _pool, _starting, _lock
     _pool = None
+    _starting = threading.Lock()
     _lock = threading.Lock()
     _tids.clear()
     _cpus.clear()
@@ -61,14 +63,20 @@ def _register() -> None:
 
 
 def helper_pool() -> ThreadPoolExecutor:
-    """The threads that work beside a restoring thread: started once, not per restore."""
+    """The threads that work beside a restoring thread: started once, not per restore,
+    and all at once: a thread the pool started later, inside some call, would take the
+    CPUs of the thread that called then (perhaps pinned to one) as its own."""
     global _pool
     if _pool is None:
-        with _lock:
+        with _starting:
             if _pool is None:
-                _pool = ThreadPoolExecutor(
+                pool = ThreadPoolExecutor(
                     _THREADS, thread_name_prefix="cas_bank-helper", initializer=_register
                 )
+                # Each task holds its thread until all have started: one thread each.
+                started = threading.Barrier(_THREADS)
+                wait([pool.submit(started.wait, 5.0) for _ in range(_THREADS)])
+                _pool = pool
     return _pool
 
 
@@ -76,9 +84,8 @@ def _cpu_reader() -> Callable[[], int] | None:
     """The C library's `sched_getcpu` where it and `os.sched_setaffinity` exist."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    try:
-        name = ctypes.util.find_library("c")
-        fn = getattr(ctypes.CDLL(name), "sched_getcpu", None) if name else None
+    try:  # the process's own symbols, the C library's among them
+        fn = getattr(ctypes.CDLL(None), "sched_getcpu", None)
     except OSError:
         return None
     if fn is None:
@@ -117,16 +124,35 @@ def together(fn: Callable[[], object]) -> None:
     `fn` must take its work from a source both share (a counter, an iterator) until
     none is left: this thread never waits for work the helper has not begun (a helper
     that has not started by then is cancelled), only for the piece it is on.
-    Re-raises what either raised, this thread's first; on an error here it still
-    waits for the helper, which works on the same memory.
+    Re-raises what either raised, this thread's first; on an error or an interrupt
+    here it still waits for the helper, which works on the same memory.
     """
     keep_helpers_off_this_cpu()
-    helper = helper_pool().submit(fn)
+    try:
+        helper = helper_pool().submit(fn)
+    except RuntimeError:  # the interpreter is shutting down: no new work for threads
+        fn()
+        return
     try:
         fn()
     except BaseException:
-        if not helper.cancel():
-            helper.exception()
+        _settle(helper)
         raise
-    if not helper.cancel():
-        helper.result()
+    _settle(helper)
+    if not helper.cancelled():
+        helper.result()  # done by now: raises what the helper raised
+
+
+def _settle(helper: Future[object]) -> None:
+    """Return once `helper` is cancelled or done, even through a KeyboardInterrupt
+    (raised after it): its caller is about to give up the memory it writes into."""
+    if helper.cancel():
+        return
+    interrupted: BaseException | None = None
+    while not helper.done():
+        try:
+            wait([helper])
+        except BaseException as e:  # re-raised below, once it is safe
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
