@@ -48,11 +48,11 @@ log = logging.getLogger("cas_bank")
 
 FORMAT_VERSION = 3
 """1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
-(`blocks.files`), their records stubs. 3: the `ends` family (end records,
-`index.ends`). An older bank opens as it is (its payloads stay readable where they
-are; the writer's open creates the missing family) and is marked with this version by
-its first writer; a cas_bank that reads an older version refuses a newer bank, naming
-the version."""
+(`blocks.files`), their records stubs. 3: the `ends` and `evicted` families (end
+records, `index.ends`; the eviction memory, `index.evicted`). An older bank opens as
+it is (its payloads stay readable where they are; the writer's open creates the
+missing families) and is marked with this version by its first writer; a cas_bank
+that reads an older version refuses a newer bank, naming the version."""
 _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"

@@ -32,7 +32,7 @@ class BankConfig(BaseModel):
     close, so a crash may lose the stores since the last flush, never half a block."""
 
     max_bytes: int | None = Field(default=None, ge=0, strict=True)
-    """Disk budget for payloads and states; None means unbounded."""
+    """Disk budget for payloads, states and end records; None means unbounded."""
 
     file_min_bytes: int | None = Field(default=64 * 1024, ge=0, strict=True)
     """Payloads of at least this many bytes are kept as files beside the database and
@@ -101,7 +101,8 @@ class BankConfig(BaseModel):
     """Seconds to wait for an answer of the shared tier before counting a time-out."""
 
     remote_retry_after: float = Field(default=5.0, ge=0.0)
-    """After two failed calls in a row the shared tier is not asked for this long."""
+    """After a failed call (an error or a time-out) the shared tier is not asked for
+    this long."""
 
     remote_queue_bytes: int = Field(default=256 * MiB, ge=1)
     """Bound of the queue of publishes (and of fetched blocks waiting for their local

@@ -10,8 +10,9 @@ restore. A block with no access record (an older bank) counts as used at time 0.
 
 Eviction order (`evict_to_budget`)
 ----------------------------------
-While payload + state bytes exceed the budget, remove the first of these
-candidates, ordered by (last use, states before blocks, chain hash):
+While payload + state + end-record bytes exceed the budget, remove the first of
+these candidates, ordered by (last use, states before end records before blocks,
+chain hash):
 1. every stored state, on its own: the block stays, only its restore point goes;
 2. the end records under a block (or a namespace root), together (`index.ends`: an
    end record is a leaf, used when its group was last stored or restored from);
