@@ -71,6 +71,21 @@ def loaded_model(model_provider: Any) -> LoadedModel:
     )
 
 
+def refusing_empty_prompts(handler: Any) -> Any:
+    """mlx-lm's request handler, answering an empty completion prompt with a 400
+    before it reaches mlx-lm's generation thread: in mlx-lm 0.32 one empty prompt
+    ends that thread for good (every later request: "generation thread died")."""
+
+    class Handler(handler):  # type: ignore[misc, valid-type]
+        def handle_text_completions(self) -> Any:
+            # A factory's ValueError is mlx-lm's own 400: {"error": message}.
+            if self.body.get("prompt") in ("", []):
+                raise ValueError("the prompt is empty")
+            return super().handle_text_completions()
+
+    return Handler
+
+
 def make_run(
     bank: Bank, *, json_line: bool = False, capture_states: bool = True
 ) -> Callable[..., None]:
@@ -106,7 +121,7 @@ def make_run(
                 port,
                 generator,
                 server_class=server_class or announcing_server(json_line),
-                handler_class=handler_class or mls.APIHandler,
+                handler_class=handler_class or refusing_empty_prompts(mls.APIHandler),
             )
         finally:
             if generator.generation_available():  # an exit other than Ctrl-C / SIGTERM

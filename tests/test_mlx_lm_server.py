@@ -149,6 +149,11 @@ def test_two_clients_share_a_system_prompt_and_a_restart_keeps_it(
     try:
         with ThreadPoolExecutor(2) as pool:  # both in one batch of mlx-lm's generator
             again1, again2 = pool.map(lambda m: chat(server.url, m), [one, two])
+        # An empty prompt ends mlx-lm's generation thread: refused before it gets there.
+        empty = {"model": "default_model", "prompt": "", "max_tokens": 2}
+        refused = httpx.post(f"{server.url}/v1/completions", json=empty, timeout=TIMEOUT)
+        assert refused.status_code == 400 and "empty" in refused.json()["error"]
+        assert answer(chat(server.url, one)) == answer(r1)  # still serving
     finally:
         assert server.stop() == 0, log.read_text()
     # An exact repeat restores all but the last token (mlx-lm prefills at least one).
