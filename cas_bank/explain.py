@@ -24,11 +24,14 @@ restore where it happened:
 
 - `end_record_tokens`: an end record (docs/design.md, "End records") under the
   deepest matched block whose tail prefixes the prompt: an exact repeat, or a finished
-  request the prompt extends, and the tokens it covers.
+  request the prompt extends, and the tokens it covers; `end_record_logits`: whether
+  it holds its last token's logits.
 
 `restorable_tokens` is what `Namespace.restore(tokens)` would return now. A runtime
 restores `tokens[:-1]` of a prompt (`PrefixCache.restore`), so explain a prompt by
-its tokens less the last one to see what a request gets. Reads every header once to
+its tokens less the last one to see what a request gets; the server's first try is
+the whole prompt (`PrefixCache.restore_exact`: an exact repeat whose end record holds
+the logits needs no forward pass), which `/v1/explain` follows. Reads every header once to
 find sibling blocks (as `cas-bank tree` does): a diagnostic, not a hot-path call.
 """
 
@@ -110,6 +113,7 @@ class Explanation:
     memory_horizon: float | None = None  # removals then or before may lack records (None: none)
     states_evicted: list[StateEviction] = field(default_factory=list)
     end_record_tokens: int | None = None  # an end record under the matched chain covers these
+    end_record_logits: bool = False  # it holds its last token's logits (no forward needed)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -150,11 +154,15 @@ class Explanation:
                     f"the state at token {s.boundary} was removed {_when(s.at)} {_BY[s.by]}."
                 )
         if self.end_record_tokens is not None:
-            exact = self.end_record_tokens == self.tokens
-            lines.append(
-                f"an end record covers {self.end_record_tokens} tokens"
-                + (": an exact repeat, restored with no prefill." if exact else ".")
-            )
+            how = "."
+            if self.end_record_tokens == self.tokens:
+                how = (
+                    ": an exact repeat, restored with no prefill."
+                    if self.end_record_logits
+                    else ": an exact repeat, but without its logits (a runtime runs the "
+                    "last token again)."
+                )
+            lines.append(f"an end record covers {self.end_record_tokens} tokens{how}")
         for c in self.corrupt:
             lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
         if self.tail_tokens:
@@ -247,6 +255,7 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     except CorruptDataError:  # the ends family unreadable: a restore reads no record either
         found = None
     end_tokens = found[0].n_tokens if found is not None else None
+    end_logits = found is not None and found[0].has_logits
 
     stop: StopReason = "complete"
     if corrupt:
@@ -278,6 +287,7 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         memory_horizon=memory_horizon,
         states_evicted=states_evicted,
         end_record_tokens=end_tokens,
+        end_record_logits=end_logits,
     )
 
 

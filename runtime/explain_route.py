@@ -1,9 +1,11 @@
 """The server's `POST /v1/explain`: `cas-bank explain` for a request, as JSON.
 
 The body names a prompt the way a completion request does: `{"messages": [...]}`
-(rendered through the model's chat template) or `{"prompt": "text" | [ids]}`. The
-answer is `cas_bank.explain.Explanation.as_dict()` for the ids the engine would look
-up for it (the prompt less its last token), plus `prompt_tokens`.
+(rendered through the model's chat template) or `{"prompt": "text" | [ids]}`, and
+optionally its `cache_salt`. The answer is `cas_bank.explain.Explanation.as_dict()`
+for the ids the engine looks up for it, as `PrefixCache.restore_exact` does: the whole
+prompt when an end record of all of it holds its logits (an exact repeat), else the
+prompt less its last token; plus `prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -39,11 +41,21 @@ def explain_request(engine: Engine, body: Mapping[str, Any]) -> dict[str, Any]:
         raise RequestError("give messages or prompt", param="messages")
     if not prompt:
         raise RequestError("the prompt is empty", param="prompt")
-    pc = engine.prefix_cache
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 1024):
+        raise RequestError(
+            "cache_salt must be a string of 1 to 1024 characters", param="cache_salt"
+        )
+    pc = engine.prefix_cache.salted(salt)
     try:
         pc.tokens(prompt)
     except ValueError as e:  # InvalidInputError: an id beyond the vocabulary
         raise RequestError(str(e), param="prompt") from e
-    result = explain(engine.bank, pc.namespace.root, prompt[:-1]).as_dict()
+    root = pc.namespace.root
+    found = explain(engine.bank, root, prompt)
+    exact = found.end_record_tokens == len(prompt) and found.end_record_logits
+    if not exact and found.restorable_tokens >= len(prompt):
+        found = explain(engine.bank, root, prompt[:-1])  # what `restore_exact` falls back to
+    result = found.as_dict()
     result["prompt_tokens"] = len(prompt)
     return result
