@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_top_p
 
 from cas_bank.errors import InvalidInputError
@@ -46,6 +47,10 @@ class Sampler:
         self.check(vocab_size, temperature=temperature, top_p=top_p, logit_bias=logit_bias)
         self.temperature = temperature
         self.top_p = top_p
+        # A temperature or top_p that float32 cannot tell from 0 (below ~1e-45) keeps
+        # only the most likely token: that limit is taken directly, since the float32
+        # arithmetic would divide 0 by 0 (NaN logits: token 0 every time).
+        self._greedy = temperature == 0 or np.float32(temperature) == 0 or np.float32(top_p) == 0
         self._bias: mx.array | None = None
         if logit_bias:
             dense = [0.0] * vocab_size
@@ -78,13 +83,16 @@ class Sampler:
         scores = logits.reshape(-1).astype(mx.float32)
         if self._bias is not None:
             scores = scores + self._bias
-        if self.temperature == 0:
+        if self._greedy:
             return int(mx.argmax(scores))
         logprobs = scores - mx.logsumexp(scores)
         if self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         self._key, step_key = mx.random.split(self._key)
-        token = mx.random.categorical(logprobs * (1.0 / self.temperature), key=step_key)
+        # Scaled from the most likely token (0) down: however small the temperature,
+        # the rest go to -inf at worst, never 0 * inf.
+        scaled = (logprobs - mx.max(logprobs)) / self.temperature
+        token = mx.random.categorical(scaled, key=step_key)
         return int(token)
 
 

@@ -194,6 +194,13 @@ class Engine:
     def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids for a completion: text through the tokenizer, or ids as given."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON)
+                raise RequestError(
+                    f"the prompt is not valid Unicode text: {e.reason} at character {e.start}",
+                    param="prompt",
+                ) from e
             return [int(t) for t in self.loaded.tokenizer.encode(prompt)]
         return [int(t) for t in prompt]
 

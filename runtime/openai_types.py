@@ -11,12 +11,25 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticUndefined
 
 FinishReason = Literal["stop", "length"]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _none_is_default(cls, value: Any, info: Any) -> Any:
+        # Clients (the openai one among them) send explicit nulls for fields they leave
+        # unset, which OpenAI's API reads as the default: so do we, for every field
+        # whose default is not itself None.
+        if value is None and info.field_name is not None:
+            default = cls.model_fields[info.field_name].default
+            if default is not None and default is not PydanticUndefined:
+                return default
+        return value
 
 
 class StreamOptions(_Request):
@@ -40,14 +53,6 @@ class SamplingFields(_Request):
     # share nothing (one tenant cannot time another's prompts through the cache).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
 
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _none_is_default(cls, value: Any, info: Any) -> Any:
-        # The openai client sends explicit nulls for some unset fields.
-        if value is None:
-            return 0.0 if info.field_name == "temperature" else 1.0
-        return value
-
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -62,8 +67,8 @@ class SamplingFields(_Request):
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit()):  # "²".isdigit() is True
+                raise ValueError(f"logit_bias keys are token ids (0-9 only), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must lie in [-100, 100], got {bias}")
         return value

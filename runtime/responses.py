@@ -76,6 +76,15 @@ class EngineRun:
                 event = await self._events.get()
                 if isinstance(event, BaseException):
                     raise api_error(event)
+                if isinstance(event, GenerationResult) and event.finish_reason == "cancelled":
+                    # Stopped by the server's shutdown: never passed off as a whole answer.
+                    raise ApiError(
+                        503,
+                        f"the server is stopping: the reply was cut off after "
+                        f"{event.completion_tokens} tokens",
+                        type="server_unavailable",
+                        code="shutting_down",
+                    )
                 yield event
                 if isinstance(event, GenerationResult):
                     return
@@ -188,6 +197,8 @@ def completion_chunks(
                     yield _data(chunk((echo if first else "") + event.text, None))
                     first = False
                 continue
+            if first and echo:  # no token came (max_tokens 0): the echo goes out alone
+                yield _data(chunk(echo, None))
             yield _data(chunk("", finish_reason(event)))
             if include_usage:
                 done = oa.Completion(

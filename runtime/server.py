@@ -59,6 +59,7 @@ from .responses import (
     start_run,
     usage_of,
 )
+from .tokenizer import decode_tokens
 
 log = logging.getLogger("cas_bank.server")
 
@@ -96,9 +97,14 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Any) -> Any:
-        response = await call_next(request)
         path = request.url.path
-        requests.add(path if path in ROUTES else "other", response.status_code)
+        route = path if path in ROUTES else "other"
+        try:
+            response = await call_next(request)
+        except Exception:  # answered as a 500 by `internal_error`, outside this middleware
+            requests.add(route, 500)
+            raise
+        requests.add(route, response.status_code)
         return response
 
     @app.exception_handler(ApiError)
@@ -204,7 +210,7 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         prompt = _call(engine.text_prompt, body.prompt)
         run = start_run(engine, _generation(prompt, body, body.token_limit()))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        echo = _echo(engine, body, prompt) if body.echo else ""
         if body.stream:
             return sse(
                 completion_chunks(run, rid, created, engine.model_id, body.include_usage(), echo)
@@ -252,6 +258,13 @@ async def _disconnected(request: Request) -> None:
     and uvicorn notices a closed connection only while someone waits to receive.)"""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _echo(engine: Engine, body: oa.CompletionRequest, prompt: list[int]) -> str:
+    """The prompt as `echo` returns it: its text, or for token ids their decoding."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return decode_tokens(engine.loaded.tokenizer, prompt)
 
 
 def _call(fn: Callable[[Any], list[int]], arg: Any) -> list[int]:
