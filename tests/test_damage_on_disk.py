@@ -22,7 +22,7 @@ from conftest import child_env
 from damage_kit import build, check_bank, family_tables
 from tool_banks import CLI, cas_bank
 
-from cas_bank import Bank, BankDamagedError, CasBankError
+from cas_bank import Bank, BankConfig, BankDamagedError, CasBankError
 
 # Overwrites of 64 random bytes: (family, variant); the offset is variant * 397 modulo
 # the table's size. Variant 260 of the blocks table crashed the process before.
@@ -151,3 +151,52 @@ def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Pat
     assert report["repaired"] and report["blocks_copied"] > 0
     assert _files(path) == before  # the damaged bank is left as it was
     assert check_bank(tmp_path / "new", prompts(), full=True).endswith("verify=ok")
+
+
+def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
+    built: Path, tmp_path: Path
+) -> None:
+    """RocksDB's walk of a family ends quietly at a record whose checksum fails (as if
+    the family ended there): the records after it must still be read, and `--fix`
+    must remove the damaged block and what lies below it, nothing else."""
+    from cas_bank.verify import verify
+
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    blob = max(path.glob("*.blob"), key=lambda p: p.stat().st_size)
+    with blob.open("r+b") as fh:  # one byte in the middle: inside some record's value
+        fh.seek(blob.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as bank:
+        blocks = bank.stats().blocks
+        report = verify(bank)
+    kinds = [p.kind for p in report.problems]
+    damaged = [p for p in report.problems if p.kind != "unreachable"]
+    assert len(damaged) == 1 and damaged[0].kind == "payload_corrupt", kinds
+    assert report.blocks_checked == blocks  # every record read, past the damage too
+    with Bank.open(path, BankConfig(hot_bytes=0)) as bank:
+        fixed = verify(bank, fix=True)
+        assert len(fixed.removed_blocks) == len(report.problems)
+        assert bank.stats().blocks == blocks - len(report.problems)
+
+
+def test_a_damaged_headers_table_block_is_verified_around(built: Path, tmp_path: Path) -> None:
+    """RocksDB cannot walk the headers past a damaged table block: verify reads the
+    rest one by one (found by their payloads' keys), reports the headers it cannot
+    read, and checks every block whose header it can."""
+    from damage_kit import flip
+
+    from cas_bank.verify import verify
+
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    table = family_tables(path)["headers"][0]
+    flip(path / table, 100, 16, seed=1)  # inside the first data block
+    with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as bank:
+        blocks = bank.stats().blocks
+        report = verify(bank)
+    unreadable = [p for p in report.problems if p.kind == "bad_header"]
+    assert unreadable and "damaged on disk" in unreadable[0].detail
+    assert report.blocks_checked + len(unreadable) == blocks

@@ -107,14 +107,22 @@ def _db_options(durability: str) -> Options:
 def _walk(
     cf: Any, values: bool, error: Callable[[Exception, Family], Exception], family: Family
 ) -> Generator[tuple[bytes, bytes], None, None]:
+    """Every (key, value) of a family, in key order; an error where RocksDB could not go
+    on. rocksdict's `items()` and `keys()` end quietly at a damaged block or blob (a
+    checksum mismatch) as if the family ended there, and a caller that trusted such a
+    walk (verify, salvage, the leaf index) would take the records after it for absent:
+    so the iterator's own status is asked once it stops (~20% slower than `items()`)."""
+    it = cf.iter()
     try:
-        if values:
-            yield from cf.items()
-        else:
-            for k in cf.keys():  # noqa: SIM118 (an Rdict, not a dict)
-                yield k, b""
+        it.seek_to_first()
+        while it.valid():
+            yield it.key(), it.value() if values else b""
+            it.next()
+        it.status()  # raises if the walk stopped at an error, not at the end
     except Exception as e:
         raise error(e, family) from None
+    finally:
+        del it  # the iterator holds the database open
 
 
 class RocksStore(BlockStore):
