@@ -355,3 +355,33 @@ def test_salvage_copies_end_records_that_verify(tmp_path: Path) -> None:
             hit = bank.namespace(SPEC).restore(t)
             assert hit is not None and hit.exact
         assert verify_bank(bank).ok
+
+
+def test_a_damaged_end_record_file_is_reported_and_fix_removes_nothing_intact(
+    bank_path: Path,
+) -> None:
+    """A byte flipped in the blob file of end records: verify reports the walk it could
+    not finish (RocksDB ends it quietly at the bad record) instead of taking the
+    records past it for absent, and `--fix` leaves every block as it was."""
+    rng = np.random.default_rng(11)
+    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        for i in range(6):
+            tokens = tokens_of(rng, B + 3)
+            ns.store(tokens, prefix_layers(SPEC, tokens))
+            big = mx.array(rng.standard_normal(4096).astype(np.float32))
+            ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=big)
+        blocks = bank.stats().blocks
+    blob = max(bank_path.glob("*.blob"), key=lambda p: p.stat().st_size)
+    with blob.open("r+b") as fh:
+        fh.seek(blob.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        report = verify_bank(bank)
+        bad = [p for p in report.problems if p.kind == "bad_end"]
+        assert bad and not report.ok, report.problems
+        assert any("salvage" in p.detail for p in bad)
+        fixed = verify_bank(bank, fix=True)
+        assert not fixed.removed_blocks and bank.stats().blocks == blocks
