@@ -13,6 +13,7 @@ namespace root down to a leaf; the chains *through* a block are the leaves below
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 from collections.abc import Iterable
@@ -91,6 +92,15 @@ def namespace_labels(specs: dict[bytes, ModelSpec]) -> dict[bytes, str]:
     }
 
 
+def _payload_keys(store: BlockStore) -> list[bytes]:
+    """The keys of the blocks family, as far as RocksDB can walk it."""
+    keys: list[bytes] = []
+    with contextlib.suppress(CorruptDataError):
+        for key, _ in store.iterate(Family.BLOCKS, values=False):
+            keys.append(key)
+    return keys
+
+
 @dataclass(slots=True)
 class HeaderIndex:
     """All headers of a bank, with the parent -> children links between them."""
@@ -103,14 +113,36 @@ class HeaderIndex:
 
     @classmethod
     def load(cls, store: BlockStore) -> HeaderIndex:
-        """Read every header (one pass over the headers family)."""
+        """Read every header (one pass over the headers family).
+
+        Where RocksDB cannot walk past a damaged table block, the headers it did not
+        reach are looked for by their blocks' keys (a payload is stored under its
+        header's key) and read one by one: those in the damaged block are `unreadable`
+        (with RocksDB's reason), the rest are read as usual.
+        """
         headers: dict[bytes, Header] = {}
         unreadable: dict[bytes, str] = {}
-        for key, raw in store.iterate(Family.HEADERS):
+
+        def add(key: bytes, raw: bytes) -> None:
             try:
                 headers[key] = Header.decode(key, raw)
             except CorruptDataError as e:
                 unreadable[key] = str(e)
+
+        try:
+            for key, raw in store.iterate(Family.HEADERS):
+                add(key, raw)
+        except CorruptDataError:
+            for key in _payload_keys(store):
+                if key in headers or key in unreadable:
+                    continue
+                try:
+                    found = store.get(Family.HEADERS, key)
+                except CorruptDataError as e:
+                    unreadable[key] = str(e)
+                    continue
+                if found is not None:
+                    add(key, found)
         return cls.of(headers.values(), unreadable)
 
     @classmethod
