@@ -10,7 +10,8 @@ a block is copied when its header decodes, its chain hash recomputes, its payloa
 matches its digest and its parent was copied (or it is block 0 of a recorded
 namespace); a state is copied when it matches its digest; an end record when it
 parses under its own name, matches its digest and its parent block was copied (or is
-a recorded namespace root).
+a recorded namespace root). End records RocksDB cannot walk to (past a damaged blob
+record) are read from the blob files directly, and checked the same way.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ _BLOB_RECORD = struct.Struct("<QQQII")  # key and value sizes, expiration, two C
 def _blob_records(src: Path) -> dict[bytes, list[bytes]]:
     """Every (key, value) record of the bank's blob files, read without RocksDB; values
     are only candidates (a key has a payload and may have a state): the caller checks
-    each against the header's digest. A damaged record ends its file's walk."""
+    each against the header's digest (an end record, keyed by 64 bytes, against its
+    own). A damaged record ends its file's walk."""
     out: dict[bytes, list[bytes]] = {}
     for blob in sorted(src.glob("*.blob")):
         data = blob.read_bytes()
@@ -93,7 +95,7 @@ def _blob_records(src: Path) -> dict[bytes, list[bytes]]:
         while pos + _BLOB_RECORD.size <= len(data):
             klen, vlen, _exp, _hcrc, _bcrc = _BLOB_RECORD.unpack_from(data, pos)
             start = pos + _BLOB_RECORD.size
-            if klen != 32 or start + klen + vlen > len(data):
+            if klen not in (32, 64) or start + klen + vlen > len(data):
                 break
             key = data[start : start + klen]
             out.setdefault(key, []).append(data[start + klen : start + klen + vlen])
@@ -143,9 +145,17 @@ def _copy(old: Bank, dst: Path, report: SalvageReport, blobs: dict[bytes, list[b
 def _copy_ends(
     old: Bank, new: Bank, copied: set[bytes], roots: dict[bytes, bytes], report: SalvageReport
 ) -> None:
-    """The end records that verify and hang under a copied block (or a recorded root)."""
+    """The end records that verify and hang under a copied block (or a recorded root).
+    Where RocksDB cannot walk them all (a damaged blob file), the blob files are read
+    directly for the rest."""
+    errors = len(report.walk_errors)
+    records = dict(_walk(old, Family.ENDS, report))
+    if len(report.walk_errors) > errors:
+        for key, values in _blob_records(old.path).items():
+            if len(key) == 64 and key not in records:
+                records[key] = values[-1]  # the newest; it is checked like the rest
     with new.transaction(budget=False) as tx:
-        for key, value in _walk(old, Family.ENDS, report):
+        for key, value in records.items():
             try:
                 end, payload = split_record(key, value)
             except CasBankError:

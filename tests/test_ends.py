@@ -31,6 +31,7 @@ from cas_bank.blocks.store import Family
 from cas_bank.bundle import chain_for_tokens, export_chain, import_bundle
 from cas_bank.index.ends import END_VERSION, end_key, split_record
 from cas_bank.index.evict import evict_to_budget
+from cas_bank.salvage import salvage
 from cas_bank.verify import verify as verify_bank
 
 B = BLOCK_SIZE
@@ -366,18 +367,20 @@ def test_a_damaged_end_record_file_is_reported_and_fix_removes_nothing_intact(
     rng = np.random.default_rng(11)
     with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
         ns = bank.namespace(SPEC)
-        for i in range(6):
+        for _ in range(6):
             tokens = tokens_of(rng, B + 3)
             ns.store(tokens, prefix_layers(SPEC, tokens))
             big = mx.array(rng.standard_normal(4096).astype(np.float32))
             ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=big)
         blocks = bank.stats().blocks
     blob = max(bank_path.glob("*.blob"), key=lambda p: p.stat().st_size)
-    with blob.open("r+b") as fh:
-        fh.seek(blob.stat().st_size // 2)
+    with blob.open("r+b") as fh:  # inside a record's value (halfway is between two)
+        fh.seek(blob.stat().st_size * 2 // 5)
         byte = fh.read(1)
         fh.seek(-1, 1)
         fh.write(bytes([byte[0] ^ 0xFF]))
+    saved = salvage(bank_path, bank_path.parent / "salvaged")  # before --fix changes it
+    assert saved.walk_errors and saved.ends_copied == 5  # all but the damaged one
     with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
         report = verify_bank(bank)
         bad = [p for p in report.problems if p.kind == "bad_end"]
