@@ -58,6 +58,7 @@ ProblemKind = Literal[
     "bad_end",  # an end record that does not parse, or not under its own name
     "corrupt_end",  # an end record whose payload fails its digest
     "dangling_end",  # an end record whose parent block is not stored (or is bad)
+    "bad_access",  # the last-use records cannot all be read (a damaged file)
 ]
 
 _STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
@@ -129,7 +130,7 @@ def verify(
     # In chain order, so a reader can follow each chain down to where it breaks.
     found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
     ends = _scan_ends(bank, index, specs, bad | unreachable, report)
-    report.problems += found + orphans + [p for p, _ in ends]
+    report.problems += found + orphans + [p for p, _ in ends] + _scan_access(bank)
     if fix and report.problems:
         _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
         _fix_ends(bank, index, bad | unreachable, ends, report)
@@ -302,6 +303,24 @@ def _scan_ends(
         elif not codec.verify(payload, end.payload_digest):
             out.append((Problem("corrupt_end", key, "digest mismatch", root=end.root), len(value)))
     return out
+
+
+def _scan_access(bank: Bank) -> list[Problem]:
+    """The last-use records, walked once: a damaged file among them is reported. The
+    bank works without them (a use it cannot read is unknown: eviction takes such a
+    block as unused), and --fix cannot name what it cannot read: `cas-bank salvage`
+    writes a bank without the damage."""
+    try:
+        for _ in bank.store.iterate(Family.ACCESS, values=False):
+            pass
+    except CorruptDataError as e:
+        cause = str(e).partition("; run `")[0]  # not "run verify": this is verify
+        why = (
+            f"last-use records unreadable: {cause}; restores and stores go on without "
+            "them, `cas-bank salvage` writes a bank without the damage"
+        )
+        return [Problem("bad_access", b"", why)]
+    return []
 
 
 def _fix_ends(

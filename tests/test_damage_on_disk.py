@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, prefix_layers
 from damage_kit import build, check_bank, family_tables
 from tool_banks import CLI, cas_bank
 
@@ -200,3 +200,29 @@ def test_a_damaged_headers_table_block_is_verified_around(built: Path, tmp_path:
     unreadable = [p for p in report.problems if p.kind == "bad_header"]
     assert unreadable and "damaged on disk" in unreadable[0].detail
     assert report.blocks_checked + len(unreadable) == blocks
+
+
+def test_damaged_last_use_records_are_reported_and_never_stop_the_bank(
+    built: Path, tmp_path: Path
+) -> None:
+    """The access family is advice: with a damaged table there, `ls` lists, a store
+    that must evict still stores, and verify reports the damage (salvage, not --fix)."""
+    from damage_kit import flip, prompts, wide_spec
+    from tool_banks import cas_bank_json
+
+    from cas_bank.verify import verify
+
+    path = tmp_path / "bank"
+    shutil.copytree(built, path)
+    flip(path / family_tables(path)["access"][0], 100, 16, seed=2)
+    listing = cas_bank_json("ls", path)
+    with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as bank:
+        assert listing["total"] == bank.stats().blocks
+        report = verify(bank)
+    assert [p.kind for p in report.problems] == ["bad_access"]
+    assert "salvage" in report.problems[0].detail
+    spec, extra = wide_spec(), prompts(1, seed=5)[0]
+    with Bank.open(path, BankConfig(hot_bytes=0, max_bytes=200_000)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(extra, prefix_layers(spec, extra))  # evicts to the budget
+        assert bank.stats().payload_bytes <= 200_000 and ns.match(extra) == len(extra)

@@ -182,8 +182,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"{_plural(report.removed_ends, 'end record')}",
             )
         )
-    elif report.problems:
+    elif any(p.chain_hash for p in report.problems):
         summary.append(("fix", f"run `cas-bank verify {args.bank} --fix` to remove them"))
+    if any(not p.chain_hash for p in report.problems):  # damage --fix cannot name
+        summary.append(("salvage", f"`cas-bank salvage {args.bank} NEW_DIR`: see the problems"))
     if looks > 1:
         summary.append(("looks", f"{looks} (a writer was busy; problems shown were seen in all)"))
     for name, (counter, found) in report.counter_drift.items():

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.store import BlockStore, Family, Write
-from cas_bank.index.records import TIME, access_key, end_access_key
+from cas_bank.index.records import TIME, access_key, end_access_key, read_times
 
 if TYPE_CHECKING:
     from cas_bank.index.leaves import LeafIndex
@@ -117,14 +117,12 @@ def last_use(
     """Last use of each block (or of the state at its end), None where none is known.
 
     Uses recorded in memory (`access`) and not yet written count; no scan, one
-    multi-get from `store`.
+    multi-get from `store` (`records.read_times`: one it cannot read is not known).
     """
     keys = [access_key(h, states) for h in hashes]
     out = [access.pending(k) for k in keys]
     missing = [i for i, t in enumerate(out) if t is None]
     if missing:
-        raw = store.get_many(Family.ACCESS, [keys[i] for i in missing])
-        for i, value in zip(missing, raw, strict=True):
-            if value is not None and len(value) == TIME.size:
-                out[i] = TIME.unpack(value)[0]
+        for i, t in zip(missing, read_times(store, [keys[i] for i in missing]), strict=True):
+            out[i] = t
     return out

@@ -13,14 +13,28 @@ itself is documented in `index.evict`.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
-from cas_bank.index.records import END_SUFFIX, parse_time
+from cas_bank.index.records import END_SUFFIX, access_key, end_access_key, parse_time, read_times
+
+log = logging.getLogger("cas_bank")
+
+
+def _readable(store: BlockStore, family: Family) -> Iterator[tuple[bytes, bytes]]:
+    """A family's records as far as RocksDB can walk them: eviction places what it
+    could read (a record past a damaged file is not a candidate) and leaves the damage
+    to `cas-bank verify` and `salvage`, rather than refuse every store."""
+    try:
+        yield from store.iterate(family)
+    except CorruptDataError as e:
+        log.warning("cas_bank: the eviction index stops at damage in %s: %s", family.value, e)
+
 
 # Heap kinds: a state goes before the end records and a block of the same age.
 _STATE, _ENDS, _BLOCK = 0, 1, 2
@@ -68,18 +82,26 @@ class LeafIndex:
         return self.payload_bytes + self.state_bytes + self.end_bytes
 
     def load(self, store: BlockStore) -> None:
-        for key, raw in store.iterate(Family.HEADERS):
+        for key, raw in _readable(store, Family.HEADERS):
             try:
                 header = Header.decode(key, raw)
             except CorruptDataError:
                 continue  # `cas-bank verify` reports it; eviction cannot place it
             self._add(key, header)
-        for key, raw in store.iterate(Family.ENDS):
+        for key, raw in _readable(store, Family.ENDS):
             self._put_end(key, len(raw))
-        for key, raw in store.iterate(Family.ACCESS):
-            t = parse_time(raw)
-            if t is not None:
-                self._touch_one(key, t)
+        try:
+            for key, raw in store.iterate(Family.ACCESS):
+                t = parse_time(raw)
+                if t is not None:
+                    self._touch_one(key, t)
+        except CorruptDataError as e:  # read the uses of what is placed one by one
+            log.warning("cas_bank: last uses past damage read one by one: %s", e)
+            keys = [access_key(k, state) for k in self.nodes for state in (False, True)]
+            keys += [end_access_key(p) for p in self.ends]
+            for key, t in zip(keys, read_times(store, keys), strict=True):
+                if t is not None:
+                    self._touch_one(key, t)
         for node in self.nodes.values():
             parent = self.nodes.get(node.parent)
             if parent is not None:

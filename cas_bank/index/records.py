@@ -12,8 +12,10 @@ root, the root + b"e").
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
 
 TIME = struct.Struct("<d")
@@ -40,6 +42,22 @@ def end_deletes(keys: list[bytes], parent: bytes) -> list[Write]:
 def parse_time(value: bytes) -> float | None:
     """The time in an access record, or None if it is not one."""
     return TIME.unpack(value)[0] if len(value) == TIME.size else None
+
+
+def read_times(store: BlockStore, keys: Sequence[bytes]) -> list[float | None]:
+    """The last uses under access keys `keys` (one multi-get), None where there is none.
+    Where RocksDB cannot read them all (a damaged file), each is read on its own and
+    the unreadable ones are unknown: a last use is advice, never a reason to fail."""
+    try:
+        values = store.get_many(Family.ACCESS, keys)
+    except CorruptDataError:
+        values = []
+        for key in keys:
+            try:
+                values.append(store.get(Family.ACCESS, key))
+            except CorruptDataError:
+                values.append(None)
+    return [None if v is None else parse_time(v) for v in values]
 
 
 def block_deletes(key: bytes, *, with_state: bool = True) -> list[Write]:
