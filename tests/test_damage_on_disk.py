@@ -151,6 +151,9 @@ def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Pat
     assert report["repaired"] and report["blocks_copied"] > 0
     assert _files(path) == before  # the damaged bank is left as it was
     assert check_bank(tmp_path / "new", prompts(), full=True).endswith("verify=ok")
+    with Bank.open(tmp_path / "new") as new:  # each block counted once: no history
+        stats = new.stats()
+        assert stats.logical_tokens == stats.unique_tokens > 0 and stats.dedup_ratio == 1.0
 
 
 def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
@@ -226,3 +229,35 @@ def test_damaged_last_use_records_are_reported_and_never_stop_the_bank(
         ns = bank.namespace(spec)
         ns.store(extra, prefix_layers(spec, extra))  # evicts to the budget
         assert bank.stats().payload_bytes <= 200_000 and ns.match(extra) == len(extra)
+
+
+def test_salvage_copies_again_when_a_writer_deletes_a_file_mid_copy(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live writer may delete a table file (a flush, a compaction) while salvage
+    copies the directory: the copy starts again; after a few tries, a clear error."""
+    import cas_bank.salvage as salvage_module
+
+    real = shutil.copytree
+    calls = []
+
+    def vanishing(src: Path, dst: Path, *args: object, **kw: object) -> object:
+        if Path(src) != built:  # shutil's own calls for subdirectories
+            return real(src, dst, *args, **kw)  # type: ignore[arg-type]
+        calls.append(src)
+        if len(calls) == 1:  # as shutil reports a file gone between listing and copy
+            real(src, dst, *args, **kw)  # type: ignore[arg-type]
+            raise shutil.Error([(str(src / "000099.sst"), str(dst), "No such file")])
+        return real(src, dst, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(salvage_module.shutil, "copytree", vanishing)
+    report = salvage_module.salvage(built, tmp_path / "new")
+    assert len(calls) == 2 and report.blocks_copied > 0
+
+    def always(src: Path, dst: Path, *args: object, **kw: object) -> object:
+        raise FileNotFoundError(f"{src}/000099.sst")
+
+    monkeypatch.setattr(salvage_module.shutil, "copytree", always)
+    with pytest.raises(CasBankError, match="a writer changed its files"):
+        salvage_module.salvage(built, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
