@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import blake3
+import numpy as np
 import pytest
 from conftest import BLOCK_SIZE, hybrid_spec, kv_prefix_bits, layers_bits, state_bits
 from tool_banks import (
@@ -225,3 +226,22 @@ def test_export_refuses_a_corrupt_chain_and_bad_token_files(tmp_path: Path) -> N
         cas_bank("export", built.path, "--tokens", toks, "--namespace", "fleet", "-o", out),
         "no stored block matches",
     )
+
+
+def test_a_salted_namespace_is_refused_by_name_and_no_file_is_written(tmp_path: Path) -> None:
+    """The salt is in the root and recorded nowhere: an import could not check the
+    bundle's namespace, so export says why it cannot carry one."""
+    from conftest import attention_spec, prefix_layers, tokens_of
+
+    from cas_bank.bundle import chain_for_tokens, export_chain
+
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(3), 3 * BLOCK_SIZE)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK_SIZE)) as bank:
+        ns = bank.namespace(spec, salt="tenant")
+        ns.store(tokens, prefix_layers(spec, tokens))
+        chain = chain_for_tokens(bank, ns.root, tokens)
+        assert len(chain) == 3
+        with pytest.raises(InvalidInputError, match="salted"):
+            export_chain(bank, chain, tmp_path / "out.casb")
+    assert not (tmp_path / "out.casb").exists()

@@ -12,7 +12,7 @@ import blake3
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.damage import full_error, is_no_space
-from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, chain_hashes
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, chain_hashes, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.bundle.format import (
     _LEAD,
@@ -79,6 +79,14 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     if raw_spec is None:
         raise CorruptDataError(f"namespace {root.hex()[:16]} of the chain is not recorded")
     spec = ModelSpec.model_validate(json.loads(raw_spec))
+    if namespace_root(spec.fingerprint, bank.config.block_size) != root:
+        # A tenant's salt is part of the root and recorded nowhere (it would let anyone
+        # holding the bundle time that tenant's prompts): an import could not check it.
+        raise InvalidInputError(
+            f"namespace {root.hex()[:16]} is salted (a tenant's cache_salt): a bundle "
+            "carries a namespace by its model and block size only, so it cannot carry "
+            "this one"
+        )
     records: list[tuple[bytes, bytes, bytes]] = []
     states = 0
     for h in chain:
