@@ -388,3 +388,37 @@ def test_a_damaged_end_record_file_is_reported_and_fix_removes_nothing_intact(
         assert any("salvage" in p.detail for p in bad)
         fixed = verify_bank(bank, fix=True)
         assert not fixed.removed_blocks and bank.stats().blocks == blocks
+
+
+def test_show_resolves_a_prefix_over_blocks_and_end_records_together(
+    bank_path: Path,
+) -> None:
+    """A prefix that starts a block hash and an end hash is ambiguous (show never picks
+    one kind silently), and one that starts only end records lists them."""
+    from tool_banks import assert_one_line_error, cas_bank, cas_bank_json
+
+    rng = np.random.default_rng(12)
+    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        for _ in range(12):
+            tokens = tokens_of(rng, B + 3)
+            ns.store(tokens, prefix_layers(SPEC, tokens))
+            ns.store_end(tokens, prefix_layers(SPEC, tokens))
+        blocks = [k.hex() for k in bank.store.keys(Family.HEADERS)]
+        ends = [k[32:].hex() for k in bank.store.keys(Family.ENDS)]
+    both = next(
+        d
+        for d in "0123456789abcdef"
+        if any(b[0] == d for b in blocks) and any(e[0] == d for e in ends)
+    )
+    assert_one_line_error(cas_bank("show", bank_path, both), "ambiguous", "give more digits")
+    pairs = [(a, b) for a in ends for b in ends if a < b]
+    only_ends = next(
+        a[:k]
+        for a, b in pairs
+        for k in range(1, 8)
+        if a[:k] == b[:k] and not any(x.startswith(a[:k]) for x in blocks)
+    )
+    assert_one_line_error(cas_bank("show", bank_path, only_ends), "ambiguous")
+    shown = cas_bank_json("show", bank_path, ends[0])
+    assert shown["end"] == ends[0]

@@ -45,7 +45,7 @@ from .common import (
     table,
     when,
 )
-from .show_end import end_info, find_end, show_end
+from .show_end import end_info, show_end
 
 
 def register(subparsers: Any) -> None:
@@ -173,9 +173,7 @@ class _Look:
     last: float | None
 
 
-def _look(bank: Bank, prefix: str) -> _Look:
-    index = HeaderIndex.load(bank.store)
-    key = resolve_prefix(prefix, index.keys())
+def _look(bank: Bank, index: HeaderIndex, key: bytes) -> _Look:
     if key in index.unreadable:
         raise CliError(f"block {key.hex()}: {index.unreadable[key]}")
     h = index.headers[key]
@@ -194,14 +192,17 @@ def _look(bank: Bank, prefix: str) -> _Look:
 
 
 def _look_any(bank: Bank, prefix: str) -> _Look | dict[str, Any]:
-    """A block's look, or an end record's info when `prefix` names one and no block."""
-    try:
-        return _look(bank, prefix)
-    except UnknownHashError:
-        found = find_end(bank, prefix)
-        if found is None:
-            raise
-        return end_info(bank, *found)
+    """A block's look, or an end record's info, for the one block hash or end hash
+    `prefix` starts (ambiguous when it starts several of either kind)."""
+    index = HeaderIndex.load(bank.store)
+    ends = {k[32:]: k for k in bank.store.keys(Family.ENDS)}  # end hash -> record key
+    key = resolve_prefix(prefix, [*index.keys(), *ends])
+    if key not in ends:
+        return _look(bank, index, key)
+    value = bank.store.get(Family.ENDS, ends[key])
+    if value is None:  # removed since the walk
+        raise UnknownHashError(f"end record {key.hex()[:16]} is gone")
+    return end_info(bank, ends[key], value)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

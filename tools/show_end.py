@@ -8,20 +8,12 @@ from typing import Any
 
 from cas_bank import Bank
 from cas_bank.blocks import codec
-from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.ends import split_record
 from cas_bank.index.tree import load_namespaces
 from cas_bank.spec import ModelSpec
 
 from .common import emit, fields, human_bytes, print_json, short
-
-
-def find_end(bank: Bank, prefix: str) -> tuple[bytes, bytes] | None:
-    """The end record whose end hash starts with `prefix`, if exactly one does."""
-    p = prefix.strip().lower()
-    found = [(k, v) for k, v in bank.store.iterate(Family.ENDS) if k[32:].hex().startswith(p)]
-    return found[0] if len(found) == 1 else None
 
 
 def end_info(bank: Bank, key: bytes, value: bytes) -> dict[str, Any]:
