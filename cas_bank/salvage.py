@@ -58,6 +58,8 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
     src, dst = Path(src), Path(dst)
     if not (src / "CURRENT").exists():
         raise InvalidInputError(f"no bank at {src}")
+    if dst.exists() and not dst.is_dir():
+        raise InvalidInputError(f"{dst} is a file: salvage writes a new bank directory")
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInputError(f"{dst} is not empty: salvage writes a new bank")
     report = SalvageReport()

@@ -57,6 +57,7 @@ def test_export_import_restore_gives_identical_hybrid_arrays(
     target = tmp_path / "empty"
     info = cas_bank_json("import", target, hybrid_bundle, "--create")
     assert info["blocks_written"] == 5 and info["states_written"] == 2
+    assert info["ends_written"] == len(read_bundle(hybrid_bundle).ends)
     spec = hybrid_spec()
     with Bank.open(target) as bank:
         assert bank.config.block_size == BLOCK_SIZE

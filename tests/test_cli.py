@@ -6,6 +6,7 @@ without harming it."""
 from __future__ import annotations
 
 import itertools
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, attention_spec, child_env
 from tool_banks import (
+    CLI,
     TEXTS,
     BuiltBank,
     assert_one_line_error,
@@ -174,6 +176,39 @@ def test_bad_arguments_are_one_line(built: BuiltBank, tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
     assert_one_line_error(cas_bank("stats", plain), "no bank at")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert_one_line_error(cas_bank("salvage", built.path, a_file), "is a file")
+    bundle = tmp_path / "chain.casb"
+    leaf = built.chains["agent0"][-1].hex()[:16]
+    cas_bank("export", built.path, "--leaf", leaf, "-o", bundle, check=True)
+    assert_one_line_error(cas_bank("import", a_file, bundle, "--create"), "is a file")
+    binary = tmp_path / "tokens.bin"
+    binary.write_bytes(bytes(range(256)))
+    assert_one_line_error(cas_bank("explain", built.path, "--tokens", binary), "not text")
+    empty = tmp_path / "empty"
+    Bank.open(empty).close()
+    proc = cas_bank("export", empty, "--tokens", binary, "-o", tmp_path / "x.casb")
+    assert_one_line_error(proc, "not text")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("[1, 2, 3]")
+    proc = cas_bank("export", empty, "--tokens", tokens, "-o", tmp_path / "x.casb")
+    assert_one_line_error(proc, "has no namespace")
+
+
+def test_a_reader_that_goes_away_is_not_an_error(built: BuiltBank, tmp_path: Path) -> None:
+    """`cas-bank gc BANK ... | head -1`: the output is cut short, the command succeeds."""
+    bank = tmp_path / "bank"
+    shutil.copytree(built.path, bank)
+    cmd = " ".join(f"'{a}'" for a in [*CLI, "gc", bank, "--max-bytes", "1K"])
+    done = subprocess.run(
+        ["bash", "-c", f"{cmd} | head -1; exit ${{PIPESTATUS[0]}}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("budget"), done
+    assert done.stderr == "", done.stderr
 
 
 # -- a live writer ---------------------------------------------------------------------

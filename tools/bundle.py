@@ -87,6 +87,8 @@ def read_token_file(path: Path) -> list[int]:
         text = sys.stdin.read() if str(path) == "-" else path.read_text()
     except OSError as e:
         raise CliError(f"cannot read token file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"token file {path} is not text: give a JSON list or integers") from None
     stripped = text.strip()
     try:
         ids = (
@@ -104,12 +106,15 @@ def _export(bank: Bank, args: argparse.Namespace, tokens: list[int] | None) -> E
         index = HeaderIndex.load(bank.store)
         chain = chain_to_leaf(bank, resolve_prefix(args.leaf, index.keys()))
     else:
-        specs, _ = load_namespaces(bank.store)
+        specs, unparsed = load_namespaces(bank.store)
         labels = namespace_labels(specs)
         if args.namespace is not None:
             root = select_namespace(args.namespace, specs, labels)
         elif len(specs) == 1:
             root = next(iter(specs))
+        elif not specs:
+            why = "whose record parses (run `cas-bank verify`)" if unparsed else ""
+            raise CliError(f"the bank at {args.bank} has no namespace {why}: nothing to export")
         else:
             names = ", ".join(sorted(labels.values())) or "none"
             raise CliError(f"give --namespace: the bank has several ({names})")
@@ -170,6 +175,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         "blocks_written": report.blocks_written,
         "blocks_existing": report.blocks_existing,
         "states_written": report.states_written,
+        "ends_written": report.ends_written,
         "bytes_written": report.bytes_written,
         "leaf": report.leaf.hex(),
     }
@@ -183,7 +189,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                         "imported",
                         f"{report.blocks_written} of {report.blocks} blocks "
                         f"({report.blocks_existing} already stored), "
-                        f"{report.states_written} states",
+                        f"{report.states_written} states, {report.ends_written} end records",
                     ),
                     ("namespace", report.namespace),
                     ("written", human_bytes(report.bytes_written)),

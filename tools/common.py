@@ -126,6 +126,8 @@ def open_writer(path: Path, *, create_block_size: int | None = None) -> Bank:
     A missing bank is an error, unless `create_block_size` is given: then it is made.
     """
     exists = store_exists(path)
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{path} is a file, not a bank directory")
     if not exists and create_block_size is None:
         raise CliError(f"no bank at {path}")
     config = _TOOL_CONFIG

@@ -18,7 +18,7 @@ from cas_bank.index.evict import EvictionReport, evict_to_budget
 from .common import (
     add_bank_argument,
     add_command,
-    console,
+    emit,
     fields,
     human_bytes,
     open_writer,
@@ -65,10 +65,10 @@ def register(subparsers: Any) -> None:
         "gc",
         cmd_gc,
         "evict least recently used leaves and states until the bank fits --max-bytes",
-        "Evict until payload + state bytes fit --max-bytes, in the bank's eviction order: "
-        "least recently used first; only leaf blocks (no chain ever gets a hole); a state "
-        "on its own before a block of the same age. Then compact, so the disk space is "
-        "released. Needs the bank's writer lock.",
+        "Evict until payload, state and end-record bytes fit --max-bytes, in the bank's "
+        "eviction order: least recently used first; only leaf blocks (no chain ever gets a "
+        "hole); a state on its own before a block of the same age. Then compact, so the "
+        "disk space is released. Needs the bank's writer lock.",
     )
     add_bank_argument(p)
     p.add_argument(
@@ -93,8 +93,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report_json(report, disk_before, disk_after))
         return 0
-    out = console()
-    out.print(
+    out: list[Any] = [
         fields(
             [
                 ("budget", human_bytes(report.max_bytes)),
@@ -108,7 +107,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 ("disk after", human_bytes(disk_after)),
             ]
         )
-    )
+    ]
     if report.evicted:
         rows = [
             [
@@ -121,13 +120,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
             ]
             for e in report.evicted[:_SHOWN]
         ]
-        out.print(
+        out.append(
             table(["removed", "hash", "bytes", "last use"], rows, title="\nremoved, in order")
         )
         if len(report.evicted) > _SHOWN:
-            out.print(f"... and {len(report.evicted) - _SHOWN} more (--json lists all)")
+            out.append(f"... and {len(report.evicted) - _SHOWN} more (--json lists all)")
     elif report.bytes_before <= report.max_bytes:
-        out.print("the bank already fits the budget: nothing removed")
+        out.append("the bank already fits the budget: nothing removed")
+    emit(*out)  # through sys.stdout: a reader that goes away is not an error
     return 0
 
 

@@ -78,7 +78,13 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     raw_spec = bank.store.get(Family.NAMESPACES, root)
     if raw_spec is None:
         raise CorruptDataError(f"namespace {root.hex()[:16]} of the chain is not recorded")
-    spec = ModelSpec.model_validate(json.loads(raw_spec))
+    try:
+        spec = ModelSpec.model_validate(json.loads(raw_spec))
+    except ValueError as e:  # a damaged record (pydantic's ValidationError is one too)
+        raise CorruptDataError(
+            f"namespace {root.hex()[:16]}: its record does not parse ({type(e).__name__}); "
+            "run `cas-bank verify`"
+        ) from None
     if namespace_root(spec.fingerprint, bank.config.block_size) != root:
         # A tenant's salt is part of the root and recorded nowhere (it would let anyone
         # holding the bundle time that tenant's prompts): an import could not check it.
