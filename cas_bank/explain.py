@@ -143,7 +143,12 @@ class Explanation:
             lines.append(f"the prompt's block {self.matched_blocks} {self._history()}.")
         if self.hybrid and self.matched_blocks:
             if self.state_at is None:
-                lines.append("no matched boundary holds a recurrent state: nothing to restore.")
+                lines.append(
+                    "no boundary before the first corrupt block holds a recurrent state: "
+                    "nothing to restore."
+                    if self.corrupt
+                    else "no matched boundary holds a recurrent state: nothing to restore."
+                )
             elif self.boundaries_without_state:
                 lines.append(
                     f"the deepest matched boundary with a state is token {self.state_at}; "

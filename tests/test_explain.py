@@ -112,6 +112,21 @@ def test_a_hybrid_restore_stops_at_the_deepest_boundary_with_a_state(tmp_path: P
         pc.bank.close()
 
 
+def test_a_corrupt_first_block_of_a_hybrid_is_named_as_the_reason(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    a = random_tokens(rng, 5 * BLOCK)
+    pc = stored_bank(tmp_path / "bank", "tiny-hybrid", a)
+    chain = pc.namespace.chain(a)
+    pc.bank.close()
+    _corrupt(tmp_path / "bank", Family.BLOCKS, chain[0], "flip")
+    with Bank.open(tmp_path / "bank") as bank:
+        e = explain(bank, pc.namespace.root, a)
+        assert (e.stop, e.restorable_tokens, e.state_at) == ("corrupt", 0, None)
+        said = " ".join(e.summary())
+        assert "before the first corrupt block" in said and "block 0" in said
+        assert "no matched boundary holds" not in said
+
+
 def test_the_command_and_the_server_say_the_same(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
