@@ -48,10 +48,9 @@ class SalvageReport:
 
 
 def _walk(bank: Bank, family: Family, report: SalvageReport) -> Iterator[tuple[bytes, bytes]]:
-    try:
-        yield from bank.store.iterate(family)
-    except CasBankError as e:
-        report.walk_errors.append(f"{family.value}: {e}")
+    return bank.store.readable(
+        family, damaged=lambda e: report.walk_errors.append(f"{family.value}: {e}")
+    )
 
 
 def salvage(src: str | Path, dst: str | Path) -> SalvageReport:

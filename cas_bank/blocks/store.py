@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from types import TracebackType
+
+from cas_bank.errors import CorruptDataError
 
 
 class Family(str, Enum):
@@ -128,6 +130,22 @@ class BlockStore(ABC):
     def keys(self, family: Family) -> Iterator[bytes]:
         for k, _ in self.iterate(family, values=False):
             yield k
+
+    def readable(
+        self,
+        family: Family,
+        *,
+        values: bool = True,
+        damaged: Callable[[CorruptDataError], object] | None = None,
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """`iterate` as far as the store can read: a walk that a damaged file ends
+        (`CorruptDataError`) ends there, and `damaged` is told why. For what can go on
+        without the rest (eviction, salvage, finding keys to read one by one)."""
+        try:
+            yield from self.iterate(family, values=values)
+        except CorruptDataError as e:
+            if damaged is not None:
+                damaged(e)
 
     def refresh(self) -> None:
         """Catch up with the writer (secondary opens); a no-op elsewhere."""

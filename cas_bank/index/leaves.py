@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,14 +26,11 @@ from cas_bank.index.records import END_SUFFIX, access_key, end_access_key, parse
 log = logging.getLogger("cas_bank")
 
 
-def _readable(store: BlockStore, family: Family) -> Iterator[tuple[bytes, bytes]]:
-    """A family's records as far as RocksDB can walk them: eviction places what it
-    could read (a record past a damaged file is not a candidate) and leaves the damage
-    to `cas-bank verify` and `salvage`, rather than refuse every store."""
-    try:
-        yield from store.iterate(family)
-    except CorruptDataError as e:
-        log.warning("cas_bank: the eviction index stops at damage in %s: %s", family.value, e)
+def _damaged(e: CorruptDataError) -> None:
+    # Eviction places what it could read (a record past a damaged file is not a
+    # candidate) and leaves the damage to `cas-bank verify` and `salvage`, rather than
+    # refuse every store.
+    log.warning("cas_bank: the eviction index stops at damage: %s", e)
 
 
 # Heap kinds: a state goes before the end records and a block of the same age.
@@ -82,13 +79,13 @@ class LeafIndex:
         return self.payload_bytes + self.state_bytes + self.end_bytes
 
     def load(self, store: BlockStore) -> None:
-        for key, raw in _readable(store, Family.HEADERS):
+        for key, raw in store.readable(Family.HEADERS, damaged=_damaged):
             try:
                 header = Header.decode(key, raw)
             except CorruptDataError:
                 continue  # `cas-bank verify` reports it; eviction cannot place it
             self._add(key, header)
-        for key, raw in _readable(store, Family.ENDS):
+        for key, raw in store.readable(Family.ENDS, damaged=_damaged):
             self._put_end(key, len(raw))
         try:
             for key, raw in store.iterate(Family.ACCESS):

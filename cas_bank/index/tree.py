@@ -13,7 +13,6 @@ namespace root down to a leaf; the chains *through* a block are the leaves below
 
 from __future__ import annotations
 
-import contextlib
 import json
 import string
 from collections.abc import Iterable
@@ -92,15 +91,6 @@ def namespace_labels(specs: dict[bytes, ModelSpec]) -> dict[bytes, str]:
     }
 
 
-def _payload_keys(store: BlockStore) -> list[bytes]:
-    """The keys of the blocks family, as far as RocksDB can walk it."""
-    keys: list[bytes] = []
-    with contextlib.suppress(CorruptDataError):
-        for key, _ in store.iterate(Family.BLOCKS, values=False):
-            keys.append(key)
-    return keys
-
-
 @dataclass(slots=True)
 class HeaderIndex:
     """All headers of a bank, with the parent -> children links between them."""
@@ -133,7 +123,7 @@ class HeaderIndex:
             for key, raw in store.iterate(Family.HEADERS):
                 add(key, raw)
         except CorruptDataError:
-            for key in _payload_keys(store):
+            for key, _ in store.readable(Family.BLOCKS, values=False):
                 if key in headers or key in unreadable:
                     continue
                 try:
