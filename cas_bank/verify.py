@@ -272,9 +272,8 @@ def _scan_ends(
             records.append(record)
     except CorruptDataError as e:
         after = f" after {records[-1][0].hex()[:16]}" if records else ""
-        cause = str(e).partition("; run `")[0]  # not "run verify": this is verify
         why = (
-            f"end records unreadable{after}: {cause}; --fix cannot name the records past "
+            f"end records unreadable{after}: {_cause(e)}; --fix cannot name the records past "
             "the damage: `cas-bank salvage` copies every one that still verifies"
         )
         out.append((Problem("bad_end", b"", why), 0))
@@ -305,6 +304,11 @@ def _scan_ends(
     return out
 
 
+def _cause(e: CorruptDataError) -> str:
+    """A read error's message without its advice to run verify (this is verify)."""
+    return str(e).partition("; run `")[0]
+
+
 def _scan_access(bank: Bank) -> list[Problem]:
     """The last-use records, walked once: a damaged file among them is reported. The
     bank works without them (a use it cannot read is unknown: eviction takes such a
@@ -314,9 +318,8 @@ def _scan_access(bank: Bank) -> list[Problem]:
         for _ in bank.store.iterate(Family.ACCESS, values=False):
             pass
     except CorruptDataError as e:
-        cause = str(e).partition("; run `")[0]  # not "run verify": this is verify
         why = (
-            f"last-use records unreadable: {cause}; restores and stores go on without "
+            f"last-use records unreadable: {_cause(e)}; restores and stores go on without "
             "them, `cas-bank salvage` writes a bank without the damage"
         )
         return [Problem("bad_access", b"", why)]
