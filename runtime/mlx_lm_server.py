@@ -76,7 +76,7 @@ def refusing_empty_prompts(handler: Any) -> Any:
     before it reaches mlx-lm's generation thread: in mlx-lm 0.32 one empty prompt
     ends that thread for good (every later request: "generation thread died")."""
 
-    class Handler(handler):  # type: ignore[misc, valid-type]
+    class Handler(handler):  # type: ignore[misc]
         def handle_text_completions(self) -> Any:
             # A factory's ValueError is mlx-lm's own 400: {"error": message}.
             if self.body.get("prompt") in ("", []):
