@@ -80,6 +80,15 @@ def flip(file: Path, offset: int, n: int, seed: int) -> None:
         fh.write(bytes(rng.randrange(256) for _ in range(min(n, size))))
 
 
+def flip_byte(file: Path, offset: int) -> None:
+    """Invert the bits of the one byte at `offset`."""
+    with file.open("r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
 def check_bank(
     path: Path, ps: list[list[int]], spec: ModelSpec | None = None, *, full: bool = False
 ) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env, prefix_layers
-from damage_kit import build, check_bank, family_tables
+from damage_kit import build, check_bank, family_tables, flip_byte
 from tool_banks import CLI, cas_bank
 
 from cas_bank import Bank, BankConfig, BankDamagedError, CasBankError
@@ -167,11 +167,7 @@ def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
     path = tmp_path / "bank"
     shutil.copytree(built, path)
     blob = max(path.glob("*.blob"), key=lambda p: p.stat().st_size)
-    with blob.open("r+b") as fh:  # one byte in the middle: inside some record's value
-        fh.seek(blob.stat().st_size // 2)
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(blob, blob.stat().st_size // 2)  # in the middle: inside some record's value
     with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as bank:
         blocks = bank.stats().blocks
         report = verify(bank)

@@ -358,27 +358,31 @@ def test_salvage_copies_end_records_that_verify(tmp_path: Path) -> None:
         assert verify_bank(bank).ok
 
 
+def _prompts_with_ends(bank_path: Path, seed: int, n: int, logits: int = 0) -> int:
+    """`n` prompts of a block and a tail, each stored with its end record (with
+    `logits` random logits, if any); the blocks the bank then holds."""
+    rng = np.random.default_rng(seed)
+    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(SPEC)
+        for _ in range(n):
+            tokens = tokens_of(rng, B + 3)
+            ns.store(tokens, prefix_layers(SPEC, tokens))
+            end_logits = mx.array(rng.standard_normal(logits).astype(np.float32))
+            ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=end_logits if logits else None)
+        return bank.stats().blocks
+
+
 def test_a_damaged_end_record_file_is_reported_and_fix_removes_nothing_intact(
     bank_path: Path,
 ) -> None:
     """A byte flipped in the blob file of end records: verify reports the walk it could
     not finish (RocksDB ends it quietly at the bad record) instead of taking the
     records past it for absent, and `--fix` leaves every block as it was."""
-    rng = np.random.default_rng(11)
-    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
-        ns = bank.namespace(SPEC)
-        for _ in range(6):
-            tokens = tokens_of(rng, B + 3)
-            ns.store(tokens, prefix_layers(SPEC, tokens))
-            big = mx.array(rng.standard_normal(4096).astype(np.float32))
-            ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=big)
-        blocks = bank.stats().blocks
+    from damage_kit import flip_byte
+
+    blocks = _prompts_with_ends(bank_path, 11, 6, logits=4096)
     blob = max(bank_path.glob("*.blob"), key=lambda p: p.stat().st_size)
-    with blob.open("r+b") as fh:  # inside a record's value (halfway is between two)
-        fh.seek(blob.stat().st_size * 2 // 5)
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(blob, blob.stat().st_size * 2 // 5)  # in a record's value (halfway: between)
     saved = salvage(bank_path, bank_path.parent / "salvaged")  # before --fix changes it
     assert saved.walk_errors and saved.ends_copied == 5  # all but the damaged one
     with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
@@ -397,13 +401,8 @@ def test_show_resolves_a_prefix_over_blocks_and_end_records_together(
     one kind silently), and one that starts only end records lists them."""
     from tool_banks import assert_one_line_error, cas_bank, cas_bank_json
 
-    rng = np.random.default_rng(12)
+    _prompts_with_ends(bank_path, 12, 12)
     with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
-        ns = bank.namespace(SPEC)
-        for _ in range(12):
-            tokens = tokens_of(rng, B + 3)
-            ns.store(tokens, prefix_layers(SPEC, tokens))
-            ns.store_end(tokens, prefix_layers(SPEC, tokens))
         blocks = [k.hex() for k in bank.store.keys(Family.HEADERS)]
         ends = [k[32:].hex() for k in bank.store.keys(Family.ENDS)]
     both = next(
