@@ -97,15 +97,20 @@ def test_together_runs_alone_once_threads_can_no_longer_start(
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     monkeypatch.setattr(helpers, "helper_pool", Closed)
+    assert _pieces_done(20) == list(range(20))
+
+
+def _pieces_done(n: int) -> list[int]:
+    """`together` over `n` pieces taken from one shared counter: the pieces done."""
     pieces = itertools.count()
     done: list[int] = []
 
     def work() -> None:
-        while (j := next(pieces)) < 20:
+        while (j := next(pieces)) < n:
             done.append(j)
 
     helpers.together(work)
-    assert done == list(range(20))
+    return sorted(done)
 
 
 @pytest.mark.skipif(
@@ -139,15 +144,7 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's exit code
         ok = not helpers._tids and helpers._pool is None
-        pieces = itertools.count()
-        done: list[int] = []
-
-        def work() -> None:
-            while (j := next(pieces)) < 50:
-                done.append(j)
-
-        helpers.together(work)
-        ok = ok and sorted(done) == list(range(50))
+        ok = ok and _pieces_done(50) == list(range(50))
         ok = ok and not set(helpers._tids) & set(parent_tids)
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
