@@ -13,8 +13,10 @@ lost) is not asked for `remote_retry_after` seconds, then one call tries it agai
 nodes go on being asked. Failures are counted once per node and call
 (`remote_errors`, `remote_timeouts`); commands not sent because a breaker is open
 count `remote_skipped` (once per call). An error answer (a full node refusing a
-write) is counted but leaves the breaker alone: the node is alive. A MOVED answer
-(the cluster's slots moved) reads the slot map again on the next call.
+write) is counted, and the node counts as alive. A MOVED or ASK answer (the
+cluster's slots moved) and a node that is gone (connection refused or lost: its slots
+may have moved to a replica or another master) read the slot map again on the next
+call; a node that times out does not (the map would be asked of it again).
 
 TLS: a `valkeys://` (or `rediss://`) URL connects with TLS, to the node of the URL and
 to every node the slot map names; `tls_options` gives the CA file and the client
@@ -131,7 +133,8 @@ class RemoteClient:
         if not commands:
             return []
         valkey: Any = importlib.import_module("valkey")
-        if self._client is None and not self.breaker(_SINGLE).allow():
+        connecting = self._client is None
+        if connecting and not self.breaker(_SINGLE).allow():
             self.count(remote_skipped=1)
             return None
         try:
@@ -139,6 +142,8 @@ class RemoteClient:
         except Exception as e:  # nothing listening, a wrong password, a hung node
             self._failed(_SINGLE, e, valkey)
             return None
+        if connecting:  # it answered: the trial a reconnect took (if any) succeeded
+            self.breaker(_SINGLE).success()
         try:
             groups = self._group(client, commands)
         except Exception as e:  # a slot no master serves
@@ -192,14 +197,21 @@ class RemoteClient:
     def _failed(self, node: str, error: Exception, valkey: Any, whole: bool = True) -> None:
         timed_out = isinstance(error, valkey.TimeoutError)
         self.count(**{"remote_timeouts" if timed_out else "remote_errors": 1})
-        if "MOVED" in str(error) or "ASK" in str(error):
+        moved = (valkey.exceptions.MovedError, valkey.exceptions.AskError)
+        if isinstance(error, moved) or "MOVED" in str(error) or "ASK" in str(error):
             self._stale = True  # not the node's fault: the slot map is old
+            self.breaker(node).success()  # alive (it answered): ends a trial
             return
         if not isinstance(error, (valkey.ConnectionError, valkey.TimeoutError)):
             # The node answered (out of memory, a command refused): it is alive.
+            self.breaker(node).success()  # ends a trial, which would block it for good
             log.warning("cas_bank remote tier: node %s refused: %s", node, error)
             return
         self.breaker(node).failure()
+        if self.cluster and node != _SINGLE and not timed_out:
+            # Gone (not hung: reading the map asks every node it knows, a hung one
+            # would cost its time-out again): its slots may be served elsewhere now.
+            self._stale = True
         log.warning("cas_bank remote tier: node %s failed: %s", node, error)
         if whole and node == _SINGLE:  # connect again next time
             with self._lock:
