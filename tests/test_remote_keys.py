@@ -80,6 +80,11 @@ def test_the_mac_key_comes_from_the_secret_else_the_url_credentials() -> None:
     assert fleet_key(url, "s") == keys.mac_key(b"s")
     assert fleet_key(url, None) != fleet_key("valkey://cas:other@127.0.0.1:7000", None)
     assert redact(url) == "valkey://cas:***@127.0.0.1:7000"
+    # The valkey client also reads a password from the query: so do the key and redact.
+    query = "valkey://127.0.0.1:7000/0?password=pw&protocol=3"
+    assert fleet_key(query, None) != fleet_key("valkey://127.0.0.1:7000/0?password=x", None)
+    assert fleet_key(query, None) == fleet_key("valkey://:pw@127.0.0.1:7000/0", None)
+    assert redact(query) == "valkey://127.0.0.1:7000/0?password=***&protocol=3"
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,11 @@ Three things, each off the request's path where it can be:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
 
@@ -36,6 +38,8 @@ from cas_bank.remote import keys
 from cas_bank.remote.client import RemoteClient, tls_options
 from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
+
+_REJECTED_KEPT = 4096  # chain hashes remembered as rejected (see `RemoteTier.reject`)
 
 log = logging.getLogger("cas_bank.remote")
 
@@ -56,24 +60,37 @@ class _Adopt:
     state: bool  # whether it used the continuation's state
 
 
+def _credentials(url: str) -> tuple[str, str]:
+    """The user and password of `url`: in its user part, or (as the `valkey` client
+    also reads them) its `username=` and `password=` query parameters."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    user = unquote(parts.username or "") or query.get("username", "")
+    return user, unquote(parts.password or "") or query.get("password", "")
+
+
 def fleet_key(url: str, secret: str | None) -> bytes:
     """The MAC key: from the fleet secret, or (no secret) from the URL's credentials."""
     if secret is not None:
         return keys.mac_key(secret.encode())
-    parts = urlsplit(url)
-    creds = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
-    return keys.mac_key(b"cas_bank url credentials:" + creds.encode())
+    user, password = _credentials(url)
+    return keys.mac_key(b"cas_bank url credentials:" + f"{user}:{password}".encode())
 
 
 def redact(url: str) -> str:
-    """`url` without its password."""
+    """`url` without its password (in its user part or its query)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query = parse_qsl(parts.query)
+    hidden = [(k, "***" if k == "password" else v) for k, v in query]
+    if parts.password is None and hidden == query:
         return url
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    user = unquote(parts.username or "")
-    return f"{parts.scheme}://{user}:***@{host}{port}"
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        netloc = f"{unquote(parts.username or '')}:***@{host}{port}"
+    tail = f"?{urlencode(hidden, safe='*')}" if query else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
 class RemoteTier:
@@ -99,6 +116,11 @@ class RemoteTier:
         self.adoptions: WorkQueue[_Adopt] = WorkQueue(
             "cas-bank-adopt", self._adopt, cfg.remote_queue_bytes
         )
+        # Chain hashes whose cluster entries this host rejected: its next publish of
+        # them writes over what is there (a damaged entry is otherwise never replaced:
+        # a publish skips what exists). Bounded; a stale one costs one rewrite.
+        self._rejected: set[bytes] = set()
+        self._rejected_lock = threading.Lock()
 
     # -- restore -------------------------------------------------------------------
     def continue_chain(
@@ -114,6 +136,9 @@ class RemoteTier:
     def reject(self, h: bytes, why: str) -> None:
         self.bank.counters.count(remote_rejected=1)
         log.warning("cas_bank remote entry %s rejected (%s): served as a miss", h.hex()[:16], why)
+        with self._rejected_lock:
+            if len(self._rejected) < _REJECTED_KEPT:
+                self._rejected.add(bytes(h))
 
     def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None:
         """A restore covered `n_blocks` blocks using `cont`: count what came from the
@@ -194,29 +219,38 @@ class RemoteTier:
         present = self.client.run(probe)
         if present is None:
             return
+        with self._rejected_lock:
+            redo = {h.chain_hash for h, _ in job.blocks} | {h for h, _ in job.states}
+            redo &= self._rejected
         # SET ... NX: two hosts that store the same block at once both see it absent, and
         # only the first write of each key lands (same key, same bytes: content-addressed).
-        cmds: list[tuple[str, bytes, bytes, str]] = []
+        # An entry this host rejected is written over (no NX): these bytes are good.
+        cmds: list[tuple[Any, ...]] = []
         counted: list[bool] = []  # the header or state write that makes an entry
         for (header, payload), (hk, pk), have in zip(job.blocks, block_keys, present, strict=False):
-            if have == 2:
+            if have == 2 and header.chain_hash not in redo:
                 continue
+            nx = () if header.chain_hash in redo else ("NX",)
             # The payload first: a reader that sees the header finds the payload.
-            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), "NX"))
-            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), "NX"))
+            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), *nx))
+            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx))
             counted += [False, True]
-        for (_, payload), sk, have in zip(
+        for (h, payload), sk, have in zip(
             job.states, state_keys, present[len(block_keys) :], strict=True
         ):
-            if have == 1:
+            if have == 1 and h not in redo:
                 continue
-            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload), "NX"))
+            nx = () if h in redo else ("NX",)
+            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload), *nx))
             counted.append(True)
         if not cmds:
             return
         done = self.client.run(cmds)
         if done is None:
             return
+        if redo and all(a is not None for a in done):
+            with self._rejected_lock:
+                self._rejected -= redo
         # None: refused (a full node), not sent, or already written by another host.
         written = sum(len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None)
         self.bank.counters.count(
