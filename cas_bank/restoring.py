@@ -99,16 +99,19 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         ns._payloads.damaged_headers(str(e))
         matched = []
     remote = ns.bank.remote
-    # The shared tier continues the local chain where it ends (verified, in memory).
+    hybrid = ns.spec.is_hybrid
+    n_blocks = restore_blocks(matched, hybrid)
+    # The shared tier continues the local chain where it ends (verified, in memory),
+    # or, for a hybrid model whose local chain lacks a state at its end, may hold a
+    # deeper state over the local blocks.
     cont = (
         remote.continue_chain(ns, toks, hashes, matched)
-        if remote is not None and len(matched) < len(hashes)
+        if remote is not None and (len(matched) < len(hashes) or n_blocks < len(matched))
         else None
     )
     if cont is not None:
         matched = cont.matched
-    hybrid = ns.spec.is_hybrid
-    n_blocks = restore_blocks(matched, hybrid)
+        n_blocks = restore_blocks(matched, hybrid)
     bs = ns.block_size
     # An end record under the deepest matched block (index.ends): an exact repeat,
     # or a prompt that extends a stored one past the chain's restore point.
