@@ -67,12 +67,14 @@ def exact(bank: Bank, prompt: list[int]) -> int:
     return hit.tokens
 
 
-def test_full_disk_degrades_then_recovers(small_disk: Path) -> None:
+@pytest.mark.parametrize("files", [False, True], ids=["payloads in RocksDB", "payload files"])
+def test_full_disk_degrades_then_recovers(small_disk: Path, files: bool) -> None:
     spec = wide_spec()
     rng = np.random.default_rng(3)
     path = small_disk / "bank"
     acknowledged: list[list[int]] = []
-    bank = Bank.open(path, BankConfig(block_size=B, hot_bytes=0))
+    config = BankConfig(block_size=B, hot_bytes=0, file_min_bytes=0 if files else None)
+    bank = Bank.open(path, config)
     try:
         ns = bank.namespace(spec)
         first = tokens_of(rng, 10 * B)
@@ -87,6 +89,7 @@ def test_full_disk_degrades_then_recovers(small_disk: Path) -> None:
         err = caught.value
         assert str(path) in str(err) and err.needed > 0 and "bytes" in str(err)
         assert bank.degraded is not None
+        assert not list(path.rglob("*.tmp"))  # no half-written payload file is left
         # Fails fast while full, even for a store with nothing new; restores work.
         t0 = time.perf_counter()
         with pytest.raises(BankFullError):
@@ -197,3 +200,25 @@ def test_readers_write_nothing_even_on_a_read_only_mount(tmp_path: Path) -> None
         assert check_bank(path, ps) == "refused"  # a writer cannot open it: a clear error
     finally:
         unmount(where)
+
+
+def test_a_background_store_that_finds_the_disk_full_is_skipped(small_disk: Path) -> None:
+    """`skip_store_when_full` holds for stores the background writer makes: the write
+    is skipped with a warning, the writer's flush does not raise it, the bank says
+    degraded."""
+    from cas_bank.runtime import PrefixCache, build_model
+
+    config = BankConfig(block_size=16, write_behind=2, file_min_bytes=0, hot_bytes=0)
+    bank = Bank.open(small_disk / "bank", config)
+    try:
+        model = build_model("tiny-qwen3")
+        pc = PrefixCache(bank, model, skip_store_when_full=True, background=True)
+        fill(small_disk, 64 << 10)
+        tokens = [t % 500 + 1 for t in range(600)]
+        pc.prefill(tokens, pc.new_cache(), end=True)
+        assert bank.writer is not None
+        bank.writer.flush()  # the queued stores: the one that met the full disk is skipped
+        assert pc.last_pending is not None and pc.last_pending.result().blocks_written == 0
+        assert bank.degraded is not None
+    finally:
+        bank.close()

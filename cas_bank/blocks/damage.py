@@ -77,6 +77,9 @@ def write_error(e: Exception, path: Path, needed: int) -> Exception:
     return e
 
 
+RESUME_MARGIN = 1 << 20  # free bytes beyond a write's own that a full disk waits for
+
+
 def full_error(path: Path, needed: int, cause: object = None) -> BankFullError:
     free = free_bytes(path)
     why = f" ({cause})" if cause is not None else ""

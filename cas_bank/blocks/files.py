@@ -28,8 +28,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from cas_bank.blocks.damage import RESUME_MARGIN, free_bytes, full_error, is_no_space
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
-from cas_bank.errors import CorruptDataError
+from cas_bank.errors import BankFullError, CorruptDataError
 
 STUB_MAGIC = b"CASF"
 _STUB = struct.Struct("<4s32sQ")
@@ -68,6 +69,7 @@ class FileTier(BlockStore):
         self._lock = threading.Lock()  # one writer of files at a time
         self.files_written = 0
         self.file_bytes_written = 0
+        self._full: str | None = None  # why files are refused: the disk was full
         if not self.read_only:
             for family in PAYLOAD_FAMILIES:
                 (self.directory / family.value).mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,12 @@ class FileTier(BlockStore):
             self.inner.put_batch(writes)  # raises, naming the mode
             return
         touched = [(f, k) for f, k, _ in writes if f in PAYLOAD_FAMILIES]
+        needed = sum(len(v) for f, _, v in writes if v is not None and self._as_file(f, v))
         with self._lock:
+            # After a full disk: refuse at once while it is still full (RocksDB does the
+            # same for its own writes).
+            if self._full is not None and free_bytes(self.directory) < needed + RESUME_MARGIN:
+                raise full_error(self.directory.parent, needed)
             before = self._names(touched)
             out: list[Write] = []
             new: list[Path] = []
@@ -157,11 +164,17 @@ class FileTier(BlockStore):
                     for family in PAYLOAD_FAMILIES:
                         _fsync_dir(self.directory / family.value)
                 self.inner.put_batch(out)
-            except BaseException:
+                self._full = None
+            except BaseException as e:
                 for path in new:
                     if path not in before.values():
                         with contextlib.suppress(OSError):
                             path.unlink()
+                if isinstance(e, OSError) and not isinstance(e, BankFullError) and is_no_space(e):
+                    # a payload file did not fit
+                    err = full_error(self.directory.parent, needed, e)
+                    self._full = str(err)
+                    raise err from None
                 raise
             after = self._names(touched)
             for name, path in before.items():
@@ -207,14 +220,19 @@ class FileTier(BlockStore):
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(value)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                view = memoryview(value)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # no half-written file is left behind
+                os.unlink(tmp)
+            raise
         self.files_written += 1
         self.file_bytes_written += len(value)
 
@@ -259,7 +277,7 @@ class FileTier(BlockStore):
         return self.inner.location
 
     def degraded(self) -> str | None:
-        return self.inner.degraded()
+        return self._full or self.inner.degraded()
 
     def refresh(self) -> None:
         self.inner.refresh()

@@ -50,6 +50,7 @@ from rocksdict import (
 
 from cas_bank.blocks import damage
 from cas_bank.blocks.damage import (
+    RESUME_MARGIN,
     View,
     free_bytes,
     full_error,
@@ -68,8 +69,6 @@ _MIN_BLOB_SIZE = 4096
 # hybrid state, logits: up to MBs on real models), out of the LSM's rewrites. A
 # secondary open reads them through its read-only instance (module docstring).
 _BLOB_FAMILIES = frozenset({*PAYLOAD_FAMILIES, Family.ENDS})
-# Free bytes beyond a write's own that a bank stopped by a full disk waits for.
-_RESUME_MARGIN = 1 << 20
 
 log = logging.getLogger("cas_bank")
 
@@ -363,7 +362,7 @@ class RocksStore(BlockStore):
     def _resume(self, needed: int) -> None:
         """After a full disk: refuse at once while it is still full; once there is room,
         reopen (RocksDB refuses every write after the error until then)."""
-        if free_bytes(self.path) < needed + _RESUME_MARGIN:
+        if free_bytes(self.path) < needed + RESUME_MARGIN:
             raise full_error(self.path, needed)
         self._close_db()
         try:
