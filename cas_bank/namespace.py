@@ -6,9 +6,10 @@ The store path (blocks, states, end records) is here; the restore path is in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
@@ -16,7 +17,7 @@ from cas_bank import restoring
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.errors import CorruptDataError
+from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
 from cas_bank.index.ends import find_end, prepare_end, write_end
 from cas_bank.index.layout import (
@@ -32,6 +33,8 @@ from cas_bank.index.states import plan_boundaries
 from cas_bank.index.writer import PendingStore
 from cas_bank.restoring import Hit
 from cas_bank.spec import ModelSpec
+
+log = logging.getLogger("cas_bank")
 
 if TYPE_CHECKING:
     from cas_bank.index.owner import Owner
@@ -49,6 +52,25 @@ class StoreReport:
     states_existing: int
     bytes_written: int
     chain: list[BlockHash] = field(repr=False)
+
+
+T = TypeVar("T")
+_NOTHING_STORED = StoreReport(0, 0, 0, 0, 0, 0, 0, chain=[])
+
+
+def _skipping_full(store: Callable[[], T], skip: bool, nothing: T) -> Callable[[], T]:
+    """`store`, or (`skip`) `store` that logs a full disk and returns `nothing`."""
+    if not skip:
+        return store
+
+    def skipping() -> T:
+        try:
+            return store()
+        except BankFullError as e:
+            log.warning("cas_bank: not stored: %s", e)
+            return nothing
+
+    return skipping
 
 
 class Namespace:
@@ -210,6 +232,8 @@ class Namespace:
         tokens: Any,
         layers: Sequence[Any],
         states: Mapping[int, Sequence[Any]] | None = None,
+        *,
+        skip_when_full: bool = False,
     ) -> PendingStore[StoreReport]:
         """`store`, written by the bank's background writer (`BankConfig.write_behind`
         stores may wait; 0: written now, on this thread).
@@ -217,14 +241,21 @@ class Namespace:
         On this thread: the input is checked (bad input raises here, nothing is queued)
         and the arrays are snapshotted without a copy (see `index.writer`) and leased,
         so a restore right after sees the blocks. `Bank.flush()` waits for the writer.
+        `skip_when_full`: a full disk (`BankFullError`) skips the store with a warning
+        (its report says nothing was written) instead of failing it.
         """
         writer = self.bank.writer
         if writer is None:
             done: PendingStore[StoreReport] = PendingStore()
-            done._set(self.store(tokens, layers, states), None)
+            store = _skipping_full(
+                lambda: self.store(tokens, layers, states), skip_when_full, _NOTHING_STORED
+            )
+            done._set(store(), None)
             return done
         if self.bank.read_only:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
+        if writer.closed:  # as `store` says it: nobody would write this one
+            raise RuntimeError(f"bank at {self.bank.path} is closed")
         toks = as_token_array(tokens)
         n = len(toks)
         flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
@@ -237,7 +268,11 @@ class Namespace:
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
         if self.bank.leases is not None:
             self.bank.leases.put_chain(self.chain(toks), flat, kept)
-        return writer.submit(lambda: self.store(toks, snapshot, by_layer))
+        return writer.submit(
+            _skipping_full(
+                lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
+            )
+        )
 
     def store_end(
         self,
@@ -268,19 +303,32 @@ class Namespace:
         *,
         logits: Any = None,
         hidden: Any = None,
+        skip_when_full: bool = False,
     ) -> PendingStore[int]:
         """`store_end` through the bank's background writer, after the stores queued
-        before it (their blocks are its parents); the arrays are copied now."""
+        before it (their blocks are its parents); the arrays are copied now.
+        `skip_when_full` as for `store_later` (0 bytes written)."""
         writer = self.bank.writer
         if writer is None or self.bank.read_only:
             done: PendingStore[int] = PendingStore()
-            done._set(self.store_end(tokens, layers, state, logits=logits, hidden=hidden), None)
+            store = _skipping_full(
+                lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
+                skip_when_full,
+                0,
+            )
+            done._set(store(), None)
             return done
+        if writer.closed:
+            raise RuntimeError(f"bank at {self.bank.path} is closed")
         end = prepare_end(
             self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
         )
         hashes = self.chain(end.tokens)
-        return writer.submit(lambda: write_end(self.bank, self.spec, self.root, hashes, end))
+        return writer.submit(
+            _skipping_full(
+                lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
+            )
+        )
 
     def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
         """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit

@@ -382,7 +382,14 @@ class PrefixCache:
         layers = cache_layers(self.spec, cache, n)
         state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
         if self.background:
-            self.namespace.store_end_later(toks, layers, state, logits=logits, hidden=hidden)
+            self.namespace.store_end_later(
+                toks,
+                layers,
+                state,
+                logits=logits,
+                hidden=hidden,
+                skip_when_full=self.skip_store_when_full,
+            )
             return 0
         return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
 
@@ -391,14 +398,21 @@ class PrefixCache:
         tokens: Any,
         cache: Sequence[Any],
         states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+        *,
+        this_model: bool = False,
     ) -> PendingStore[StoreReport]:
-        """`store` through the bank's background writer (`Namespace.store_later`)."""
+        """`store` through the bank's background writer (`Namespace.store_later`); the
+        same checks (the cache must come from this PrefixCache, or `this_model=True`),
+        and `skip_store_when_full` holds for the write."""
         toks = self.tokens(tokens)
         check_cache(self.spec, cache, self._offset(cache, len(toks)))
+        vouch_for(self.spec, cache, this_model)
         if isinstance(states, StateRecorder):
             states = states.states_for(len(toks))
         layers = cache_layers(self.spec, cache, len(toks))
-        return self.namespace.store_later(toks, layers, states)
+        return self.namespace.store_later(
+            toks, layers, states, skip_when_full=self.skip_store_when_full
+        )
 
     def _offset(self, cache: Any, default: int) -> int:
         """Tokens the cache's attention layers hold (they must agree)."""

@@ -39,6 +39,8 @@ def test_a_cache_the_bank_cannot_vouch_for_is_refused() -> None:
             pc.store(TOKENS, cache)
         with pytest.raises(InvalidInputError, match="cannot vouch"):
             pc.prefill([*TOKENS, 5], cache, start=len(TOKENS))
+        with pytest.raises(InvalidInputError, match="cannot vouch"):
+            pc.store_later(TOKENS, cache)  # the background path checks the same
         assert bank.stats().blocks == 0
         mine = pc.new_cache()
         pc.prefill(TOKENS, mine, store=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import (
+    BLOCK_SIZE,
     attention_spec,
     child_env,
     kv_prefix_bits,
@@ -161,3 +162,20 @@ def test_prefix_cache_in_the_background_is_exact(bank_path: Path) -> None:
         assert float(np.max(np.abs(np.array(logits) - np.array(want)))) <= 1e-4
         bank.flush()
         assert bank.stats().blocks == 3
+
+
+def test_a_closed_banks_writer_takes_nothing_and_closes_once(bank_path: Path) -> None:
+    """After close: store_later raises as store does (nobody would write it), and a
+    second close (a `with` block around an explicit close) returns at once."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(4), 3 * BLOCK_SIZE)
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, write_behind=2)) as bank:
+        ns = bank.namespace(spec)
+        ns.store_later(tokens, prefix_layers(spec, tokens))
+        bank.close()
+        with pytest.raises(RuntimeError, match="is closed"):
+            ns.store_later(tokens, prefix_layers(spec, tokens))
+        with pytest.raises(RuntimeError, match="is closed"):
+            ns.store_end_later(tokens, prefix_layers(spec, tokens))
+    with Bank.open(bank_path) as bank:  # what was queued before the close is there
+        assert bank.namespace(spec).match(tokens) == len(tokens)

@@ -57,11 +57,19 @@ class BackgroundWriter:
         )
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="cas_bank-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def submit(self, write: Callable[[], T]) -> PendingStore[T]:
-        """Queue `write`; blocks while the queue is full."""
+        """Queue `write`; blocks while the queue is full. `RuntimeError` once closed:
+        nobody would ever write it."""
+        if self._closed:
+            raise RuntimeError("the background writer is closed: the bank was closed")
         pending: PendingStore[T] = PendingStore()
         self._queue.put((write, pending))
         return pending
@@ -84,8 +92,9 @@ class BackgroundWriter:
 
     def flush(self) -> None:
         """Wait until every queued store is written; raise the first that failed since
-        the last flush. From the writer's own thread (a store that flushes): no wait."""
-        if threading.current_thread() is not self._thread:
+        the last flush. From the writer's own thread (a store that flushes), or once
+        closed (nothing is queued then): no wait."""
+        if threading.current_thread() is not self._thread and not self._closed:
             self._queue.join()
         with self._lock:
             errors, self._errors = self._errors, []
@@ -93,9 +102,12 @@ class BackgroundWriter:
             raise errors[0]
 
     def close(self) -> None:
-        """Flush, then stop the thread."""
+        """Flush, then stop the thread; a second close does nothing."""
+        if self._closed:
+            return
         try:
             self.flush()
         finally:
+            self._closed = True
             self._queue.put(None)
             self._thread.join()
