@@ -51,3 +51,32 @@ def test_a_secondary_bank_restores_blob_payloads_and_follows_the_writer(tmp_path
     proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_a_reader_missing_a_payload_the_writer_evicted_counts_a_miss_not_damage(
+    tmp_path: Path,
+) -> None:
+    """A reader beside a live writer sees headers as of its open: a payload the writer
+    evicted since is a miss, never a corrupt read (nor a suspect block)."""
+    from conftest import attention_spec, prefix_layers
+
+    from cas_bank import Bank, BankConfig
+
+    spec = attention_spec()
+    a, b = list(range(1, 13)), list(range(100, 112))
+    path = tmp_path / "bank"
+    with Bank.open(path, BankConfig(block_size=4, file_min_bytes=0, max_bytes=3000)) as w:
+        ns = w.namespace(spec)
+        ns.store(a, prefix_layers(spec, a))
+        w.flush()
+        for mode in ("secondary", "read_only"):
+            with Bank.open(path, mode=mode) as reader:
+                assert reader.namespace(spec).match(a) == len(a)
+                ns.store(b, prefix_layers(spec, b))  # over budget: a is evicted
+                w.flush()
+                assert ns.match(a) < len(a)  # leaf-first: its last blocks went
+                hit = reader.namespace(spec).restore(a)
+                assert hit is None or hit.tokens < len(a)
+                assert reader.stats().corrupt_reads == 0
+            ns.store(a, prefix_layers(spec, a))  # back for the next mode
+            w.flush()

@@ -278,7 +278,12 @@ class PayloadReader:
         return self._verified(family, key, fetched)
 
     def _evicted(self, family: Family, key: bytes) -> bool:
-        """Whether a payload missing under a header just read was evicted since (a miss)."""
+        """Whether a payload missing under a header just read was evicted since (a miss).
+        A reader beside a live writer (read-only or secondary) sees headers as of its
+        open or last refresh: a payload gone under one is the writer's eviction, not
+        damage (`cas-bank verify` finds damage)."""
+        if self.store.read_only:
+            return True
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
