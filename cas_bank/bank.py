@@ -144,6 +144,12 @@ class Bank:
         else:
             if not str(path).strip():  # Path("") is the current directory
                 raise InvalidInputError("the bank path is empty; name a directory")
+            if mode not in ("read_write", "read_only", "secondary"):
+                raise InvalidInputError(
+                    f"mode {mode!r} is not one of 'read_write', 'read_only', 'secondary'"
+                )
+            if isinstance(path, Path) or "://" not in str(path):
+                path = Path(path).expanduser()  # "~/banks/x" as a shell would read it
             store = open_store(path, mode=mode, durability=config.durability)
             built = True
         where = Path(store.location)

@@ -240,7 +240,9 @@ class Namespace:
 
         On this thread: the input is checked (bad input raises here, nothing is queued)
         and the arrays are snapshotted without a copy (see `index.writer`) and leased,
-        so a restore right after sees the blocks. `Bank.flush()` waits for the writer.
+        so a restore right after sees the blocks (leases live in the hot tier: with
+        `hot_bytes=0` a restore sees them once written). `Bank.flush()` waits for the
+        writer.
         `skip_when_full`: a full disk (`BankFullError`) skips the store with a warning
         (its report says nothing was written) instead of failing it.
         """
@@ -391,15 +393,17 @@ class Namespace:
         tokens: Any,
         start: int,
         stride: int | None = None,
-        hints: Sequence[int] = (),
+        hints: Sequence[int] | None = (),
     ) -> list[int]:
         """Boundaries where a prefill of `tokens` from `start` should capture states.
 
         `hints`: token positions where later prompts are likely to branch (e.g. the end
-        of a system prompt). Empty for attention-only models. See `index.states`.
+        of a system prompt; None: none). Empty for attention-only models. See
+        `index.states`.
         """
         if not self.spec.is_hybrid:
             return []
+        hints = () if hints is None else hints
         toks = as_token_array(tokens)
         matched = self.matched(toks)
         return plan_boundaries(

@@ -247,7 +247,7 @@ class PrefixCache:
         start: int = 0,
         *,
         store: bool = True,
-        hints: Sequence[int] = (),
+        hints: Sequence[int] | None = (),
         this_model: bool = False,
         end: bool = False,
     ) -> mx.array:
@@ -372,6 +372,8 @@ class PrefixCache:
         """
         toks = self.tokens(tokens)
         n = len(toks)
+        if n == 0:
+            raise InvalidInputError("an end record needs at least one token")
         offset = self._offset(cache, n)
         if offset != n:
             raise InvalidInputError(

@@ -198,3 +198,23 @@ def test_a_reader_needs_a_bank(tmp_path: Path) -> None:
     RocksStore(tmp_path / "empty").close()  # a RocksDB directory that is not a bank
     with pytest.raises(BankSettingsError, match="holds no cas_bank bank"):
         Bank.open(tmp_path / "empty", mode="read_only")
+
+
+def test_open_reads_a_home_path_and_refuses_an_unknown_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with Bank.open("~/banks/one"):
+        pass
+    assert (tmp_path / "banks" / "one" / "CURRENT").exists()
+    assert not (tmp_path / "~").exists()  # not a folder named "~" here
+    with pytest.raises(InvalidInputError, match="mode 'rw'"):
+        Bank.open(tmp_path / "banks" / "one", mode="rw")  # type: ignore[arg-type]
+
+
+def test_bfloat16_token_ids_are_refused_by_name(tmp_path: Path) -> None:
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK_SIZE)) as bank:
+        ns = bank.namespace(attention_spec())
+        with pytest.raises(InvalidInputError, match="integers"):
+            ns.match(mx.array([1, 2, 3], dtype=mx.bfloat16))

@@ -177,3 +177,13 @@ def test_sigterm_refuses_the_queue_and_exits_within_seconds(tmp_path: Path) -> N
     # whole answer: all three are 503s, "shutting_down".
     assert statuses == [503, 503, 503] and set(codes) == {"shutting_down"}, (statuses, codes)
     assert os.path.exists(tmp_path / "bank" / "CURRENT") and sys.executable
+
+
+def test_an_empty_end_record_and_no_hints_are_told_apart_from_bugs() -> None:
+    with temp_bank() as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"))
+        cache = pc.new_cache()
+        with pytest.raises(InvalidInputError, match="at least one token"):
+            pc.store_end([], cache)
+        pc.prefill(TOKENS, cache, hints=None)  # None: no hints, as ()
+        assert pc.namespace.match(TOKENS) > 0

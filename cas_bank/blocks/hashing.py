@@ -49,7 +49,12 @@ def as_token_array(tokens: Any) -> np.ndarray:
     batch axis of 1 is allowed). Rejects floats, bools, negatives and ids >= 2**32.
     """
     if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
-        tokens = np.asarray(tokens)  # an MLX array (zero-copy)
+        try:
+            tokens = np.asarray(tokens)  # an MLX array (zero-copy)
+        except (ValueError, TypeError):  # a dtype numpy has not (bfloat16)
+            raise InvalidInputError(
+                f"token ids must be integers; got {getattr(tokens, 'dtype', type(tokens))}"
+            ) from None
     if isinstance(tokens, np.ndarray):
         arr = tokens
     else:
