@@ -100,18 +100,15 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         matched = []
     remote = ns.bank.remote
     hybrid = ns.spec.is_hybrid
-    n_blocks = restore_blocks(matched, hybrid)
-    # The shared tier continues the local chain where it ends (verified, in memory),
-    # or, for a hybrid model whose local chain lacks a state at its end, may hold a
-    # deeper state over the local blocks.
+    # The shared tier continues the local chain where it ends (verified, in memory).
     cont = (
         remote.continue_chain(ns, toks, hashes, matched)
-        if remote is not None and (len(matched) < len(hashes) or n_blocks < len(matched))
+        if remote is not None and len(matched) < len(hashes)
         else None
     )
     if cont is not None:
         matched = cont.matched
-        n_blocks = restore_blocks(matched, hybrid)
+    n_blocks = restore_blocks(matched, hybrid)
     bs = ns.block_size
     # An end record under the deepest matched block (index.ends): an exact repeat,
     # or a prompt that extends a stored one past the chain's restore point.
@@ -130,6 +127,13 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         )
         if end is not None:
             n_blocks = end.blocks
+    if cont is None and end is None and remote is not None and n_blocks < len(matched):
+        # A hybrid model whose local blocks go past its deepest local state (and no end
+        # record reaches further): the shared tier may hold a deeper state over them.
+        cont = remote.continue_chain(ns, toks, hashes, matched)
+        if cont is not None:
+            matched = cont.matched
+            n_blocks = restore_blocks(matched, hybrid)
     capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
     # The one probe of memory: the deepest matched block a lease holds.
     leases = ns.bank.leases
