@@ -279,13 +279,25 @@ class PayloadReader:
 
     def _evicted(self, family: Family, key: bytes) -> bool:
         """Whether a payload missing under a header just read was evicted since (a miss).
-        A reader beside a live writer (read-only or secondary) sees headers as of its
-        open or last refresh: a payload gone under one is the writer's eviction, not
-        damage (`cas-bank verify` finds damage)."""
-        if self.store.read_only:
+        A reader beside a live writer (read-only or secondary) sees the database as of
+        its open or last refresh, but payload files as they are now: a file gone under
+        the stub its view still holds is the writer's eviction, not damage (that view
+        cannot tell them apart; `cas-bank verify` finds damage)."""
+        if self.store.read_only and self._stub_of_a_file(family, key):
             return True
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
+
+    def _stub_of_a_file(self, family: Family, key: bytes) -> bool:
+        """Whether the database holds a payload file's stub under `key`."""
+        files = self.files
+        if files is None:
+            return False
+        try:
+            stub = files.inner.get(family, key)
+        except CorruptDataError:
+            return False
+        return stub is not None and stub_of(stub) is not None
 
     def state_in_file(self, header: Header) -> bool:
         """Whether `header`'s boundary state is of the file tier's size (a payload file
