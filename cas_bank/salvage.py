@@ -17,6 +17,7 @@ record) are read from the blob files directly, and checked the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import struct
@@ -45,6 +46,7 @@ class SalvageReport:
     ends_copied: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # why blocks were left behind
     walk_errors: list[str] = field(default_factory=list)
+    unreadable_files: list[str] = field(default_factory=list)  # left out of the copy
 
 
 def _walk(bank: Bank, family: Family, report: SalvageReport) -> Iterator[tuple[bytes, bytes]]:
@@ -65,7 +67,7 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
     scratch = Path(tempfile.mkdtemp(prefix="cas_bank_salvage_"))
     try:
         copy = scratch / "bank"
-        _copy_dir(src, copy)
+        report.unreadable_files = _copy_dir(src, copy)
         try:
             old = Bank.open(copy, BankConfig(hot_bytes=0))
         except CasBankError:
@@ -84,14 +86,22 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
 _COPY_ATTEMPTS = 3
 
 
-def _copy_dir(src: Path, copy: Path) -> None:
-    """Copy the bank's files; a writer still running may delete one mid-copy (after a
-    flush or a compaction): then the copy starts again, a few times at most. What is
-    copied is only a source: every record is checked before it is written anew."""
+def _copy_dir(src: Path, copy: Path) -> list[str]:
+    """Copy the bank's files; the ones that cannot be read (an I/O error: what salvage
+    is for) are left out and returned, and RocksDB's repair does without them. A writer
+    still running may delete a file mid-copy (after a flush or a compaction): then the
+    copy starts again, a few times at most. What is copied is only a source: every
+    record is checked before it is written anew."""
     for attempt in range(_COPY_ATTEMPTS):
+        unreadable: list[str] = []
         try:
-            shutil.copytree(src, copy, ignore=shutil.ignore_patterns("LOCK"))
-            return
+            shutil.copytree(
+                src,
+                copy,
+                ignore=shutil.ignore_patterns("LOCK"),
+                copy_function=functools.partial(_copy_or_note, unreadable),
+            )
+            return unreadable
         except (shutil.Error, FileNotFoundError) as e:
             shutil.rmtree(copy, ignore_errors=True)
             if attempt + 1 == _COPY_ATTEMPTS:
@@ -100,6 +110,18 @@ def _copy_dir(src: Path, copy: Path) -> None:
                     f"{_COPY_ATTEMPTS} copies ({e}); stop it, or salvage when it is idle"
                 ) from None
             time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _copy_or_note(unreadable: list[str], source: str, target: str) -> str:
+    """Copy one file; one that cannot be read is noted in `unreadable` and left out."""
+    try:
+        return str(shutil.copy2(source, target))
+    except FileNotFoundError:
+        raise  # gone since it was listed: a writer at work, copy again
+    except OSError as e:
+        unreadable.append(f"{source}: {e.strerror or e}")
+        return target
 
 
 _BLOB_FILE_HEADER = 30  # magic, version, family id, flags, compression, expiration range

@@ -257,3 +257,27 @@ def test_salvage_copies_again_when_a_writer_deletes_a_file_mid_copy(
     with pytest.raises(CasBankError, match="a writer changed its files"):
         salvage_module.salvage(built, tmp_path / "other")
     assert not (tmp_path / "other").exists()
+
+
+def test_salvage_leaves_out_a_file_it_cannot_read_and_goes_on(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error on one table file (a bad sector) is what salvage is for: the file
+    is left out of the copy and named, RocksDB's repair does without it, and what still
+    verifies is copied (no retry, no blame on a writer)."""
+    import errno
+
+    import cas_bank.salvage as salvage_module
+
+    bad = family_tables(built)["headers"][0]
+    real = shutil.copy2
+
+    def failing(source: str, target: str, **kw: object) -> object:
+        if Path(source).name == bad:
+            raise OSError(errno.EIO, "Input/output error", source)
+        return real(source, target, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(salvage_module.shutil, "copy2", failing)
+    report = salvage_module.salvage(built, tmp_path / "new")
+    assert [f.split(":")[0] for f in report.unreadable_files] == [str(built / bad)]
+    assert report.repaired

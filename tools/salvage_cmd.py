@@ -38,6 +38,7 @@ def cmd_salvage(args: argparse.Namespace) -> int:
                 "ends_copied": report.ends_copied,
                 "skipped": report.skipped,
                 "walk_errors": report.walk_errors,
+                "unreadable_files": report.unreadable_files,
             }
         )
         return 0
@@ -51,6 +52,6 @@ def cmd_salvage(args: argparse.Namespace) -> int:
         ("skipped", skipped),
         ("repaired", "yes (RocksDB rebuilt the copy's MANIFEST)" if report.repaired else "no"),
     ]
-    rows += [("unreadable", e) for e in report.walk_errors]
+    rows += [("unreadable", e) for e in [*report.unreadable_files, *report.walk_errors]]
     emit(fields(rows))
     return 0
