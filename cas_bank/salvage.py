@@ -77,7 +77,7 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
             report.repaired = True
             old = Bank.open(copy, BankConfig(hot_bytes=0))
         with old:
-            _copy(old, dst, report, _blob_records(src) if report.repaired else {})
+            _copy(old, dst, report, _blob_records(src, key_length=32) if report.repaired else {})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return report
@@ -128,11 +128,12 @@ _BLOB_FILE_HEADER = 30  # magic, version, family id, flags, compression, expirat
 _BLOB_RECORD = struct.Struct("<QQQII")  # key and value sizes, expiration, two CRCs
 
 
-def _blob_records(src: Path) -> dict[bytes, list[bytes]]:
+def _blob_records(src: Path, key_length: int | None = None) -> dict[bytes, list[bytes]]:
     """Every (key, value) record of the bank's blob files, read without RocksDB; values
     are only candidates (a key has a payload and may have a state): the caller checks
     each against the header's digest (an end record, keyed by 64 bytes, against its
-    own). A damaged record ends its file's walk."""
+    own). A damaged record ends its file's walk. `key_length`: keep only keys of that
+    length (end records: 64), so payloads are not held in memory for nothing."""
     out: dict[bytes, list[bytes]] = {}
     for blob in sorted(src.glob("*.blob")):
         data = blob.read_bytes()
@@ -143,7 +144,8 @@ def _blob_records(src: Path) -> dict[bytes, list[bytes]]:
             if klen not in (32, 64) or start + klen + vlen > len(data):
                 break
             key = data[start : start + klen]
-            out.setdefault(key, []).append(data[start + klen : start + klen + vlen])
+            if key_length is None or klen == key_length:
+                out.setdefault(key, []).append(data[start + klen : start + klen + vlen])
             pos = start + klen + vlen
     return out
 
@@ -201,8 +203,8 @@ def _copy_ends(
     errors = len(report.walk_errors)
     records = dict(_walk(old, Family.ENDS, report))
     if len(report.walk_errors) > errors:
-        for key, values in _blob_records(old.path).items():
-            if len(key) == 64 and key not in records:
+        for key, values in _blob_records(old.path, key_length=64).items():
+            if key not in records:
                 records[key] = values[-1]  # the newest; it is checked like the rest
     with new.transaction(budget=False) as tx:
         for key, value in records.items():
