@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -118,8 +119,9 @@ class RemoteTier:
         )
         # Chain hashes whose cluster entries this host rejected: its next publish of
         # them writes over what is there (a damaged entry is otherwise never replaced:
-        # a publish skips what exists). Bounded; a stale one costs one rewrite.
-        self._rejected: set[bytes] = set()
+        # a publish skips what exists). The newest `_REJECTED_KEPT`; a stale one costs
+        # one rewrite.
+        self._rejected: OrderedDict[bytes, None] = OrderedDict()
         self._rejected_lock = threading.Lock()
 
     # -- restore -------------------------------------------------------------------
@@ -137,8 +139,10 @@ class RemoteTier:
         self.bank.counters.count(remote_rejected=1)
         log.warning("cas_bank remote entry %s rejected (%s): served as a miss", h.hex()[:16], why)
         with self._rejected_lock:
-            if len(self._rejected) < _REJECTED_KEPT:
-                self._rejected.add(bytes(h))
+            self._rejected[bytes(h)] = None
+            self._rejected.move_to_end(bytes(h))
+            if len(self._rejected) > _REJECTED_KEPT:
+                self._rejected.popitem(last=False)
 
     def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None:
         """A restore covered `n_blocks` blocks using `cont`: count what came from the
@@ -221,12 +225,13 @@ class RemoteTier:
             return
         with self._rejected_lock:
             redo = {h.chain_hash for h, _ in job.blocks} | {h for h, _ in job.states}
-            redo &= self._rejected
+            redo &= self._rejected.keys()
         # SET ... NX: two hosts that store the same block at once both see it absent, and
         # only the first write of each key lands (same key, same bytes: content-addressed).
         # An entry this host rejected is written over (no NX): these bytes are good.
         cmds: list[tuple[Any, ...]] = []
         counted: list[bool] = []  # the header or state write that makes an entry
+        owners: list[bytes] = []  # the chain hash each command writes for
         for (header, payload), (hk, pk), have in zip(job.blocks, block_keys, present, strict=False):
             if have == 2 and header.chain_hash not in redo:
                 continue
@@ -235,6 +240,7 @@ class RemoteTier:
             cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), *nx))
             cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx))
             counted += [False, True]
+            owners += [header.chain_hash, header.chain_hash]
         for (h, payload), sk, have in zip(
             job.states, state_keys, present[len(block_keys) :], strict=True
         ):
@@ -243,14 +249,17 @@ class RemoteTier:
             nx = () if h in redo else ("NX",)
             cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload), *nx))
             counted.append(True)
+            owners.append(h)
         if not cmds:
             return
         done = self.client.run(cmds)
         if done is None:
             return
-        if redo and all(a is not None for a in done):
+        if redo:  # rewritten: no longer to be written over (a write that failed: still)
+            failed = {o for o, a in zip(owners, done, strict=True) if a is None}
             with self._rejected_lock:
-                self._rejected -= redo
+                for h in redo - failed:
+                    self._rejected.pop(h, None)
         # None: refused (a full node), not sent, or already written by another host.
         written = sum(len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None)
         self.bank.counters.count(
