@@ -146,7 +146,7 @@ class Explanation:
                 lines.append(
                     "no boundary before the first corrupt block holds a recurrent state: "
                     "nothing to restore."
-                    if self.corrupt
+                    if any(c.record == "payload" for c in self.corrupt)
                     else "no matched boundary holds a recurrent state: nothing to restore."
                 )
             elif self.boundaries_without_state:

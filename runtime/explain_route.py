@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from cas_bank.blocks.hashing import namespace_root, salt_bytes
 from cas_bank.explain import explain
+from cas_bank.index.tree import HeaderIndex
 
 from .generation import RequestError
 
@@ -46,16 +48,19 @@ def explain_request(engine: Engine, body: Mapping[str, Any]) -> dict[str, Any]:
         raise RequestError(
             "cache_salt must be a string of 1 to 1024 characters", param="cache_salt"
         )
-    pc = engine.prefix_cache.salted(salt)
+    pc = engine.prefix_cache
     try:
         pc.tokens(prompt)
     except ValueError as e:  # InvalidInputError: an id beyond the vocabulary
         raise RequestError(str(e), param="prompt") from e
-    root = pc.namespace.root
-    found = explain(engine.bank, root, prompt)
+    # The salted root, computed: a diagnostic records no namespace for a new salt.
+    root = namespace_root(pc.spec.fingerprint, pc.block_size, salt_bytes(salt))
+    index = HeaderIndex.load(engine.bank.store)  # read once for both looks
+    found = explain(engine.bank, root, prompt, index)
     exact = found.end_record_tokens == len(prompt) and found.end_record_logits
     if not exact and found.restorable_tokens >= len(prompt):
-        found = explain(engine.bank, root, prompt[:-1])  # what `restore_exact` falls back to
+        # What `restore_exact` falls back to.
+        found = explain(engine.bank, root, prompt[:-1], index)
     result = found.as_dict()
     result["prompt_tokens"] = len(prompt)
     return result

@@ -195,7 +195,8 @@ def _look_any(bank: Bank, prefix: str) -> _Look | dict[str, Any]:
     """A block's look, or an end record's info, for the one block hash or end hash
     `prefix` starts (ambiguous when it starts several of either kind)."""
     index = HeaderIndex.load(bank.store)
-    ends = {k[32:]: k for k in bank.store.keys(Family.ENDS)}  # end hash -> record key
+    # End hash -> record key (a damaged ends table: the ones before the damage).
+    ends = {k[32:]: k for k, _ in bank.store.readable(Family.ENDS, values=False)}
     key = resolve_prefix(prefix, [*index.keys(), *ends])
     if key not in ends:
         return _look(bank, index, key)
