@@ -57,6 +57,9 @@ class BackgroundWriter:
         )
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        # Held while a store is queued and while close begins: no store can land
+        # behind the stop marker (it would wait forever).
+        self._gate = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="cas_bank-writer", daemon=True)
         self._thread.start()
@@ -68,11 +71,12 @@ class BackgroundWriter:
     def submit(self, write: Callable[[], T]) -> PendingStore[T]:
         """Queue `write`; blocks while the queue is full. `RuntimeError` once closed:
         nobody would ever write it."""
-        if self._closed:
-            raise RuntimeError("the background writer is closed: the bank was closed")
-        pending: PendingStore[T] = PendingStore()
-        self._queue.put((write, pending))
-        return pending
+        with self._gate:
+            if self._closed:
+                raise RuntimeError("the background writer is closed: the bank was closed")
+            pending: PendingStore[T] = PendingStore()
+            self._queue.put((write, pending))  # the writer drains: never waits for ever
+            return pending
 
     def _run(self) -> None:
         while True:
@@ -103,11 +107,14 @@ class BackgroundWriter:
 
     def close(self) -> None:
         """Flush, then stop the thread; a second close does nothing."""
-        if self._closed:
-            return
+        with self._gate:  # a submit racing with this one lands before the flush, or fails
+            if self._closed:
+                return
+            self._closed = True
         try:
+            if threading.current_thread() is not self._thread:
+                self._queue.join()  # what was queued before the gate closed
             self.flush()
         finally:
-            self._closed = True
             self._queue.put(None)
             self._thread.join()
