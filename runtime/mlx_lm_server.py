@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,8 @@ from cas_bank.errors import InvalidInputError
 
 from .models import LoadedModel, weights_digest
 from .prompt_cache_adapter import BankPromptCache
+
+log = logging.getLogger("cas_bank")
 
 READY = "cas-bank mlx-lm-server: listening on"
 
@@ -106,14 +109,26 @@ def make_run(
                 "model it is started with"
             )
         model_provider.load_default()
-        prompt_cache = BankPromptCache(
-            bank,
-            loaded_model(model_provider),
-            model_key=model_provider.model_key,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            capture_states=capture_states,
-        )
+        prompt_cache: Any
+        if getattr(args, "draft_model", None):
+            # Speculative decoding's caches hold the draft model's layers after the
+            # model's: the bank keeps one model's, so mlx-lm's own cache serves them.
+            # (A draft model named by a request has another model key: a bank miss.)
+            log.warning(
+                "cas-bank mlx-lm-server: with --draft-model, mlx-lm's own prompt cache "
+                "serves the requests; the bank at %s is not used",
+                bank.path,
+            )
+            prompt_cache = mls.LRUPromptCache(args.prompt_cache_size)
+        else:
+            prompt_cache = BankPromptCache(
+                bank,
+                loaded_model(model_provider),
+                model_key=model_provider.model_key,
+                kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size,
+                capture_states=capture_states,
+            )
         generator = mls.ResponseGenerator(model_provider, prompt_cache)
         try:
             mls._run_http_server(

@@ -209,3 +209,26 @@ def test_a_hybrid_model_restores_shared_prompts_from_captured_states(
     assert cached(r2) % BLOCK == 0 or cached(r2) == len(e1)
     assert cached(r3) == restorable(p1, [p1], [e1, p1[:-1]]) == len(p1) - 1
     assert answer(r3) == answer(r1)
+
+
+def test_a_draft_model_is_served_by_mlx_lms_own_cache(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Speculative decoding's caches hold the draft model's layers too: the bank keeps
+    one model's, so with --draft-model mlx-lm's own prompt cache serves (a bank cache
+    would miss the draft's layers, and mlx-lm fails on it)."""
+    bank, log = tmp_path / "bank", tmp_path / "server.log"
+    one = conversation("what is the weather in city 1?")
+    server = start(bank, models["plain"], log)
+    try:
+        first = chat(server.url, one)  # the bank holds this conversation now
+    finally:
+        assert server.stop() == 0, log.read_text()
+    draft = ("--draft-model", str(models["plain"]), "--num-draft-tokens", "2")
+    server = start(bank, models["plain"], log, *draft)
+    try:
+        again = [chat(server.url, one) for _ in range(2)]
+    finally:
+        assert server.stop() == 0, log.read_text()
+    assert [answer(r) for r in again] == [answer(first)] * 2
+    assert "the bank at" in log.read_text() and "is not used" in log.read_text()
