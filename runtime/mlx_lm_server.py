@@ -13,6 +13,7 @@ joins its generation thread); the bank is closed after that, on every exit path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -187,7 +188,9 @@ def serve(
     sys.argv = ["mlx_lm.server", *mlx_lm_args]
     try:
         run = make_run(bank, json_line=json_line, capture_states=capture_states)
-        with _swapped_run(run), _sigterm_as_interrupt():
+        # A stop (Ctrl-C, SIGTERM) before mlx-lm's serve loop catches it (just after the
+        # ready line) is a stop all the same, not an error.
+        with _swapped_run(run), _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
             mls.main()
     finally:
         sys.argv = argv
