@@ -232,3 +232,10 @@ def test_a_draft_model_is_served_by_mlx_lms_own_cache(
         assert server.stop() == 0, log.read_text()
     assert [answer(r) for r in again] == [answer(first)] * 2
     assert "the bank at" in log.read_text() and "is not used" in log.read_text()
+
+
+def test_a_stop_right_after_the_ready_line_is_a_clean_exit(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    server = start(tmp_path / "bank", models["plain"], tmp_path / "server.log")
+    assert server.stop() == 0, (tmp_path / "server.log").read_text()  # SIGTERM at once
