@@ -23,7 +23,6 @@ bad end records and those under the blocks it removed. Like diskcache's
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -267,16 +266,16 @@ def _scan_ends(
     it did read are checked."""
     out: list[tuple[Problem, int]] = []
     records: list[tuple[bytes, bytes]] = []
-    try:
-        for record in bank.store.iterate(Family.ENDS):
-            records.append(record)
-    except CorruptDataError as e:
+
+    def damaged(e: CorruptDataError) -> None:
         after = f" after {records[-1][0].hex()[:16]}" if records else ""
         why = (
             f"end records unreadable{after}: {_cause(e)}; --fix cannot name the records past "
             "the damage: `cas-bank salvage` copies every one that still verifies"
         )
         out.append((Problem("bad_end", b"", why), 0))
+
+    records.extend(bank.store.readable(Family.ENDS, damaged=damaged))
     for key, value in records:
         report.ends_checked += 1
         report.bytes_checked += len(value)
@@ -314,16 +313,18 @@ def _scan_access(bank: Bank) -> list[Problem]:
     bank works without them (a use it cannot read is unknown: eviction takes such a
     block as unused), and --fix cannot name what it cannot read: `cas-bank salvage`
     writes a bank without the damage."""
-    try:
-        for _ in bank.store.iterate(Family.ACCESS, values=False):
-            pass
-    except CorruptDataError as e:
+    out: list[Problem] = []
+
+    def damaged(e: CorruptDataError) -> None:
         why = (
             f"last-use records unreadable: {_cause(e)}; restores and stores go on without "
             "them, `cas-bank salvage` writes a bank without the damage"
         )
-        return [Problem("bad_access", b"", why)]
-    return []
+        out.append(Problem("bad_access", b"", why))
+
+    for _ in bank.store.readable(Family.ACCESS, values=False, damaged=damaged):
+        pass
+    return out
 
 
 def _fix_ends(
@@ -335,10 +336,9 @@ def _fix_ends(
 ) -> None:
     """Delete the bad end records, and those under blocks `_fix` removed."""
     doomed = {p.chain_hash: size for p, size in bad if p.chain_hash}
-    with contextlib.suppress(CorruptDataError):  # a damaged file: those before it
-        for key, value in bank.store.iterate(Family.ENDS):
-            if key[:32] in removed:
-                doomed[key] = len(value)
+    for key, value in bank.store.readable(Family.ENDS):  # a damaged file: those before it
+        if key[:32] in removed:
+            doomed[key] = len(value)
     if not doomed:
         return
     with bank.transaction(budget=False) as tx:
