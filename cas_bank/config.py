@@ -7,7 +7,7 @@ checked at every open; the rest are per-open choices (budget, hot tier, compress
 from __future__ import annotations
 
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -77,9 +77,10 @@ class BankConfig(BaseModel):
     detected. None (the default): no shared tier, nothing changes."""
 
     remote_secret: str | None = Field(default=None, repr=False)
-    """Fleet secret keying the MAC of every entry published to the shared tier. None:
-    derived from the URL's credentials (then whoever can write to the cluster could
-    forge entries; set a secret the cluster never sees)."""
+    """Fleet secret keying the MAC of every entry published to the shared tier; required
+    with `remote`, and never the cluster's password. It is the only key material of the
+    MAC (nothing of the URL enters it), so whoever can log into the cluster, but does
+    not hold the secret, cannot write an entry any host accepts."""
 
     remote_tls_ca: str | None = None
     """With `valkeys://`: the PEM file of the CA (bundle) that signed the servers'
@@ -144,3 +145,30 @@ class BankConfig(BaseModel):
         if (self.remote_tls_cert is None) != (self.remote_tls_key is None):
             raise ValueError("remote_tls_cert and remote_tls_key go together (mutual TLS)")
         return self
+
+    @model_validator(mode="after")
+    def _check_secret(self) -> BankConfig:
+        if self.remote is None:
+            return self
+        if not self.remote_secret:
+            raise ValueError(
+                "remote needs remote_secret (cas-bank serve: $CAS_BANK_REMOTE_SECRET), a "
+                "fleet secret the cluster never sees: it keys the MAC of every shared-tier "
+                "entry, and without it anyone who can log into the cluster could forge "
+                "entries every host accepts"
+            )
+        if self.remote_secret == url_credentials(self.remote)[1]:
+            raise ValueError(
+                "remote_secret is the cluster's password: whoever can log into the cluster "
+                "could forge entries every host accepts; use a secret the cluster never sees"
+            )
+        return self
+
+
+def url_credentials(url: str) -> tuple[str, str]:
+    """The user and password of `url`: in its user part, or (as the `valkey` client
+    also reads them) its `username=` and `password=` query parameters."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    user = unquote(parts.username or "") or query.get("username", "")
+    return user, unquote(parts.password or "") or query.get("password", "")

@@ -138,8 +138,9 @@ class Engine:
         `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
         ...), or the path of a local mlx-lm model directory. `block_size`: None takes
         the bank's own (64 for a new bank). `remote`: the shared tier's URL
-        (`BankConfig.remote`), `remote_secret` its fleet secret, `remote_tls_*` its TLS
-        files (`BankConfig.remote_tls_ca` and the client certificate and key).
+        (`BankConfig.remote`), `remote_secret` its fleet secret (required with it),
+        `remote_tls_*` its TLS files (`BankConfig.remote_tls_ca` and the client
+        certificate and key).
         """
         loaded = resolve_model(model, seed=seed)
         settings: dict[str, Any] = {

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from cas_bank.arrays import DTYPES
 from cas_bank.blocks import codec
 from cas_bank.config import BankConfig
-from cas_bank.errors import CorruptDataError
+from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.remote import keys
 from cas_bank.remote.tier import fleet_key, redact
 
@@ -75,16 +76,32 @@ def test_garbage_is_never_an_entry(junk: bytes) -> None:
         keys.open_header(MKEY, keys.key(ROOT, CHAIN, "h"), junk)
 
 
-def test_the_mac_key_comes_from_the_secret_else_the_url_credentials() -> None:
+def test_the_mac_key_comes_from_the_secret_alone() -> None:
     url = "valkey://cas:pw@127.0.0.1:7000"
-    assert fleet_key(url, "s") == keys.mac_key(b"s")
-    assert fleet_key(url, None) != fleet_key("valkey://cas:other@127.0.0.1:7000", None)
+    assert fleet_key("s") == keys.mac_key(b"s")
+    for none in (None, ""):
+        with pytest.raises(InvalidInputError, match="remote_secret"):
+            fleet_key(none)
     assert redact(url) == "valkey://cas:***@127.0.0.1:7000"
-    # The valkey client also reads a password from the query: so do the key and redact.
+    # The valkey client also reads a password from the query: so does redact.
     query = "valkey://127.0.0.1:7000/0?password=pw&protocol=3"
-    assert fleet_key(query, None) != fleet_key("valkey://127.0.0.1:7000/0?password=x", None)
-    assert fleet_key(query, None) == fleet_key("valkey://:pw@127.0.0.1:7000/0", None)
     assert redact(query) == "valkey://127.0.0.1:7000/0?password=***&protocol=3"
+
+
+@pytest.mark.parametrize("secret", [None, ""])
+def test_a_shared_tier_without_a_secret_is_refused(secret: str | None) -> None:
+    with pytest.raises(ValidationError, match=r"remote needs remote_secret .*could forge") as e:
+        BankConfig(remote="valkey://cas:pw@127.0.0.1:7000", remote_secret=secret)
+    assert "pw@" not in str(e.value)
+    assert BankConfig(remote_secret=secret).remote is None  # no shared tier: nothing asked
+
+
+@pytest.mark.parametrize(
+    "url", ["valkey://cas:pw@127.0.0.1:7000", "valkey://127.0.0.1:7000/0?password=pw"]
+)
+def test_the_clusters_password_is_no_secret(url: str) -> None:
+    with pytest.raises(ValidationError, match="remote_secret is the cluster's password"):
+        BankConfig(remote=url, remote_secret="pw")
 
 
 @pytest.mark.parametrize(
@@ -93,11 +110,12 @@ def test_the_mac_key_comes_from_the_secret_else_the_url_credentials() -> None:
 )
 def test_a_bad_remote_url_is_a_clear_error(url: str) -> None:
     with pytest.raises(ValueError, match="remote"):
-        BankConfig(remote=url)
+        BankConfig(remote=url, remote_secret="s")
 
 
 def test_remote_urls_accepted() -> None:
     for url in ("valkey://h:1", "valkeys://u:p@h:6380", "redis://:p@h:6379"):
-        assert BankConfig(remote=url).remote == url
+        assert BankConfig(remote=url, remote_secret="s").remote == url
     assert BankConfig().remote is None
-    assert "pw" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="pw"))
+    assert "pw" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="s3cr3t"))
+    assert "s3cr3t" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="s3cr3t"))

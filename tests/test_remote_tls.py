@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import (
     BLOCK_SIZE,
+    FLEET_SECRET,
     attention_spec,
     hybrid_spec,
     kv_prefix_bits,
@@ -202,23 +203,34 @@ def test_tls_settings_are_checked(tls_files: TLSFiles, tmp_path: Path) -> None:
     url = "valkeys://cas:secret-pw@127.0.0.1:1"
     missing = tmp_path / "nowhere" / "ca.pem"
     with pytest.raises(InvalidInputError, match=r"remote_tls_ca: no readable file at .*ca\.pem"):
-        Bank.open(tmp_path / "a", BankConfig(remote=url, remote_tls_ca=str(missing)))
+        Bank.open(
+            tmp_path / "a",
+            BankConfig(remote=url, remote_secret=FLEET_SECRET, remote_tls_ca=str(missing)),
+        )
     with pytest.raises(InvalidInputError, match="remote_tls_key"):
         Bank.open(
             tmp_path / "a",
             BankConfig(
-                remote=url, remote_tls_cert=str(tls_files.cert), remote_tls_key=str(missing)
+                remote=url,
+                remote_secret=FLEET_SECRET,
+                remote_tls_cert=str(tls_files.cert),
+                remote_tls_key=str(missing),
             ),
         )
     assert not (tmp_path / "a").exists()  # refused before anything was created
     with pytest.raises(ValidationError, match="not a TLS URL"):
-        BankConfig(remote="valkey://127.0.0.1:1", remote_tls_ca=str(tls_files.ca))
+        BankConfig(
+            remote="valkey://127.0.0.1:1",
+            remote_secret=FLEET_SECRET,
+            remote_tls_ca=str(tls_files.ca),
+        )
     with pytest.raises(ValidationError, match="go together"):
-        BankConfig(remote=url, remote_tls_cert=str(tls_files.cert))
+        BankConfig(remote=url, remote_secret=FLEET_SECRET, remote_tls_cert=str(tls_files.cert))
     with pytest.raises(ValidationError, match="scheme 'https'") as e:
         BankConfig(remote="https://cas:secret-pw@127.0.0.1:1")
     assert "secret-pw" not in str(e.value)
-    assert "secret-pw" not in repr(BankConfig(remote=url, remote_tls_ca=str(tls_files.ca)))
+    cfg = BankConfig(remote=url, remote_secret=FLEET_SECRET, remote_tls_ca=str(tls_files.ca))
+    assert "secret-pw" not in repr(cfg) and FLEET_SECRET not in repr(cfg)
 
 
 def test_serve_passes_the_tls_files_through(
@@ -226,10 +238,12 @@ def test_serve_passes_the_tls_files_through(
     tls_files: TLSFiles,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from cas_bank.runtime.engine import Engine
     from cas_bank.tools import cli
 
+    monkeypatch.setenv("CAS_BANK_REMOTE_SECRET", FLEET_SECRET)
     # `serve`'s flags: a missing file is refused, named, and the password not shown.
     url = tls_cluster.url()
     missing = str(tmp_path / "no-ca.pem")
@@ -244,6 +258,7 @@ def test_serve_passes_the_tls_files_through(
     engine = Engine.open(
         tmp_path / "e",
         remote=url,
+        remote_secret=FLEET_SECRET,
         remote_tls_ca=str(tls_files.ca),
         remote_tls_cert=str(tls_files.client_cert),
         remote_tls_key=str(tls_files.client_key),

@@ -71,8 +71,8 @@ def register(subparsers: Any) -> None:
         default=None,
         metavar="URL",
         help="shared tier: valkey://[user][:password]@host:port of any node of a Valkey "
-        "cluster (or one server), valkeys:// for TLS; the fleet secret is read from "
-        "$CAS_BANK_REMOTE_SECRET",
+        "cluster (or one server), valkeys:// for TLS; needs the fleet secret (the MAC key "
+        "of every entry, never the cluster's password) in $CAS_BANK_REMOTE_SECRET",
     )
     serve.add_argument(
         "--remote-tls-ca",
@@ -140,6 +140,13 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    secret = os.environ.get("CAS_BANK_REMOTE_SECRET")
+    if args.remote is not None and not secret:
+        raise CliError(
+            "--remote needs a fleet secret in $CAS_BANK_REMOTE_SECRET (one the cluster never "
+            "sees): it keys the MAC of every shared-tier entry, and without it anyone who "
+            "can log into the cluster could forge entries every host accepts"
+        )
     from cas_bank.runtime.engine import Engine
     from cas_bank.runtime.server import bind, run_server, url_of
 
@@ -155,13 +162,14 @@ def _serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_queue=args.max_queue,
             remote=args.remote,
-            remote_secret=os.environ.get("CAS_BANK_REMOTE_SECRET"),
+            remote_secret=secret,
             remote_tls_ca=args.remote_tls_ca,
             remote_tls_cert=args.remote_tls_cert,
             remote_tls_key=args.remote_tls_key,
         )
     except ValidationError as e:
-        raise CliError(f"bad --remote: {e.errors()[0]['msg']}") from None
+        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise CliError(f"bad --remote: {why}") from None
     except InvalidInputError as e:  # e.g. a TLS file missing: the message names it
         raise CliError(str(e)) from None
     except BankLockedError:

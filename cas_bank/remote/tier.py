@@ -32,6 +32,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import numpy as np
 
 from cas_bank.blocks.store import Family
+from cas_bank.errors import InvalidInputError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.owner import Owner
@@ -61,21 +62,14 @@ class _Adopt:
     state: bool  # whether it used the continuation's state
 
 
-def _credentials(url: str) -> tuple[str, str]:
-    """The user and password of `url`: in its user part, or (as the `valkey` client
-    also reads them) its `username=` and `password=` query parameters."""
-    parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query))
-    user = unquote(parts.username or "") or query.get("username", "")
-    return user, unquote(parts.password or "") or query.get("password", "")
-
-
-def fleet_key(url: str, secret: str | None) -> bytes:
-    """The MAC key: from the fleet secret, or (no secret) from the URL's credentials."""
-    if secret is not None:
-        return keys.mac_key(secret.encode())
-    user, password = _credentials(url)
-    return keys.mac_key(b"cas_bank url credentials:" + f"{user}:{password}".encode())
+def fleet_key(secret: str | None) -> bytes:
+    """The MAC key: from the fleet secret alone (`BankConfig` refuses a shared tier
+    without one; nothing of the cluster's URL or credentials enters the key)."""
+    if not secret:
+        raise InvalidInputError(
+            "the shared tier needs remote_secret (cas-bank serve: $CAS_BANK_REMOTE_SECRET)"
+        )
+    return keys.mac_key(secret.encode())
 
 
 def redact(url: str) -> str:
@@ -98,6 +92,7 @@ class RemoteTier:
     def __init__(self, bank: Owner) -> None:
         cfg = bank.config
         assert cfg.remote is not None
+        self.mkey = fleet_key(cfg.remote_secret)  # first: a refusal leaves nothing open
         self.bank = bank
         self.url = redact(cfg.remote)
         self.client = RemoteClient(
@@ -108,7 +103,6 @@ class RemoteTier:
             count=bank.counters.count,
             tls=tls_options(cfg),
         )
-        self.mkey = fleet_key(cfg.remote, cfg.remote_secret)
         self.fetch_bytes = cfg.remote_fetch_bytes
         self.client_run = self.client.run
         self.publishes: WorkQueue[_Publish] = WorkQueue(
