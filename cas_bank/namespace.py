@@ -58,6 +58,27 @@ T = TypeVar("T")
 _NOTHING_STORED = StoreReport(0, 0, 0, 0, 0, 0, 0, chain=[])
 
 
+def _stored_part(
+    current: Sequence[Header | None],
+    written: Mapping[int, Header],
+    states: Mapping[int, Any],
+    block_size: int,
+) -> tuple[int, list[int]]:
+    """After a store: how many leading blocks of its chain are stored (`current` read
+    under the write lock, `written` by the store), and the offered state boundaries
+    among them whose state is stored."""
+    kept = 0
+    while kept < len(current) and (current[kept] is not None or kept in written):
+        kept += 1
+    stored: list[int] = []
+    for b in states:
+        i = b // block_size - 1
+        header = written.get(i) or (current[i] if i < kept else None)
+        if i < kept and header is not None and header.has_state:
+            stored.append(b)
+    return kept, stored
+
+
 def _skipping_full(store: Callable[[], T], skip: bool, nothing: T) -> Callable[[], T]:
     """`store`, or (`skip`) `store` that logs a full disk and returns `nothing`."""
     if not skip:
@@ -200,8 +221,10 @@ class Namespace:
                 bytes_written=bytes_written,
                 blocks_deferred=deferred,
             )
-            # The whole chain was used now; the states written or offered too.
-            tx.touch(hashes, [hashes[b // self.block_size - 1] for b in checked_states])
+            # The stored part of the chain was used now, its stored states offered too
+            # (a block admission left out has no last use: it does not exist).
+            kept, kept_states = _stored_part(current, headers, checked_states, self.block_size)
+            tx.touch(hashes[:kept], [hashes[b // self.block_size - 1] for b in kept_states])
             tx.clear_suspect(
                 blocks=[hashes[i] for i in block_writes], states=[hashes[i] for i in state_writes]
             )
@@ -214,7 +237,8 @@ class Namespace:
         if bank.leases is not None:
             # The chain is in memory already: a restore of it hands these out (the cache
             # copies its buffer on its next update: see index.lease).
-            bank.leases.put_chain(hashes, [a for layer in arrays for a in layer], checked_states)
+            flat = [a for layer in arrays for a in layer]
+            self._lease_stored(hashes, kept, flat, {b: checked_states[b] for b in kept_states})
 
         return StoreReport(
             tokens=n,
@@ -226,6 +250,26 @@ class Namespace:
             bytes_written=bytes_written,
             chain=hashes,
         )
+
+    def _lease_stored(
+        self,
+        hashes: list[BlockHash],
+        kept: int,
+        flat: list[mx.array],
+        states: Mapping[int, Sequence[mx.array]],
+    ) -> None:
+        """Lease the stored part `hashes[:kept]` of a chain just stored, and drop the rest
+        from the leases (`store_later` leased it all when it queued the store): a block
+        admission left out, or that eviction took since, is never handed out."""
+        leases = self.bank.leases
+        assert leases is not None
+        with self.bank.write_lock:  # evictions hold it: what is checked here stays true
+            if kept and self.bank.store.get(Family.HEADERS, hashes[kept - 1]) is None:
+                leases.forget(hashes[kept - 1 :])  # evicted right after (the budget)
+                return
+            if kept < len(hashes):
+                leases.forget(hashes[kept:])
+            leases.put_chain(hashes[:kept], flat, states)
 
     def store_later(
         self,

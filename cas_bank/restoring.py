@@ -221,8 +221,9 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         remote.restored(ns, cont, n_blocks, state is not None)
     if n_blocks:
         # Last uses stay in memory; written at most every access_flush_interval.
-        # Blocks from the shared tier are not local yet: their local write records them.
-        local = n_blocks if cont is None else min(n_blocks, cont.start)
+        # Blocks from the shared tier are not local yet: their local write records them;
+        # a queued store's blocks (leased past the stored chain) are recorded by its write.
+        local = min(n_blocks, len(matched) if cont is None else cont.start)
         state_at = (
             [hashes[n_blocks - 1]]
             if state is not None and local == n_blocks and end is None

@@ -33,12 +33,19 @@ from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
 from cas_bank.index.ends import split_record
-from cas_bank.index.records import block_deletes, state_deletes
+from cas_bank.index.records import (
+    END_SUFFIX,
+    STATE_SUFFIX,
+    block_deletes,
+    end_access_key,
+    state_deletes,
+)
 from cas_bank.index.tree import HeaderIndex, load_namespaces
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
+    from cas_bank.index.txn import Transaction
 
 ProblemKind = Literal[
     "bad_header",  # the header record does not decode
@@ -58,6 +65,7 @@ ProblemKind = Literal[
     "corrupt_end",  # an end record whose payload fails its digest
     "dangling_end",  # an end record whose parent block is not stored (or is bad)
     "bad_access",  # the last-use records cannot all be read (a damaged file)
+    "orphan_access",  # a last use of a block, state or end records that is not stored
 ]
 
 _STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
@@ -129,8 +137,10 @@ def verify(
     # In chain order, so a reader can follow each chain down to where it breaks.
     found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
     ends = _scan_ends(bank, index, specs, bad | unreachable, report)
-    report.problems += found + orphans + [p for p, _ in ends] + _scan_access(bank)
+    uses = _scan_access(bank, index)
+    report.problems += found + orphans + [p for p, _ in ends] + uses
     if fix and report.problems:
+        orphans += [p for p in uses if p.kind == "orphan_access"]
         _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
         _fix_ends(bank, index, bad | unreachable, ends, report)
     if fix and bank.files is not None:
@@ -308,12 +318,14 @@ def _cause(e: CorruptDataError) -> str:
     return str(e).partition("; run `")[0]
 
 
-def _scan_access(bank: Bank) -> list[Problem]:
-    """The last-use records, walked once: a damaged file among them is reported. The
-    bank works without them (a use it cannot read is unknown: eviction takes such a
-    block as unused), and --fix cannot name what it cannot read: `cas-bank salvage`
-    writes a bank without the damage."""
+def _scan_access(bank: Bank, index: HeaderIndex) -> list[Problem]:
+    """The last-use records, walked once: one of a block, a state or the end records
+    under a parent that is not stored is reported (`--fix` deletes it), and so is a
+    damaged file among them. The bank works without them (a use it cannot read is
+    unknown: eviction takes such a block as unused), and --fix cannot name what it
+    cannot read: `cas-bank salvage` writes a bank without the damage."""
     out: list[Problem] = []
+    parents = {key[:32] for key, _ in bank.store.readable(Family.ENDS, values=False)}
 
     def damaged(e: CorruptDataError) -> None:
         why = (
@@ -322,9 +334,41 @@ def _scan_access(bank: Bank) -> list[Problem]:
         )
         out.append(Problem("bad_access", b"", why))
 
-    for _ in bank.store.readable(Family.ACCESS, values=False, damaged=damaged):
-        pass
+    for key, _ in bank.store.readable(Family.ACCESS, values=False, damaged=damaged):
+        what = _unused_access(index, parents, key)
+        if what is not None:
+            out.append(Problem("orphan_access", key, what))
     return out
+
+
+def _drop_use(tx: Transaction, key: bytes) -> None:
+    """Delete the last-use record `key`, and any use of it not written yet."""
+    tx.delete(Family.ACCESS, key)
+    name, suffix = key[:32], key[32:]
+    if suffix == STATE_SUFFIX:
+        tx.forget(states=[name])
+    elif suffix == END_SUFFIX:
+        tx.forget(ends=[name])
+    elif not suffix:
+        tx.forget(blocks=[name])
+
+
+def _unused_access(index: HeaderIndex, parents: set[bytes], key: bytes) -> str | None:
+    """Why the last-use record `key` belongs to nothing stored, or None if it does
+    (keys: `index.records.access_key` and `end_access_key`)."""
+    name, suffix = key[:32], key[32:]
+    if name in index.unreadable:
+        return None  # its block is reported (bad_header) and goes with it
+    header = index.headers.get(name)
+    if suffix == b"" and header is None:
+        return "last use of a block that is not stored"
+    if suffix == STATE_SUFFIX and (header is None or not header.has_state):
+        return "last use of a state that is not stored"
+    if suffix == END_SUFFIX and name not in parents:
+        return "last use of end records none of which is stored"
+    if suffix not in (b"", STATE_SUFFIX, END_SUFFIX) or len(name) != 32:
+        return "not a last-use key"
+    return None
 
 
 def _fix_ends(
@@ -336,14 +380,19 @@ def _fix_ends(
 ) -> None:
     """Delete the bad end records, and those under blocks `_fix` removed."""
     doomed = {p.chain_hash: size for p, size in bad if p.chain_hash}
+    keys: list[bytes] = []
     for key, value in bank.store.readable(Family.ENDS):  # a damaged file: those before it
         if key[:32] in removed:
             doomed[key] = len(value)
+        keys.append(key)
     if not doomed:
         return
+    parents = {k[:32] for k in keys if k not in doomed}  # of the end records that stay
     with bank.transaction(budget=False) as tx:
         for key in doomed:
             tx.delete(Family.ENDS, key)
+        for parent in {k[:32] for k in doomed} - parents:  # their last use goes with them
+            tx.delete(Family.ACCESS, end_access_key(parent))
         tx.add(ends=-len(doomed), end_bytes=-sum(doomed.values()))
         tx.forget(ends={k[:32] for k in doomed})
     report.removed_ends += len(doomed)
@@ -450,6 +499,10 @@ def _fix(
             tx.removed(states=[key], reason="damaged")
         orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
         for p in orphans:
+            if p.kind == "orphan_access":  # no counter counts last uses
+                _drop_use(tx, p.chain_hash)
+                report.removed_orphans += 1
+                continue
             family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
             tx.delete(family, p.chain_hash)
             blocks = family is Family.BLOCKS

@@ -58,6 +58,7 @@ def test_verify_finds_corruption_and_a_dangling_chain_and_fix_removes_them(
     assert ("dangling", text1[3].hex()) in found
     assert ("state_corrupt", hybrid[1].hex()) in found
     assert ("orphan_payload", text1[2].hex()) in found  # its header was deleted
+    assert ("orphan_access", text1[2].hex()) in found  # and its last use with it
     below = set(agents[4:]) | set(built.chains["agent1"][4:]) | set(text1[4:])
     assert {h for k, h in found if k == "unreachable"} == {h.hex() for h in below}
 
@@ -72,7 +73,7 @@ def test_verify_finds_corruption_and_a_dangling_chain_and_fix_removes_them(
     assert report["fixed"]
     assert set(report["removed_blocks"]) == {h.hex() for h in below | {agents[3], text1[3]}}
     assert report["removed_states"] == [hybrid[1].hex()]
-    assert report["removed_orphans"] == 1
+    assert report["removed_orphans"] == 2  # text1[2]'s payload and last use
     assert report["counter_drift"] == {}  # counters agree with what is left
 
     again = cas_bank_json("verify", built.path)
@@ -172,3 +173,28 @@ def test_damage_inside_rocksdb_blob_files_is_reported_not_raised(tmp_path: Path)
         report = verify(bank, fix=True)
         assert len(report.removed_blocks) == len(problems)
         assert verify(bank).ok
+
+
+def test_last_uses_of_what_is_not_stored_are_flagged_and_fixed(tmp_path: Path) -> None:
+    """A last-use record of a block, a state or end records the bank does not hold
+    (what a store of blocks admission left out used to leave) is a problem; --fix
+    deletes it and leaves the stored records' uses alone."""
+    built = build_bank(tmp_path / "bank")
+    stored = built.chains["text1"][0]
+    ghost = bytes(32 * [7])
+    store = RocksStore(built.path)
+    use = store.get(Family.ACCESS, stored)
+    assert use is not None
+    store.put_batch([(Family.ACCESS, k, use) for k in (ghost, ghost + b"s", ghost + b"e")])
+    store.put_batch([(Family.ACCESS, stored + b"s", use)])  # text1's block 0 has no state
+    store.close()
+    with Bank.open(built.path) as bank:
+        report = verify(bank)
+        found = {(p.kind, p.chain_hash) for p in report.problems}
+        want = {ghost, ghost + b"s", ghost + b"e", stored + b"s"}
+        assert found == {("orphan_access", k) for k in want}
+        fixed = verify(bank, fix=True)
+        assert fixed.fixed and fixed.removed_orphans == 4
+        assert verify(bank).ok
+        assert bank.store.get(Family.ACCESS, stored) is not None
+        assert all(bank.store.get(Family.ACCESS, k) is None for k in want)

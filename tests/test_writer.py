@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from test_bank_process import KILL_BLOCK, big_spec, check_consistent, kill_promp
 
 from cas_bank import Bank, BankConfig, InvalidInputError
 from cas_bank.blocks.rocks import RocksStore
-from cas_bank.blocks.store import Write
+from cas_bank.blocks.store import Family, Write
+from cas_bank.verify import verify
 
 B = 4
 
@@ -179,3 +181,67 @@ def test_a_closed_banks_writer_takes_nothing_and_closes_once(bank_path: Path) ->
             ns.store_end_later(tokens, prefix_layers(spec, tokens))
     with Bank.open(bank_path) as bank:  # what was queued before the close is there
         assert bank.namespace(spec).match(tokens) == len(tokens)
+
+
+def _holding_the_writer(bank: Bank) -> threading.Event:
+    """Queue a job that holds the background writer until the event is set."""
+    release = threading.Event()
+    assert bank.writer is not None
+    bank.writer.submit(lambda: release.wait(30))
+    return release
+
+
+def _no_use_of_unstored(bank: Bank, hashes: list[bytes]) -> None:
+    """No last use (written or pending) of a block in `hashes` that is not stored."""
+    bank.flush()
+    for h in hashes:
+        if bank.store.get(Family.HEADERS, h) is None:
+            assert bank.store.get(Family.ACCESS, h) is None, "a last use of a missing block"
+    assert verify(bank).ok
+
+
+def test_a_chain_admission_left_out_is_never_handed_out_once_written(bank_path: Path) -> None:
+    """admit="second_use" defers a first store; its lease (taken when it was queued)
+    must go once the writer ran, and no last use of its blocks is recorded."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(11), 4 * B + 1)
+    config = BankConfig(block_size=B, write_behind=2, admit="second_use")
+    with Bank.open(bank_path, config) as bank:
+        ns = bank.namespace(spec)
+        release = _holding_the_writer(bank)
+        ns.store_later(tokens, prefix_layers(spec, tokens))
+        hit = ns.restore(tokens)  # queued: the lease holds it (a restore right after)
+        assert hit is not None and hit.tokens == 4 * B
+        release.set()
+        bank.flush()
+        assert bank.stats().blocks == 0 and bank.stats().blocks_deferred == 4
+        assert ns.restore(tokens) is None  # never stored: not handed out
+        _no_use_of_unstored(bank, ns.chain(tokens))
+        ns.store_later(tokens, prefix_layers(spec, tokens))  # the second use writes it
+        bank.flush()
+        assert bank.stats().blocks == 4 and ns.restore(tokens) is not None
+
+
+def test_an_inline_store_records_no_use_of_the_blocks_it_left_out(bank_path: Path) -> None:
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(12), 3 * B)
+    with Bank.open(bank_path, BankConfig(block_size=B, admit="second_use")) as bank:
+        ns = bank.namespace(spec)
+        assert ns.store(tokens, prefix_layers(spec, tokens)).blocks_written == 0
+        _no_use_of_unstored(bank, ns.chain(tokens))
+
+
+def test_a_chain_evicted_by_its_own_store_is_never_handed_out(bank_path: Path) -> None:
+    """A budget smaller than the chain: the writer's store evicts it at once; the
+    lease taken when it was queued must not outlive it."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(13), 4 * B + 1)
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=2, max_bytes=1)) as bank:
+        ns = bank.namespace(spec)
+        ns.store_later(tokens, prefix_layers(spec, tokens))
+        bank.flush()
+        assert bank.stats().blocks == 0 and bank.stats().blocks_evicted == 4
+        assert ns.restore(tokens) is None
+        ns.store(tokens, prefix_layers(spec, tokens))  # the same inline
+        assert bank.stats().blocks == 0 and ns.restore(tokens) is None
+        _no_use_of_unstored(bank, ns.chain(tokens))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
+from threading import RLock
 from typing import Protocol
 
 from cas_bank.blocks.files import FileTier
@@ -43,6 +44,9 @@ class Owner(Writer, Protocol):
 
     @property
     def path(self) -> Path: ...
+
+    @property
+    def write_lock(self) -> RLock: ...
 
     @property
     def config(self) -> BankConfig: ...
