@@ -127,13 +127,22 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         )
         if end is not None:
             n_blocks = end.blocks
-    if cont is None and end is None and remote is not None and n_blocks < len(matched):
-        # A hybrid model whose local blocks go past its deepest local state (and no end
-        # record reaches further): the shared tier may hold a deeper state over them.
+    if (
+        cont is None
+        and end is None
+        and remote is not None
+        and (n_blocks < len(matched) or len(matched) == len(hashes))
+    ):
+        # A hybrid model whose local blocks go past its deepest local state, or a chain
+        # all local (and no local end record reaches further): the shared tier may hold
+        # a deeper state over them, or the end record another host stored.
         cont = remote.continue_chain(ns, toks, hashes, matched)
         if cont is not None:
             matched = cont.matched
             n_blocks = restore_blocks(matched, hybrid)
+    if cont is not None and cont.end is not None:  # an end record from the shared tier
+        end = cont.end.plan
+        n_blocks = end.blocks
     capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
     # The one probe of memory: the deepest matched block a lease holds.
     leases = ns.bank.leases
@@ -217,8 +226,9 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         exact_hits=1 if exact else 0,
         end_hits=1 if end is not None and not exact else 0,
     )
+    end_remote = end is not None and cont is not None and cont.end is not None
     if cont is not None and remote is not None:  # counts it, writes it locally later
-        remote.restored(ns, cont, n_blocks, state is not None)
+        remote.restored(ns, cont, n_blocks, state is not None, end=end_remote)
     if n_blocks:
         # Last uses stay in memory; written at most every access_flush_interval.
         # Blocks from the shared tier are not local yet: their local write records them;
@@ -230,7 +240,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
             else []
         )
         ns.bank.access.touch(hashes[:local], state_at)
-    if end is not None:
+    if end is not None and not end_remote:  # a remote one: its local write records it
         ns.bank.access.touch((), ends=[end.header.parent])
     if covered and ns.bank.access.due():
         ns.bank.flush(wait=False)

@@ -1,7 +1,9 @@
 """One host of the several-hosts test, run as its own process (`python remote_host.py
-ROLE BANK URL`): `store-N,M` stores agents N and M's prompts (plain and hybrid) and publishes
-them; `restore` restores every agent's prompts from an empty bank. It prints a JSON
-line: digests of what it restored and, per stored block, its payload and state sizes.
+ROLE BANK URL`): `store-N,M` stores agents N and M's prompts (plain and hybrid) and the
+end records of their next prompts (`asked`: the prompt and a partial block more, with
+logits) and publishes them; `restore` restores every agent's prompts and next prompts
+from an empty bank. It prints a JSON line: digests of what it restored and, per stored
+block, its payload and state sizes, and the sizes of its end records.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ def prompt(agent: int) -> list[int]:
     return system + own
 
 
+def asked(agent: int) -> list[int]:
+    """The agent's prompt and a partial block more: an end record's prompt."""
+    return [*prompt(agent), *[(agent * 17 + t) % 977 for t in range(BLOCK // 2 + agent)]]
+
+
+def end_logits(agent: int) -> Any:
+    import mlx.core as mx
+    import numpy as np
+
+    return mx.array(np.random.default_rng(500 + agent).standard_normal(64).astype(np.float32))
+
+
+def end_state(agent: int) -> list[Any]:
+    return random_state(hybrid_spec(), 2000 + agent)
+
+
 def state_at(agent: int, boundary: int) -> list[Any]:
     seed = boundary if boundary == SYSTEM_BLOCKS * BLOCK else 1000 + agent
     return random_state(hybrid_spec(), seed)
@@ -53,7 +71,7 @@ def digest(arrays: list[Any]) -> str:
 
 
 def main(role: str, bank_dir: str, url: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"restored": {}, "blocks": {}}
+    out: dict[str, Any] = {"restored": {}, "exact": {}, "blocks": {}}
     with Bank.open(bank_dir, remote_config(url, block_size=BLOCK)) as bank:
         if role.startswith("store-"):
             for agent in map(int, role.split("-")[1].split(",")):
@@ -63,6 +81,12 @@ def main(role: str, bank_dir: str, url: str) -> dict[str, Any]:
                 states = {b: state_at(agent, b) for b in ends}
                 layers = prefix_layers(hybrid_spec(), toks)
                 bank.namespace(hybrid_spec()).store(toks, layers, states)
+                more = asked(agent)
+                for spec in (plain_spec(), hybrid_spec()):
+                    state = end_state(agent) if spec.is_hybrid else None
+                    bank.namespace(spec).store_end(
+                        more, prefix_layers(spec, more), state, logits=end_logits(agent)
+                    )
         else:
             for agent in range(AGENTS):
                 toks = prompt(agent)
@@ -71,10 +95,19 @@ def main(role: str, bank_dir: str, url: str) -> dict[str, Any]:
                     out["restored"][f"{name}-{agent}"] = (
                         [hit.tokens, digest(hit.layers)] if hit is not None else None
                     )
+                bank.flush()  # the fetched blocks are local now: the repeat fetches its end
+                for name, spec in (("plain", plain_spec()), ("hybrid", hybrid_spec())):
+                    hit = bank.namespace(spec).restore(asked(agent))  # an exact repeat
+                    out["exact"][f"{name}-{agent}"] = (
+                        [hit.tokens, digest(hit.layers), digest([[hit.logits]])]
+                        if hit is not None and hit.logits is not None
+                        else None
+                    )
         bank.flush()  # waits for the publishes (and the local writes of fetched blocks)
         for key, raw in bank.store.iterate(Family.HEADERS):
             h = Header.decode(key, raw)
             out["blocks"][key.hex()] = [h.payload_size, h.state_size]
+        out["ends"] = {k.hex(): len(v) for k, v in bank.store.iterate(Family.ENDS)}
         out["stats"] = bank.stats().model_dump()
     return out
 

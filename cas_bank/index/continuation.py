@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,6 +17,16 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.index.chain import Header
 from cas_bank.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class FetchedEnd:
+    """An end record from another tier, verified: the plan a restore resumes from, and
+    its `ends` family key and value (written locally after the restore)."""
+
+    plan: Any  # an `index.ends.EndPlan` (not imported: `index.ends` needs this module's users)
+    key: bytes  # parent || end hash
+    value: bytes
 
 
 @dataclass
@@ -29,6 +39,9 @@ class Continuation:
     states: dict[bytes, codec.Decoded] = field(default_factory=dict)
     raw: dict[tuple[Family, bytes], bytes] = field(default_factory=dict, repr=False)
     state_at: int | None = None  # index of the block whose state came from the tier
+    # An end record under the chain's last block, from the tier: the restore resumes
+    # from it (its blocks' KV, then its tail and state) instead of a boundary state.
+    end: FetchedEnd | None = None
 
 
 class ChainSpace(Protocol):
@@ -55,8 +68,12 @@ class ChainTier(Protocol):
         matched: Sequence[Header],
     ) -> Continuation | None: ...
 
-    def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None: ...
+    def restored(
+        self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool, *, end: bool = False
+    ) -> None: ...
 
     def publish(
         self, root: bytes, blocks: list[tuple[Header, bytes]], states: list[tuple[bytes, bytes]]
     ) -> None: ...
+
+    def publish_end(self, root: bytes, key: bytes, value: bytes, header_len: int) -> None: ...

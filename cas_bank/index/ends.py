@@ -320,6 +320,8 @@ def write_end(
             bytes_written=len(value),
         )
         tx.touch((), ends=[parent])
+    if bank.remote is not None:  # committed: to the shared tier, off this thread
+        bank.remote.publish_end(root, key, value, len(header.encode()))
     return len(value)
 
 

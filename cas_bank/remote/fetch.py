@@ -28,9 +28,9 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
-from cas_bank.index.continuation import ChainSpace, Continuation
+from cas_bank.index.continuation import ChainSpace, Continuation, FetchedEnd
 from cas_bank.index.owner import Owner
-from cas_bank.remote import keys
+from cas_bank.remote import ends, keys
 from cas_bank.remote.client import RemoteClient
 
 
@@ -59,16 +59,26 @@ def fetch_continuation(
     cmds: list[tuple[Any, ...]] = [("GET", keys.key(root, h, "h")) for h in rest]
     if hybrid:
         cmds += [("EXISTS", keys.key(root, h, "s")) for h in hashes[local_state:]]
+    # The end records under the prompt's last full block, asked at once: an exact
+    # repeat finds its own there (the chain continues to that block).
+    whole = ends.candidates(root, hashes[-1] if hashes else root, toks, len(hashes), ns.block_size)
+    cmds += [("GET", k) for _, k in whole]
     answers = tier.client.run(cmds)
     if answers is None:
         return None
-    fetched = sum(len(a) for a in answers[: len(rest)] if isinstance(a, bytes))
+    fetched = sum(len(a) for a in answers if isinstance(a, bytes))
     remote = _linked(tier, ns, toks, rest, answers[: len(rest)], matched)
     end = start + len(remote)  # blocks the chain now covers
     state_at: int | None = None
+    found: list[int] = []
     if hybrid:
-        exists = answers[len(rest) :]
+        exists = answers[len(rest) : len(answers) - len(whole)]
         found = [local_state + j for j in range(end - local_state) if exists[j]]
+    floor = (found[-1] + 1 if found else local_state) if hybrid else end
+    rend = _end_record(tier, ns, toks, hashes, end, whole, answers[len(answers) - len(whole) :])
+    if rend is not None and rend.plan.tokens <= floor * ns.block_size:
+        rend = None if rend.plan.tokens != len(toks) else rend
+    if hybrid and rend is None:
         if not found:
             tier.bank.counters.count(remote_bytes_fetched=fetched)
             return None
@@ -76,6 +86,7 @@ def fetch_continuation(
         end = state_at + 1
         remote = remote[: max(0, end - start)]
     cont = Continuation(start, list(matched) + remote)
+    cont.end = rend
     b, ok = 0, True
     while ok and (b < len(remote) or (b == 0 and state_at is not None)):
         e, size = b, 0  # a window of payloads, one round trip
@@ -99,10 +110,38 @@ def fetch_continuation(
             break
     tier.bank.counters.count(remote_bytes_fetched=fetched)
     n_ok = sum(1 for h in remote if h.chain_hash in cont.blocks)  # a verified prefix
-    if hybrid:  # KV without the state at its end restores nothing more
-        return cont if cont.state_at is not None and n_ok == len(remote) else None
+    if n_ok < len(remote):
+        cont.end = None  # its blocks are not all there
+    if hybrid:  # KV without the state (or end record) at its end restores nothing more
+        whole_kv = n_ok == len(remote)
+        return cont if whole_kv and (cont.state_at is not None or cont.end) else None
     cont.matched = cont.matched[: start + n_ok]
-    return cont if n_ok else None
+    return cont if n_ok or cont.end else None
+
+
+def _end_record(
+    tier: FetchingTier,
+    ns: ChainSpace,
+    toks: np.ndarray,
+    hashes: Sequence[bytes],
+    end: int,
+    whole: Sequence[tuple[bytes, bytes]],
+    whole_answers: Sequence[object],
+) -> FetchedEnd | None:
+    """The deepest verified end record under block `end - 1` of the chain: from the
+    answers already there when the chain reached the prompt's last block, else (a
+    hybrid model, whose next turn resumes only from one) one more round trip."""
+    root, bs = ns.root, ns.block_size
+    if end == len(hashes):
+        return ends.pick(tier, ns.spec, root, whole, whole_answers, bs)
+    if not ns.spec.is_hybrid:
+        return None
+    cands = ends.candidates(root, hashes[end - 1] if end else root, toks, end, bs)
+    got = tier.client.run([("GET", k) for _, k in cands]) if cands else None
+    if got is None:
+        return None
+    tier.bank.counters.count(remote_bytes_fetched=sum(len(a) for a in got if isinstance(a, bytes)))
+    return ends.pick(tier, ns.spec, root, cands, got, bs)
 
 
 def _linked(

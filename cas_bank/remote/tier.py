@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -36,7 +36,7 @@ from cas_bank.errors import InvalidInputError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.owner import Owner
-from cas_bank.remote import keys
+from cas_bank.remote import ends, keys
 from cas_bank.remote.client import RemoteClient, tls_options
 from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
@@ -53,6 +53,7 @@ class _Publish:
     root: bytes
     blocks: list[tuple[Header, bytes]]
     states: list[tuple[bytes, bytes]]
+    ends: list[tuple[bytes, bytes, int]] = field(default_factory=list)  # key, value, header
 
 
 @dataclass
@@ -60,6 +61,7 @@ class _Adopt:
     continuation: Continuation
     n_blocks: int  # blocks the restore covered (local ones included)
     state: bool  # whether it used the continuation's state
+    end: bool = False  # whether it resumed from the continuation's end record
 
 
 def fleet_key(secret: str | None) -> bytes:
@@ -138,20 +140,25 @@ class RemoteTier:
             if len(self._rejected) > _REJECTED_KEPT:
                 self._rejected.popitem(last=False)
 
-    def restored(self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool) -> None:
-        """A restore covered `n_blocks` blocks using `cont`: count what came from the
-        cluster and queue it for a background write into the local bank."""
+    def restored(
+        self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool, *, end: bool = False
+    ) -> None:
+        """A restore covered `n_blocks` blocks using `cont` (and, `end`, resumed from its
+        end record): count what came from the cluster and queue it for a background
+        write into the local bank."""
         used = max(0, n_blocks - cont.start)
         used_state = state and cont.state_at is not None and cont.state_at == n_blocks - 1
-        if not used and not used_state:
+        end = end and cont.end is not None
+        if not used and not used_state and not end:
             return
+        tail = cont.end.plan.header.tail_len if end and cont.end is not None else 0
         self.bank.counters.count(
-            remote_hits=1, remote_hit_blocks=used, remote_hit_tokens=used * ns.block_size
+            remote_hits=1, remote_hit_blocks=used, remote_hit_tokens=used * ns.block_size + tail
         )
         if self.bank.read_only:
             return
         nbytes = sum(len(v) for v in cont.raw.values())
-        if not self.adoptions.submit(_Adopt(cont, n_blocks, used_state), nbytes):
+        if not self.adoptions.submit(_Adopt(cont, n_blocks, used_state and not end, end), nbytes):
             self.bank.counters.count(remote_adopt_dropped=1)
 
     def _adopt(self, job: _Adopt) -> None:
@@ -167,11 +174,13 @@ class RemoteTier:
                 tx.abort()  # the local chain below it was evicted since
                 return
             adopted = 0
+            whole = True  # every block of the chain is local now
             for header, old in zip(chain[lo:], current, strict=True):
                 h = header.chain_hash
                 take_state = job.state and header.index == cont.state_at
                 if old is None:
                     if (Family.BLOCKS, h) not in cont.raw:
+                        whole = False
                         break  # a local block evicted since the restore: stop, no hole
                     tx.put(Family.BLOCKS, h, cont.raw[(Family.BLOCKS, h)])
                     tx.add(blocks=1, payload_bytes=header.payload_size)
@@ -185,6 +194,8 @@ class RemoteTier:
                     tx.put(Family.STATES, h, cont.raw[(Family.STATES, h)])
                     tx.add(states=1, state_bytes=header.state_size)
                 tx.put(Family.HEADERS, h, new.encode())
+            if job.end and whole and cont.end is not None:
+                _adopt_end(tx, cont.end.key, cont.end.value)
             if not tx.writes:
                 tx.abort()
                 return
@@ -194,6 +205,12 @@ class RemoteTier:
             )
 
     # -- store ---------------------------------------------------------------------
+    def publish_end(self, root: bytes, key: bytes, value: bytes, header_len: int) -> None:
+        """Queue an end record (its `ends` key and value; the end header's length)."""
+        job = _Publish(root, [], [], [(key, value, header_len)])
+        if not self.publishes.submit(job, len(value)):
+            self.bank.counters.count(remote_dropped=1)
+
     def publish(
         self, root: bytes, blocks: list[tuple[Header, bytes]], states: list[tuple[bytes, bytes]]
     ) -> None:
@@ -212,13 +229,15 @@ class RemoteTier:
             for h, _ in job.blocks
         ]
         state_keys = [keys.key(root, h, "s") for h, _ in job.states]
+        end_keys = [ends.remote_key(root, k) for k, _, _ in job.ends]
         probe: list[tuple[object, ...]] = [("EXISTS", hk, pk) for hk, pk in block_keys]
-        probe += [("EXISTS", sk) for sk in state_keys]
+        probe += [("EXISTS", sk) for sk in [*state_keys, *end_keys]]
         present = self.client.run(probe)
         if present is None:
             return
         with self._rejected_lock:
             redo = {h.chain_hash for h, _ in job.blocks} | {h for h, _ in job.states}
+            redo |= {k[32:] for k, _, _ in job.ends}  # an end record's name
             redo &= self._rejected.keys()
         # SET ... NX: two hosts that store the same block at once both see it absent, and
         # only the first write of each key lands (same key, same bytes: content-addressed).
@@ -235,13 +254,19 @@ class RemoteTier:
             cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx))
             counted += [False, True]
             owners += [header.chain_hash, header.chain_hash]
-        for (h, payload), sk, have in zip(
-            job.states, state_keys, present[len(block_keys) :], strict=True
-        ):
+        singles = [
+            (h, sk, keys.seal_payload(self.mkey, sk, payload))
+            for (h, payload), sk in zip(job.states, state_keys, strict=True)
+        ]
+        singles += [
+            (k[32:], ek, ends.seal(self.mkey, ek, value, n))
+            for (k, value, n), ek in zip(job.ends, end_keys, strict=True)
+        ]
+        for (h, k, entry), have in zip(singles, present[len(block_keys) :], strict=True):
             if have == 1 and h not in redo:
                 continue
             nx = () if h in redo else ("NX",)
-            cmds.append(("SET", sk, keys.seal_payload(self.mkey, sk, payload), *nx))
+            cmds.append(("SET", k, entry, *nx))
             counted.append(True)
             owners.append(h)
         if not cmds:
@@ -271,3 +296,13 @@ class RemoteTier:
         self.publishes.close(CLOSE_TIMEOUT)
         self.adoptions.close(CLOSE_TIMEOUT)
         self.client.close()
+
+
+def _adopt_end(tx: Any, key: bytes, value: bytes) -> None:
+    """Write an end record fetched from the cluster into the local `ends` family (its
+    parent block is local: adopted in the same transaction, or there already)."""
+    if tx.store.get(Family.ENDS, key) is not None:
+        return
+    tx.put(Family.ENDS, key, value)
+    tx.add(ends=1, end_bytes=len(value), ends_written=1, bytes_written=len(value))
+    tx.touch((), ends=[key[:32]])
