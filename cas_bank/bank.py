@@ -94,7 +94,16 @@ class Bank:
         # Where this process's restores spent their time (`restore_times`).
         self.restore_clock = RestoreClock()
         # Chains stored or restored in this process, handed out again without a copy.
-        self.leases = Leases(config.hot_bytes, config.block_size) if config.hot_bytes > 0 else None
+        # They share the hot tier's memory budget (`hot_bytes` bounds the two together).
+        self.leases = (
+            Leases(
+                config.hot_bytes,
+                config.block_size,
+                budget=self.hot.budget if self.hot is not None else None,
+            )
+            if config.hot_bytes > 0
+            else None
+        )
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         # What was removed, when and why (for explain), written with the removals.
@@ -250,6 +259,9 @@ class Bank:
             namespaces=n_ns,
             unique_tokens=v["blocks"] * self.config.block_size,
             disk_bytes=self.store.disk_bytes(),
+            hot_tier_bytes=self.hot.used_bytes if self.hot is not None else 0,
+            leased_bytes=self.leases.used_bytes if self.leases is not None else 0,
+            hot_bytes=self.config.hot_bytes,
             remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
         )

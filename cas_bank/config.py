@@ -56,7 +56,9 @@ class BankConfig(BaseModel):
     """A store of fewer full-block tokens than this writes nothing new."""
 
     hot_bytes: int = Field(default=256 * MiB, ge=0, strict=True)
-    """Byte bound of the in-process hot tier of decoded blocks; 0 turns it off."""
+    """Byte bound of this process's memory for the bank: the hot tier of decoded blocks
+    and the leases (chains stored or restored here, kept as MLX arrays) together, least
+    recently used first out (`stats()` shows both); 0 turns both off."""
 
     access_flush_interval: float = Field(default=5.0, ge=0.0)
     """Seconds between batched writes of last-use times (never a write per restore)."""

@@ -102,6 +102,11 @@ class BankStats(BaseModel):
     exact_hits: int = 0  # restores that covered the whole prompt from an end record
     end_hits: int = 0  # restores that resumed from an end record short of the prompt's end
     disk_bytes: int | None = None
+    # Memory of this process (not persisted): what the hot tier and the leases hold now,
+    # and the one bound they share (BankConfig.hot_bytes).
+    hot_tier_bytes: int = 0
+    leased_bytes: int = 0
+    hot_bytes: int = 0
     remote: str | None = None  # the shared tier's URL (password hidden), when open with one
     remote_hits: int = 0  # restores that took at least one block from the shared tier
     remote_hit_blocks: int = 0

@@ -136,6 +136,21 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
         ),
         ("block_size_tokens", "Tokens per block.", stats.block_size),
         (
+            "hot_tier_bytes",
+            "Bytes the in-process hot tier holds (raw and decoded payloads, headers).",
+            stats.hot_tier_bytes,
+        ),
+        (
+            "leased_bytes",
+            "Bytes of MLX arrays leased in memory (chains stored or restored here).",
+            stats.leased_bytes,
+        ),
+        (
+            "hot_budget_bytes",
+            "The bound the hot tier and the leases share (BankConfig.hot_bytes).",
+            stats.hot_bytes,
+        ),
+        (
             "prefix_hit_ratio",
             "Restored tokens per queried token since the bank was created.",
             stats.hit_rate,

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from cas_bank.blocks.budget import MemoryBudget
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.store import BlockStore, Family, Write
 
@@ -46,6 +47,7 @@ _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots objec
 class _Entry:
     raw: bytes
     size: int  # bytes charged against the bound
+    tick: int  # the budget's clock at its last use (blocks.budget)
     decoded: Decoded | None = None
     digest: bytes | None = None  # the digest `decoded` was verified against
     absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
@@ -53,13 +55,18 @@ class _Entry:
 
 class HotStore(BlockStore):
     """An LRU of at most `max_bytes` over `inner`'s headers, blocks, states and end
-    records (and the end-record keys found absent)."""
+    records (and the end-record keys found absent). `budget`: a `MemoryBudget` of
+    `max_bytes` shared with other tiers (the bank's leases); its own by default."""
 
-    def __init__(self, inner: BlockStore, max_bytes: int) -> None:
+    def __init__(
+        self, inner: BlockStore, max_bytes: int, *, budget: MemoryBudget | None = None
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"hot tier size must be >= 0 bytes, got {max_bytes}")
         self.inner = inner
         self.max_bytes = max_bytes
+        self.budget = budget if budget is not None else MemoryBudget(max_bytes)
+        self.budget.join(self)
         self.read_only = inner.read_only
         self.capabilities = inner.capabilities  # atomic over an atomic store (put_batch)
         self._entries: OrderedDict[tuple[Family, bytes], _Entry] = OrderedDict()
@@ -79,7 +86,7 @@ class HotStore(BlockStore):
             entry = self._entries.get((family, key))
             if entry is None or entry.absent:
                 return None
-            self._entries.move_to_end((family, key))
+            self._use((family, key), entry)
             self.hits += 1
             if entry.decoded is not None and entry.digest == expected:
                 return entry.decoded
@@ -101,8 +108,8 @@ class HotStore(BlockStore):
             entry.decoded, entry.digest = block, expected
             entry.size += extra
             self._bytes += extra
-            self._entries.move_to_end((family, key))
-            self._shrink()
+            self._use((family, key), entry)
+        self.budget.balance()
 
     # -- BlockStore ----------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -117,7 +124,7 @@ class HotStore(BlockStore):
                 if entry is None:
                     missing.append(i)
                 else:
-                    self._entries.move_to_end((family, key))
+                    self._use((family, key), entry)
                     out[i] = None if entry.absent else entry.raw
             self.hits += len(keys) - len(missing)
             self.misses += len(missing)
@@ -134,7 +141,7 @@ class HotStore(BlockStore):
                     self._insert(family, bytes(keys[i]), value)
                 elif fresh and negative:
                     self._insert(family, bytes(keys[i]), b"", absent=True)
-            self._shrink()
+        self.budget.balance()
         return out
 
     def put_batch(self, writes: Sequence[Write]) -> None:
@@ -162,7 +169,7 @@ class HotStore(BlockStore):
                     self._drop((family, key))
                     if value is not None:
                         self._insert(family, bytes(key), value)
-                self._shrink()
+            self.budget.balance()
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         return self.inner.iterate(family, values=values)
@@ -213,21 +220,34 @@ class HotStore(BlockStore):
     def _insert(self, family: Family, key: bytes, value: bytes, *, absent: bool = False) -> None:
         raw = value if type(value) is bytes else bytes(value)
         size = len(raw) + len(key) + _ENTRY_OVERHEAD
-        if size > self.max_bytes:
+        if not self.budget.fits(size):
             return  # never cache what alone exceeds the bound
         self._drop((family, key))
-        self._entries[(family, key)] = _Entry(raw, size, absent=absent)
+        self._entries[(family, key)] = _Entry(raw, size, self.budget.tick(), absent=absent)
         self._bytes += size
+
+    def _use(self, k: tuple[Family, bytes], entry: _Entry) -> None:
+        """`entry` (under `k`) was used now: most recently used. Under the lock."""
+        self._entries.move_to_end(k)
+        entry.tick = self.budget.tick()
 
     def _drop(self, k: tuple[Family, bytes]) -> None:
         entry = self._entries.pop(k, None)
         if entry is not None:
             self._bytes -= entry.size
 
-    def _shrink(self) -> None:
-        while self._bytes > self.max_bytes and self._entries:
+    # -- a tenant of the budget (blocks.budget) -------------------------------------
+    def oldest_tick(self) -> int | None:
+        with self._lock:
+            return next(iter(self._entries.values())).tick if self._entries else None
+
+    def evict_oldest(self) -> bool:
+        with self._lock:
+            if not self._entries:
+                return False
             _, entry = self._entries.popitem(last=False)
             self._bytes -= entry.size
+            return True
 
 
 def _inflated_bytes(block: Decoded) -> int:

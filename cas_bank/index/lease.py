@@ -17,7 +17,9 @@ hash names its whole prefix, so an entry that holds block k of a prompt holds bl
 0..k as well. A restore probes once: the deepest of its matched blocks that some
 entry holds. A hybrid model's recurrent state at a boundary is leased the same way,
 by the chain hash of the block that ends there (`put_state`, `state`). Bounded by
-bytes (the buffers held, chains and states together), least recently used first out.
+bytes (the buffers held, chains and states together), least recently used first out:
+the bank's leases share one budget with its hot tier (`blocks.budget`,
+`BankConfig.hot_bytes`), so the two together stay within it.
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from cas_bank.blocks.budget import MemoryBudget
+
 
 @dataclass(slots=True)
 class _Entry:
     hashes: list[bytes]  # empty for a state
     arrays: list[mx.array]  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
+    tick: int = 0  # the budget's clock at its last use (blocks.budget)
 
 
 def _state_key(chain_hash: bytes) -> bytes:
@@ -43,15 +48,20 @@ def _state_key(chain_hash: bytes) -> bytes:
 
 
 class Leases:
-    """At most `max_bytes` of recently used chains' arrays, by chain hash."""
+    """At most `max_bytes` of recently used chains' arrays, by chain hash. `budget`: a
+    `MemoryBudget` of `max_bytes` shared with the hot tier; its own by default."""
 
-    def __init__(self, max_bytes: int, block_size: int) -> None:
+    def __init__(
+        self, max_bytes: int, block_size: int, *, budget: MemoryBudget | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self.block_size = block_size
+        self.budget = budget if budget is not None else MemoryBudget(max_bytes)
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # by last chain hash
         self._blocks: dict[bytes, tuple[bytes, int]] = {}  # chain hash -> (entry, index)
         self._bytes = 0
         self._lock = threading.Lock()
+        self.budget.join(self)
 
     @property
     def used_bytes(self) -> int:
@@ -70,15 +80,16 @@ class Leases:
         mx.eval(kept)
         # Charged for the whole buffers they keep alive (a padded cache buffer too).
         nbytes = sum(int(a.nbytes) for a in arrays)
-        if nbytes > self.max_bytes:
+        if not self.budget.fits(nbytes):
             return
         last = bytes(hashes[-1])
         with self._lock:
             held = self._blocks.get(last)
             if held is not None and held[1] == len(hashes) - 1 and held[0] in self._entries:
-                self._entries.move_to_end(held[0])  # already leased: just used
+                self._use(held[0])  # already leased: just used
                 return
             self._insert(last, _Entry([bytes(h) for h in hashes], kept, nbytes))
+        self.budget.balance()
 
     def put_chain(
         self,
@@ -115,7 +126,7 @@ class Leases:
                 return 0, []
             last, index = self._blocks[hashes[lo - 1]]
             entry = self._entries[last]
-            self._entries.move_to_end(last)
+            self._use(last)
         n = lo * self.block_size
         assert index == lo - 1, "a chain hash names its position"
         out = [a[..., :n, :] for a in entry.arrays]  # new objects, same buffers
@@ -129,10 +140,11 @@ class Leases:
         kept = [a.reshape(a.shape) for a in arrays]  # new objects, the same buffers
         mx.eval(kept)
         nbytes = sum(int(a.nbytes) for a in kept)
-        if nbytes > self.max_bytes:
+        if not self.budget.fits(nbytes):
             return
         with self._lock:
             self._insert(_state_key(chain_hash), _Entry([], kept, nbytes))
+        self.budget.balance()
 
     def has_state(self, chain_hash: bytes) -> bool:
         """Whether a state at the end of block `chain_hash` is leased now."""
@@ -147,7 +159,7 @@ class Leases:
             entry = self._entries.get(key)
             if entry is None:
                 return None
-            self._entries.move_to_end(key)
+            self._use(key)
         out = [a.reshape(a.shape) for a in entry.arrays]
         mx.eval(out)
         return out
@@ -175,15 +187,31 @@ class Leases:
             self._bytes = 0
 
     def _insert(self, key: bytes, entry: _Entry) -> None:
-        """Hold `entry` under `key` (replacing one there), then drop the least recently
-        used entries until the budget holds. Under the lock."""
+        """Hold `entry` under `key` (replacing one there), most recently used. Under the
+        lock; the caller balances the budget after releasing it."""
         self._drop(key)
+        entry.tick = self.budget.tick()
         self._entries[key] = entry
         for i, h in enumerate(entry.hashes):
             self._blocks[h] = (key, i)
         self._bytes += entry.nbytes
-        while self._bytes > self.max_bytes and self._entries:
+
+    def _use(self, key: bytes) -> None:
+        """The entry under `key` was used now. Under the lock."""
+        self._entries.move_to_end(key)
+        self._entries[key].tick = self.budget.tick()
+
+    # -- a tenant of the budget (blocks.budget) -------------------------------------
+    def oldest_tick(self) -> int | None:
+        with self._lock:
+            return next(iter(self._entries.values())).tick if self._entries else None
+
+    def evict_oldest(self) -> bool:
+        with self._lock:
+            if not self._entries:
+                return False
             self._drop(next(iter(self._entries)))
+            return True
 
     def _drop(self, last: bytes) -> None:
         entry = self._entries.pop(last, None)
