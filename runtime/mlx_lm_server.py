@@ -5,7 +5,9 @@ This runs `mlx_lm.server.main` itself: its argument parser, `ModelProvider`,
 and HTTP server, all unchanged. The one thing swapped is `mlx_lm.server.run`, the
 seven-line function that makes an `LRUPromptCache` and starts the generator: ours
 makes a `BankPromptCache` on the model the provider loaded instead, and uses an HTTP
-server class that prints the address it bound (so `--port 0` works for scripts).
+server class that prints the address it bound (so `--port 0` works for scripts), a
+handler that takes a request's `cache_salt` and a generator that serves a salted
+request from its salt's namespaces (`mlx_lm_salts`).
 
 SIGTERM stops the server the way Ctrl-C does (mlx-lm shuts its HTTP server down and
 joins its generation thread); the bank is closed after that, on every exit path.
@@ -29,6 +31,7 @@ from cas_bank.arrays import keep_freed_memory
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 
+from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .models import LoadedModel, weights_digest
 from .prompt_cache_adapter import BankPromptCache
 
@@ -75,19 +78,44 @@ def loaded_model(model_provider: Any) -> LoadedModel:
     )
 
 
-def refusing_empty_prompts(handler: Any) -> Any:
-    """mlx-lm's request handler, answering an empty completion prompt with a 400
-    before it reaches mlx-lm's generation thread: in mlx-lm 0.32 one empty prompt
-    ends that thread for good (every later request: "generation thread died")."""
+def cas_bank_handler(handler: Any) -> Any:
+    """mlx-lm's request handler, with what the bank adds:
+
+    - a request's `cache_salt` is checked (a 400 names a bad one) and carried to the
+      generator (`mlx_lm_salts`); with `--draft-model` (mlx-lm's own cache, which keeps
+      no tenants apart) a salted request is refused with a 400 saying so;
+    - an empty completion prompt is answered with a 400 before it reaches mlx-lm's
+      generation thread: in mlx-lm 0.32 one empty prompt ends that thread for good
+      (every later request: "generation thread died").
+    """
 
     class Handler(handler):  # type: ignore[misc]
+        # A factory's ValueError is mlx-lm's own 400: {"error": message}.
         def handle_text_completions(self) -> Any:
-            # A factory's ValueError is mlx-lm's own 400: {"error": message}.
+            salt = self._salt()
             if self.body.get("prompt") in ("", []):
                 raise ValueError("the prompt is empty")
-            return super().handle_text_completions()
+            return _tagged(super().handle_text_completions(), salt)
+
+        def handle_chat_completions(self) -> Any:
+            salt = self._salt()
+            return _tagged(super().handle_chat_completions(), salt)
+
+        def _salt(self) -> str | None:
+            salt = request_salt(self.body)
+            if salt is not None and getattr(self.response_generator.cli_args, "draft_model", None):
+                raise ValueError(
+                    "cache_salt is not supported with --draft-model: mlx-lm's own prompt "
+                    "cache serves then, and it keeps no tenants apart"
+                )
+            return salt
 
     return Handler
+
+
+def _tagged(request: Any, salt: str | None) -> Any:
+    setattr(request, SALT_ATTR, salt)
+    return request
 
 
 def make_run(
@@ -130,14 +158,14 @@ def make_run(
                 kv_group_size=args.kv_group_size,
                 capture_states=capture_states,
             )
-        generator = mls.ResponseGenerator(model_provider, prompt_cache)
+        generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
         try:
             mls._run_http_server(
                 host,
                 port,
                 generator,
                 server_class=server_class or announcing_server(json_line),
-                handler_class=handler_class or refusing_empty_prompts(mls.APIHandler),
+                handler_class=handler_class or cas_bank_handler(mls.APIHandler),
             )
         finally:
             if generator.generation_available():  # an exit other than Ctrl-C / SIGTERM

@@ -56,6 +56,7 @@ write) is logged and counted in `stats()`, and the request goes on uncached.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields
@@ -117,6 +118,9 @@ class BankPromptCache:
     `--kv-bits`, `--kv-group-size`), so fetches look in that namespace from the start.
     `capture_states`: for a hybrid model, prefill new prefixes once more to capture
     the recurrent states at their block boundaries (see the module docstring).
+    `salt`: a tenant's salt (vLLM's `cache_salt`), part of every namespace root this
+    cache reads and writes: the same salt shares every block, different salts (or
+    none) share none. `salted(salt)` is this cache for another tenant.
     """
 
     def __init__(
@@ -129,18 +133,34 @@ class BankPromptCache:
         kv_group_size: int = 64,
         name: str | None = None,
         capture_states: bool = True,
+        salt: str | bytes | None = None,
     ) -> None:
         self.bank = bank
         self.capture_states = capture_states
         self.model = model
         self.model_key = model_key
         self.name = name
-        self._prefix: dict[QuantKey, PrefixCache] = {None: PrefixCache(bank, model, name=name)}
+        self.salt = salt or None
+        self._prefix: dict[QuantKey, PrefixCache] = {
+            None: PrefixCache(bank, model, name=name, salt=self.salt)
+        }
         if kv_bits is not None:
             self._prefix_for((kv_bits, kv_group_size))
         self._counts = {t: 0 for t in CACHE_TYPES}
         self._bytes = {t: 0 for t in CACHE_TYPES}
         self.counters = AdapterStats()
+
+    def salted(self, salt: str | bytes | None) -> BankPromptCache:
+        """This cache for the tenant `salt` (None or empty: no salt): the same bank,
+        model and counters, every namespace under that salt's root (`PrefixCache.salted`;
+        the model is not probed again)."""
+        salt = salt or None
+        if salt == self.salt:
+            return self
+        other = copy.copy(self)
+        other.salt = salt
+        other._prefix = {k: pc.salted(salt) for k, pc in self._prefix.items()}
+        return other
 
     @property
     def prefix_cache(self) -> PrefixCache:
@@ -238,7 +258,12 @@ class BankPromptCache:
             assert key is not None
             bits, group = key
             pc = PrefixCache(
-                self.bank, self.model, kv_bits=bits, kv_group_size=group, name=self.name
+                self.bank,
+                self.model,
+                kv_bits=bits,
+                kv_group_size=group,
+                name=self.name,
+                salt=self.salt,
             )
             self._prefix[key] = pc
         return pc

@@ -228,6 +228,10 @@ def test_a_draft_model_is_served_by_mlx_lms_own_cache(
     server = start(bank, models["plain"], log, *draft)
     try:
         again = [chat(server.url, one) for _ in range(2)]
+        # mlx-lm's own cache keeps no tenants apart: a salted request is refused.
+        body = {"model": "default_model", "messages": one, "cache_salt": "tenant-a"}
+        salted = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]
     finally:
         assert server.stop() == 0, log.read_text()
     assert [answer(r) for r in again] == [answer(first)] * 2

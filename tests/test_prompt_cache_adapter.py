@@ -152,3 +152,27 @@ def test_other_models_unsupported_caches_and_trim(caplog: pytest.LogCaptureFixtu
         pc.trim_to(n_bytes=0)  # evicts every block
         assert pc.nbytes == 0
         assert pc.fetch_nearest_cache(KEY, tokens) == (None, tokens)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 4])
+def test_a_salted_cache_shares_only_with_its_own_salt(kv_bits: int | None) -> None:
+    loaded = wide("tiny-qwen3") if kv_bits else tiny("tiny-qwen3")
+    prompt = random_tokens(np.random.default_rng(26), 3 * BLOCK + 5)
+    with temp_bank(BLOCK) as bank:
+        base = BankPromptCache(bank, loaded, model_key=KEY, kv_bits=kv_bits, kv_group_size=32)
+        a = base.salted("tenant-a")
+        assert base.salted(None) is base and a.salted("tenant-a") is a
+        cache = make_prompt_cache(loaded.model)
+        if kv_bits:
+            cache = [c.to_quantized(group_size=32, bits=kv_bits) for c in cache]
+        generated, _ = run(loaded.model, prompt, cache)
+        a.insert_cache(KEY, prompt + generated, cache)
+        for other in (base, base.salted("tenant-b"), BankPromptCache(bank, loaded, salt="b")):
+            assert other.fetch_nearest_cache(KEY, prompt) == (None, prompt)
+        again = BankPromptCache(
+            bank, loaded, model_key=KEY, salt="tenant-a", kv_bits=kv_bits, kv_group_size=32
+        )
+        restored, rest = again.fetch_nearest_cache(KEY, prompt)
+        assert restored is not None and rest == prompt[3 * BLOCK :]  # its full blocks
+        # One set of counters: a view counts into the cache it came from.
+        assert base.stats()["inserts"] == 1 and base.stats()["hits"] == 0
