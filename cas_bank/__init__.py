@@ -16,6 +16,7 @@ from cas_bank.errors import (
     CasBankError,
     CorruptDataError,
     InvalidInputError,
+    NotABankError,
 )
 from cas_bank.index.timings import RestoreTimings, RestoreTotals
 from cas_bank.namespace import Namespace, StoreReport
@@ -40,6 +41,7 @@ __all__ = [
     "LayerSpec",
     "ModelSpec",
     "Namespace",
+    "NotABankError",
     "RestoreTimings",
     "RestoreTotals",
     "StoreReport",

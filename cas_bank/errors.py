@@ -29,6 +29,12 @@ class BankDamagedError(CorruptDataError):
     and nothing changed. `cas-bank salvage` copies what still verifies into a new bank."""
 
 
+class NotABankError(BankDamagedError):
+    """The path is no bank and no place for a new one: a file, a directory of other
+    files, or another program's RocksDB database (`blocks.bankdir`). Refused, and
+    nothing there changed."""
+
+
 class BankFullError(CasBankError, OSError):
     """A write failed because the disk is full. Restores keep working; the bank resumes
     writing once space is freed. `path` and `needed` (bytes) say where and how much."""

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from cas_bank.bank import Bank
 from cas_bank.blocks import codec
+from cas_bank.blocks.bankdir import check_directory
 from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.config import BankConfig
-from cas_bank.errors import CasBankError, InvalidInputError
+from cas_bank.errors import CasBankError, InvalidInputError, NotABankError
 from cas_bank.index.chain import Header
 from cas_bank.index.ends import split_record
 
@@ -57,12 +58,10 @@ def _walk(bank: Bank, family: Family, report: SalvageReport) -> Iterator[tuple[b
 
 def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
     src, dst = Path(src), Path(dst)
-    if not (src / "CURRENT").exists():
+    if not check_directory(src, create=False):  # a file, other files: refused there
         raise InvalidInputError(f"no bank at {src}")
-    if dst.exists() and not dst.is_dir():
-        raise InvalidInputError(f"{dst} is a file: salvage writes a new bank directory")
-    if dst.exists() and any(dst.iterdir()):
-        raise InvalidInputError(f"{dst} is not empty: salvage writes a new bank")
+    if check_directory(dst, create=True):  # a file, other files: refused there
+        raise InvalidInputError(f"{dst} holds a database already: salvage writes a new bank")
     report = SalvageReport()
     scratch = Path(tempfile.mkdtemp(prefix="cas_bank_salvage_"))
     try:
@@ -70,6 +69,8 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
         report.unreadable_files = _copy_dir(src, copy)
         try:
             old = Bank.open(copy, BankConfig(hot_bytes=0))
+        except NotABankError as e:  # another program's database: nothing to salvage
+            raise NotABankError(str(e).replace(str(copy), str(src))) from None
         except CasBankError:
             from rocksdict import Options, Rdict
 

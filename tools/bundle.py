@@ -167,7 +167,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     # Checked before the bank is opened: a damaged bundle touches (or creates) nothing.
     bundle = read_bundle(args.bundle)
     create = bundle.block_size if args.create else None
-    with open_writer(args.bank, create_block_size=create) as bank:
+    hint = f"; `--create` makes one (block size {bundle.block_size}, the bundle's)"
+    with open_writer(args.bank, create_block_size=create, create_hint=hint) as bank:
         report = import_bundle(bank, bundle)
     info = {
         "namespace": report.namespace,

@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cas_bank import Bank, BankConfig
-from cas_bank.blocks.backends import store_exists
+from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, InvalidInputError
 from cas_bank.spec import ModelSpec
 
@@ -58,8 +58,16 @@ def add_command(
     return parser
 
 
+def bank_path(text: str) -> Path:
+    """An argparse type for a bank directory: an empty one (`''`, the current
+    directory to `Path`) is refused, not taken as `.`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the bank path is empty; name a directory")
+    return Path(text)
+
+
 def add_bank_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bank", type=Path, metavar="BANK", help="bank directory")
+    parser.add_argument("bank", type=bank_path, metavar="BANK", help="bank directory")
 
 
 # -- opening banks ---------------------------------------------------------------------
@@ -76,15 +84,17 @@ def open_reader(path: Path, *, payloads: bool = False) -> Bank:
     a secondary instance (the process crashes; facebook/rocksdb#13296, #13248), and
     payloads of 4 KiB and more live in blob files.
     """
-    if not store_exists(path):
-        raise CliError(f"no bank at {path}")
+    # No bank, a file, other files, another program's database: refused by the open
+    # itself (`cas_bank.blocks.bankdir`), as for a writer.
     return Bank.open(path, _TOOL_CONFIG, mode="read_only" if payloads else "secondary")
 
 
 def bank_files(path: Path) -> frozenset[tuple[str, int, int]]:
     """Name, size and mtime of every file of a bank: it changes whenever a writer
-    appends to its log, flushes or compacts."""
+    appends to its log, flushes or compacts. Empty for a path that is no directory."""
     out = set()
+    if not path.is_dir():
+        return frozenset()
     for entry in os.scandir(path):
         try:
             st = entry.stat()
@@ -107,7 +117,7 @@ def read_bank(path: Path, work: Callable[[Bank], T], *, payloads: bool = False) 
     bank's files changed meanwhile; on a bank that stood still it is raised at once.
     """
     for attempt in range(READ_ATTEMPTS):
-        before = bank_files(path) if store_exists(path) else frozenset()
+        before = bank_files(path)
         try:
             with open_reader(path, payloads=payloads) as bank:
                 return work(bank)
@@ -120,16 +130,16 @@ def read_bank(path: Path, work: Callable[[Bank], T], *, payloads: bool = False) 
     raise AssertionError("unreachable")
 
 
-def open_writer(path: Path, *, create_block_size: int | None = None) -> Bank:
+def open_writer(path: Path, *, create_block_size: int | None = None, create_hint: str = "") -> Bank:
     """Open as the one writer; a clear error when another process holds the bank.
 
-    A missing bank is an error, unless `create_block_size` is given: then it is made.
+    A missing bank is an error (`create_hint` says how to make one), unless
+    `create_block_size` is given: then it is made. A file or a directory of other
+    files is refused either way (`cas_bank.blocks.bankdir`).
     """
-    exists = store_exists(path)
-    if path.exists() and not path.is_dir():
-        raise CliError(f"{path} is a file, not a bank directory")
+    exists = check_directory(path, create=True)
     if not exists and create_block_size is None:
-        raise CliError(f"no bank at {path}")
+        raise CliError(f"no bank at {path}{create_hint}")
     config = _TOOL_CONFIG
     if not exists:
         config = config.model_copy(update={"block_size": create_block_size})

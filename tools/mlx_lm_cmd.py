@@ -11,12 +11,11 @@ server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from cas_bank.errors import BankLockedError
 
-from .common import CliError, add_command
+from .common import CliError, add_command, bank_path
 from .serve_cmd import DEFAULT_BANK_DIR, _positive
 
 
@@ -31,7 +30,7 @@ def register(subparsers: Any) -> None:
     )
     cmd.add_argument(
         "--bank",
-        type=Path,
+        type=bank_path,
         default=DEFAULT_BANK_DIR,
         help=f"bank directory, created if missing (default: {DEFAULT_BANK_DIR})",
     )

@@ -4,12 +4,11 @@ verifies into a new bank at DST. SRC is never changed (see `cas_bank.salvage`)."
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from cas_bank.salvage import salvage
 
-from .common import add_command, emit, fields, print_json
+from .common import add_command, bank_path, emit, fields, print_json
 
 
 def register(subparsers: Any) -> None:
@@ -22,8 +21,8 @@ def register(subparsers: Any) -> None:
         "new bank at DST (empty or absent). SRC is read from a scratch copy and never "
         "changed; a copy that does not open cleanly is repaired by RocksDB first.",
     )
-    p.add_argument("src", type=Path, metavar="SRC", help="the damaged bank")
-    p.add_argument("dst", type=Path, metavar="DST", help="the new bank (empty or absent)")
+    p.add_argument("src", type=bank_path, metavar="SRC", help="the damaged bank")
+    p.add_argument("dst", type=bank_path, metavar="DST", help="the new bank (empty or absent)")
 
 
 def cmd_salvage(args: argparse.Namespace) -> int:

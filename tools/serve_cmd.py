@@ -23,9 +23,10 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, InvalidInputError
 
-from .common import CliError, add_command, console, print_json
+from .common import CliError, add_command, bank_path, console, print_json
 
 # The commands' defaults live here (not in the runtime modules, whose imports, MLX and
 # FastAPI, would slow down every other command's start).
@@ -54,9 +55,10 @@ def register(subparsers: Any) -> None:
     )
     serve.add_argument(
         "--bank",
-        type=Path,
+        type=bank_path,
         default=DEFAULT_BANK_DIR,
-        help=f"bank directory, created if missing (default: {DEFAULT_BANK_DIR})",
+        help="bank directory: a bank, or an empty or new directory to make one in "
+        f"(default: {DEFAULT_BANK_DIR})",
     )
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one")
@@ -115,7 +117,7 @@ def register(subparsers: Any) -> None:
         "--turns", type=_positive, default=DEMO_TURNS, help="turns before the restart"
     )
     play.add_argument(
-        "--bank", type=Path, default=None, help="bank directory (default: a temporary one)"
+        "--bank", type=bank_path, default=None, help="bank directory (default: a temporary one)"
     )
     play.add_argument(
         "--max-tokens", type=_positive, default=DEMO_MAX_TOKENS, help="tokens per reply"
@@ -140,6 +142,7 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    check_directory(args.bank, create=True)  # a file, other files: before the model loads
     secret = os.environ.get("CAS_BANK_REMOTE_SECRET")
     if args.remote is not None and not secret:
         raise CliError(

@@ -14,7 +14,7 @@ the private view readers open; and the check before a read-write open.
   wipes a bank silently. Before a read-write open of an existing directory, a
   read-only look through a `View` compares the files the MANIFEST names with the
   files present, and refuses (naming them) a directory that would lose any, or that
-  holds some other RocksDB database.
+  holds some other RocksDB database (`bankdir.check_families`, which readers ask too).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 from rocksdict import AccessType, Options, Rdict
 
+from cas_bank.blocks.bankdir import check_families, foreign_error, is_foreign
 from cas_bank.errors import BankDamagedError, BankFullError, CorruptDataError
 
 # Files of a RocksDB directory a reader must not share: its lock, its info log, and
@@ -182,11 +183,7 @@ def _look(path: Path, families: dict[str, Options], db_options: Options) -> None
         except Exception as e:
             why = f"its CURRENT or MANIFEST is unreadable ({real(e, path, view.path)})"
             raise BankDamagedError(_damaged(path, why)) from None
-        if "meta" not in names:
-            raise BankDamagedError(
-                f"{path} holds a RocksDB database that is not a cas_bank bank (column "
-                f"families {sorted(names)}); it was not opened. Use an empty directory"
-            )
+        check_families(path, names)
         try:
             db = Rdict(
                 str(view.path),
@@ -203,6 +200,8 @@ def _look(path: Path, families: dict[str, Options], db_options: Options) -> None
         except BankDamagedError:
             raise
         except Exception as e:
+            if is_foreign(e):
+                raise foreign_error(path, real(e, path, view.path)) from None
             why = f"RocksDB cannot open it ({real(e, path, view.path)})"
             raise BankDamagedError(_damaged(path, why)) from None
         present = sorted(os.listdir(path))

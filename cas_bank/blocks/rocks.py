@@ -9,9 +9,11 @@ checksums (XXH3 on table blocks, CRC32c on blob records), so a damaged table or 
 index is a `CorruptDataError` naming the file, never garbage parsed as structure (that
 crashed the process); our blake3 digest stays the payload check above it. Opens that
 must not write (`read_only`, `secondary`) open a private view of the directory, so
-nothing is written in the bank directory. A read-write open of an existing directory
-is checked first (`damage.preflight`): RocksDB deletes table files its MANIFEST does
-not name, so a bank whose MANIFEST lost them is refused instead of wiped.
+nothing is written in the bank directory. Every open refuses a path that is no bank
+and no place for one (a file, other files, another program's database: `bankdir`). A
+read-write open of an existing directory is checked first (`damage.preflight`):
+RocksDB deletes table files its MANIFEST does not name, so a bank whose MANIFEST lost
+them is refused instead of wiped.
 
 Durability: `wal` (default) writes every batch to the write-ahead log, so a store that
 returned survives a crash or SIGKILL. `fast` turns the WAL off and flushes families
@@ -48,7 +50,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from cas_bank.blocks import damage
+from cas_bank.blocks import bankdir, damage
 from cas_bank.blocks.damage import (
     RESUME_MARGIN,
     View,
@@ -142,8 +144,8 @@ class RocksStore(BlockStore):
         # Why writes are refused right now (a full disk), None while the bank writes.
         self._degraded: str | None = None
         self._needed = 0
-        if mode != "read_write" and not (self.path / "CURRENT").exists():
-            raise FileNotFoundError(f"no bank at {self.path}")
+        # A file, other files, no bank for a reader: refused here (`bankdir`).
+        bankdir.check_directory(self.path, create=mode == "read_write")
         if mode == "read_write":
             self.path.mkdir(parents=True, exist_ok=True)
             damage.preflight(
@@ -191,10 +193,14 @@ class RocksStore(BlockStore):
                 raise CorruptDataError(
                     f"bank at {self.path} is damaged: its CURRENT or MANIFEST is unreadable ({why})"
                 ) from None
+            bankdir.check_families(self.path, existing)  # the writer's preflight does too
             families = {k: v for k, v in families.items() if k in existing}
         try:
             self._db: Any = self._open_db(where, families, self._durability, access)
         except Exception as e:
+            if bankdir.is_foreign(e):
+                why = real(e, self.path, self._view_path())
+                raise bankdir.foreign_error(self.path, why) from None
             if is_corruption(e):
                 e = Exception(real(e, self.path, self._view_path()))
                 raise CorruptDataError(

@@ -1,0 +1,82 @@
+"""What a directory must be to open as a bank: a cas_bank bank, or an empty or new
+directory for a writer to make one in. Every RocksDB open goes through here (the
+writer's `Bank.open`, the read-only and secondary opens of the tools), so each of
+them refuses the same things with the same one line, and changes nothing:
+
+- a path that names a file;
+- a directory of other files (no RocksDB `CURRENT`: a user's `config.json`,
+  `notes.txt`, the current directory given as an empty path);
+- another program's RocksDB database: no `meta` family (every bank has one from its
+  first open), or one RocksDB cannot open with a bank's options (a comparator other
+  than the bytewise one a bank uses).
+
+A reader finding no directory, or an empty one, raises `FileNotFoundError("no bank
+at ...")`: a writer creates its bank there instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from cas_bank.errors import NotABankError
+
+MARKER_FAMILY = "meta"
+"""The column family every bank has and another program's database lacks."""
+
+_IGNORED = frozenset({".DS_Store"})  # what Finder leaves in any directory it shows
+_SHOWN = 4
+
+
+def check_directory(path: Path, *, create: bool) -> bool:
+    """Whether a RocksDB database is at `path`; refuse what cannot become a bank.
+
+    `create`: the caller is the writer, which makes a bank in a missing or empty
+    directory (then False is returned); a reader gets `FileNotFoundError` there.
+    """
+    if path.exists() and not path.is_dir():
+        raise NotABankError(f"{path} is a file, not a bank directory")
+    if (path / "CURRENT").exists():
+        return True  # RocksDB's: whether it is a bank is `check_families`' question
+    others = sorted(n for n in _listing(path) if n not in _IGNORED)
+    if others:
+        shown = ", ".join(others[:_SHOWN]) + (", ..." if len(others) > _SHOWN else "")
+        raise NotABankError(
+            f"{path} holds no cas_bank bank but {len(others)} other "
+            f"{'entry' if len(others) == 1 else 'entries'} ({shown}); it was not opened. "
+            "A bank needs an empty or new directory"
+        )
+    if not create:
+        raise FileNotFoundError(f"no bank at {path}")
+    return False
+
+
+def _listing(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except FileNotFoundError:
+        return []
+
+
+def check_families(path: Path, names: Iterable[str]) -> None:
+    """Refuse a RocksDB database whose column families are not a bank's."""
+    names = sorted(names)
+    if MARKER_FAMILY not in names:
+        raise NotABankError(
+            f"{path} holds a RocksDB database that is not a cas_bank bank (column "
+            f"families {names}); it was not opened. Use an empty directory"
+        )
+
+
+def is_foreign(e: BaseException) -> bool:
+    """Whether RocksDB refused an open because the database was made with options no
+    bank uses (another program's comparator), not because files are damaged."""
+    s = str(e)
+    return s.startswith("Invalid argument") and "comparator" in s
+
+
+def foreign_error(path: Path, why: str) -> NotABankError:
+    return NotABankError(
+        f"{path} holds a RocksDB database that is not a cas_bank bank ({why}); it was "
+        "not opened. Use an empty directory"
+    )
