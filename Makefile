@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench torture clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard cas_bank/_native/*.c cas_bank/_native/blake3/*)
+$(STAMP): pyproject.toml setup.py $(wildcard cas_bank/_native/*.c cas_bank/_native/blake3/* cas_bank/_native/xxhash/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.files import FileTier
-from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, namespace_root, salt_bytes
+from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, Check, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode
 from cas_bank.blocks.store import BlockStore, Family
@@ -46,13 +46,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cas_bank")
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
 (`blocks.files`), their records stubs. 3: the `ends` and `evicted` families (end
-records, `index.ends`; the eviction memory, `index.evicted`). An older bank opens as
-it is (its payloads stay readable where they are; the writer's open creates the
-missing families) and is marked with this version by its first writer; a cas_bank
-that reads an older version refuses a newer bank, naming the version."""
+records, `index.ends`; the eviction memory, `index.evicted`). 4: payloads may carry
+an XXH3-128 check instead of blake3 (the digest field says which: `blocks.codec`).
+An older bank opens as it is (its payloads stay readable where they are, their blake3
+digests checked; the writer's open creates the missing families) and is marked 3 by
+its first writer, 4 only by one that writes XXH3-128 (`BankConfig.payload_check`); a
+cas_bank that reads an older version refuses a newer bank, naming the version."""
+BLAKE3_ONLY_VERSION = 3  # the newest format whose payloads are all blake3-checked
 _KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
@@ -273,6 +276,12 @@ class Bank:
         return self.restore_clock.totals()
 
     @property
+    def payload_check(self) -> Check:
+        """The check this bank's new payloads carry (`BankConfig.payload_check`, as the
+        open resolved it); reads check every record by the one it carries."""
+        return self.config.payload_check or "blake3"
+
+    @property
     def degraded(self) -> str | None:
         """Why stores are refused right now (a full disk: `BankFullError`), or None.
         Restores keep working; the bank writes again once space is freed."""
@@ -347,6 +356,12 @@ def _owned(lock: threading.RLock) -> bool:
     return bool(is_owned()) if is_owned is not None else False
 
 
+def _version_for(check: str) -> int:
+    """The format version a bank whose writer writes `check` payloads is marked with:
+    the oldest that reads them."""
+    return FORMAT_VERSION if check == "xxh3" else BLAKE3_ONLY_VERSION
+
+
 def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
     """Compare the bank's persisted settings with `config`; write them on creation."""
     fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
@@ -367,25 +382,31 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
                 "record: not a cas_bank bank (or its meta table was lost); it was not "
                 "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
             )
+        check = config.payload_check or "xxh3"
         store.put_batch(
             [
-                (Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION)),
+                (Family.META, _KEY_FORMAT, _U32.pack(_version_for(check))),
                 (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
                 (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
                 (Family.META, _KEY_CREATED, str(time.time()).encode()),
             ]
         )
-        return config
+        return config.model_copy(update={"payload_check": check})
     version = _U32.unpack(fmt)[0]
     if version > FORMAT_VERSION:
         raise BankSettingsError(
             f"bank at {path} has format version {version}; this cas_bank reads up to "
             f"{FORMAT_VERSION}: upgrade cas_bank"
         )
-    if version < FORMAT_VERSION and not store.read_only:
-        # 1 -> 2 -> 3 need no rewrite: new large payloads go to files, the ends family
-        # was created by this open.
-        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(FORMAT_VERSION))])
+    # None: the bank's own check. An older bank keeps blake3 unless asked (so the
+    # cas_bank that wrote it still opens it); nothing stored is rewritten.
+    check = config.payload_check or ("xxh3" if version > BLAKE3_ONLY_VERSION else "blake3")
+    marked = max(version, _version_for(check))
+    if marked > version and not store.read_only:
+        # 1 -> 2 -> 3 -> 4 need no rewrite: new large payloads go to files, the ends
+        # family was created by this open, new payloads carry XXH3-128.
+        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(marked))])
+    config = config.model_copy(update={"payload_check": check})
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
     if hash_version != HASH_FORMAT_VERSION:
         raise BankSettingsError(

@@ -40,6 +40,13 @@ class BankConfig(BaseModel):
     RocksDB (read through rocksdict, slower: docs/design.md, "Restore path"). Files
     already written stay readable."""
 
+    payload_check: Literal["xxh3", "blake3"] | None = None
+    """The check new payloads carry (docs/design.md, "Payload codec"). None: the bank's
+    own, XXH3-128 in a bank created at format version 4 or later, blake3 in an older
+    one (which so stays a version-3 bank that the cas_bank that wrote it still opens).
+    `"xxh3"` on an older bank marks it version 4: its blake3 records stay as they are,
+    new ones are XXH3-128. Every read checks each record by the check it carries."""
+
     write_behind: int = Field(default=0, ge=0, strict=True)
     """Stores `Namespace.store_later` (and `PrefixCache(background=True)`) may queue for
     the background writer; a caller waits when that many are queued. 0: no writer."""

@@ -130,7 +130,7 @@ class Namespace:
         checked_states = boundary_states(self.spec, states, n, self.block_size)
         hashes = self.chain(toks)
         bank = self.bank
-        compression = bank.config.compression
+        compression, check = bank.config.compression, bank.payload_check
 
         suspects = bank.suspects
         existing = read_headers(bank.store, hashes)
@@ -141,7 +141,7 @@ class Namespace:
         payloads: dict[int, bytes] = {}
         if missing:
             cutter = BlockCutter(self.spec, arrays, self.block_size)
-            payloads = {i: cutter.payload(i, compression) for i in missing}
+            payloads = {i: cutter.payload(i, compression, check) for i in missing}
         state_payloads: dict[int, bytes] = {}
         admitted = set(missing)
         for b, st in checked_states.items():
@@ -150,7 +150,7 @@ class Namespace:
             if h is None and i not in admitted:
                 continue  # its block is not written now (admission): nor is the state
             if h is None or not h.has_state or suspects.state(hashes[i]):
-                state_payloads[i] = encode_state(st, compression)
+                state_payloads[i] = encode_state(st, compression, check)
 
         with bank.transaction() as tx:
             # Another thread may have written some of these since the first look.
@@ -171,7 +171,7 @@ class Namespace:
             ]
             if lost and (payloads or state_payloads):
                 cutter = BlockCutter(self.spec, arrays, self.block_size)
-                payloads.update({i: cutter.payload(i, compression) for i in lost})
+                payloads.update({i: cutter.payload(i, compression, check) for i in lost})
             headers: dict[int, Header] = {}
             block_writes: list[int] = []  # positions whose block payload is written
             state_writes: list[int] = []  # positions whose state is written

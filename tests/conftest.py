@@ -248,6 +248,18 @@ def child_env() -> dict[str, str]:
 
 
 # -- fixtures ---------------------------------------------------------------------
+CHECKS = ("xxh3", "blake3")
+"""The payload checks a bank's records carry: XXH3-128 (what a bank created at format
+version 4 writes) and blake3 (every record of an older bank)."""
+
+
+@pytest.fixture(params=CHECKS)
+def check(request: pytest.FixtureRequest) -> str:
+    """The payload check a test's new bank writes (`BankConfig.payload_check`): a test
+    that takes it runs on both kinds."""
+    return str(request.param)
+
+
 @pytest.fixture
 def bank_path(tmp_path: Path) -> Path:
     """A directory where a bank may be created (not created yet)."""

@@ -36,10 +36,13 @@ def prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def build(path: Path, spec: ModelSpec | None = None, n: int = 12) -> list[list[int]]:
+def build(
+    path: Path, spec: ModelSpec | None = None, n: int = 12, check: str | None = None
+) -> list[list[int]]:
     spec = spec or wide_spec()
     ps = prompts(n)
-    with Bank.open(path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+    config = BankConfig(block_size=B, hot_bytes=0, payload_check=check)  # type: ignore[arg-type]
+    with Bank.open(path, config) as bank:
         ns = bank.namespace(spec)
         for p in ps:
             ns.store(p, prefix_layers(spec, p))

@@ -53,11 +53,11 @@ def _corrupt(bank_path: Path, family: Family, key: bytes, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 def test_corrupt_payload_is_a_counted_miss_and_heals(
-    bank_path: Path, attn_spec: ModelSpec, how: str
+    bank_path: Path, attn_spec: ModelSpec, how: str, check: str
 ) -> None:
     tokens = tokens_of(np.random.default_rng(15), 4 * B)
     layers = prefix_layers(attn_spec, tokens)
-    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+    with Bank.open(bank_path, BankConfig(block_size=B, payload_check=check)) as bank:
         chain = bank.namespace(attn_spec).store(tokens, layers).chain
     _corrupt(bank_path, Family.BLOCKS, chain[2], how)
     with Bank.open(bank_path) as bank:
@@ -76,9 +76,9 @@ def test_corrupt_payload_is_a_counted_miss_and_heals(
         check_every_block(bank.store)
 
 
-def test_corrupt_first_block_is_a_miss(bank_path: Path, attn_spec: ModelSpec) -> None:
+def test_corrupt_first_block_is_a_miss(bank_path: Path, attn_spec: ModelSpec, check: str) -> None:
     tokens = tokens_of(np.random.default_rng(16), 2 * B)
-    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+    with Bank.open(bank_path, BankConfig(block_size=B, payload_check=check)) as bank:
         chain = bank.namespace(attn_spec).store(tokens, prefix_layers(attn_spec, tokens)).chain
     _corrupt(bank_path, Family.BLOCKS, chain[0], "flip")
     with Bank.open(bank_path) as bank:
@@ -87,11 +87,13 @@ def test_corrupt_first_block_is_a_miss(bank_path: Path, attn_spec: ModelSpec) ->
         assert (s.corrupt_reads, s.misses, s.hits) == (1, 1, 0)
 
 
-def test_corrupt_state_steps_back_to_an_intact_one(bank_path: Path, hyb_spec: ModelSpec) -> None:
+def test_corrupt_state_steps_back_to_an_intact_one(
+    bank_path: Path, hyb_spec: ModelSpec, check: str
+) -> None:
     tokens = tokens_of(np.random.default_rng(17), 4 * B)
     layers = prefix_layers(hyb_spec, tokens)
     states = {B: random_state(hyb_spec, 1), 3 * B: random_state(hyb_spec, 3)}
-    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+    with Bank.open(bank_path, BankConfig(block_size=B, payload_check=check)) as bank:
         chain = bank.namespace(hyb_spec).store(tokens, layers, states).chain
     _corrupt(bank_path, Family.STATES, chain[2], "flip")
     with Bank.open(bank_path) as bank:
@@ -109,11 +111,13 @@ def test_corrupt_state_steps_back_to_an_intact_one(bank_path: Path, hyb_spec: Mo
         assert bank.stats().states == 2
 
 
-def test_corrupt_block_below_a_state_steps_back(bank_path: Path, hyb_spec: ModelSpec) -> None:
+def test_corrupt_block_below_a_state_steps_back(
+    bank_path: Path, hyb_spec: ModelSpec, check: str
+) -> None:
     tokens = tokens_of(np.random.default_rng(18), 4 * B)
     layers = prefix_layers(hyb_spec, tokens)
     states = {B: random_state(hyb_spec, 1), 4 * B: random_state(hyb_spec, 4)}
-    with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
+    with Bank.open(bank_path, BankConfig(block_size=B, payload_check=check)) as bank:
         chain = bank.namespace(hyb_spec).store(tokens, layers, states).chain
     _corrupt(bank_path, Family.BLOCKS, chain[2], "flip")
     with Bank.open(bank_path) as bank:
@@ -133,17 +137,18 @@ def _flip_file(path: Path, start: float, stop: float, step: int) -> None:
             fh.write(bytes([c[0] ^ 0xFF]))
 
 
-def _bank_on_disk(bank_path: Path, spec: ModelSpec, tokens: list[int]) -> None:
-    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0, file_min_bytes=None)) as bank:
+def _bank_on_disk(bank_path: Path, spec: ModelSpec, tokens: list[int], check: str = "xxh3") -> None:
+    config = BankConfig(block_size=B, hot_bytes=0, file_min_bytes=None, payload_check=check)
+    with Bank.open(bank_path, config) as bank:
         bank.namespace(spec).store(tokens, prefix_layers(spec, tokens))
 
 
-def test_damaged_blob_file_is_a_counted_miss(bank_path: Path) -> None:
+def test_damaged_blob_file_is_a_counted_miss(bank_path: Path, check: str) -> None:
     """Payload reads skip RocksDB's checksum: our digest catches the damage."""
     spec = attention_spec("float16", n_layers=2)
     spec = ModelSpec(name="wide", layers=spec.layers * 8, weights_digest="w-wide")
     tokens = tokens_of(np.random.default_rng(20), 4 * B)
-    _bank_on_disk(bank_path, spec, tokens)
+    _bank_on_disk(bank_path, spec, tokens, check)
     blobs = list(bank_path.glob("*.blob"))
     assert blobs, "payloads are expected in BlobDB files"
     for blob in blobs:

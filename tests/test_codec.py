@@ -11,12 +11,13 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import CHECKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank.arrays import DTYPES, from_numpy, to_numpy
-from cas_bank.blocks import codec
-from cas_bank.blocks.hashing import digest
+from cas_bank.blocks import codec, hashing
+from cas_bank.blocks.hashing import Check, digest
 from cas_bank.errors import CorruptDataError
 
 DTYPE_NAMES = sorted(DTYPES)
@@ -122,30 +123,34 @@ def test_encode_rejects_a_dtype_mismatch() -> None:
         codec.encode([np.zeros(3, np.float32)], [])
 
 
-def _payload(compression: str = "none") -> tuple[bytes, list[np.ndarray]]:
+def _payload(compression: str = "none", check: Check = "xxh3") -> tuple[bytes, list[np.ndarray]]:
     rng = np.random.default_rng(7)
     arrays = [random_storage(rng, (1, 2, 4, 8), "bfloat16"), np.zeros((1, 2, 4, 8), np.uint16)]
     dtypes = [DTYPES["bfloat16"], DTYPES["uint16"]]
-    return codec.encode(arrays, dtypes, compression), arrays  # type: ignore[arg-type]
+    return codec.encode(arrays, dtypes, compression, check), arrays  # type: ignore[arg-type]
 
 
-@settings(max_examples=50, deadline=None)
-@given(data=st.data(), compression=st.sampled_from(["none", "lz4"]))
-def test_any_flipped_byte_is_detected(data: st.DataObject, compression: str) -> None:
-    payload, _ = _payload(compression)
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), compression=st.sampled_from(["none", "lz4"]), check=st.sampled_from(CHECKS))
+def test_any_flipped_byte_is_detected(data: st.DataObject, compression: str, check: Check) -> None:
+    payload, _ = _payload(compression, check)
+    assert hashing.check_of(codec.embedded_digest(payload)) == check
     pos = data.draw(st.integers(0, len(payload) - 1))
     flip = data.draw(st.integers(1, 255))
     bad = bytearray(payload)
     bad[pos] ^= flip
     assert not codec.verify(bytes(bad))
+    assert not codec.verify(bytes(bad), codec.embedded_digest(payload))  # the header's
     with pytest.raises(CorruptDataError):
         codec.decode(bytes(bad))
 
 
 @settings(max_examples=30, deadline=None)
-@given(data=st.data(), compression=st.sampled_from(["none", "lz4"]))
-def test_truncated_or_extended_payloads_are_detected(data: st.DataObject, compression: str) -> None:
-    payload, _ = _payload(compression)
+@given(data=st.data(), compression=st.sampled_from(["none", "lz4"]), check=st.sampled_from(CHECKS))
+def test_truncated_or_extended_payloads_are_detected(
+    data: st.DataObject, compression: str, check: Check
+) -> None:
+    payload, _ = _payload(compression, check)
     cut = data.draw(st.integers(0, len(payload) - 1))
     for bad in (payload[:cut], payload + b"\0" * data.draw(st.integers(1, 9))):
         assert not codec.verify(bad)

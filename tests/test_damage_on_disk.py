@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import child_env, prefix_layers
+from conftest import CHECKS, child_env, prefix_layers
 from damage_kit import build, check_bank, family_tables, flip_byte
 from tool_banks import CLI, cas_bank
 
@@ -50,6 +50,20 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("damage") / "bank"
     build(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def built_blake3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same bank with blake3 records (as every bank before format version 4)."""
+    path = tmp_path_factory.mktemp("damage-blake3") / "bank"
+    build(path, check="blake3")
+    return path
+
+
+@pytest.fixture(params=CHECKS)
+def built_any(request: pytest.FixtureRequest) -> Path:
+    """`built` for each payload check: the tests of damaged payloads run on both."""
+    return Path(request.getfixturevalue("built" if request.param == "xxh3" else "built_blake3"))
 
 
 def _files(path: Path) -> dict[str, int]:
@@ -126,9 +140,9 @@ def test_another_rocksdb_is_refused_and_left_alone(tmp_path: Path) -> None:
     db.close()
 
 
-def test_a_deleted_blob_file_is_a_counted_miss(built: Path, tmp_path: Path) -> None:
+def test_a_deleted_blob_file_is_a_counted_miss(built_any: Path, tmp_path: Path) -> None:
     path = tmp_path / "bank"
-    shutil.copytree(built, path)
+    shutil.copytree(built_any, path)
     for blob in path.glob("*.blob"):
         blob.unlink()
     from damage_kit import prompts
@@ -137,12 +151,12 @@ def test_a_deleted_blob_file_is_a_counted_miss(built: Path, tmp_path: Path) -> N
     assert result == "refused" or ("hits=0" in result and "verify=ok" not in result), result
 
 
-def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Path) -> None:
+def test_salvage_copies_what_verifies_into_a_new_bank(built_any: Path, tmp_path: Path) -> None:
     from damage_kit import prompts
     from tool_banks import cas_bank_json
 
     path = tmp_path / "bank"
-    shutil.copytree(built, path)
+    shutil.copytree(built_any, path)
     (manifest,) = path.glob("MANIFEST-*")
     with manifest.open("r+b") as fh:
         fh.truncate(600)
@@ -157,7 +171,7 @@ def test_salvage_copies_what_verifies_into_a_new_bank(built: Path, tmp_path: Pat
 
 
 def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
-    built: Path, tmp_path: Path
+    built_any: Path, tmp_path: Path
 ) -> None:
     """RocksDB's walk of a family ends quietly at a record whose checksum fails (as if
     the family ended there): the records after it must still be read, and `--fix`
@@ -165,7 +179,7 @@ def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
     from cas_bank.verify import verify
 
     path = tmp_path / "bank"
-    shutil.copytree(built, path)
+    shutil.copytree(built_any, path)
     blob = max(path.glob("*.blob"), key=lambda p: p.stat().st_size)
     flip_byte(blob, blob.stat().st_size // 2)  # in the middle: inside some record's value
     with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as bank:

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CHECKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank.arrays import DTYPES, DType
 from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import Check
 from cas_bank.index import fastread
 from cas_bank.index.fastread import BlockFiles
 
@@ -29,7 +31,12 @@ def _layout(
 
 
 def _write(
-    tmp: Path, rng: np.random.Generator, shapes: list[tuple[int, ...]], dtypes: list[DType], n: int
+    tmp: Path,
+    rng: np.random.Generator,
+    shapes: list[tuple[int, ...]],
+    dtypes: list[DType],
+    n: int,
+    check: Check = "xxh3",
 ) -> tuple[list[Path], list[bytes], list[list[np.ndarray]]]:
     paths, payloads, blocks = [], [], []
     for i in range(n):
@@ -40,7 +47,7 @@ def _write(
             for s, d in zip(shapes, dtypes, strict=True)
         ]
         arrays = [a.reshape(s) for a, s in zip(arrays, shapes, strict=True)]
-        payload = codec.encode(arrays, dtypes, compression="none")
+        payload = codec.encode(arrays, dtypes, compression="none", check=check)
         path = tmp / f"b{i}"
         path.write_bytes(payload)
         paths.append(path)
@@ -78,6 +85,7 @@ def _read(
     heads=st.integers(1, 3),
     block=st.sampled_from([1, 4, 16]),
     dtype=st.sampled_from(sorted(DTYPES)),
+    check=st.sampled_from(CHECKS),
 )
 def test_native_and_python_reads_fill_the_same_rows(
     tmp_path_factory: pytest.TempPathFactory,
@@ -86,12 +94,13 @@ def test_native_and_python_reads_fill_the_same_rows(
     heads: int,
     block: int,
     dtype: str,
+    check: Check,
 ) -> None:
     tmp = tmp_path_factory.mktemp("fastread")
     rng = np.random.default_rng(seed)
     shapes, dtypes = _layout(rng, n_arrays, heads, block, DTYPES[dtype])
     n = 3
-    paths, payloads, blocks = _write(tmp, rng, shapes, dtypes, n)
+    paths, payloads, blocks = _write(tmp, rng, shapes, dtypes, n, check)
     items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
     out = {}
     for native, batch in ((True, True), (True, False), (False, False)):
@@ -110,17 +119,21 @@ def test_native_and_python_reads_fill_the_same_rows(
     [
         ("flip_body", "payload digest mismatch"),
         ("flip_head", "payload layout does not fit the spec"),
+        ("flip_field", "payload digest is not the header's"),  # its kind's tag too
+        ("other_kind", "payload digest is not the header's"),
         ("truncate", "payload file is truncated"),
         ("missing", "payload file missing"),
         ("other_digest", "payload digest is not the header's"),
         ("compressed", "not a plain payload"),
     ],
 )
-def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, why: str) -> None:
+def test_native_and_python_refuse_the_same_damage(
+    tmp_path: Path, damage: str, why: str, check: Check
+) -> None:
     rng = np.random.default_rng(5)
     block = 8
     shapes, dtypes = _layout(rng, 2, 2, block, DTYPES["float32"])
-    paths, payloads, _ = _write(tmp_path, rng, shapes, dtypes, 1)
+    paths, payloads, _ = _write(tmp_path, rng, shapes, dtypes, 1, check)
     path, payload = paths[0], payloads[0]
     expected = codec.embedded_digest(payload)
     size = len(payload)
@@ -132,6 +145,12 @@ def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, w
         raw = bytearray(payload)
         raw[codec._FIXED.size + 2] ^= 1  # a descriptor's shape
         path.write_bytes(raw)
+    elif damage == "flip_field":
+        raw = bytearray(payload)
+        raw[codec._DIGEST_AT + 20] ^= 1  # in the XXH3 tag, or a blake3 digest's byte
+        path.write_bytes(raw)
+    elif damage == "other_kind":  # the same bytes, checked by the other kind
+        path.write_bytes(codec.with_check(payload, "blake3" if check == "xxh3" else "xxh3"))
     elif damage == "truncate":
         path.write_bytes(payload[:-10])
     elif damage == "missing":
@@ -140,7 +159,7 @@ def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, w
         expected = bytes(32)
     elif damage == "compressed":
         zeros = [np.zeros(s, d.storage) for s, d in zip(shapes, dtypes, strict=True)]
-        packed = codec.encode(zeros, dtypes, compression="lz4")
+        packed = codec.encode(zeros, dtypes, compression="lz4", check=check)
         path.write_bytes(packed)
         size, expected = len(packed), codec.embedded_digest(packed)
     for native, batch in ((True, True), (True, False), (False, False)):
@@ -160,13 +179,13 @@ def test_native_and_python_refuse_the_same_damage(tmp_path: Path, damage: str, w
     ],
 )
 def test_large_payloads_split_across_staging_runs_land_in_their_rows(
-    tmp_path: Path, heads: int, dim: int
+    tmp_path: Path, heads: int, dim: int, check: Check
 ) -> None:
     rng = np.random.default_rng(heads * dim)
     block, n = 64, 5
     shapes = [(1, heads, block, dim), (1, heads, block, dim + 1)]
     dtypes = [DTYPES["float32"]] * 2
-    paths, payloads, blocks = _write(tmp_path, rng, shapes, dtypes, n)
+    paths, payloads, blocks = _write(tmp_path, rng, shapes, dtypes, n, check)
     items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
     raw = bytearray(payloads[3])
     raw[-1] ^= 0x40  # block 3 damaged: the others still land

@@ -14,6 +14,7 @@ from conftest import layers_bits, prefix_layers, tokens_of
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks.files import STUB_MAGIC, FileTier
+from cas_bank.blocks.hashing import check_of
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
 from cas_bank.verify import verify
@@ -38,12 +39,14 @@ def _store(path: Path, tokens: list[int], **config: object) -> list[list[bytes]]
         return [[np.array(a).tobytes() for a in layer] for layer in layers]
 
 
-def test_large_payloads_are_files_and_restore_bit_exact(bank_path: Path) -> None:
+def test_large_payloads_are_files_and_restore_bit_exact(bank_path: Path, check: str) -> None:
     tokens = tokens_of(np.random.default_rng(1), 4 * B)
-    _store(bank_path, tokens)
+    _store(bank_path, tokens, payload_check=check)
     assert len(_files(bank_path)) == 4
     with RocksStore(bank_path, mode="read_only") as raw:  # the database holds stubs
-        assert all(v[:4] == STUB_MAGIC for _, v in raw.iterate(Family.BLOCKS))
+        stubs = [v for _, v in raw.iterate(Family.BLOCKS)]
+        assert all(v[:4] == STUB_MAGIC for v in stubs)
+        assert {check_of(v[4:36]) for v in stubs} == {check}  # each says its check
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
         hit = bank.namespace(SPEC).restore(tokens)
         assert hit is not None and hit.tokens == 4 * B
@@ -56,9 +59,11 @@ def test_large_payloads_are_files_and_restore_bit_exact(bank_path: Path) -> None
         assert bank.stats().disk_bytes >= sum(p.stat().st_size for p in _files(bank_path))
 
 
-def test_a_damaged_file_is_a_counted_miss_and_the_next_store_repairs_it(bank_path: Path) -> None:
+def test_a_damaged_file_is_a_counted_miss_and_the_next_store_repairs_it(
+    bank_path: Path, check: str
+) -> None:
     tokens = tokens_of(np.random.default_rng(2), 4 * B)
-    _store(bank_path, tokens)
+    _store(bank_path, tokens, payload_check=check)
     third = [p for p in _files(bank_path)]
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
         ns = bank.namespace(SPEC)
@@ -89,11 +94,11 @@ def test_a_missing_file_is_a_counted_miss(bank_path: Path) -> None:
         assert bank.stats().corrupt_reads == 1
 
 
-def test_a_stub_that_names_another_payload_is_a_counted_miss(bank_path: Path) -> None:
+def test_a_stub_that_names_another_payload_is_a_counted_miss(bank_path: Path, check: str) -> None:
     """The database's record of block 1 replaced by block 2's (a file that exists and
     verifies, but is not the payload block 1's header names): the restore stops before it."""
     tokens = tokens_of(np.random.default_rng(4), 3 * B)
-    _store(bank_path, tokens)
+    _store(bank_path, tokens, payload_check=check)
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
         chain = bank.namespace(SPEC).chain(tokens)
     with RocksStore(bank_path) as raw:

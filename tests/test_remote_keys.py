@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import CHECKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from cas_bank.arrays import DTYPES
 from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import Check
 from cas_bank.config import BankConfig
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.remote import keys
@@ -25,8 +27,8 @@ def _slot_tag(k: bytes) -> bytes:
     return k[k.index(b"{") + 1 : k.index(b"}")]
 
 
-def _payload() -> bytes:
-    return codec.encode([np.arange(64, dtype=np.float16)], [DTYPES["float16"]])
+def _payload(check: Check = "xxh3") -> bytes:
+    return codec.encode([np.arange(64, dtype=np.float16)], [DTYPES["float16"]], check=check)
 
 
 def test_a_blocks_records_share_one_hash_slot_and_blocks_spread() -> None:
@@ -57,17 +59,37 @@ def test_sealed_entries_open_with_the_fleet_key_only() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data())
-def test_any_changed_byte_of_an_entry_is_rejected(data: st.DataObject) -> None:
+@given(data=st.data(), check=st.sampled_from(CHECKS))
+def test_any_changed_byte_of_an_entry_is_rejected(data: st.DataObject, check: Check) -> None:
     """A flipped byte anywhere fails the MAC (header, digest) or the codec's digest."""
     k = keys.key(ROOT, CHAIN, "p")
-    payload = _payload()
+    payload = _payload(check)
     entry = bytearray(keys.seal_payload(MKEY, k, payload))
     at = data.draw(st.integers(0, len(entry) - 1))
     entry[at] ^= data.draw(st.integers(1, 255))
     with pytest.raises(CorruptDataError):
         opened = keys.open_payload(MKEY, k, bytes(entry))
         codec.decode(opened, codec.embedded_digest(payload))
+
+
+def test_an_xxh3_payloads_mac_covers_every_byte_not_only_its_check() -> None:
+    """XXH3-128 is a check against damage, not against a forger: an entry whose body
+    was changed under the same digest field fails the MAC itself (blake3 over every
+    byte); a blake3 payload's MAC stays over its own digest, as entries were before."""
+    k = keys.key(ROOT, CHAIN, "p")
+    for check in CHECKS:
+        payload = _payload(check)
+        entry = keys.seal_payload(MKEY, k, payload)
+        forged = bytearray(entry)
+        forged[-1] ^= 1  # the body; the digest field and the MAC left as they were
+        if check == "xxh3":
+            with pytest.raises(CorruptDataError, match="MAC"):
+                keys.open_payload(MKEY, k, bytes(forged))
+        else:  # the MAC holds over the claimed blake3 digest; the codec refuses the body
+            opened = keys.open_payload(MKEY, k, bytes(forged))
+            assert not codec.verify(opened)
+    old_style = keys.MAGIC + keys._mac(MKEY, k, codec.embedded_digest(_payload("blake3")))
+    assert keys.seal_payload(MKEY, k, _payload("blake3")) == old_style + _payload("blake3")
 
 
 @given(st.binary(max_size=200))
@@ -119,3 +141,25 @@ def test_remote_urls_accepted() -> None:
     assert BankConfig().remote is None
     assert "pw" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="s3cr3t"))
     assert "s3cr3t" not in repr(BankConfig(remote="valkey://u:pw@h:1", remote_secret="s3cr3t"))
+
+
+def test_an_end_records_mac_covers_an_xxh3_payload_too() -> None:
+    """An end entry's MAC covers its end header (which names the payload's digest) and,
+    for an XXH3-128 payload, a blake3 digest of the payload: changed payload bytes under
+    the same header fail the MAC."""
+    k = b"cb1:end-key"
+    header = b"an end header"
+    for check in CHECKS:
+        payload = _payload(check)
+        entry = keys.seal_end(MKEY, k, header, payload)
+        assert keys.open_end(MKEY, k, entry, len(header)) == header + payload
+        forged = bytearray(entry)
+        forged[-1] ^= 1
+        if check == "xxh3":
+            with pytest.raises(CorruptDataError, match="MAC"):
+                keys.open_end(MKEY, k, bytes(forged), len(header))
+        else:  # the header's blake3 digest then refuses the payload (`decode_end`)
+            value = keys.open_end(MKEY, k, bytes(forged), len(header))
+            assert not codec.verify(value[len(header) :])
+    blake3_entry = keys.seal_end(MKEY, k, header, _payload("blake3"))
+    assert blake3_entry == keys.seal_header(MKEY, k, header) + _payload("blake3")  # as before

@@ -43,9 +43,9 @@ def test_a_clean_bank_verifies(tmp_path: Path) -> None:
 
 
 def test_verify_finds_corruption_and_a_dangling_chain_and_fix_removes_them(
-    tmp_path: Path,
+    tmp_path: Path, check: str
 ) -> None:
-    built = build_bank(tmp_path / "bank")
+    built = build_bank(tmp_path / "bank", check)
     _damage(built)
     agents, text1, hybrid = built.chains["agent0"], built.chains["text1"], built.chains["hybrid"]
 

@@ -89,10 +89,11 @@ class BuiltBank:
     states: dict[str, dict[int, list[Any]]] = field(default_factory=dict)
 
 
-def build_bank(path: Path) -> BuiltBank:
-    """The three-namespace bank described above (stored, closed)."""
+def build_bank(path: Path, check: str | None = None) -> BuiltBank:
+    """The three-namespace bank described above (stored, closed); `check`: the payload
+    check its records carry (None: a new bank's own)."""
     built = BuiltBank(path)
-    with Bank.open(path, BankConfig(block_size=BLOCK_SIZE)) as bank:
+    with Bank.open(path, BankConfig(block_size=BLOCK_SIZE, payload_check=check)) as bank:  # type: ignore[arg-type]
         attn = bank.namespace(attn_text_spec())
         for i, text in enumerate(TEXTS):
             toks = list(text.encode())

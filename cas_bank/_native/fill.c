@@ -1,11 +1,15 @@
 /* cas_bank._fill: read one payload file straight into destination memory, verified.
  *
  * A block payload file (cas_bank.blocks.files) holds the codec's bytes: a fixed lead
- * ending in the blake3 digest, the array descriptors, then each array's block slice in
- * C order. `read_into` checks the head against the one the caller expects (the layout
- * and the header's digest), then reads the body in runs of 256 KiB into this thread's
- * staging buffer, hashes each run while it is in the core's cache and copies it out to
- * the destination rows: no GIL, one blake3 pass (its SIMD code, picked at run time).
+ * ending in the 32-byte digest field, the array descriptors, then each array's block
+ * slice in C order. The field says which check it is (cas_bank.blocks.hashing): an
+ * XXH3-128 digest followed by the 16-byte tag "cas_bank xxh3128" (format version 4), or
+ * a blake3 digest (derive-key context given by the caller; every bank before).
+ * `read_into` checks the head against the one the caller expects (the layout and the
+ * header's digest, hence its kind), then reads the body in runs of 256 KiB into this
+ * thread's staging buffer, checks each run while it is in the core's cache and copies
+ * it out to the destination rows: no GIL, one hashing pass (SIMD code picked at run
+ * time: BLAKE3's own dispatch, xxHash's x86 dispatch to AVX2 where there is one).
  * Staging measured faster than `preadv` straight into the rows (scattered 32 KiB runs,
  * one per head and block): on 100 MB of a 4k-token cache on both cores, 34-40 ms against
  * 43-48 ms, the floor of one contiguous verified read being 33-36 ms; the kernel's
@@ -39,6 +43,57 @@
 #endif
 
 #include "blake3/blake3.h"
+/* XXH3-128, from the vendored official xxHash sources (BSD-2, cas_bank/_native/xxhash):
+ * all inline in this file. On x86-64 its dispatcher picks AVX2 or AVX-512 at run time
+ * (SSE2 otherwise); elsewhere the compiler's vectors (NEON on arm64). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "xxhash/xxh_x86dispatch.c"
+#include "xxhash/xxh_x86dispatch.h"
+#else
+#define XXH_INLINE_ALL
+#include "xxhash/xxhash.h"
+#endif
+
+/* The tail of a digest field that holds an XXH3-128 check (cas_bank.blocks.hashing). */
+static const uint8_t XXH3_TAG[16] = {'c', 'a', 's', '_', 'b', 'a', 'n', 'k',
+                                     ' ', 'x', 'x', 'h', '3', '1', '2', '8'};
+enum { FIELD = 32 };
+
+/* One payload check in progress: blake3 or XXH3-128, as the expected field says. */
+typedef struct {
+  int xxh3;
+  blake3_hasher b3;
+  XXH3_state_t xx;
+} check_t;
+
+static void check_init(check_t *c, const uint8_t *field, const char *context) {
+  c->xxh3 = memcmp(field + 16, XXH3_TAG, 16) == 0;
+  if (c->xxh3) {
+    (void)XXH3_128bits_reset(&c->xx);
+  } else {
+    blake3_hasher_init_derive_key(&c->b3, context);
+  }
+}
+
+static void check_update(check_t *c, const uint8_t *data, size_t n) {
+  if (c->xxh3) {
+    (void)XXH3_128bits_update(&c->xx, data, n);
+  } else {
+    blake3_hasher_update(&c->b3, data, n);
+  }
+}
+
+/* Whether what was fed matches `field`. */
+static int check_matches(check_t *c, const uint8_t *field) {
+  if (c->xxh3) {
+    XXH128_canonical_t got;
+    XXH128_canonicalFromHash(&got, XXH3_128bits_digest(&c->xx));
+    return memcmp(got.digest, field, 16) == 0;
+  }
+  uint8_t got[BLAKE3_OUT_LEN];
+  blake3_hasher_finalize(&c->b3, got, BLAKE3_OUT_LEN);
+  return memcmp(got, field, BLAKE3_OUT_LEN) == 0;
+}
 
 enum { OK = 0, MISSING = 1, SIZE = 2, HEAD = 3, DIGEST = 4, IO = 5 };
 
@@ -129,6 +184,7 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
   }
   int rc = OK;
   uint8_t *got_head = NULL;
+  check_t *check = NULL;
   struct stat st;
   uint64_t body = 0;
   for (Py_ssize_t i = 0; i < n_segs; i++) body += (uint64_t)segs[3 * i + 1];
@@ -158,10 +214,18 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
     rc = HEAD;
     goto out;
   }
-  blake3_hasher h;
-  blake3_hasher_init_derive_key(&h, context);
-  blake3_hasher_update(&h, got_head, lead - BLAKE3_OUT_LEN);
-  blake3_hasher_update(&h, got_head + lead, head_len - lead);
+  /* The check's state is large (XXH3's 576 bytes, 64-aligned; blake3's ~1.9 KiB): on
+   * the heap with the head, not on a pool thread's stack. */
+  check = aligned_alloc(64, (sizeof(check_t) + 63) & ~(size_t)63);
+  if (check == NULL) {
+    *err = ENOMEM;
+    rc = IO;
+    goto out;
+  }
+  const uint8_t *field = head + lead - FIELD;
+  check_init(check, field, context);
+  check_update(check, got_head, lead - FIELD);
+  check_update(check, got_head + lead, head_len - lead);
   uint8_t *stage = staging();
   if (stage == NULL) {
     *err = ENOMEM;
@@ -181,7 +245,7 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
       rc = r == -1 ? IO : SIZE;
       goto out;
     }
-    blake3_hasher_update(&h, stage, want);
+    check_update(check, stage, want);
     /* Scatter the run into the segments it covers (a run may end inside one). */
     for (size_t done = 0; done < want;) {
       size_t rest = (size_t)segs[3 * i + 1] - part;
@@ -198,13 +262,12 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
     at += (off_t)want;
     left -= want;
   }
-  uint8_t digest[BLAKE3_OUT_LEN];
-  blake3_hasher_finalize(&h, digest, BLAKE3_OUT_LEN);
-  if (memcmp(digest, head + lead - BLAKE3_OUT_LEN, BLAKE3_OUT_LEN) != 0) rc = DIGEST;
+  if (!check_matches(check, field)) rc = DIGEST;
 out:
 #if defined(__x86_64__) && defined(__SSE2__)
   _mm_sfence(); /* the streamed rows are visible before the caller hears of them */
 #endif
+  free(check);
   free(got_head);
   close(fd);
   return rc;
@@ -337,8 +400,9 @@ static PyMethodDef methods[] = {
      "read_into(path, head, lead, segments, index, context) -> (code, errno): read the "
      "payload file at path into the (address + index * step, length) of the int64 "
      "(address, length, step) triples of segments, "
-     "checking its first len(head) bytes equal head and its blake3 digest (derive-key "
-     "context) equals head[lead-32:lead]. code: 0 good, 1 missing, 2 size, 3 head, "
+     "checking its first len(head) bytes equal head and its check equals the digest "
+     "field head[lead-32:lead]: XXH3-128 where the field ends with b'cas_bank xxh3128', "
+     "else blake3 (derive-key context). code: 0 good, 1 missing, 2 size, 3 head, "
      "4 digest, 5 I/O error (errno)."},
     {"read_many", read_many, METH_VARARGS,
      "read_many(paths, heads, indices, lead, segments, context, counter, codes) -> None: "

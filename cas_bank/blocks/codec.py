@@ -1,4 +1,4 @@
-"""Arrays <-> payload bytes: a small header, raw array bytes, a blake3 digest.
+"""Arrays <-> payload bytes: a small header, raw array bytes, a check (XXH3-128 or blake3).
 
 Layout (all little-endian):
 
@@ -6,12 +6,14 @@ Layout (all little-endian):
     | digest 32 bytes | per array: dtype code u8, ndim u8, dims u32 * ndim
     | zero padding to 8 bytes | body
 
-The digest covers every other byte of the payload (the fixed fields before it, then
-descriptors, padding and the body as stored), so a payload is checked before anything is
-decompressed or interpreted, and a flipped flag or length is caught like a flipped body
-byte. The body is the arrays' C-order bytes one after another, lz4-compressed (flag bit
-0) only where that is clearly smaller: float16/bfloat16 KV does not compress, zeros do
-(docs/design.md, "Payload codec").
+The digest field says which check it holds (`hashing.check_of`): XXH3-128 followed by
+`hashing.XXH3_TAG` (format version 4's default) or a blake3 digest (every payload
+written before). The check covers every other byte of the payload (the fixed fields
+before it, then descriptors, padding and the body as stored), so a payload is checked
+before anything is decompressed or interpreted, and a flipped flag or length is caught
+like a flipped body byte. The body is the arrays' C-order bytes one after another,
+lz4-compressed (flag bit 0) only where that is clearly smaller: float16/bfloat16 KV
+does not compress, zeros do (docs/design.md, "Payload codec").
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import lz4.block
 import numpy as np
 
 from cas_bank.arrays import DTYPES_BY_CODE, DType
-from cas_bank.blocks.hashing import digest
+from cas_bank.blocks.hashing import Check, check_of, payload_check
 from cas_bank.errors import CorruptDataError
 
 MAGIC = b"CASB"
@@ -83,9 +85,13 @@ def _worth_compressing(pieces: Sequence[memoryview], raw_len: int) -> bool:
 
 
 def encode(
-    arrays: Sequence[np.ndarray], dtypes: Sequence[DType], compression: Compression = "auto"
+    arrays: Sequence[np.ndarray],
+    dtypes: Sequence[DType],
+    compression: Compression = "auto",
+    check: Check = "xxh3",
 ) -> bytes:
-    """One payload holding `arrays` (numpy storage arrays, bf16 as uint16)."""
+    """One payload holding `arrays` (numpy storage arrays, bf16 as uint16), checked by
+    `check`."""
     if len(arrays) != len(dtypes):
         raise ValueError("arrays and dtypes differ in length")
     desc = bytearray()
@@ -105,8 +111,8 @@ def encode(
             body, flags = [packed], FLAG_LZ4
     body_len = sum(len(p) for p in body)
     lead = _FIXED.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, bytes(32))
-    check = digest(lead[:_DIGEST_AT], desc, *body)
-    return b"".join([lead[:_DIGEST_AT], check, desc, *body])
+    field = payload_check(lead[:_DIGEST_AT], desc, *body, check=check)
+    return b"".join([lead[:_DIGEST_AT], field, desc, *body])
 
 
 def embedded_digest(data: bytes) -> bytes:
@@ -125,7 +131,19 @@ def verify(data: bytes, expected: bytes | None = None) -> bool:
     if expected is not None and claimed != expected:
         return False
     view = memoryview(data)
-    return digest(view[:_DIGEST_AT], view[_FIXED.size :]) == claimed
+    return payload_check(view[:_DIGEST_AT], view[_FIXED.size :], check=check_of(claimed)) == claimed
+
+
+def with_check(data: bytes, check: Check) -> bytes:
+    """`data` (a payload that verifies) with its digest field recomputed as `check`:
+    the same bytes otherwise. A payload that fails its check raises `CorruptDataError`."""
+    if not verify(data):
+        raise CorruptDataError("payload digest mismatch")
+    if check_of(embedded_digest(data)) == check:
+        return data
+    view = memoryview(data)
+    field = payload_check(view[:_DIGEST_AT], view[_FIXED.size :], check=check)
+    return b"".join([view[:_DIGEST_AT], field, view[_FIXED.size :]])
 
 
 def decode(data: bytes, expected: bytes | None = None) -> Decoded:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import array
 import os
 from collections.abc import Callable
-from typing import Any, NewType
+from typing import Any, Literal, NewType
 
 import blake3
 import numpy as np
+import xxhash
 
 from cas_bank.errors import InvalidInputError
 
@@ -198,6 +199,30 @@ def digest(*parts: bytes | bytearray | memoryview, context: str = PAYLOAD_CONTEX
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+Check = Literal["xxh3", "blake3"]
+"""The kind of a payload's local check (docs/design.md, "Payload codec")."""
+
+XXH3_TAG = b"cas_bank xxh3128"
+"""The last 16 bytes of a 32-byte payload digest field that holds an XXH3-128 check:
+the field says which check it carries (a blake3 digest ends so with odds 2**-128)."""
+
+
+def check_of(field: bytes) -> Check:
+    """Which check a 32-byte digest field carries."""
+    return "xxh3" if field[16:] == XXH3_TAG else "blake3"
+
+
+def payload_check(*parts: bytes | bytearray | memoryview, check: Check) -> bytes:
+    """The 32-byte digest field of a payload's parts: blake3 (`digest`, the payload
+    context), or XXH3-128 (seed 0, canonical big-endian) followed by `XXH3_TAG`."""
+    if check == "blake3":
+        return digest(*parts)
+    h = xxhash.xxh3_128()
+    for p in parts:
+        h.update(p)
+    return h.digest() + XXH3_TAG
 
 
 def short(h: bytes, n: int = 12) -> str:

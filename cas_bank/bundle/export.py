@@ -14,6 +14,7 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.damage import full_error, is_no_space
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, chain_hashes, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.bundle.checks import block_as, end_as
 from cas_bank.bundle.format import (
     _LEAD,
     _TRAILER,
@@ -108,7 +109,12 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
             if st is not None and codec.verify(st, h.state_digest):
                 state = st
                 states += 1
-        records.append((h.encode() if state else h.with_state(None).encode(), payload, state))
+        # What crosses is checked by blake3 (bundle.checks): an XXH3-128 record is
+        # re-digested, the header names the new digests.
+        h, payload, st = block_as(
+            h if state else h.with_state(None), payload, state or None, "blake3"
+        )
+        records.append((h.encode(), payload, st or b""))
     ends = _chain_ends(bank.store, root, chain)
     manifest = {
         "format": BUNDLE_VERSION if ends else 1,
@@ -177,5 +183,5 @@ def _chain_ends(store: BlockStore, root: bytes, chain: list[Header]) -> list[tup
         except CorruptDataError:
             continue
         if end.root == root and codec.verify(payload, end.payload_digest):
-            out.append((key, value))
+            out.append((key, end_as(key, value, "blake3")))
     return out

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, hash_block, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.bundle.checks import bundle_as
 from cas_bank.bundle.format import (
     _LEAD,
     _TRAILER,
@@ -169,6 +170,7 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             f"bundle has block_size={bundle.block_size}, the bank at {bank.path} "
             f"block_size={bank.config.block_size}"
         )
+    bundle = bundle_as(bundle, bank.payload_check)  # checked by blake3; kept as the bank writes
     hashes = [e.header.chain_hash for e in bundle.entries]
     with bank.transaction() as tx:
         damaged: set[int] = set()

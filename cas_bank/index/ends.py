@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -30,7 +30,7 @@ import numpy as np
 from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
-from cas_bank.blocks.hashing import BlockHash, as_token_array, end_hash, end_hashes
+from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.layout import Assembler, check_layers, check_state, group_layers
@@ -127,6 +127,17 @@ def split_record(key: bytes, value: bytes) -> tuple[EndHeader, bytes]:
     return header, payload
 
 
+def with_check(key: bytes, value: bytes, check: Check) -> bytes:
+    """An end record's value whose payload carries `check` (re-digested if it does not:
+    `codec.with_check`), its header naming the new digest; `CorruptDataError` if it is
+    not a record or its payload fails its own check."""
+    end, payload = split_record(key, value)
+    if codec.embedded_digest(payload) != end.payload_digest:
+        raise CorruptDataError(f"end record {key.hex()[64:80]}: payload digest is not the header's")
+    payload = codec.with_check(payload, check)
+    return replace(end, payload_digest=codec.embedded_digest(payload)).encode() + payload
+
+
 def encode_end(
     spec: ModelSpec,
     tail_arrays: Sequence[mx.array],
@@ -134,6 +145,7 @@ def encode_end(
     logits: mx.array | None,
     hidden: mx.array | None,
     compression: Compression,
+    check: Check = "xxh3",
 ) -> tuple[bytes, int]:
     """The payload of an end record, and its flags."""
     arrays = list(tail_arrays)
@@ -147,7 +159,7 @@ def encode_end(
             flags |= flag
     mx.eval(*arrays)
     views = [to_numpy(a) for a in arrays]
-    return codec.encode(views, [dtype_of(a) for a in arrays], compression), flags
+    return codec.encode(views, [dtype_of(a) for a in arrays], compression, check), flags
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +316,9 @@ def write_end(
     if _holds(bank.store.get(Family.ENDS, key), key, flags):
         bank.access.touch((), ends=[parent])
         return 0
-    payload, flags = encode_end(spec, end.tail, state, logits, hidden, bank.config.compression)
+    payload, flags = encode_end(
+        spec, end.tail, state, logits, hidden, bank.config.compression, bank.payload_check
+    )
     header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
     value = header.encode() + payload
     with bank.transaction() as tx:

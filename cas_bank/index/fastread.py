@@ -12,9 +12,12 @@ out of the page cache, one hashing pass, one copy from cache to the rows. The ro
 a block that fails its digest hold unverified bytes, which the restore never hands
 out (it ends before that block, and bytes beyond a cache's offset are never read).
 
+Either check a payload's digest field names (`hashing.check_of`: XXH3-128 or blake3)
+is computed this way.
+
 Without it: one `preadv` of the whole file into the reading thread's reused buffer,
-one blake3 call over it, then, once it verified, one strided copy per array into its
-rows of the destination.
+one check over it (the `xxhash` or `blake3` package), then, once it verified, one
+strided copy per array into its rows of the destination.
 
 Blocks go to a small thread pool on that path: `preadv`, blake3 and `np.copyto` all
 release the GIL.
@@ -35,11 +38,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeAlias, cast
 
-import blake3
 import numpy as np
 
 from cas_bank.arrays import DType
-from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
+from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.index.helpers import helper_pool, together
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
@@ -159,8 +161,8 @@ class BlockFiles:
     def _python(self, index: int, path: FilePath, size: int, expected: bytes) -> str | None:
         """`read` without the native helper.
 
-        One `preadv` of the whole file into this thread's buffer, one blake3 over it
-        (a single call: blake3's SIMD, without the GIL), then one strided copy per
+        One `preadv` of the whole file into this thread's buffer, one check over it
+        (the kind its digest field names: one call of xxhash or blake3), then one strided copy per
         array into its rows of the destination. A block is copied into the
         destination only once it is verified.
         """
@@ -191,10 +193,7 @@ class BlockFiles:
             return "payload layout does not fit the spec"
         if claimed != expected:
             return "payload digest is not the header's"
-        h = blake3.blake3(derive_key_context=PAYLOAD_CONTEXT)
-        h.update(view[:_DIGEST_AT])
-        h.update(view[_LEAD.size :])
-        if h.digest() != claimed:
+        if payload_check(view[:_DIGEST_AT], view[_LEAD.size :], check=check_of(claimed)) != claimed:
             return "payload digest mismatch"
         for dest, (at, count, dtype, shape) in zip(self._dests, self._parts, strict=True):
             src = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)

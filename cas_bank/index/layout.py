@@ -17,6 +17,7 @@ import numpy as np
 
 from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
+from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.fastread import BlockFiles
 from cas_bank.index.helpers import together
@@ -124,15 +125,15 @@ class BlockCutter:
         mx.eval(*flat)
         self.views = [to_numpy(a) for a in flat]
 
-    def payload(self, index: int, compression: Compression) -> bytes:
+    def payload(self, index: int, compression: Compression, check: Check) -> bytes:
         lo, hi = index * self.block_size, (index + 1) * self.block_size
-        return encode([v[..., lo:hi, :] for v in self.views], self.dtypes, compression)
+        return encode([v[..., lo:hi, :] for v in self.views], self.dtypes, compression, check)
 
 
-def encode_state(state_arrays: list[mx.array], compression: Compression) -> bytes:
+def encode_state(state_arrays: list[mx.array], compression: Compression, check: Check) -> bytes:
     mx.eval(*state_arrays)
     views = [to_numpy(a) for a in state_arrays]
-    return encode(views, [dtype_of(a) for a in state_arrays], compression)
+    return encode(views, [dtype_of(a) for a in state_arrays], compression, check)
 
 
 class Assembler:

@@ -14,6 +14,7 @@ from threading import RLock
 from typing import Protocol
 
 from cas_bank.blocks.files import FileTier
+from cas_bank.blocks.hashing import Check
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore
 from cas_bank.config import BankConfig
@@ -53,6 +54,9 @@ class Owner(Writer, Protocol):
 
     @property
     def read_only(self) -> bool: ...
+
+    @property
+    def payload_check(self) -> Check: ...
 
     @property
     def hot(self) -> HotStore | None: ...

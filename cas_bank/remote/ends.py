@@ -9,10 +9,12 @@ node (their key's hash tag is the parent's chain hash, as the parent block's own
 Key: `cb1:<root 8 bytes hex>:{<parent hex>}:e:<end hash hex>`. Entry: `CBR1 | MAC |
 value`, the value as the local `ends` family stores it (end header, tail tokens,
 codec payload). The MAC covers the key and the end header (whose payload digest
-`decode_end` checks against the payload), so a forged or damaged record fails one or
-the other; `split_record` also checks that the record is named after what it says
-(parent and tail). A record that fails is a rejected miss: the next shallower
-candidate is tried, then the chain restores without one.
+`decode_end` checks against the payload), and for an XXH3-128 payload (format 4) a
+blake3 digest of the payload too (`keys.seal_end`: XXH3 is no defence against a
+forger), so a forged or damaged record fails one or the other; `split_record` also
+checks that the record is named after what it says (parent and tail). A record that
+fails is a rejected miss: the next shallower candidate is tried, then the chain
+restores without one.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def remote_key(root: bytes, local_key: bytes) -> bytes:
 
 def seal(mkey: bytes, k: bytes, value: bytes, header_len: int) -> bytes:
     """A cluster entry of an end record value (its end header is `value[:header_len]`)."""
-    return keys.seal_header(mkey, k, value[:header_len]) + value[header_len:]
+    return keys.seal_end(mkey, k, value[:header_len], value[header_len:])
 
 
 def candidates(
@@ -103,6 +105,4 @@ def _open(mkey: bytes, k: bytes, local: bytes, entry: bytes) -> bytes:
         header, _ = split_record(local, body)
     except CorruptDataError:
         raise CorruptDataError("remote end record does not parse") from None
-    n = len(header.encode())
-    keys.open_header(mkey, k, entry[: len(keys.MAGIC) + keys.MAC_SIZE + n])
-    return body
+    return keys.open_end(mkey, k, entry, len(header.encode()))

@@ -17,7 +17,11 @@ namespace's keys.
 Entries: magic `CBR1` | MAC (32 bytes) | body. The MAC is keyed blake3 under the
 fleet secret, over the key and (header) the header bytes or (payload, state) the
 payload's own blake3 digest, which `codec.decode` then checks against the body: a
-forged or damaged entry fails one or the other and is a rejected miss. Nothing read
+forged or damaged entry fails one or the other and is a rejected miss. A payload whose
+own check is XXH3-128 (format version 4: a local check against damage, not against a
+forger who could make another payload with the same XXH3) is covered by a blake3
+digest of all its bytes instead (`_covered`): what crosses to another host is always
+bound by blake3. Nothing read
 from the cluster is interpreted otherwise than by `Header.decode` and `codec.decode`
 (fixed binary layouts): no pickle, no code.
 """
@@ -30,6 +34,7 @@ from typing import Literal
 import blake3
 
 from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import check_of, digest
 from cas_bank.errors import CorruptDataError
 
 KEY_VERSION = b"cb1"
@@ -71,9 +76,39 @@ def seal_header(mkey: bytes, k: bytes, header: bytes) -> bytes:
     return MAGIC + _mac(mkey, k, header) + header
 
 
+def _covered(payload: bytes) -> bytes:
+    """What a payload entry's MAC covers: its own digest when that is blake3 (it covers
+    every byte), else a blake3 digest of every byte."""
+    claimed = codec.embedded_digest(payload)
+    return claimed if check_of(claimed) == "blake3" else digest(payload)
+
+
 def seal_payload(mkey: bytes, k: bytes, payload: bytes) -> bytes:
-    """A payload entry; the MAC covers its digest, which covers every byte of it."""
-    return MAGIC + _mac(mkey, k, codec.embedded_digest(payload)) + payload
+    """A payload entry; the MAC covers a blake3 digest of every byte of it."""
+    return MAGIC + _mac(mkey, k, _covered(payload)) + payload
+
+
+def _end_covered(header: bytes, payload: bytes) -> bytes:
+    """What an end record entry's MAC covers: its end header (which names the payload's
+    blake3 digest), and for an XXH3-128 payload a blake3 digest of every payload byte."""
+    claimed = codec.embedded_digest(payload)
+    return header if check_of(claimed) == "blake3" else header + digest(payload)
+
+
+def seal_end(mkey: bytes, k: bytes, header: bytes, payload: bytes) -> bytes:
+    """An end record entry: `CBR1 | MAC | end header | payload`."""
+    return MAGIC + _mac(mkey, k, _end_covered(header, payload)) + header + payload
+
+
+def open_end(mkey: bytes, k: bytes, entry: bytes, header_len: int) -> bytes:
+    """The record value of an end entry whose MAC holds (its end header is the first
+    `header_len` bytes of the value); `CorruptDataError` otherwise."""
+    mac, body = _split(entry)
+    value = bytes(body)
+    covered = _end_covered(value[:header_len], value[header_len:])
+    if not hmac.compare_digest(mac, _mac(mkey, k, covered)):
+        raise CorruptDataError("remote end record MAC mismatch")
+    return value
 
 
 def _split(entry: bytes) -> tuple[bytes, memoryview]:
@@ -93,13 +128,13 @@ def open_header(mkey: bytes, k: bytes, entry: bytes) -> bytes:
 
 
 def open_payload(mkey: bytes, k: bytes, entry: bytes) -> bytes:
-    """The payload of an entry whose MAC holds over its claimed digest.
+    """The payload of an entry whose MAC holds over its claimed (blake3) digest.
 
     The digest itself is checked against the bytes by `codec.decode` when the payload
     is read, as for a local payload; `CorruptDataError` here if the MAC fails.
     """
     mac, body = _split(entry)
     payload = bytes(body)
-    if not hmac.compare_digest(mac, _mac(mkey, k, codec.embedded_digest(payload))):
+    if not hmac.compare_digest(mac, _mac(mkey, k, _covered(payload))):
         raise CorruptDataError("remote payload MAC mismatch")
     return payload

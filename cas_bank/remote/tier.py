@@ -25,16 +25,18 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import numpy as np
 
+from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
+from cas_bank.index.ends import with_check as end_with_check
 from cas_bank.index.owner import Owner
 from cas_bank.remote import ends, keys
 from cas_bank.remote.client import RemoteClient, tls_options
@@ -175,27 +177,34 @@ class RemoteTier:
                 return
             adopted = 0
             whole = True  # every block of the chain is local now
+            check = bank.payload_check  # another host's check may not be this bank's
             for header, old in zip(chain[lo:], current, strict=True):
                 h = header.chain_hash
                 take_state = job.state and header.index == cont.state_at
+                state = None
+                if take_state and (old is None or not old.has_state):
+                    state = codec.with_check(cont.raw[(Family.STATES, h)], check)
                 if old is None:
                     if (Family.BLOCKS, h) not in cont.raw:
                         whole = False
                         break  # a local block evicted since the restore: stop, no hole
-                    tx.put(Family.BLOCKS, h, cont.raw[(Family.BLOCKS, h)])
+                    payload = codec.with_check(cont.raw[(Family.BLOCKS, h)], check)
+                    tx.put(Family.BLOCKS, h, payload)
                     tx.add(blocks=1, payload_bytes=header.payload_size)
                     adopted += 1
-                    new = header if take_state else header.with_state(None)
-                elif take_state and not old.has_state:
-                    new = old.with_state(header.state_digest, header.state_size)
-                else:
+                    new = replace(header, payload_digest=codec.embedded_digest(payload))
+                    new = new.with_state(None)
+                elif state is None:
                     continue
-                if take_state and (old is None or not old.has_state):
-                    tx.put(Family.STATES, h, cont.raw[(Family.STATES, h)])
+                else:
+                    new = old
+                if state is not None:
+                    new = new.with_state(codec.embedded_digest(state), len(state))
+                    tx.put(Family.STATES, h, state)
                     tx.add(states=1, state_bytes=header.state_size)
                 tx.put(Family.HEADERS, h, new.encode())
             if job.end and whole and cont.end is not None:
-                _adopt_end(tx, cont.end.key, cont.end.value)
+                _adopt_end(tx, cont.end.key, end_with_check(cont.end.key, cont.end.value, check))
             if not tx.writes:
                 tx.abort()
                 return
