@@ -77,7 +77,8 @@ class BankStats(BaseModel):
     states: int
     payload_bytes: int
     state_bytes: int
-    logical_tokens: int
+    logical_tokens: int  # full-block tokens of every store (found or written), and of
+    # the blocks imports added (a repeated import adds none)
     unique_tokens: int
     stores: int
     restores: int

@@ -157,7 +157,8 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
 
     Blocks already stored intact are kept as they are; a stored block without a state
     gets the bundle's state; a stored payload or state that is missing or fails its
-    digest is replaced by the bundle's (an import repairs what it covers). Raises
+    digest is replaced by the bundle's (an import repairs what it covers). Counters
+    count what it added (`logical_tokens` too): importing it again changes none. Raises
     `CorruptDataError` for a damaged bundle and `InvalidInputError` for one made with
     another block size; nothing is written then.
     """
@@ -181,6 +182,7 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
         blocks_in: list[bytes] = []  # block payloads written (new, or repairing a bad one)
         states_in: list[bytes] = []
         bytes_written = 0
+        added = 0  # blocks the bank did not hold (a repaired one was counted before)
         for i, (entry, old) in enumerate(zip(bundle.entries, current, strict=True)):
             h, key = entry.header, entry.header.chain_hash
             # Absent, damaged, failing its digest now or on an earlier read: rewritten.
@@ -195,6 +197,7 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             base = old
             if rewrite:  # the bundle's payload, under the state the block has (if any)
                 deltas, extra = block_rewrite(tx.store, key, old, i in damaged, len(entry.payload))
+                added += deltas.get("blocks", 0)
                 tx.add(**deltas)
                 tx.extend(extra)
                 tx.put(Family.BLOCKS, key, entry.payload)
@@ -221,11 +224,12 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             ends_in += 1
             bytes_written += len(value)
         written = len(blocks_in)
+        # An import is a copy, not a request: it counts the tokens it added, never the
+        # blocks it found (a repeated import changes no counter but last uses).
         tx.add(
             ends_written=ends_in,
-            logical_tokens=bundle.tokens,
+            logical_tokens=added * bundle.block_size,
             blocks_written=written,
-            blocks_deduplicated=len(hashes) - written,
             states_written=len(states_in),
         )
         # Imported blocks count as used now, as a store's do: eviction keeps them longest.
