@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .model_spec import spec_for_model
     from .models import LoadedModel, build_model, load_model, save_model
-    from .prefix_cache import PrefillReport, PrefixCache
+    from .prefix_cache import PrefillCancelled, PrefillReport, PrefixCache
     from .prompt_cache_adapter import BankPromptCache
     from .state_recorder import StateRecorder
 
@@ -26,6 +26,7 @@ _HOMES = {
     "build_model": "models",
     "load_model": "models",
     "save_model": "models",
+    "PrefillCancelled": "prefix_cache",
     "PrefillReport": "prefix_cache",
     "PrefixCache": "prefix_cache",
     "StateRecorder": "state_recorder",
@@ -34,6 +35,7 @@ _HOMES = {
 __all__ = [
     "BankPromptCache",
     "LoadedModel",
+    "PrefillCancelled",
     "PrefillReport",
     "PrefixCache",
     "StateRecorder",

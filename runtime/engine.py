@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -54,7 +55,7 @@ from .generation import (
     TextDelta,
 )
 from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
-from .prefix_cache import PrefixCache
+from .prefix_cache import DEFAULT_CHUNK_SIZE, PrefillCancelled, PrefixCache
 from .tokenizer import chat_tokens, eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")
@@ -83,8 +84,11 @@ class Job:
 class Engine:
     """Serves `loaded` from `bank` one request at a time (see the module docstring).
 
-    `owns_bank`: `close()` also closes the bank (set by `Engine.open`). `seed`: the
-    base of the per-request sampling seeds of requests that bring none.
+    `owns_bank`: `close()` also closes the bank (set by `Engine.open`). A request
+    without a `seed` samples with one drawn for it (as OpenAI's API does: the same
+    prompt twice gives two answers); a given seed repeats. `chunk_size`: prompt tokens
+    per forward pass; a cancelled request (its client gone, a shutdown) stops at the
+    end of the current one.
     """
 
     def __init__(
@@ -93,8 +97,8 @@ class Engine:
         bank: Bank,
         *,
         max_queue: int = DEFAULT_MAX_QUEUE,
-        seed: int = 0,
         owns_bank: bool = False,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -103,9 +107,10 @@ class Engine:
         self.model_id = loaded.name
         self.context_length = model_context_length(loaded)
         # A full disk degrades the server (answers without storing), never fails it.
-        self.prefix_cache = PrefixCache(bank, loaded, skip_store_when_full=True)
+        self.prefix_cache = PrefixCache(
+            bank, loaded, skip_store_when_full=True, chunk_size=chunk_size
+        )
         self.eos_ids = eos_token_ids(loaded.tokenizer)
-        self._seed = seed
         self._owns_bank = owns_bank
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
@@ -127,6 +132,7 @@ class Engine:
         block_size: int | None = None,
         seed: int = 0,
         max_queue: int = DEFAULT_MAX_QUEUE,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         remote: str | None = None,
         remote_secret: str | None = None,
         remote_tls_ca: str | None = None,
@@ -137,7 +143,8 @@ class Engine:
 
         `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
         ...), or the path of a local mlx-lm model directory. `block_size`: None takes
-        the bank's own (64 for a new bank). `remote`: the shared tier's URL
+        the bank's own (64 for a new bank). `seed`: the embedded model's weights.
+        `chunk_size`: prompt tokens per forward pass. `remote`: the shared tier's URL
         (`BankConfig.remote`), `remote_secret` its fleet secret (required with it),
         `remote_tls_*` its TLS files (`BankConfig.remote_tls_ca` and the client
         certificate and key).
@@ -155,7 +162,7 @@ class Engine:
         config = BankConfig(**settings)
         bank = Bank.open(bank_dir, config)
         try:
-            return cls(loaded, bank, max_queue=max_queue, seed=seed, owns_bank=True)
+            return cls(loaded, bank, max_queue=max_queue, owns_bank=True, chunk_size=chunk_size)
         except BaseException:
             bank.close()
             raise
@@ -359,7 +366,18 @@ class Engine:
         if stored_logits is not None:
             logits = stored_logits
         else:
-            logits = pc.prefill(prompt, cache, start=cached, hints=request.branch_hints, end=True)
+            try:
+                logits = pc.prefill(
+                    prompt,
+                    cache,
+                    start=cached,
+                    hints=request.branch_hints,
+                    end=True,
+                    cancelled=lambda: job.cancelled,
+                )
+            except PrefillCancelled as e:  # its blocks so far are stored
+                log.info("cas_bank: request cancelled during its prefill: %s", e)
+                return self._cancelled_in_prefill(job, cached, started)
         recorder = pc.recorder(cache)
         sampler = self._sampler(request)
         text = TextStream(self.loaded.tokenizer, request.stop)
@@ -412,12 +430,22 @@ class Engine:
             total_s=time.perf_counter() - started,
         )
 
+    def _cancelled_in_prefill(self, job: Job, cached: int, started: float) -> GenerationResult:
+        now = time.perf_counter()
+        return GenerationResult(
+            text="",
+            token_ids=[],
+            finish_reason="cancelled",
+            prompt_tokens=len(job.request.prompt),
+            cached_tokens=cached,
+            queue_s=started - job.enqueued_at,
+            ttft_s=0.0,
+            total_s=now - started,
+        )
+
     def _sampler(self, request: GenerationRequest) -> Sampler:
-        # Requests without a seed get one from the prompt: deterministic per prompt,
-        # different across prompts (greedy decoding needs none).
-        seed = request.seed
-        if seed is None:
-            seed = self._seed + (hash_ids(request.prompt) if request.temperature > 0 else 0)
+        # A request without a seed gets a fresh one (greedy decoding uses none).
+        seed = request.seed if request.seed is not None else secrets.randbits(64)
         return Sampler(
             self.prefix_cache.vocab_size,
             temperature=request.temperature,
@@ -430,14 +458,6 @@ class Engine:
         with self._lock:
             for name, d in deltas.items():
                 self._counts[name] += d
-
-
-def hash_ids(ids: Sequence[int]) -> int:
-    """A stable 32-bit number for a list of ids (FNV-1a; Python's `hash` is salted)."""
-    h = 0x811C9DC5
-    for t in ids:
-        h = ((h ^ (int(t) & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
-    return h
 
 
 def resolve_model(model: str | Path | None, *, seed: int = 0) -> LoadedModel:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,16 @@ class PrefillReport:
     forward_s: float  # wall time of the forward passes (evaluated)
     store_s: float  # wall time of the store (0 when not stored)
     stored: StoreReport | None = field(default=None, repr=False)
+
+
+class PrefillCancelled(Exception):
+    """`prefill` stopped early because its `cancelled` callback said so. `tokens`: how
+    many went through the model; their full blocks (and captured states) are stored."""
+
+    def __init__(self, tokens: int, total: int) -> None:
+        super().__init__(f"prefill cancelled after {tokens} of {total} tokens")
+        self.tokens = tokens
+        self.total = total
 
 
 def chunk_ends(n_tokens: int, start: int, chunk_size: int, boundaries: Sequence[int]) -> list[int]:
@@ -250,6 +260,7 @@ class PrefixCache:
         hints: Sequence[int] | None = (),
         this_model: bool = False,
         end: bool = False,
+        cancelled: Callable[[], bool] | None = None,
     ) -> mx.array:
         """Run `tokens[start:]` through the model into `cache`; the last position's logits.
 
@@ -261,6 +272,9 @@ class PrefixCache:
         `InvalidInputError` before any forward pass; nothing is stored then. With
         `end` (and `store`), the end record of `tokens` is stored too, with the logits:
         the same prompt again restores with no forward pass (`restore_exact`).
+        `cancelled`: asked after every forward pass but the last; when it says True the
+        prefill stops there, stores the full blocks done so far (no end record) and
+        raises `PrefillCancelled` (a server stops a request nobody waits for).
         """
         toks = self.tokens(tokens)
         n = len(toks)
@@ -292,7 +306,13 @@ class PrefixCache:
             else:
                 mx.eval([c.state for c in cache])
             pos = stop
+            if pos < n and cancelled is not None and cancelled():
+                break
         assert logits is not None
+        total = n
+        if pos < n:  # cancelled: what went through the model is stored, no end record
+            toks, n, end = toks[:pos], pos, False
+            ends = ends[: ends.index(pos) + 1]
         last = logits[0, -1]
         mx.eval(last)
         t1 = time.perf_counter()
@@ -322,6 +342,8 @@ class PrefixCache:
             store_s=t2 - t1 if store and not self.bank.read_only else 0.0,
             stored=report,
         )
+        if n < total:
+            raise PrefillCancelled(n, total)
         return last
 
     # -- store ---------------------------------------------------------------------

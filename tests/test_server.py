@@ -243,6 +243,18 @@ def test_sampling_with_a_seed_repeats_and_other_seeds_differ(server: Server) -> 
     assert len({first, sample(8), sample(9), sample(-1)}) > 1
 
 
+def test_sampling_without_a_seed_draws_one_per_request(server: Server) -> None:
+    # As OpenAI's API does: a regenerate gives another answer (it was one per prompt).
+    messages = conversation("regenerate this")
+    texts = {
+        chat(server.url, messages, max_tokens=12, temperature=1.0)["choices"][0]["message"][
+            "content"
+        ]
+        for _ in range(3)
+    }
+    assert len(texts) > 1
+
+
 # -- bad requests ---------------------------------------------------------------------------
 BAD_REQUESTS = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "tiny-hybrid", "messages": [', 400),

@@ -13,6 +13,7 @@ works in a temporary directory, so every run starts clean.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ from .common import CliError, add_command, bank_path, console, print_json
 DEFAULT_BANK_DIR = Path.home() / ".cache" / "cas_bank" / "bank"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_PREFILL_STEP = 512  # runtime.prefix_cache.DEFAULT_CHUNK_SIZE
 DEMO_AGENTS = 4
 DEMO_TURNS = 3
 DEMO_MAX_TOKENS = 32
@@ -67,6 +69,14 @@ def register(subparsers: Any) -> None:
         type=_positive,
         default=None,
         help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
+    )
+    serve.add_argument(
+        "--prefill-step-size",
+        type=_positive,
+        default=DEFAULT_PREFILL_STEP,
+        metavar="TOKENS",
+        help="prompt tokens per forward pass (as mlx_lm.server's option); a request whose "
+        "client goes away, or a shutdown, stops its prefill at the end of the current step",
     )
     serve.add_argument(
         "--remote",
@@ -164,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             seed=args.seed,
             max_queue=args.max_queue,
+            chunk_size=args.prefill_step_size,
             remote=args.remote,
             remote_secret=secret,
             remote_tls_ca=args.remote_tls_ca,
@@ -196,6 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
     run_server(engine, sock, log_level=args.log_level)  # closes the engine when it stops
+    # The process exits next: its last garbage collection, over everything MLX, mlx-lm
+    # and transformers loaded, takes seconds on a busy machine, and nothing needs it.
+    gc.freeze()
     return 0
 
 
