@@ -7,11 +7,14 @@ measured in the same run on the same bytes:
 - memcpy: `np.copyto` into an array allocated beforehand (the hot tier's bound);
 - raw RocksDB: rocksdict get/put with the bank's own options (BlobDB for payloads,
   RocksDB's read checksum off), no cas_bank code in between (the cold path's bound);
-- blake3: the digest every payload read verifies, in the bank's derive-key mode;
+- XXH3-128: the check every payload of a format-4 bank carries (the `xxhash`
+  package, one thread); blake3: the digest of older banks' payloads, in the bank's
+  derive-key mode;
 - payload files (the file tier): read on both cores into memory touched beforehand,
   as a plain copy out of the page cache (what loading an mlx-lm file does) and
-  verified by the native reader (one copy and one blake3 pass: a verified restore's
-  floor).
+  verified by the native reader (one copy and one pass of the payloads' own check: a
+  verified restore's floor), and the same files re-digested with blake3 (the floor
+  of a bank written before format version 4).
 
 Timing: `sample` runs a function a few times (an untimed `setup` before each run)
 and returns every duration; report medians (`median`) and tails (`percentile`).
@@ -36,6 +39,7 @@ from typing import Any
 
 import blake3
 import numpy as np
+import xxhash
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
 from cas_bank.blocks import codec
@@ -149,6 +153,34 @@ def blake3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[floa
             h.digest()
 
     return sample(run, repeats)
+
+
+def xxh3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[float]:
+    """XXH3-128 checks of `nbytes` in `chunk`-sized payloads, one thread (the package)."""
+    data = np.random.default_rng(1).integers(0, 255, max(chunk, 1), dtype=np.uint8).tobytes()
+    n = max(1, nbytes // chunk)
+
+    def run() -> None:
+        for _ in range(n):
+            xxhash.xxh3_128_digest(data)
+
+    return sample(run, repeats)
+
+
+def blake3_floor_samples(paths: Sequence[Path], workdir: Path, repeats: int = 5) -> list[float]:
+    """`file_read_samples(verified=True)` of copies of `paths` whose check is blake3
+    (`codec.with_check`): the verified floor a bank written before format 4 has."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for i, p in enumerate(paths):
+        copy = workdir / f"{i}-{p.name}"
+        copy.write_bytes(codec.with_check(p.read_bytes(), "blake3"))
+        copies.append(copy)
+    try:
+        return file_read_samples(copies, repeats, verified=True)
+    finally:
+        for copy in copies:
+            copy.unlink()
 
 
 def file_read_samples(
@@ -310,14 +342,17 @@ def rocks_value_samples(
 def machine_ceilings(
     workdir: Path, *, memcpy_bytes: int = 64 * MiB, rocks_mib: int = 64
 ) -> dict[str, Any]:
-    """The machine-wide ceilings: memcpy, blake3, raw RocksDB at two value sizes."""
+    """The machine-wide ceilings: memcpy, XXH3-128, blake3, raw RocksDB at two value sizes."""
     workdir.mkdir(parents=True, exist_ok=True)
     mem = memcpy_samples(memcpy_bytes, 7)
-    b3 = blake3_samples(min(memcpy_bytes, 64 * MiB), MiB, 5)
+    hashed = max(1, min(memcpy_bytes, 64 * MiB) // MiB) * MiB
+    b3 = blake3_samples(hashed, MiB, 5)
+    xx = xxh3_samples(hashed, MiB, 5)
     out: dict[str, Any] = {
         "memcpy_bytes": memcpy_bytes,
         "memcpy_gbps": gbps(memcpy_bytes, median(mem)),
-        "blake3_gbps": gbps(max(1, min(memcpy_bytes, 64 * MiB) // MiB) * MiB, median(b3)),
+        "blake3_gbps": gbps(hashed, median(b3)),
+        "xxh3_gbps": gbps(hashed, median(xx)),
         "rocks": [],
     }
     for size in (256 * 1024, MiB):

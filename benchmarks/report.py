@@ -33,6 +33,7 @@ def render(r: dict[str, Any]) -> list[str]:
         f"in {r['total_s']:.0f} s. Every figure below comes from this one run; ratios compare "
         "figures measured minutes apart on the same machine.",
         "",
+        *_parts_line(r),
         "## Machine",
         "",
     ]
@@ -54,6 +55,10 @@ def render(r: dict[str, Any]) -> list[str]:
             [
                 "freed memory reused (`keep_freed_memory`, as `cas-bank serve` runs)",
                 "yes" if m.get("keep_freed_memory") else "no",
+            ],
+            [
+                "spare restore destinations (`keep_spare_destinations`, as the servers run)",
+                "yes" if m.get("spare_destinations") else "no",
             ],
         ],
     )
@@ -79,6 +84,11 @@ def render(r: dict[str, Any]) -> list[str]:
             f"{_mb(c['memcpy_bytes'])} MB",
         ],
         ["blake3, one thread, derive-key mode", f"{c['blake3_gbps']:.2f} GB/s", "1 MiB inputs"],
+        [
+            "XXH3-128, one thread (format 4's payload check)",
+            f"{c['xxh3_gbps']:.2f} GB/s" if "xxh3_gbps" in c else "–",
+            "1 MiB inputs",
+        ],
     ]
     for rk in c["rocks"]:
         size = f"{rk['values']} x {rk['value_bytes'] // 1024} KiB"
@@ -336,6 +346,20 @@ def _scale_section(r: dict[str, Any]) -> list[str]:
         ],
     )
     return L
+
+
+def _parts_line(r: dict[str, Any]) -> list[str]:
+    """Which parts this run measured, when not all of them (`--parts`)."""
+    from benchmarks.run import PARTS
+
+    ran = r.get("parts", list(PARTS))
+    left = [p for p in PARTS if p not in ran]
+    if not left:
+        return []
+    return [
+        f"Parts run: {', '.join(ran)}; not run this time (no section below): {', '.join(left)}.",
+        "",
+    ]
 
 
 def _notes(r: dict[str, Any]) -> list[str]:

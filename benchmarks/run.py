@@ -40,6 +40,7 @@ from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
 from benchmarks.targets import evaluate_targets
 from cas_bank.arrays import keep_freed_memory
+from cas_bank.spares import keep_spare_destinations
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,11 +148,16 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run_all(p: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """Every part, in one process, with its wall time."""
-    out: dict[str, Any] = {"wall_s": {}}
+PARTS = ("ceilings", "ttft", "restore", "store_overhead", "fleet", "admission", "remote", "scale")
+
+
+def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> dict[str, Any]:
+    """Every part (of `parts`), in one process, with its wall time."""
+    out: dict[str, Any] = {"wall_s": {}, "parts": list(parts)}
 
     def part(name: str, fn: Any) -> None:
+        if name not in parts:
+            return
         print(f"[bench] {name} ...", flush=True)
         t0 = time.perf_counter()
         out[name] = fn()
@@ -195,6 +201,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--skip-overhead", action="store_true", help="skip the medium-model store overhead"
     )
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated parts to run (all by default): " + ", ".join(PARTS),
+    )
     ap.add_argument("--out", type=Path, default=HERE, help="where the report goes")
     ap.add_argument(
         "--workdir", type=Path, default=None, help="where the banks are built (a temp dir)"
@@ -202,14 +213,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.agents < 1 or args.turns < 1 or args.blocks < 1:
         ap.error("--agents, --turns and --blocks must be >= 1")
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        named = ", ".join(unknown) or "(none given)"
+        ap.error(f"--parts: unknown {named}; known: {', '.join(PARTS)}")
     settings = plan(args)
     machine = describe_machine()
     # As a serving process runs (cas-bank serve does this): every way measured in this
     # process, mlx-lm's file load included, reuses freed memory.
     machine["keep_freed_memory"] = keep_freed_memory() if not args.quick else False
+    if not args.quick:  # as the servers run: a restore's destination arrays made ahead
+        keep_spare_destinations()
+    machine["spare_destinations"] = not args.quick
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cas_bank_bench_", dir=args.workdir) as tmp:
-        results = run_all(settings, Path(tmp))
+        results = run_all(settings, Path(tmp), parts)
     results["total_s"] = time.perf_counter() - t0
     machine["load_avg_at_end"] = list(os.getloadavg())
     results["machine"] = machine

@@ -1,4 +1,4 @@
-"""The targets of issue 7, judged against a results dict (as `results.json` holds it).
+"""The targets of issues 7, 11 and 22, judged against a results dict (as `results.json` holds it).
 
 One row per place a target was measured (every TTFT case, every restore size, the
 fleet, both lookup block sizes, the reopen, the store overhead), each met or missed;
@@ -118,20 +118,35 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
         f, t = c["fractions"], c["ttft_s"]
+        b3 = f.get("file_load_over_blake3_floor")
         add(
-            "restore from a reopened bank >= 1.0x mlx-lm's file load",
+            "restore from a reopened bank >= 1.0x mlx-lm's file load (every payload checked)",
             f"{f['file_load_over_rocksdb_restore']:.2f}x ({ms(c['file_load_s'])} vs "
             f"{ms(c['rocksdb_restore_s'])} ms; the verified-read floor allows "
-            f"{f['file_load_over_floor']:.2f}x)",
+            f"{f['file_load_over_floor']:.2f}x"
+            + (f", with blake3 checks {b3:.2f}x" if b3 is not None else "")
+            + ")",
             f["file_load_over_rocksdb_restore"] >= 1.0,
             where,
             top_functions(c["profile_rocks"]),
+        )
+        add(
+            "hot restore with room (PrefixCache.restore) >= 2x mlx-lm's file load",
+            f"{f['file_load_over_hot_restore']:.2f}x ({ms(c['file_load_s'])} vs "
+            f"{ms(c['hot_restore_s'])} ms; one copy of the prefix on both cores, its floor, "
+            f"{ms(c.get('memcpy_2_threads_s'))} ms: "
+            f"{c['file_load_s'] / c['memcpy_2_threads_s']:.2f}x)"
+            if c.get("memcpy_2_threads_s")
+            else f"{f['file_load_over_hot_restore']:.2f}x",
+            f["file_load_over_hot_restore"] >= 2.0,
+            where,
+            top_functions(c["profile"]),
         )
         # The lease handed out as it is, exact-size arrays like the file's; a runtime's
         # restore (room for its prompt) copies it once more, reported beside it.
         handout = f.get("file_load_over_hot_handout", f["file_load_over_hot_restore"])
         add(
-            "hot restore >= 2x mlx-lm's file load",
+            "hot restore handed out >= 2x mlx-lm's file load",
             f"{handout:.2f}x ({ms(c['file_load_s'])} vs "
             f"{ms(c.get('hot_handout_s', c['hot_restore_s']))} ms, the lease handed out; "
             f"with room for the prompt {f['file_load_over_hot_restore']:.2f}x)",
@@ -154,14 +169,20 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             f["file_ttft_over_reopened_ttft"] >= 1.0,
             where,
         )
+        best = f.get("file_ttft_over_forward_and_copy", f["file_ttft_over_forward"])
         add(
-            "TTFT hot >= 1.3x the file's",
+            "TTFT hot >= 1.3x the file's (where TTFT hot best allows it)",
             f"{f['file_ttft_over_hot_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['hot'])} ms; "
             f"the forward pass alone allows {f['file_ttft_over_forward']:.2f}x"
             + (
                 f", with one copy of the prefix on both cores "
                 f"{f['file_ttft_over_forward_and_copy']:.2f}x"
                 if "file_ttft_over_forward_and_copy" in f
+                else ""
+            )
+            + (
+                "; out of reach here: TTFT hot best < 1.3"
+                if best < 1.3 and f["file_ttft_over_hot_ttft"] < 1.3
                 else ""
             )
             + ")",

@@ -91,6 +91,7 @@ _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destinat
 # An array below this is zeroed rather than left unfilled: `unfilled` costs ~85-115 us
 # an array (MLX's load call), a zero fill ~7 GB/s (1 MiB: ~150 us) measured here.
 _UNFILLED_FROM = 1 << 20
+UNFILLED_FROM = _UNFILLED_FROM  # for the spares of `cas_bank.spares`
 
 
 class Destination:
@@ -127,9 +128,14 @@ class Destination:
 
     @classmethod
     def allocate(
-        cls, wanted: Sequence[tuple[tuple[int, ...], DType]], *, overwritten: bool = False
+        cls,
+        wanted: Sequence[tuple[tuple[int, ...], DType]],
+        *,
+        overwritten: bool = False,
+        ready: dict[int, mx.array] | None = None,
     ) -> list[Destination]:
-        """One destination per (shape, dtype).
+        """One destination per (shape, dtype); `ready`: evaluated arrays nobody else
+        holds, by index, used as they are (spares: `cas_bank.spares`).
 
         `overwritten`: the caller writes every byte it will read back, so the memory
         of each array from `_UNFILLED_FROM` on need not be zeroed (`unfilled`): a large
@@ -143,8 +149,12 @@ class Destination:
         both: docs/design.md, "Where each figure is measured".
         """
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
-        storages: list[mx.array | None] = [None] * len(wanted)
-        big = [i for i, n in enumerate(sizes) if n >= _UNFILLED_FROM] if overwritten else []
+        storages: list[mx.array | None] = [(ready or {}).get(i) for i in range(len(wanted))]
+        big = (
+            [i for i, n in enumerate(sizes) if n >= _UNFILLED_FROM and storages[i] is None]
+            if overwritten
+            else []
+        )
         got = unfilled([wanted[i] for i in big]) if big else None
         for i, storage in zip(big, got or [], strict=False):
             storages[i] = storage

@@ -30,6 +30,7 @@ from typing import Any
 from cas_bank.arrays import keep_freed_memory
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
+from cas_bank.spares import keep_spare_destinations
 
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .models import LoadedModel, weights_digest
@@ -211,6 +212,7 @@ def serve(
     """
     mls = _mlx_lm_server()
     keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
+    keep_spare_destinations()  # a restore's arrays made ahead of it (cas_bank.spares)
 
     argv = sys.argv
     sys.argv = ["mlx_lm.server", *mlx_lm_args]

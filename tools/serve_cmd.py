@@ -164,8 +164,10 @@ def _serve(args: argparse.Namespace) -> int:
     from cas_bank.runtime.server import bind, run_server, url_of
 
     from cas_bank.arrays import keep_freed_memory
+    from cas_bank.spares import keep_spare_destinations
 
     keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
+    keep_spare_destinations()  # a restore's arrays made ahead of it (cas_bank.spares)
     args.bank.parent.mkdir(parents=True, exist_ok=True)
     try:
         engine = Engine.open(

@@ -15,12 +15,21 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import Destination, DType, dtype_named, dtype_of, from_numpy, to_numpy
+from cas_bank.arrays import (
+    UNFILLED_FROM,
+    Destination,
+    DType,
+    dtype_named,
+    dtype_of,
+    from_numpy,
+    to_numpy,
+)
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.fastread import BlockFiles
 from cas_bank.index.helpers import together
+from cas_bank.spares import SPARES
 from cas_bank.spec import LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
@@ -166,17 +175,17 @@ class Assembler:
         self.state_shapes = [s.shape for s in state_specs] if state else []
         self.state_dtypes = [dtype_named(s.dtype) for s in state_specs] if state else []
         # Every token a restore hands out is written by a block, every state byte by its
-        # payload: no zero fill needed. One allocation for all of them.
-        everything = Destination.allocate(
-            [
-                *(
-                    (s.with_tokens(self.capacity), d)
-                    for s, d in zip(self.specs, self.dtypes, strict=True)
-                ),
-                *zip(self.state_shapes, self.state_dtypes, strict=True),
-            ],
-            overwritten=True,
-        )
+        # payload: no zero fill needed. One allocation for all of them, less the spares
+        # a serving process keeps ready (`cas_bank.spares`).
+        self._wanted = [
+            *(
+                (s.with_tokens(self.capacity), d)
+                for s, d in zip(self.specs, self.dtypes, strict=True)
+            ),
+            *zip(self.state_shapes, self.state_dtypes, strict=True),
+        ]
+        ready = SPARES.take(self._wanted, UNFILLED_FROM)
+        everything = Destination.allocate(self._wanted, overwritten=True, ready=ready)
         self.dests = everything[: len(self.specs)]
         self._state_dests = everything[len(self.specs) :]
         self._views = [d.view for d in self.dests]
@@ -270,6 +279,7 @@ class Assembler:
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
+        SPARES.refill(self._wanted, UNFILLED_FROM)  # the next restore's, made off its path
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)

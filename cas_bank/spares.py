@@ -1,0 +1,132 @@
+"""Spare destination arrays: a serving process's next restore finds its arrays ready.
+
+A restore's destination arrays are fresh MLX arrays left unfilled (`arrays.unfilled`:
+MLX's load of a stream that serves only a header), and making them costs ~50-110 us
+an array (the load evaluates each array through its I/O thread): ~2 ms for the 24-48
+arrays of a medium model, a fifth of a 1k-token restore (docs/design.md, "Restore
+path"). A runtime restores caches of the same shapes again and again (the same
+layers, token counts rounded up to mlx-lm's step of 256), so once enabled
+(`keep_spare_destinations`, process-wide like `keep_freed_memory`: only a runtime
+calls it) every restore takes what it can from a pool of spare arrays of exactly its
+shapes and dtypes, and a background thread makes the next set after it, off the
+restore's path. An array is taken from the pool whole and never given to two
+callers: a spare is an array nobody else holds, as a fresh one is.
+
+Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
+the least recently wanted shapes first. The memory is held (resident once reused),
+as the freed caches' memory is under `keep_freed_memory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from cas_bank.arrays import DType, unfilled
+
+Wanted = tuple[tuple[int, ...], DType]
+
+
+class Spares:
+    """Spare unfilled arrays by (shape, dtype); off (`max_bytes` 0) until enabled."""
+
+    def __init__(self) -> None:
+        self.max_bytes = 0
+        self.bytes = 0
+        self.taken = 0  # arrays handed out from the pool
+        self.made = 0  # arrays the background thread made
+        self._lock = threading.Lock()
+        self._pool: OrderedDict[Wanted, list[mx.array]] = OrderedDict()
+        self._wants: queue.Queue[list[Wanted]] = queue.Queue(maxsize=1)
+        self._thread: threading.Thread | None = None
+
+    def enable(self, max_bytes: int) -> None:
+        with self._lock:
+            self.max_bytes = max_bytes
+            if self._thread is None and max_bytes > 0:
+                self._thread = threading.Thread(
+                    target=self._run, name="cas_bank-spares", daemon=True
+                )
+                self._thread.start()
+            self._trim()
+
+    def take(self, wanted: Sequence[Wanted], from_bytes: int) -> dict[int, mx.array]:
+        """Spares for the entries of `wanted` of at least `from_bytes` bytes, by index
+        (those the pool holds). `refill` with the same set once the restore is done."""
+        if self.max_bytes <= 0:
+            return {}
+        out: dict[int, mx.array] = {}
+        with self._lock:
+            for i, w in enumerate(wanted):
+                free = self._pool.get(w) if _size(w) >= from_bytes else None
+                if free:
+                    out[i] = free.pop()
+                    self.bytes -= _size(w)
+                    self.taken += 1
+        return out
+
+    def refill(self, wanted: Sequence[Wanted], from_bytes: int) -> None:
+        """Have the background thread make spares of `wanted` (its entries of at least
+        `from_bytes` bytes) for the next restore: called after a restore handed its
+        arrays out, so the making never competes with a restore's own reads."""
+        big = [w for w in wanted if _size(w) >= from_bytes]
+        if self.max_bytes <= 0 or not big or sum(map(_size, big)) > self.max_bytes:
+            return
+        with contextlib.suppress(queue.Full):  # one pending: it is made first
+            self._wants.put_nowait(big)
+
+    def settle(self) -> None:
+        """Wait until every refill asked for is made (tests, benchmarks)."""
+        self._wants.join()
+
+    def _run(self) -> None:
+        while True:
+            wanted = self._wants.get()
+            try:
+                self._make(wanted)
+            finally:
+                self._wants.task_done()
+
+    def _make(self, wanted: list[Wanted]) -> None:
+        """Top the pool up to `wanted`'s counts of each (shape, dtype), in one load."""
+        with self._lock:
+            counts: dict[Wanted, int] = {}
+            for w in wanted:
+                counts[w] = counts.get(w, 0) + 1
+            missing = [w for w, n in counts.items() for _ in range(n - len(self._pool.get(w, ())))]
+        made = unfilled(missing) if missing else []
+        with self._lock:
+            for w, array in zip(missing, made or [], strict=False):
+                self._pool.setdefault(w, []).append(array)
+                self._pool.move_to_end(w)
+                self.bytes += _size(w)
+                self.made += 1
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the least recently wanted shapes while over the bound (lock held)."""
+        while self.bytes > self.max_bytes and self._pool:
+            w, free = self._pool.popitem(last=False)
+            self.bytes -= len(free) * _size(w)
+
+
+def _size(w: Wanted) -> int:
+    return math.prod(w[0]) * w[1].itemsize
+
+
+SPARES = Spares()
+
+
+def keep_spare_destinations(max_bytes: int = 1 << 30) -> None:
+    """Keep up to `max_bytes` of spare restore destinations in this process (0: none):
+    see the module docstring. Process-wide: a runtime calls it (`cas-bank serve`,
+    `cas-bank mlx-lm-server`, the benchmarks), never the library on its own."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    SPARES.enable(max_bytes)

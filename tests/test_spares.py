@@ -1,0 +1,95 @@
+"""Spare destination arrays (`cas_bank.spares`): a restore takes arrays made ahead of
+it, each handed out once, within the byte bound, and restores stay bit-exact and never
+share a buffer. Real MLX arrays and a real bank."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import kv_prefix_bits, layers_bits, prefix_layers
+
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.arrays import DTYPES, UNFILLED_FROM
+from cas_bank.spares import SPARES, Spares, keep_spare_destinations
+
+F16 = DTYPES["float16"]
+BIG = ((1, 4, 256, 512), F16)  # 1 MiB: kept unfilled, so spared
+SMALL = ((1, 2, 4, 8), F16)  # zero-filled instead: never spared
+
+
+@pytest.fixture
+def spares() -> Iterator[Spares]:
+    pool = Spares()
+    yield pool
+    pool.enable(0)  # drops what it holds
+
+
+def test_spares_are_taken_once_each_and_refilled_off_the_path(spares: Spares) -> None:
+    assert spares.take([BIG], UNFILLED_FROM) == {}  # off until enabled
+    spares.enable(16 << 20)
+    assert spares.take([BIG, SMALL, BIG], UNFILLED_FROM) == {}  # nothing made yet
+    spares.refill([BIG, SMALL, BIG], UNFILLED_FROM)
+    spares.settle()
+    assert (spares.made, spares.bytes) == (2, 2 << 20)
+    got = spares.take([SMALL, BIG, BIG, BIG], UNFILLED_FROM)
+    assert sorted(got) == [1, 2]  # two made, the third BIG and the small one not
+    a, b = got[1], got[2]
+    assert a.shape == b.shape == BIG[0] and a.dtype == b.dtype == mx.float16
+    np.asarray(a)[...] = 1  # two buffers: writing one leaves the other as it was
+    np.asarray(b)[...] = 2
+    assert int(np.asarray(a).max()) == 1
+    assert spares.take([BIG], UNFILLED_FROM) == {} and spares.bytes == 0
+
+
+def test_spares_keep_within_their_bound(spares: Spares) -> None:
+    spares.enable(1 << 20)  # room for one BIG
+    spares.refill([BIG, BIG], UNFILLED_FROM)  # a set over the bound: not made
+    spares.settle()
+    assert spares.made == 0
+    other = ((1, 4, 512, 256), F16)
+    spares.refill([BIG], UNFILLED_FROM)
+    spares.settle()
+    spares.refill([other], UNFILLED_FROM)
+    spares.settle()
+    assert spares.bytes <= 1 << 20  # the older shape dropped for the newer
+    assert spares.take([BIG], UNFILLED_FROM) == {}
+    assert list(spares.take([other], UNFILLED_FROM)) == [0]
+
+
+def test_restores_with_spares_are_bit_exact_and_share_no_buffer(bank_path: Path) -> None:
+    spec = ModelSpec(
+        name="spared",
+        layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=256, dtype="float16") for _ in "ab"),
+        weights_digest="w-spared",
+    )
+    tokens = [int(t) for t in np.arange(256) % 97]
+    layers = prefix_layers(spec, tokens)
+    keep_spare_destinations(64 << 20)
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0)) as bank:
+            ns = bank.namespace(spec)
+            ns.store(tokens, layers)
+            first = ns.restore(tokens, room_for=300)
+            SPARES.settle()
+            taken = SPARES.taken
+            second = ns.restore(tokens, room_for=300)
+            assert first is not None and second is not None
+            assert SPARES.taken == taken + 4  # every array of the second from the pool
+            want = kv_prefix_bits(layers, spec, 256)
+            for hit in (first, second):
+                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
+                assert layers_bits(cut, spec) == want
+            np.asarray(first.layers[0][0])[...] = 0  # the first's memory, not the second's
+            assert (
+                layers_bits(
+                    [tuple(a[..., :256, :] for a in layer) for layer in second.layers], spec
+                )
+                == want
+            )
+    finally:
+        SPARES.enable(0)
+    assert SPARES.bytes == 0
