@@ -4,9 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench torture clean
+.PHONY: demo test lint bench torture clean test-pure test-package
 
-$(STAMP): pyproject.toml setup.py $(wildcard cas_bank/_native/*.c cas_bank/_native/blake3/* cas_bank/_native/xxhash/*)
+# The Python paths (no native helpers: an install without a C compiler) on every
+# `make test`: the tests of hashing, the read path and restore exactness (~60 s).
+PURE_TESTS := tests/test_hashing.py tests/test_files.py tests/test_bank.py \
+	tests/test_states.py tests/test_bank_corruption.py tests/test_native_paths.py \
+	tests/test_device_copy.py \
+	tests/test_runtime_exact.py::test_restores_read_from_payload_files_are_exact \
+	tests/test_runtime_exact.py::test_next_turn_restores_all_but_the_tail_exactly
+
+$(STAMP): pyproject.toml setup.py $(shell find cas_bank/_native -type f)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -23,6 +31,15 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q
+	$(MAKE) --no-print-directory test-pure
+
+test-pure: $(STAMP)
+	CAS_BANK_PURE_PYTHON=1 $(BIN)/pytest -q $(PURE_TESTS)
+
+# The package as users install it: sdist and wheel built, installed into a fresh
+# virtualenv, run from outside the checkout (CI runs it: .ci/run).
+test-package: $(STAMP)
+	$(BIN)/pytest -q -m slow tests/test_packaging.py
 
 # The fault campaign (not part of `make test`): SIGKILL, byte flips, truncations, ENOSPC.
 torture: $(STAMP)
@@ -32,4 +49,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

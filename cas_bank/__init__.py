@@ -5,6 +5,7 @@ token prefix and kept once in RocksDB; a restore hands back the longest stored p
 as MLX arrays.
 """
 
+from cas_bank._version import __version__
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.config import BankConfig
@@ -45,4 +46,5 @@ __all__ = [
     "RestoreTimings",
     "RestoreTotals",
     "StoreReport",
+    "__version__",
 ]

@@ -38,6 +38,7 @@ from cas_bank.index.timings import RestoreClock, RestoreTotals
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
 from cas_bank.namespace import Namespace
+from cas_bank.native import warn_if_missing
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
@@ -146,6 +147,7 @@ class Bank:
         explicitly must match it.
         """
         config = config or BankConfig()
+        warn_if_missing(log)  # once a process: the slower Python paths are never silent
         if config.remote is not None:  # a missing TLS file: refused before anything opens
             from cas_bank.remote.client import tls_options
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from cas_bank import native
 from cas_bank.index.timings import RestoreTotals
 from cas_bank.stats import BankStats
 
@@ -213,7 +214,20 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
                 "disk_bytes", "Bytes the bank directory takes on disk.", "gauge", stats.disk_bytes
             )
         )
-    return out
+    return [*out, native_metric()]
+
+
+def native_metric() -> Metric:
+    """1 for each native helper this process loaded, 0 for one it runs without (the
+    slower Python path: `cas_bank.native`); part of `bank_metrics`, so every server
+    that shows the bank's shows it."""
+    s = native.status()
+    return Metric(
+        "native_helper",
+        "1 if the C helper is loaded, 0 if its work takes the slower Python path.",
+        "gauge",
+        {(("helper", name.lstrip("_")),): float(name in s.loaded) for name in native.HELPERS},
+    )
 
 
 class RequestCounter:

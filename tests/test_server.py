@@ -436,6 +436,9 @@ def test_health_models_and_metrics(server: Server) -> None:
     assert _metric(text, "cas_bank_prefix_exact_hits_total") >= 1
     assert _metric(text, "cas_bank_ends") >= 1 and _metric(text, "cas_bank_end_bytes") > 0
     assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    # Which native helpers this server runs with (0: the slower Python path).
+    assert 'cas_bank_native_helper{helper="chain"} ' in text
+    assert 'cas_bank_native_helper{helper="fill"} ' in text
     # Where the restores' time went: each request restored once (or more) in this process.
     assert _metric(text, "cas_bank_restores_timed_total") >= 2
     total = _metric(text, "cas_bank_restore_seconds_total")

@@ -27,6 +27,7 @@ from . import (
     show_cmd,
     verify_cmd,
 )
+from .about import VersionAction
 from .common import ArgumentParser, CliError
 
 # The command groups, in the order `cas-bank --help` lists them.
@@ -56,6 +57,11 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--debug", action="store_true", help="show a traceback for unexpected errors"
+    )
+    parser.add_argument(
+        "--version",
+        action=VersionAction,
+        help="the version, whether the native helpers are loaded, MLX's version and device",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:

@@ -16,7 +16,7 @@ from typing import Any
 from rich.markup import escape
 from rich.tree import Tree
 
-from cas_bank import Bank
+from cas_bank import Bank, native
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.access import last_use
@@ -102,9 +102,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
         }
         for root, spec in sorted(specs.items(), key=lambda kv: labels[kv[0]])
     ]
+    helpers = native.status()
     if args.json:
         out = s.model_dump()
         out.update(
+            native_helpers=list(helpers.loaded),
+            native_missing=helpers.missing,
             dedup_ratio=s.dedup_ratio,
             hit_rate=s.hit_rate,
             namespace_list=namespaces,
@@ -138,6 +141,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ),
     ]
     rows += remote_rows(s)
+    rows.append(("this process", helpers.summary()))
     if bad:
         rows.append(("unreadable namespaces", len(bad)))
     emit(fields(rows))

@@ -10,7 +10,6 @@ golden vectors in tests/test_hashing.py must fail first.
 from __future__ import annotations
 
 import array
-import os
 from collections.abc import Callable
 from typing import Any, Literal, NewType
 
@@ -19,14 +18,13 @@ import numpy as np
 import xxhash
 
 from cas_bank.errors import InvalidInputError
+from cas_bank.native import chain_module
 
-_native_chain: Callable[[bytes, bytes, int, str], list[bytes]] | None
-try:  # the C helper built by `pip install -e .` (setup.py); absent: the Python loop
-    from cas_bank._chain import chain as _native_chain
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _native_chain = None
-if os.environ.get("CAS_BANK_PURE_PYTHON"):
-    _native_chain = None
+# The C helper built with the package (setup.py); absent (no compiler at install, or
+# CAS_BANK_PURE_PYTHON=1): the Python loop, same values (cas_bank.native says which).
+_native_chain: Callable[[bytes, bytes, int, str], list[bytes]] | None = (
+    chain_module.chain if chain_module is not None else None
+)
 
 BlockHash = NewType("BlockHash", bytes)
 """The 32-byte name of a block: a digest of its whole token prefix."""

@@ -43,14 +43,14 @@ import numpy as np
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.index.helpers import helper_pool, together
+from cas_bank.native import fill_module
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
 
-try:
-    from cas_bank import _fill
-except ImportError:  # not built (no C compiler at install): the Python path below
-    _fill = None  # type: ignore[assignment]
+# The C helper (setup.py); None when not built or CAS_BANK_PURE_PYTHON=1 turned it
+# off: the Python path below (cas_bank.native says which).
+_fill = fill_module
 _read_into = _fill.read_into if _fill is not None else None
 _read_many = _fill.read_many if _fill is not None else None
 
