@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,37 +95,80 @@ _UNFILLED_FROM = 1 << 20
 UNFILLED_FROM = _UNFILLED_FROM  # for the spares of `cas_bank.spares`
 
 
+FILL_COPY_ENV = "CAS_BANK_FILL_COPY"
+"""Set (not empty, not `0`): restores fill numpy staging buffers and hand out copies
+made by `mx.array`, as on a device whose arrays a CPU pointer cannot fill."""
+
+
+def mlx_backend() -> str:
+    """Where MLX's default device keeps arrays: "cpu", "metal" (unified memory) or
+    "cuda" (device memory, `mlx[cuda]`)."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "gpu"
+
+
+def cpu_fillable() -> bool:
+    """Whether a restore may write the default device's fresh MLX arrays through a CPU
+    pointer (their numpy view): MLX's CPU device and Metal's unified memory, yes.
+
+    Not on CUDA: an array evaluated on the GPU lives in device memory there (allocated
+    asynchronously, since MLX 0.30), and the buffer a CPU pointer reaches is a host copy
+    made for that access: a write through it need not reach what the GPU reads. Nor
+    on a GPU backend not known here, nor when `CAS_BANK_FILL_COPY` asks for the copy.
+    """
+    if os.environ.get(FILL_COPY_ENV, "") not in ("", "0"):
+        return False
+    return mlx_backend() in ("cpu", "metal")
+
+
 class Destination:
-    """A fresh MLX array and a writable numpy view of its memory.
+    """A fresh MLX array and a writable numpy view of its memory, or (`staged`) a numpy
+    buffer the MLX array is copied from when handed out.
 
     Restore copies every block once, straight into memory MLX owns (docs/design.md,
-    "Restore path").
-    Only valid for an array nobody else holds yet; `array` is what to hand out.
+    "Restore path"), where a CPU pointer can fill the device's arrays (`cpu_fillable`);
+    elsewhere into the staging buffer, then once more by `mx.array`.
+    Only valid for an array nobody else holds yet; `finish()` is what to hand out.
     """
 
     __slots__ = ("_dtype", "_storage", "array", "view")
 
     @property
     def direct(self) -> bool:
-        """Whether `view` is the MLX array's own memory (else a numpy copy of it)."""
+        """Whether `view` is the MLX array's own memory (else a numpy buffer that
+        `finish` copies)."""
         return self._storage is not None
 
     def __init__(
         self, shape: tuple[int, ...], dtype: DType, storage: mx.array | None = None
     ) -> None:
+        self._dtype = dtype
+        self._storage: mx.array | None = None
+        self.array: mx.array | None = None
+        if storage is None and not cpu_fillable():
+            self.view = np.zeros(shape, dtype=dtype.storage)  # `staged`
+            return
         if storage is None:  # else: `_zeros(shape, dtype)`, evaluated by the caller
             storage = _zeros(shape, dtype)
             mx.eval(storage)
         view = np.asarray(storage)
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             # MLX did not export a plain buffer: assemble in numpy and copy once more.
-            view = np.zeros(shape, dtype=dtype.storage)
-            self._storage: mx.array | None = None
-        else:
-            self._storage = storage
+            self.view = np.zeros(shape, dtype=dtype.storage)
+            return
+        self._storage = storage
         self.view = view
         self.array = storage.view(mx.bfloat16) if dtype.name == "bfloat16" else storage
-        self._dtype = dtype
+
+    @property
+    def fillable(self) -> bool:
+        """Whether `view` is plain CPU memory a payload read may fill (MLX's own, or
+        the staging buffer)."""
+        return bool(self.view.flags.writeable and self.view.flags.c_contiguous)
 
     @classmethod
     def allocate(
@@ -148,6 +192,8 @@ class Destination:
         an `mx.eval` per array costs more than its zero fill. The measurements behind
         both: docs/design.md, "Where each figure is measured".
         """
+        if not cpu_fillable():  # no MLX memory a CPU pointer can fill: stage in numpy
+            return [cls(shape, dtype) for shape, dtype in wanted]
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
         storages: list[mx.array | None] = [(ready or {}).get(i) for i in range(len(wanted))]
         big = (
@@ -172,9 +218,9 @@ class Destination:
         ]
 
     def finish(self) -> mx.array:
-        """The filled MLX array."""
-        if self._storage is None:
-            return from_numpy(self.view, self._dtype)
+        """The filled MLX array (a staged one is copied once, at the first call)."""
+        if self.array is None:
+            self.array = from_numpy(self.view, self._dtype)
         return self.array
 
 

@@ -194,8 +194,9 @@ class Assembler:
         self._fits = [
             (shape, d.view.dtype) for shape, d in zip(self.block_shapes, self.dests, strict=True)
         ]
-        # Whether the views are the MLX arrays' own memory (blocks may be read into it).
-        self.direct = all(d.direct for d in self.dests)
+        # Whether payload files may be read into the views: MLX's own memory, or the
+        # staging buffers of a device a CPU pointer cannot fill (`arrays.cpu_fillable`).
+        self.direct = all(d.fillable for d in self.dests)
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
 
@@ -252,9 +253,9 @@ class Assembler:
 
     def state_files(self) -> BlockFiles | None:
         """A reader of a state payload file into this restore's state arrays (block 0 of
-        arrays of the state's shapes); None if they were not allocated or are not MLX's
-        own memory."""
-        if not self._state_dests or not all(d.direct for d in self._state_dests):
+        arrays of the state's shapes); None if they were not allocated or are not
+        CPU memory a read may fill."""
+        if not self._state_dests or not all(d.fillable for d in self._state_dests):
             return None
         return BlockFiles([d.view for d in self._state_dests], self.state_shapes, self.state_dtypes)
 

@@ -1,0 +1,58 @@
+"""Restores on a device whose arrays a CPU pointer cannot fill (MLX's CUDA backend):
+the payloads are read into numpy staging buffers and handed out as copies made by
+`mx.array` (`cas_bank.arrays.cpu_fillable`). Forced here on the CPU with
+CAS_BANK_FILL_COPY=1: the same bit-exact restores, the fast file reader still used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cas_bank.runtime import PrefixCache
+from runtime_helpers import random_tokens, temp_bank
+from test_runtime_exact import VARIANTS, check_restored_prefill
+
+from cas_bank import arrays
+from cas_bank.arrays import FILL_COPY_ENV, Destination, cpu_fillable, mlx_backend
+from cas_bank.blocks.store import Family
+from cas_bank.index import fastread
+
+
+def test_only_cpu_and_unified_memory_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert mlx_backend() == "cpu" and cpu_fillable()  # the CI machines run MLX on the CPU
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
+    assert not cpu_fillable()
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "metal")
+    assert cpu_fillable()
+    monkeypatch.setenv(FILL_COPY_ENV, "1")
+    assert not cpu_fillable()
+    monkeypatch.setenv(FILL_COPY_ENV, "0")
+    assert cpu_fillable()
+
+
+@pytest.mark.parametrize("variant", ["hybrid-fp32", "qwen3-kv8"])
+def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cas_bank.index.payloads import PayloadReader
+
+    monkeypatch.setenv(FILL_COPY_ENV, "1")
+    handed_out: list[bool] = []  # each destination handed out: was it MLX's own memory?
+    finish = Destination.finish
+    monkeypatch.setattr(
+        Destination, "finish", lambda self: handed_out.append(self.direct) or finish(self)
+    )
+    one_by_one: list[object] = []  # payloads read the slow way
+    slow = PayloadReader._read
+    monkeypatch.setattr(
+        PayloadReader, "_read", lambda self, *a: one_by_one.append(a[0]) or slow(self, *a)
+    )
+    factory, _, options = VARIANTS[variant]
+    rng = np.random.default_rng(9)
+    a = random_tokens(rng, 70)
+    b = [*a, *random_tokens(rng, 20)]
+    with temp_bank(16, hot_bytes=0, file_min_bytes=0) as bank:
+        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
+        assert check_restored_prefill(pc, a, b, "float32", chunk_size=32) == 64
+    assert handed_out and not any(handed_out)  # every array came through the copy
+    # and its payloads through the file reader's batch (the Python path reads a
+    # hybrid's state on its own)
+    alone = [] if fastread.fill_module is not None else [Family.STATES]
+    assert one_by_one == (alone if pc.spec.is_hybrid else [])
