@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 
 from cas_bank.arrays import (
-    UNFILLED_FROM,
     Destination,
     DType,
     dtype_named,
@@ -184,7 +183,7 @@ class Assembler:
             ),
             *zip(self.state_shapes, self.state_dtypes, strict=True),
         ]
-        ready = SPARES.take(self._wanted, UNFILLED_FROM)
+        ready = SPARES.take(self._wanted, 0)  # all: every byte read back is written
         everything = Destination.allocate(self._wanted, overwritten=True, ready=ready)
         self.dests = everything[: len(self.specs)]
         self._state_dests = everything[len(self.specs) :]
@@ -280,7 +279,7 @@ class Assembler:
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
-        SPARES.refill(self._wanted, UNFILLED_FROM)  # the next restore's, made off its path
+        SPARES.refill(self._wanted, 0)  # the next restore's, made off its path
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)
