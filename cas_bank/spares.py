@@ -61,6 +61,11 @@ class Spares:
         (those the pool holds). `refill` with the same set once the restore is done."""
         if self.max_bytes <= 0:
             return {}
+        # A refill still being made (the last restore was a moment ago): wait for it
+        # rather than run beside it. MLX's load holds the GIL while it makes arrays, so
+        # it would stall this restore's Python and lookups for as long; waiting costs no
+        # more than making the arrays here, and then finds them.
+        self._wants.join()
         out: dict[int, mx.array] = {}
         with self._lock:
             for i, w in enumerate(wanted):
