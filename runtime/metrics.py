@@ -23,6 +23,8 @@ from cas_bank.index.timings import RestoreTotals
 from cas_bank.stats import BankStats
 
 if TYPE_CHECKING:
+    from cas_bank.remote.health import TierHealth, TierProbe
+
     from .generation import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -330,4 +332,31 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         ),
         Metric.single("queue_depth", "Requests waiting for the model.", "gauge", stats.queue_depth),
         Metric.single("busy", "1 while a generation runs.", "gauge", 1 if stats.busy else 0),
+    ]
+
+
+def tier_metrics(health: TierHealth, probe: TierProbe) -> list[Metric]:
+    """The shared tier's state (`TierProbe`): up or not at the last probe, probes that
+    found it degraded, and the nodes its client skips now (circuit breakers open).
+    Failed calls themselves are `remote_errors_total` and `remote_timeouts_total`."""
+    return [
+        Metric.single(
+            "remote_up",
+            "1 while the shared tier serves (a node answers, every slot served); 0 while "
+            "no node answers or the cluster is failed (/health says why).",
+            "gauge",
+            1 if health.up else 0,
+        ),
+        Metric.single(
+            "remote_probes_failed_total",
+            "Health probes of the shared tier that found it degraded (this process).",
+            "counter",
+            probe.failed,
+        ),
+        Metric.single(
+            "remote_nodes_skipped",
+            "Shared-tier nodes not asked now: their circuit breakers are open.",
+            "gauge",
+            probe.skipped_nodes(),
+        ),
     ]

@@ -7,7 +7,8 @@ seven-line function that makes an `LRUPromptCache` and starts the generator: our
 makes a `BankPromptCache` on the model the provider loaded instead, and uses an HTTP
 server class that prints the address it bound (so `--port 0` works for scripts), a
 handler that takes a request's `cache_salt` and a generator that serves a salted
-request from its salt's namespaces (`mlx_lm_salts`).
+request from its salt's namespaces (`mlx_lm_salts`). The handler also answers
+`/health`, `/metrics` and `/v1/models` itself (`mlx_lm_routes`).
 
 SIGTERM stops the server the way Ctrl-C does (mlx-lm shuts its HTTP server down and
 joins its generation thread); the bank is closed after that, on every exit path.
@@ -30,8 +31,10 @@ from typing import Any
 from cas_bank.arrays import keep_freed_memory
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
+from cas_bank.remote.health import TierProbe
 from cas_bank.spares import keep_spare_destinations
 
+from . import mlx_lm_routes as routes
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .models import LoadedModel, weights_digest
 from .prompt_cache_adapter import BankPromptCache
@@ -79,8 +82,16 @@ def loaded_model(model_provider: Any) -> LoadedModel:
     )
 
 
-def cas_bank_handler(handler: Any) -> Any:
+def cas_bank_handler(
+    handler: Any,
+    bank: Bank,
+    tier: TierProbe | None = None,
+    cache_stats: Callable[[], dict[str, int]] = dict,
+) -> Any:
     """mlx-lm's request handler, with what the bank adds:
+
+    - `/health`, `/metrics` and `/v1/models` (`mlx_lm_routes`): the bank and the shared
+      tier `tier` in the health and the metrics (`cache_stats`: the prompt cache's);
 
     - a request's `cache_salt` is checked (a 400 names a bad one) and carried to the
       generator (`mlx_lm_salts`); with `--draft-model` (mlx-lm's own cache, which keeps
@@ -91,6 +102,17 @@ def cas_bank_handler(handler: Any) -> Any:
     """
 
     class Handler(handler):  # type: ignore[misc]
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            if path == "/health":
+                routes.health(self, bank, tier)
+            elif path == "/metrics":
+                routes.metrics(self, bank, tier, cache_stats())
+            elif path.startswith("/v1/models"):
+                routes.models(self, _mlx_lm_server().scan_cache_dir)
+            else:
+                super().do_GET()
+
         # A factory's ValueError is mlx-lm's own 400: {"error": message}.
         def handle_text_completions(self) -> Any:
             salt = self._salt()
@@ -160,13 +182,16 @@ def make_run(
                 capture_states=capture_states,
             )
         generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
+        tier = TierProbe(bank.remote) if bank.remote is not None else None
+        stats = getattr(prompt_cache, "stats", dict)  # mlx-lm's own cache (draft): none
         try:
             mls._run_http_server(
                 host,
                 port,
                 generator,
                 server_class=server_class or announcing_server(json_line),
-                handler_class=handler_class or cas_bank_handler(mls.APIHandler),
+                handler_class=handler_class
+                or cas_bank_handler(mls.APIHandler, bank, tier, lambda: dict(stats())),
             )
         finally:
             if generator.generation_available():  # an exit other than Ctrl-C / SIGTERM

@@ -35,6 +35,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cas_bank.remote.health import TierHealth, TierProbe, degraded_reason
+
 from . import openai_types as oa
 from .engine import Engine
 from .explain_route import explain_request
@@ -47,6 +49,7 @@ from .metrics import (
     engine_metrics,
     render,
     restore_metrics,
+    tier_metrics,
 )
 from .responses import (
     ApiError,
@@ -137,14 +140,22 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
                 param="model",
             )
 
+    tier = TierProbe(engine.bank.remote) if engine.bank.remote is not None else None
+
+    async def tier_health() -> TierHealth | None:
+        return None if tier is None else await asyncio.to_thread(tier.check)
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         stats = engine.stats()
-        degraded = engine.bank.degraded
+        remote = await tier_health()
+        degraded = degraded_reason(engine.bank.degraded, remote)
         return {
-            # degraded: the bank refuses stores (a full disk); answers still go out.
+            # degraded: the bank refuses stores (a full disk), or the shared tier does
+            # not serve (its blocks are misses); answers still go out.
             "status": "ok" if degraded is None else "degraded",
             "degraded": degraded,
+            "remote": None if remote is None else remote.as_dict(),
             "model": engine.model_id,
             "bank": str(engine.bank.path),
             "block_size": engine.bank.config.block_size,
@@ -165,12 +176,14 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             "gauge",
             0 if engine.bank.degraded is None else 1,
         )
+        remote = await tier_health()
         body = render(
             [
                 *bank_metrics(stats),
                 *restore_metrics(engine.bank.restore_times()),
                 *engine_metrics(engine.stats()),
                 degraded,
+                *([] if tier is None or remote is None else tier_metrics(remote, tier)),
                 requests.metric(),
             ]
         )

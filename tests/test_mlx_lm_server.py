@@ -25,6 +25,7 @@ import httpx
 import pytest
 from hf_models import hf_tokenizer, model_dir
 from runtime_helpers import stop_process
+from tool_banks import assert_one_line_error, cas_bank
 
 from cas_bank import Bank
 from cas_bank.index.tree import load_namespaces
@@ -243,3 +244,15 @@ def test_a_stop_right_after_the_ready_line_is_a_clean_exit(
 ) -> None:
     server = start(tmp_path / "bank", models["plain"], tmp_path / "server.log")
     assert server.stop() == 0, (tmp_path / "server.log").read_text()  # SIGTERM at once
+
+
+def test_a_model_mlx_lm_cannot_load_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """An embedded model (which only `cas-bank serve` runs: no Hugging Face tokenizer)
+    is refused by name, never looked up on the Hub; so is a missing --model."""
+    bank = tmp_path / "nested" / "bank"
+    proc = cas_bank("mlx-lm-server", "--bank", bank, "--model", "tiny-hybrid", "--port", "0")
+    assert_one_line_error(proc, "tiny-hybrid", "tiny-qwen3", "cas-bank serve")
+    assert "ConnectError" not in proc.stderr
+    proc = cas_bank("mlx-lm-server", "--bank", bank, "--port", "0")
+    assert_one_line_error(proc, "needs --model")
+    assert not (tmp_path / "nested").exists()

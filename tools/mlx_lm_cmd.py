@@ -3,7 +3,8 @@
     cas-bank mlx-lm-server --bank DIR --model PATH [any other mlx_lm.server argument]
 
 Everything after cas-bank's own options (`--bank`, `--block-size`, `--max-bytes`,
-`--no-capture-states`, `--json`) goes to `mlx_lm.server`'s argument parser as it is; see
+`--no-capture-states`, `--remote` and `--remote-tls-*` as `serve` takes them, `--json`)
+goes to `mlx_lm.server`'s argument parser as it is; see
 `cas_bank.runtime.mlx_lm_server` for what runs. One line on stdout says where the
 server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
 """
@@ -11,11 +12,15 @@ server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from cas_bank.errors import BankLockedError
+from pydantic import ValidationError
+
+from cas_bank.errors import BankLockedError, InvalidInputError
 
 from .common import CliError, add_command, bank_path
+from .remote_args import add_remote_arguments, remote_settings
 from .serve_cmd import DEFAULT_BANK_DIR, _positive
 
 
@@ -53,6 +58,7 @@ def register(subparsers: Any) -> None:
         help="hybrid models: do not prefill new prefixes again to capture the recurrent "
         "states at their block boundaries (mlx-lm's own prefill shows none)",
     )
+    add_remote_arguments(cmd)
     cmd.set_defaults(extra_args=True)
 
 
@@ -61,16 +67,46 @@ def _run(args: argparse.Namespace) -> int:
 
     from cas_bank import Bank, BankConfig
 
-    settings: dict[str, Any] = {}
+    _check_model(args.extra)
+    settings: dict[str, Any] = remote_settings(args)
     if args.block_size is not None:
         settings["block_size"] = args.block_size
     if args.max_bytes is not None:
         settings["max_bytes"] = args.max_bytes
+    try:
+        config = BankConfig(**settings)
+    except ValidationError as e:
+        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise CliError(f"bad --remote: {why}") from None
     args.bank.parent.mkdir(parents=True, exist_ok=True)
     try:
-        bank = Bank.open(args.bank, BankConfig(**settings))
+        bank = Bank.open(args.bank, config)
+    except InvalidInputError as e:  # e.g. a TLS file missing: the message names it
+        raise CliError(str(e)) from None
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
     with bank:
         serve(bank, list(args.extra), json_line=args.json, capture_states=args.capture_states)
     return 0
+
+
+def _check_model(mlx_lm_args: list[str]) -> None:
+    """Refuse, before anything is made, a `--model` mlx-lm's server cannot load: none,
+    or one of cas-bank's embedded models (they have no Hugging Face tokenizer, so only
+    `cas-bank serve` runs them; mlx-lm would look the name up on the Hub)."""
+    from cas_bank.runtime.models import MODEL_NAMES
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model", default=None)
+    model = parser.parse_known_args(mlx_lm_args)[0].model
+    if model is None:
+        raise CliError(
+            "mlx-lm-server needs --model (a local mlx-lm model directory or a Hugging Face "
+            "repo id): the bank keeps the caches of the model it is started with"
+        )
+    if model in MODEL_NAMES and not Path(model).exists():
+        raise CliError(
+            f"--model {model} is one of cas-bank's embedded models ({', '.join(MODEL_NAMES)}), "
+            "which only `cas-bank serve` runs (they have no Hugging Face tokenizer, which "
+            "mlx-lm's server needs); give mlx-lm-server a local mlx-lm model directory"
+        )

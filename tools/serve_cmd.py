@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, InvalidInputError
 
 from .common import CliError, add_command, bank_path, console, print_json
+from .remote_args import add_remote_arguments, remote_settings
 
 # The commands' defaults live here (not in the runtime modules, whose imports, MLX and
 # FastAPI, would slow down every other command's start).
@@ -78,33 +78,7 @@ def register(subparsers: Any) -> None:
         help="prompt tokens per forward pass (as mlx_lm.server's option); a request whose "
         "client goes away, or a shutdown, stops its prefill at the end of the current step",
     )
-    serve.add_argument(
-        "--remote",
-        default=None,
-        metavar="URL",
-        help="shared tier: valkey://[user][:password]@host:port of any node of a Valkey "
-        "cluster (or one server), valkeys:// for TLS; needs the fleet secret (the MAC key "
-        "of every entry, never the cluster's password) in $CAS_BANK_REMOTE_SECRET",
-    )
-    serve.add_argument(
-        "--remote-tls-ca",
-        default=None,
-        metavar="PEM",
-        help="with valkeys://: the CA file that signed the servers' certificates "
-        "(default: the system's CAs)",
-    )
-    serve.add_argument(
-        "--remote-tls-cert",
-        default=None,
-        metavar="PEM",
-        help="with valkeys://: this host's client certificate (mutual TLS)",
-    )
-    serve.add_argument(
-        "--remote-tls-key",
-        default=None,
-        metavar="PEM",
-        help="the private key of --remote-tls-cert",
-    )
+    add_remote_arguments(serve)
     serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
     serve.add_argument(
         "--max-queue", type=_positive, default=64, help="requests that may wait for the model"
@@ -152,14 +126,8 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    remote = remote_settings(args)  # a missing fleet secret: refused before anything
     check_directory(args.bank, create=True)  # a file, other files: before the model loads
-    secret = os.environ.get("CAS_BANK_REMOTE_SECRET")
-    if args.remote is not None and not secret:
-        raise CliError(
-            "--remote needs a fleet secret in $CAS_BANK_REMOTE_SECRET (one the cluster never "
-            "sees): it keys the MAC of every shared-tier entry, and without it anyone who "
-            "can log into the cluster could forge entries every host accepts"
-        )
     from cas_bank.runtime.engine import Engine
     from cas_bank.runtime.server import bind, run_server, url_of
 
@@ -177,11 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             max_queue=args.max_queue,
             chunk_size=args.prefill_step_size,
-            remote=args.remote,
-            remote_secret=secret,
-            remote_tls_ca=args.remote_tls_ca,
-            remote_tls_cert=args.remote_tls_cert,
-            remote_tls_key=args.remote_tls_key,
+            **remote,
         )
     except ValidationError as e:
         why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")

@@ -117,6 +117,12 @@ class RemoteClient:
                 b = self._breakers[node] = Breaker(failures=1, retry_after=self.retry_after)
             return b
 
+    def open_breakers(self) -> int:
+        """Nodes not asked now: their circuit breakers are open (`/metrics`)."""
+        with self._lock:
+            breakers = list(self._breakers.values())
+        return sum(1 for b in breakers if b.is_open)
+
     def _connect(self) -> Any:
         valkey: Any = importlib.import_module("valkey")  # its stubs are partial: used untyped
         with self._lock:
