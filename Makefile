@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench torture clean test-pure test-package
+.PHONY: demo test lint bench torture clean test-pure test-package test-native
 
 # The Python paths (no native helpers: an install without a C compiler) on every
 # `make test`: the tests of hashing, the read path and restore exactness (~60 s).
@@ -35,6 +35,12 @@ test: lint
 
 test-pure: $(STAMP)
 	CAS_BANK_PURE_PYTHON=1 $(BIN)/pytest -q $(PURE_TESTS)
+
+# The native helpers' C test (tests/native/): built for this machine and, where the
+# tools are (Debian's gcc-aarch64-linux-gnu, qemu-user-static; .ci/run installs them),
+# for aarch64 and for x86-64 CPUs without AVX2, run under qemu-user.
+test-native: $(STAMP)
+	$(BIN)/python tests/native/build.py build/native $(NATIVE_FLAGS)
 
 # The package as users install it: sdist and wheel built, installed into a fresh
 # virtualenv, run from outside the checkout (CI runs it: .ci/run).

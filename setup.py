@@ -6,7 +6,8 @@
 Built by `pip install` (a wheel, an sdist or `-e .`) with the system C compiler from the
 vendored, official BLAKE3 C sources (cas_bank/_native/blake3, CC0): the portable code
 everywhere; on x86-64 the SSE4.1 intrinsics and the AVX2 assembly, chosen at run
-time by BLAKE3's own CPU check. If they cannot be built (no C compiler), the
+time by BLAKE3's own CPU check; on arm64 (Apple silicon, aarch64 Linux) the NEON
+intrinsics. If they cannot be built (no C compiler), the
 install still succeeds and cas_bank does the same work in Python: the same values,
 slower (~1 us a block for hashing; the read path copies once more). That is said
 loudly here and at run time (`cas-bank --version`, `cas_bank.native`).
@@ -36,6 +37,11 @@ def blake3_build(machine: str) -> tuple[list[str], list[tuple[str, str | None]]]
         # intrinsics measured here: 3.5 against 2.0 GB/s a core).
         sources.append(f"{B3}/blake3_avx2_x86-64_unix.S")
         macros.append(("BLAKE3_USE_NEON", "0"))
+    elif machine in ("arm64", "aarch64"):
+        # NEON is part of every arm64 CPU (Apple silicon, aarch64 Linux): BLAKE3's NEON
+        # code hashes 4 chunks at once.
+        sources.append(f"{B3}/blake3_neon.c")
+        macros += [("BLAKE3_USE_NEON", "1"), ("BLAKE3_NO_SSE41", None), ("BLAKE3_NO_AVX2", None)]
     else:
         macros += [("BLAKE3_USE_NEON", "0"), ("BLAKE3_NO_SSE41", None), ("BLAKE3_NO_AVX2", None)]
     return sources, macros
@@ -70,20 +76,26 @@ class BuildExt(build_ext):
             raise
 
 
-sources, macros = blake3_build(target_machine())
-required = os.environ.get("CAS_BANK_REQUIRE_NATIVE", "") not in ("", "0")
+def main() -> None:
+    sources, macros = blake3_build(target_machine())
+    required = os.environ.get("CAS_BANK_REQUIRE_NATIVE", "") not in ("", "0")
+    setup(
+        cmdclass={"build_ext": BuildExt},
+        ext_modules=[
+            Extension(
+                f"cas_bank.{name}",
+                sources=[f"{NATIVE}/{source}.c", *sources],
+                depends=[f"{B3}/blake3.h", f"{B3}/blake3_impl.h"],
+                define_macros=macros,
+                extra_compile_args=["-O3"],
+                optional=not required,
+            )
+            for name, source in (("_chain", "chain"), ("_fill", "fill"))
+        ],
+    )
 
-setup(
-    cmdclass={"build_ext": BuildExt},
-    ext_modules=[
-        Extension(
-            f"cas_bank.{name}",
-            sources=[f"{NATIVE}/{main}.c", *sources],
-            depends=[f"{B3}/blake3.h", f"{B3}/blake3_impl.h"],
-            define_macros=macros,
-            extra_compile_args=["-O3"],
-            optional=not required,
-        )
-        for name, main in (("_chain", "chain"), ("_fill", "fill"))
-    ],
-)
+
+# tests/native/build.py imports this file for `blake3_build` (setuptools runs it as
+# __main__).
+if __name__ == "__main__":
+    main()

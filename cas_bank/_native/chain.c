@@ -6,12 +6,34 @@
  * portable code, and on x86-64 its SSE2/SSE4.1 intrinsics, picked at run time). One Python call per prompt instead of one per block; the
  * loop runs without the GIL.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "blake3/blake3.h"
+
+/* The chain hash of each of the n step-byte blocks at src into dst (n * 32 bytes). The
+ * context key is derived once; each block starts from a copy of that state (up to its
+ * empty stack of chaining values, which a fresh hasher never reads). */
+static void chain_hashes(const uint8_t *root, const uint8_t *src, size_t n, size_t step,
+                         const char *context, uint8_t *dst) {
+  blake3_hasher base, h;
+  blake3_hasher_init_derive_key(&base, context);
+  const uint8_t *parent = root;
+  for (size_t i = 0; i < n; i++) {
+    memcpy(&h, &base, offsetof(blake3_hasher, cv_stack));
+    blake3_hasher_update(&h, parent, BLAKE3_OUT_LEN);
+    blake3_hasher_update(&h, src + i * step, step);
+    blake3_hasher_finalize(&h, dst + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    parent = dst + i * BLAKE3_OUT_LEN;
+  }
+}
+
+/* CAS_BANK_CORE_ONLY: the C functions above without the Python module below (the C
+ * test, tests/native/test_native.c, builds them for other CPUs). */
+#ifndef CAS_BANK_CORE_ONLY
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
 static PyObject *chain(PyObject *self, PyObject *args) {
   (void)self;
@@ -37,20 +59,8 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     PyErr_NoMemory();
     goto done;
   }
-  const uint8_t *src = (const uint8_t *)data.buf;
-  const uint8_t *parent = (const uint8_t *)root.buf;
   Py_BEGIN_ALLOW_THREADS
-  /* The context key is derived once; each block starts from a copy of that state
-   * (up to its empty stack of chaining values, which a fresh hasher never reads). */
-  blake3_hasher base, h;
-  blake3_hasher_init_derive_key(&base, context);
-  for (Py_ssize_t i = 0; i < n; i++) {
-    memcpy(&h, &base, offsetof(blake3_hasher, cv_stack));
-    blake3_hasher_update(&h, parent, BLAKE3_OUT_LEN);
-    blake3_hasher_update(&h, src + i * step, (size_t)step);
-    blake3_hasher_finalize(&h, dst + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
-    parent = dst + i * BLAKE3_OUT_LEN;
-  }
+  chain_hashes(root.buf, data.buf, (size_t)n, (size_t)step, context, dst);
   Py_END_ALLOW_THREADS
   out = PyList_New(n);
   for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
@@ -79,3 +89,4 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cas_bank._chain", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__chain(void) { return PyModule_Create(&module); }
+#endif /* CAS_BANK_CORE_ONLY */

@@ -26,8 +26,13 @@
  * the call. On a failed check the rows already written hold unverified bytes: the
  * caller treats them as undefined (a restore ends before that block).
  */
+#ifndef CAS_BANK_CORE_ONLY
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#else /* the C test (tests/native/test_native.c): `fill` without the Python module */
+#include <stddef.h>
+typedef ptrdiff_t Py_ssize_t;
+#endif
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -273,6 +278,7 @@ out:
   return rc;
 }
 
+#ifndef CAS_BANK_CORE_ONLY
 static PyObject *read_into(PyObject *self, PyObject *args) {
   (void)self;
   const char *path, *context;
@@ -416,3 +422,4 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cas_bank._fill", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__fill(void) { return PyModule_Create(&module); }
+#endif /* CAS_BANK_CORE_ONLY */

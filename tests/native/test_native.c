@@ -1,0 +1,161 @@
+/* The native helpers' cores, built for the CPU at hand or another (make test-native:
+ * aarch64 with NEON, and x86-64 run on a CPU without AVX2, under qemu-user).
+ *
+ * 1. chain hashes (cas_bank/_native/chain.c) against the golden vectors of
+ *    docs/design.md, "Hashing (format v1)";
+ * 2. `fill` (cas_bank/_native/fill.c) of a payload file written by the package's own
+ *    codec (tests/native/make_cases.py) into rows: verified, every byte where it
+ *    belongs and nothing else touched;
+ * 3. the same file with one byte flipped (in the body, then in the head): refused;
+ *    a missing file and a short one: their codes.
+ *
+ * Usage: test_native CASE_DIR. Exit status 0 when all pass; each failure is a line.
+ */
+#define CAS_BANK_CORE_ONLY 1
+#include "../../cas_bank/_native/chain.c"
+#include "../../cas_bank/_native/fill.c"
+
+#include <stdio.h>
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                    \
+  do {                                      \
+    if (!(cond)) {                          \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);         \
+      fputc('\n', stderr);                  \
+      failures++;                           \
+    }                                       \
+  } while (0)
+
+static void unhex(const char *hex, uint8_t *out) {
+  for (size_t i = 0; hex[2 * i]; i++) sscanf(hex + 2 * i, "%2hhx", &out[i]);
+}
+
+static void put_u32(uint8_t *at, uint32_t v) {
+  for (int k = 0; k < 4; k++) at[k] = (uint8_t)(v >> (8 * k));
+}
+
+static void check_chain(const char *root_hex, const uint32_t *tokens, size_t n_full,
+                        const char *const *want_hex) {
+  uint8_t root[32] = {0}, data[64], got[2 * 32], want[32];
+  if (root_hex) unhex(root_hex, root);
+  for (size_t i = 0; i < n_full * 4; i++) put_u32(data + 4 * i, tokens[i]);
+  chain_hashes(root, data, n_full, 16, "cas_bank 2026-11-29 block chain v1", got);
+  for (size_t b = 0; b < n_full; b++) {
+    unhex(want_hex[b], want);
+    CHECK(memcmp(got + 32 * b, want, 32) == 0, "chain block %zu differs from its golden vector", b);
+  }
+}
+
+static uint8_t *slurp(const char *dir, const char *name, size_t *len) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) {
+    perror(path);
+    exit(2);
+  }
+  fseek(f, 0, SEEK_END);
+  *len = (size_t)ftell(f);
+  fseek(f, 0, SEEK_SET);
+  uint8_t *buf = malloc(*len + 1);
+  if (buf == NULL || fread(buf, 1, *len, f) != *len) exit(2);
+  fclose(f);
+  return buf;
+}
+
+static void spit(const char *path, const uint8_t *buf, size_t len) {
+  FILE *f = fopen(path, "wb");
+  if (f == NULL || fwrite(buf, 1, len, f) != len) exit(2);
+  fclose(f);
+}
+
+enum { MAX_ARRAYS = 8 };
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    fprintf(stderr, "usage: %s CASE_DIR\n", argv[0]);
+    return 2;
+  }
+  const char *dir = argv[1];
+
+  /* 1. The golden chain vectors (block size 4, context BLOCK_CONTEXT). */
+  const uint32_t counting[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const char *const counting_want[2] = {
+      "5b3a4e773fdf0cc1ba130b245a0836231eb48d6c2575e26ef8513366b2ece3f1",
+      "92d0d3540678097572a7c969b80e74f05adab8a9398ba9af38e525ff9ff1b273"};
+  check_chain(NULL, counting, 2, counting_want);
+  const uint32_t edges[8] = {0, 1, 4294967295u, 7, 65535, 65536, 3, 3};
+  const char *const edges_want[2] = {
+      "49905ce9eb04c65ea23e70c0d6bd44c3c30cb9207a5b0c177cb91cf00eeb6e73",
+      "d8beb5841555e1495370ed3c98fc22b9632876f47ba5a7b62510f33b7c6abaa4"};
+  check_chain("c94a6754793a51d52b8cb720d3a08e468102d7e976cffe3c289e25c6d1595f18", edges, 2,
+              edges_want);
+
+  /* 2. A payload file filled into block 1's rows of each array. */
+  size_t case_len, payload_len, head_len, rows_len;
+  char *spec = (char *)slurp(dir, "case.txt", &case_len);
+  spec[case_len] = '\0';
+  uint8_t *payload = slurp(dir, "payload.bin", &payload_len);
+  uint8_t *head = slurp(dir, "head.bin", &head_len);
+  uint8_t *rows = slurp(dir, "rows.bin", &rows_len);
+  size_t lead = 0, head_n = 0, sizes[MAX_ARRAYS];
+  int used = 0, n_arrays = 0;
+  char *at = spec;
+  if (sscanf(at, "%zu %zu%n", &lead, &head_n, &used) != 2) return 2;
+  at += used;
+  while (n_arrays < MAX_ARRAYS && sscanf(at, "%zu%n", &sizes[n_arrays], &used) == 1) {
+    at += used;
+    n_arrays++;
+  }
+  char *context = strchr(at, '\n') + 1;
+  context[strcspn(context, "\n")] = '\0';
+  CHECK(head_n == head_len, "head.bin is not the head size of case.txt");
+
+  int64_t segs[3 * MAX_ARRAYS];
+  uint8_t *dest[MAX_ARRAYS];
+  for (int j = 0; j < n_arrays; j++) {
+    dest[j] = calloc(2, sizes[j]); /* blocks 0 and 1 of this array */
+    segs[3 * j] = (int64_t)(intptr_t)dest[j];
+    segs[3 * j + 1] = (int64_t)sizes[j];
+    segs[3 * j + 2] = (int64_t)sizes[j];
+  }
+  char path[4096];
+  snprintf(path, sizeof path, "%s/filled.bin", dir);
+  spit(path, payload, payload_len);
+  int err = 0;
+  int rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == OK, "fill of a good payload returned %d (errno %d)", rc, err);
+  size_t off = 0;
+  for (int j = 0; j < n_arrays; j++) {
+    int untouched = 1;
+    for (size_t k = 0; k < sizes[j]; k++) untouched &= dest[j][k] == 0;
+    CHECK(untouched, "block 0 of array %d was written", j);
+    CHECK(memcmp(dest[j] + sizes[j], rows + off, sizes[j]) == 0, "array %d's rows differ", j);
+    off += sizes[j];
+  }
+  CHECK(off == rows_len, "rows.bin holds %zu bytes, the arrays %zu", rows_len, off);
+
+  /* 3. Damage: a flipped byte in the body, then in the descriptors; gone; short. */
+  payload[payload_len - 7] ^= 0x10;
+  spit(path, payload, payload_len);
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == DIGEST, "a flipped body byte gave %d, not DIGEST", rc);
+  payload[payload_len - 7] ^= 0x10;
+  payload[head_len - 1] ^= 0x01;
+  spit(path, payload, payload_len);
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == HEAD, "a flipped head byte gave %d, not HEAD", rc);
+  payload[head_len - 1] ^= 0x01;
+  spit(path, payload, payload_len - 1);
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == SIZE, "a short file gave %d, not SIZE", rc);
+  remove(path);
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == MISSING, "a missing file gave %d, not MISSING", rc);
+
+  if (failures == 0) printf("test_native: chain vectors, fill, damage: all passed\n");
+  return failures == 0 ? 0 : 1;
+}
