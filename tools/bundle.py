@@ -107,7 +107,7 @@ def _export(bank: Bank, args: argparse.Namespace, tokens: list[int] | None) -> E
         chain = chain_to_leaf(bank, resolve_prefix(args.leaf, index.keys()))
     else:
         specs, unparsed = load_namespaces(bank.store)
-        labels = namespace_labels(specs)
+        labels = namespace_labels(specs, bank.config.block_size)
         if args.namespace is not None:
             root = select_namespace(args.namespace, specs, labels)
         elif len(specs) == 1:
@@ -138,6 +138,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         "namespace": report.namespace,
         "blocks": report.blocks,
         "states": report.states,
+        "ends": report.ends,
         "tokens": report.tokens,
         "bytes": report.file_bytes,
         "leaf": report.leaf.hex(),
@@ -150,7 +151,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                 [
                     (
                         "exported",
-                        f"{report.blocks} blocks ({report.tokens} tokens), {report.states} states",
+                        f"{report.blocks} blocks ({report.tokens} tokens), {report.states} "
+                        f"states, {report.ends} end record{'' if report.ends == 1 else 's'}",
                     ),
                     ("namespace", report.namespace),
                     ("leaf", report.leaf.hex()),

@@ -24,6 +24,7 @@ from rich.text import Text
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, InvalidInputError
+from cas_bank.index.tree import SALTED
 from cas_bank.spec import ModelSpec
 
 Handler = Callable[[argparse.Namespace], int]
@@ -249,9 +250,13 @@ def when(seconds: float | None) -> str:
 
 
 def select_namespace(wanted: str, specs: dict[bytes, ModelSpec], labels: dict[bytes, str]) -> bytes:
-    """The root named by `wanted`: a display label, a model name, or a root hex prefix."""
+    """The root named by `wanted`: a display label, a model name (its unsalted
+    namespace where salted ones share the name), or a root hex prefix."""
     hits = [r for r, label in labels.items() if label == wanted]
-    hits = hits or [r for r, spec in specs.items() if spec.name == wanted]
+    if not hits:
+        named = [r for r, spec in specs.items() if spec.name == wanted]
+        plain = [r for r in named if SALTED not in labels.get(r, "")]
+        hits = plain if len(plain) == 1 else named
     w = wanted.lower()
     if not hits and len(w) >= 4 and all(c in "0123456789abcdef" for c in w):
         hits = [r for r in specs if r.hex().startswith(w)]
@@ -260,5 +265,8 @@ def select_namespace(wanted: str, specs: dict[bytes, ModelSpec], labels: dict[by
         raise CliError(f"no namespace {wanted!r} in this bank (namespaces: {known})")
     if len(hits) > 1:
         names = ", ".join(sorted(labels[r] for r in hits))
-        raise CliError(f"namespace {wanted!r} is ambiguous ({names}); use a label shown by stats")
+        raise CliError(
+            f"namespace {wanted!r} is ambiguous ({names}); give one of these labels or a "
+            "root's hex prefix"
+        )
     return hits[0]

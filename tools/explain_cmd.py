@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
 
 def _explain(bank: Bank, args: argparse.Namespace, tokens: list[int]) -> Explanation:
     specs, _ = load_namespaces(bank.store)
-    labels = namespace_labels(specs)
+    labels = namespace_labels(specs, bank.config.block_size)
     if args.namespace is not None:
         root = select_namespace(args.namespace, specs, labels)
     elif len(specs) == 1:

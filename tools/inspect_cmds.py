@@ -23,6 +23,7 @@ from cas_bank.index.access import last_use
 from cas_bank.index.chain import Header
 from cas_bank.index.ends import split_record
 from cas_bank.index.tree import (
+    SALTED,
     HeaderIndex,
     TreeNode,
     load_namespaces,
@@ -31,6 +32,7 @@ from cas_bank.index.tree import (
 )
 
 from .common import (
+    CliError,
     add_bank_argument,
     add_command,
     emit,
@@ -55,15 +57,22 @@ def register(subparsers: Any) -> None:
         subparsers,
         "ls",
         cmd_ls,
-        "list blocks",
+        "list blocks (or end records)",
         "List blocks: namespace, depth (block index), sizes, chains through them, last use. "
         "Sorted by namespace and depth unless --sort is given (size, chains and last-use "
-        "sort the largest / most shared / most recent first).",
+        "sort the largest / most shared / most recent first). With --ends, list the end "
+        "records: end hash, namespace, parent block, prompt length, what each holds "
+        "(--sort size and --limit apply).",
     )
     add_bank_argument(p)
     p.add_argument("--namespace", metavar="NAME", help="only this namespace (name or root prefix)")
     p.add_argument("--sort", choices=SORT_KEYS, help="sort key")
-    p.add_argument("--limit", type=_positive, metavar="N", help="show at most N blocks")
+    p.add_argument("--limit", type=_positive, metavar="N", help="show at most N rows")
+    p.add_argument(
+        "--ends",
+        action="store_true",
+        help="list the end records instead (their end hashes are what `show` takes)",
+    )
 
     p = add_command(
         subparsers,
@@ -91,7 +100,7 @@ def _positive(text: str) -> int:
 # -- stats ---------------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace) -> int:
     s, (specs, bad) = read_bank(args.bank, lambda bank: (bank.stats(), load_namespaces(bank.store)))
-    labels = namespace_labels(specs)
+    labels = namespace_labels(specs, s.block_size)
     namespaces: list[dict[str, Any]] = [
         {
             "name": labels[root],
@@ -99,6 +108,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             "layers": len(spec.layers),
             "hybrid": spec.is_hybrid,
             "tokenizer": spec.tokenizer,
+            "salted": SALTED in labels[root],
         }
         for root, spec in sorted(specs.items(), key=lambda kv: labels[kv[0]])
     ]
@@ -196,11 +206,14 @@ _SORTS: dict[str, Callable[[LsRow], Any]] = {
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if args.ends:
+        return _ls_ends(args)
+
     def look(
         bank: Bank,
     ) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None], Counter[bytes]]:
         specs, _ = load_namespaces(bank.store)
-        labels = namespace_labels(specs)
+        labels = namespace_labels(specs, bank.config.block_size)
         index = HeaderIndex.load(bank.store)
         root = select_namespace(args.namespace, specs, labels) if args.namespace else None
         heads = [h for h in index.headers.values() if root is None or h.root == root]
@@ -252,6 +265,81 @@ def cmd_ls(args: argparse.Namespace) -> int:
     )
     if len(rows) < total:
         out.append(f"({len(rows)} of {total} blocks shown)")
+    n_ends = sum(ends.values())
+    if n_ends:
+        out.append(
+            f"({_plural(n_ends, 'end record')}: `cas-bank ls {args.bank} --ends` lists them, "
+            f"`cas-bank show {args.bank} END` shows one)"
+        )
+    emit(*out)
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class EndRow:
+    end: str  # the end hash: what `show` takes
+    namespace: str
+    parent: str | None  # the last full block's chain hash; None: the namespace root
+    tokens: int  # the prompt's length
+    tail: int  # its tokens after the parent
+    holds: list[str]
+    bytes: int
+
+
+def _end_row(key: bytes, value: bytes, labels: dict[bytes, str]) -> EndRow:
+    try:
+        end, _ = split_record(key, value)
+    except CorruptDataError:  # verify names it
+        return EndRow(key[32:].hex(), "?", key[:32].hex(), 0, 0, ["bad record"], len(value))
+    holds = [w for w, f in (("state", end.has_state), ("logits", end.has_logits)) if f]
+    return EndRow(
+        end=key[32:].hex(),
+        namespace=labels.get(end.root, "?" + short(end.root, 8)),
+        parent=None if end.parent == end.root else end.parent.hex(),
+        tokens=end.n_tokens,
+        tail=end.tail_len,
+        holds=["tail KV", *holds, *(["hidden"] if end.has_hidden else [])],
+        bytes=len(value),
+    )
+
+
+def _ls_ends(args: argparse.Namespace) -> int:
+    """`ls --ends`: one row per end record, sorted by namespace and prompt length."""
+    if args.sort not in (None, "size"):
+        raise CliError(f"with --ends, --sort takes only size (not {args.sort})")
+
+    def look(bank: Bank) -> list[EndRow]:
+        specs, _ = load_namespaces(bank.store)
+        labels = namespace_labels(specs, bank.config.block_size)
+        root = select_namespace(args.namespace, specs, labels) if args.namespace else None
+        rows = [_end_row(k, v, labels) for k, v in bank.store.iterate(Family.ENDS)]
+        label = labels.get(root, "") if root is not None else None
+        return [r for r in rows if label is None or r.namespace == label]
+
+    rows = sorted(read_bank(args.bank, look), key=lambda r: (r.namespace, r.tokens, r.end))
+    if args.sort == "size":
+        rows.sort(key=lambda r: -r.bytes)
+    total = len(rows)
+    rows = rows[: args.limit] if args.limit is not None else rows
+    if args.json:
+        print_json({"total": total, "ends": [asdict(r) for r in rows]})
+        return 0
+    columns = ["end", "namespace", "parent", "tokens", "tail", "holds", "size"]
+    cells = [
+        (
+            r.end[:16],
+            r.namespace,
+            "root" if r.parent is None else r.parent[:12],
+            r.tokens,
+            r.tail,
+            ", ".join(r.holds),
+            human_bytes(r.bytes),
+        )
+        for r in rows
+    ]
+    out: list[Any] = [table(columns, cells) if rows else "(no end records)"]
+    if len(rows) < total:
+        out.append(f"({len(rows)} of {total} end records shown)")
     emit(*out)
     return 0
 
@@ -371,11 +459,16 @@ def _plural(n: int, word: str) -> str:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    (specs, _), index, ends = read_bank(
+    (specs, _), index, ends, block_size = read_bank(
         args.bank,
-        lambda bank: (load_namespaces(bank.store), HeaderIndex.load(bank.store), _end_roots(bank)),
+        lambda bank: (
+            load_namespaces(bank.store),
+            HeaderIndex.load(bank.store),
+            _end_roots(bank),
+            bank.config.block_size,
+        ),
     )
-    labels = namespace_labels(specs)
+    labels = namespace_labels(specs, block_size)
     only = select_namespace(args.namespace, specs, labels) if args.namespace else None
     groups = _groups(index, labels, only, ends)
     if args.json:

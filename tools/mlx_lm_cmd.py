@@ -43,7 +43,8 @@ def register(subparsers: Any) -> None:
         "--block-size",
         type=_positive,
         default=None,
-        help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
+        help="tokens per block of a new bank (default 64); an existing bank keeps its own "
+        "and refuses another value",
     )
     cmd.add_argument(
         "--max-bytes",

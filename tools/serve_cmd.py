@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cas_bank.blocks.bankdir import check_directory
-from cas_bank.errors import BankLockedError, InvalidInputError
+from cas_bank.errors import BankLockedError, BankSettingsError, InvalidInputError
 
 from .common import CliError, add_command, bank_path, console, print_json
 from .remote_args import add_remote_arguments, remote_settings
@@ -68,7 +68,8 @@ def register(subparsers: Any) -> None:
         "--block-size",
         type=_positive,
         default=None,
-        help="tokens per block for a new bank (default 64; an existing bank keeps its own)",
+        help="tokens per block of a new bank (default 64); an existing bank keeps its own "
+        "and refuses another value",
     )
     serve.add_argument(
         "--prefill-step-size",
@@ -154,6 +155,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
+    except BankSettingsError as e:
+        if args.block_size is None or "block_size=" not in str(e):
+            raise
+        raise CliError(f"{e}: leave out --block-size to serve it with its own") from None
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

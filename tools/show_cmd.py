@@ -61,7 +61,9 @@ def register(subparsers: Any) -> None:
     )
     add_bank_argument(p)
     p.add_argument(
-        "hash", metavar="HASH", help="block hash or end-record hash, or a unique hex prefix of it"
+        "hash",
+        metavar="HASH",
+        help="block hash or end-record hash (`ls --ends` lists them), or a unique hex prefix",
     )
     p.add_argument(
         "--tokenizer",
@@ -219,7 +221,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         look.state_error,
     )
     spec = specs.get(h.root)
-    labels = namespace_labels(specs)
+    labels = namespace_labels(specs, len(h.tokens) // 4)  # a block's tokens: the block size
     status, block = _payload(raw, h.payload_digest, h.payload_size, raw_error)
     state_status, state = "none", None
     if h.state_digest is not None:

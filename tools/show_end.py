@@ -10,7 +10,7 @@ from cas_bank import Bank
 from cas_bank.blocks import codec
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.ends import split_record
-from cas_bank.index.tree import load_namespaces
+from cas_bank.index.tree import load_namespaces, namespace_labels
 from cas_bank.spec import ModelSpec
 
 from .common import emit, fields, human_bytes, print_json, short
@@ -23,13 +23,14 @@ def end_info(bank: Bank, key: bytes, value: bytes) -> dict[str, Any]:
     except CorruptDataError as e:
         return {"end": key[32:].hex(), "parent": key[:32].hex(), "status": f"bad record: {e}"}
     spec = specs.get(end.root)
+    label = namespace_labels(specs, bank.config.block_size).get(end.root)
     ok = codec.verify(payload, end.payload_digest)
     held = [w for w, f in (("state", end.has_state), ("logits", end.has_logits)) if f]
     if end.has_hidden:
         held.append("hidden")
     return {
         "end": key[32:].hex(),
-        "namespace": spec.name if spec else f"unknown namespace {short(end.root, 8)}",
+        "namespace": label if spec else f"unknown namespace {short(end.root, 8)}",
         "root": end.root.hex(),
         "parent": None if end.parent == end.root else end.parent.hex(),
         "tokens": end.n_tokens,

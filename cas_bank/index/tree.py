@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from cas_bank.blocks.hashing import DIGEST_SIZE, BlockHash
+from cas_bank.blocks.hashing import DIGEST_SIZE, BlockHash, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.chain import Header
@@ -80,15 +80,33 @@ def load_namespaces(store: BlockStore) -> tuple[dict[bytes, ModelSpec], dict[byt
     return specs, bad
 
 
-def namespace_labels(specs: dict[bytes, ModelSpec]) -> dict[bytes, str]:
-    """A short display name per root: the model name, with the root where names repeat."""
+SALTED = "+salt@"
+"""In a label, what marks a salted namespace (a tenant's `cache_salt`): `name+salt@root`."""
+
+
+def namespace_labels(
+    specs: dict[bytes, ModelSpec], block_size: int | None = None
+) -> dict[bytes, str]:
+    """A short display name per root: the model name, with the root where names repeat.
+
+    With `block_size` (the bank's), a root that is not its spec's unsalted root is a
+    salted namespace, labelled `name+salt@root` (the salt itself is not recorded): the
+    unsalted namespace of a model keeps its plain name.
+    """
+    salted = set()
+    if block_size is not None:
+        salted = {r for r, s in specs.items() if r != namespace_root(s.fingerprint, block_size)}
     counts: dict[str, int] = {}
-    for spec in specs.values():
-        counts[spec.name] = counts.get(spec.name, 0) + 1
-    return {
-        root: spec.name if counts[spec.name] == 1 else f"{spec.name}@{root.hex()[:8]}"
-        for root, spec in specs.items()
-    }
+    for root, spec in specs.items():
+        if root not in salted:
+            counts[spec.name] = counts.get(spec.name, 0) + 1
+    out = {}
+    for root, spec in specs.items():
+        if root in salted:
+            out[root] = f"{spec.name}{SALTED}{root.hex()[:8]}"
+        else:
+            out[root] = spec.name if counts[spec.name] == 1 else f"{spec.name}@{root.hex()[:8]}"
+    return out
 
 
 @dataclass(slots=True)
