@@ -64,8 +64,6 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cas_bank.runtime.mlx_lm_server import serve
-
     from cas_bank import Bank, BankConfig
 
     _check_model(args.extra)
@@ -79,6 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValidationError as e:
         why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
         raise CliError(f"bad --remote: {why}") from None
+    from cas_bank.runtime.mlx_lm_server import serve  # MLX: after the checks without it
+
     args.bank.parent.mkdir(parents=True, exist_ok=True)
     try:
         bank = Bank.open(args.bank, config)
@@ -95,8 +95,6 @@ def _check_model(mlx_lm_args: list[str]) -> None:
     """Refuse, before anything is made, a `--model` mlx-lm's server cannot load: none,
     or one of cas-bank's embedded models (they have no Hugging Face tokenizer, so only
     `cas-bank serve` runs them; mlx-lm would look the name up on the Hub)."""
-    from cas_bank.runtime.models import MODEL_NAMES
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
     model = parser.parse_known_args(mlx_lm_args)[0].model
@@ -105,6 +103,8 @@ def _check_model(mlx_lm_args: list[str]) -> None:
             "mlx-lm-server needs --model (a local mlx-lm model directory or a Hugging Face "
             "repo id): the bank keeps the caches of the model it is started with"
         )
+    from cas_bank.runtime.models import MODEL_NAMES  # MLX: after the checks without it
+
     if model in MODEL_NAMES and not Path(model).exists():
         raise CliError(
             f"--model {model} is one of cas-bank's embedded models ({', '.join(MODEL_NAMES)}), "
