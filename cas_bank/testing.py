@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -125,6 +125,27 @@ class StoreConformance(ABC):
         store.put_batch([(Family.BLOCKS, b"j", None), (Family.BLOCKS, b"k", None)])
         assert list(store.iterate(Family.BLOCKS)) == []
         assert list(store.iterate(Family.STATES)) == []
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        keys=st.sets(st.binary(min_size=0, max_size=4), max_size=12),
+        suffix=st.binary(max_size=4),
+        prefix=st.binary(max_size=2),
+    )
+    def test_prefixed_and_around(
+        self, store: BlockStore, keys: set[bytes], suffix: bytes, prefix: bytes
+    ) -> None:
+        """`prefixed` lists the keys under a prefix in order; `around` the one before a
+        key and the first at or after it, among them (the children index's seek)."""
+        store.put_batch([(Family.CHILDREN, k, None) for k in store.keys(Family.CHILDREN)])
+        store.put_batch([(Family.CHILDREN, k, k + b"!") for k in keys])
+        probe = prefix + suffix
+        under = sorted(k for k in keys if k.startswith(prefix))
+        assert list(store.prefixed(Family.CHILDREN, prefix)) == [(k, k + b"!") for k in under]
+        below = [k for k in under if k < probe][-1:]
+        above = [k for k in under if k >= probe][:1]
+        want = [(k, k + b"!") for k in below + above]
+        assert store.around(Family.CHILDREN, probe, prefix) == want
 
     def test_iterate_in_key_order(self, store: BlockStore) -> None:
         keys = [bytes([b]) * 3 for b in (9, 1, 200, 0, 7)]

@@ -135,6 +135,16 @@ class FileTier(BlockStore):
                 value = resolved
             yield key, value
 
+    def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        if family in PAYLOAD_FAMILIES:
+            return super().prefixed(family, prefix)
+        return self.inner.prefixed(family, prefix)
+
+    def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        if family in PAYLOAD_FAMILIES:
+            return super().around(family, key, prefix)
+        return self.inner.around(family, key, prefix)
+
     # -- writes --------------------------------------------------------------------
     def put_batch(self, writes: Sequence[Write]) -> None:
         if self.read_only:

@@ -41,6 +41,9 @@ CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES, Famil
 # mostly do not exist, and a hot restore must not read below (dropped by any write).
 NEGATIVE_FAMILIES = frozenset({Family.ENDS})
 _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
+# Answers of `around` on the children index kept (a restore seeks it once: a hot
+# restore must not read below either); any write to that family drops them all.
+AROUND_ENTRIES = 1024
 
 
 @dataclass(slots=True)
@@ -55,8 +58,9 @@ class _Entry:
 
 class HotStore(BlockStore):
     """An LRU of at most `max_bytes` over `inner`'s headers, blocks, states and end
-    records (and the end-record keys found absent). `budget`: a `MemoryBudget` of
-    `max_bytes` shared with other tiers (the bank's leases); its own by default."""
+    records (and the end-record keys found absent), and the children index's recent
+    `around` answers. `budget`: a `MemoryBudget` of `max_bytes` shared with other
+    tiers (the bank's leases); its own by default."""
 
     def __init__(
         self, inner: BlockStore, max_bytes: int, *, budget: MemoryBudget | None = None
@@ -73,6 +77,7 @@ class HotStore(BlockStore):
         self._bytes = 0
         self._generation = 0  # bumped by every write that touches a cached family
         self._writing = 0  # batches being applied below: nothing read meanwhile is cached
+        self._around: OrderedDict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0  # raw lookups served from memory
         self.misses = 0  # raw lookups passed to the inner store
@@ -146,7 +151,8 @@ class HotStore(BlockStore):
 
     def put_batch(self, writes: Sequence[Write]) -> None:
         cached = [w for w in writes if w[0] in CACHED_FAMILIES]
-        if not cached:
+        children = any(w[0] is Family.CHILDREN for w in writes)
+        if not cached and not children:
             self.inner.put_batch(writes)
             return
         # Forget the keys first, and cache nothing read while the batch is applied:
@@ -155,6 +161,8 @@ class HotStore(BlockStore):
         with self._lock:
             self._generation += 1
             self._writing += 1
+            if children:
+                self._around.clear()
             for family, key, _ in cached:
                 self._drop((family, key))
         written = False
@@ -173,6 +181,29 @@ class HotStore(BlockStore):
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         return self.inner.iterate(family, values=values)
+
+    def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        return self.inner.prefixed(family, prefix)
+
+    def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        if family is not Family.CHILDREN:
+            return self.inner.around(family, key, prefix)
+        k = (bytes(key), bytes(prefix))
+        with self._lock:
+            generation = self._generation
+            found = self._around.get(k)
+            if found is not None:
+                self._around.move_to_end(k)
+                self.hits += 1
+                return list(found)
+            self.misses += 1
+        got = self.inner.around(family, key, prefix)
+        with self._lock:  # as `get_many`: nothing read while a write was under way
+            if generation == self._generation and not self._writing:
+                self._around[k] = list(got)
+                while len(self._around) > AROUND_ENTRIES:
+                    self._around.popitem(last=False)
+        return got
 
     def refresh(self) -> None:
         """Catch up with the writer and forget everything: it may have deleted any of it."""
@@ -215,6 +246,7 @@ class HotStore(BlockStore):
         with self._lock:
             self._generation += 1
             self._entries.clear()
+            self._around.clear()
             self._bytes = 0
 
     def _insert(self, family: Family, key: bytes, value: bytes, *, absent: bool = False) -> None:

@@ -126,6 +126,26 @@ def _walk(
         del it  # the iterator holds the database open
 
 
+def _walk_prefix(
+    cf: Any, prefix: bytes, error: Callable[[Exception, Family], Exception], family: Family
+) -> Generator[tuple[bytes, bytes], None, None]:
+    """`_walk` of the keys that start with `prefix` only: one seek, then in order."""
+    it = cf.iter()
+    try:
+        it.seek(prefix)
+        while it.valid():
+            k = it.key()
+            if not k.startswith(prefix):
+                break
+            yield k, it.value()
+            it.next()
+        it.status()
+    except Exception as e:
+        raise error(e, family) from None
+    finally:
+        del it
+
+
 class RocksStore(BlockStore):
     """A `BlockStore` on one RocksDB database directory."""
 
@@ -330,6 +350,43 @@ class RocksStore(BlockStore):
         # every walk still open, so that the directory can be reopened.
         self._walks.add(walk)
         return walk
+
+    def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+            return self._payload_reader.prefixed(family, prefix)
+        if family not in self._cf and self._db is not None:
+            return iter(())
+        walk = _walk_prefix(self._family(family), prefix, self._read_error, family)
+        self._walks.add(walk)
+        return walk
+
+    def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """One seek to `key`, then a step back (docs/design.md, "Partial blocks")."""
+        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+            return self._payload_reader.around(family, key, prefix)
+        if family not in self._cf and self._db is not None:
+            return []
+        it = self._family(family).iter()
+        try:
+            out: list[tuple[bytes, bytes]] = []
+            it.seek(key)
+            if it.valid():
+                k = it.key()
+                if k.startswith(prefix):
+                    out.append((k, it.value()))
+                it.prev()
+            else:
+                it.seek_to_last()
+            if it.valid():
+                k = it.key()
+                if k.startswith(prefix) and k < key:
+                    out.insert(0, (k, it.value()))
+            it.status()
+            return out
+        except Exception as e:
+            raise self._read_error(e, family) from None
+        finally:
+            del it
 
     # -- writes --------------------------------------------------------------------
     def put_batch(self, writes: Sequence[Write]) -> None:

@@ -49,6 +49,7 @@ class Family(str, Enum):
     ACCESS = "access"
     ENDS = "ends"
     EVICTED = "evicted"
+    CHILDREN = "children"
 
 
 PAYLOAD_FAMILIES = (Family.BLOCKS, Family.STATES)
@@ -130,6 +131,27 @@ class BlockStore(ABC):
     def keys(self, family: Family) -> Iterator[bytes]:
         for k, _ in self.iterate(family, values=False):
             yield k
+
+    def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """The (key, value) pairs whose keys start with `prefix`, in key order. This
+        walks the family from its start; a backend that can seek overrides it."""
+        for k, v in self.iterate(family):
+            if k.startswith(prefix):
+                yield k, v
+            elif k > prefix:
+                return
+
+    def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        """The pairs next to `key` (which starts with `prefix`) among those whose keys
+        start with `prefix`: the last one before it and the first one at or after it
+        (0 to 2 pairs, in key order).
+        A backend that can seek overrides it (two positionings, however many records)."""
+        below: tuple[bytes, bytes] | None = None
+        for k, v in self.prefixed(family, prefix):
+            if k >= key:
+                return [p for p in (below, (k, v)) if p is not None]
+            below = (k, v)
+        return [below] if below is not None else []
 
     def readable(
         self,
