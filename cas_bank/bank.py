@@ -31,6 +31,7 @@ from cas_bank.errors import (
 )
 from cas_bank.index.access import AccessLog
 from cas_bank.index.admission import SeenBlocks
+from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.evict import EvictionReport, evict_to_budget
 from cas_bank.index.evicted import EvictionMemory
 from cas_bank.index.lease import Leases
@@ -224,7 +225,14 @@ class Bank:
         with self.write_lock:
             if self._in_transaction:
                 raise RuntimeError("a transaction is already open on this bank")
-            tx = Transaction(self.store, self.counters, self.access, self.suspects, self.evictions)
+            tx = Transaction(
+                self.store,
+                self.counters,
+                self.access,
+                self.suspects,
+                self.evictions,
+                follow=index_writes,  # the children index follows every batch
+            )
             self._in_transaction = True
             try:
                 try:
@@ -391,6 +399,7 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
                 (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
                 (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
                 (Family.META, _KEY_CREATED, str(time.time()).encode()),
+                (Family.META, INDEXED_KEY, b"1"),  # every record it will hold is indexed
             ]
         )
         return config.model_copy(update={"payload_check": check})

@@ -80,6 +80,11 @@ class BankConfig(BaseModel):
     state_stride: int | None = Field(default=None, ge=1, strict=True)
     """Also capture a recurrent state every this many blocks during prefill."""
 
+    partial_blocks: bool = Field(default=True, strict=True)
+    """Restores take the first tokens of a stored block a prompt leaves inside it
+    (attention-only models; docs/design.md, "Partial blocks"). False: whole blocks and
+    end records only (the children index is kept either way)."""
+
     remote: str | None = Field(default=None, repr=False)
     """The shared tier: `valkey://[user][:password]@host:port` (`valkeys://` for TLS) of
     any node of a Valkey cluster, or of a single Valkey/Redis server; cluster mode is

@@ -48,6 +48,7 @@ from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import find_end
 from cas_bank.index.evicted import Reason, horizon, lookup, record_key
+from cas_bank.index.partial import find_partial
 from cas_bank.index.tree import HeaderIndex
 from cas_bank.spec import ModelSpec
 
@@ -114,6 +115,14 @@ class Explanation:
     states_evicted: list[StateEviction] = field(default_factory=list)
     end_record_tokens: int | None = None  # an end record under the matched chain covers these
     end_record_logits: bool = False  # it holds its last token's logits (no forward needed)
+    # The stored child of the matched chain sharing the prompt's next tokens (a partial
+    # block, docs/design.md "Partial blocks"): its hex name, kind, the tokens it shares,
+    # and whether the restore takes them (else why not).
+    partial_child: str | None = None
+    partial_kind: Literal["block", "end"] | None = None
+    partial_tokens: int = 0
+    partial_used: bool = False
+    partial_refused: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -168,6 +177,17 @@ class Explanation:
                     "last token again)."
                 )
             lines.append(f"an end record covers {self.end_record_tokens} tokens{how}")
+        if self.partial_child is not None:
+            what = "stored block" if self.partial_kind == "block" else "end record"
+            lines.append(
+                f"a partial block: the {what} {self.partial_child[:16]} after the matched "
+                f"chain shares the next {self.partial_tokens} tokens; "
+                + (
+                    "a restore takes them."
+                    if self.partial_used
+                    else f"not used: {self.partial_refused}."
+                )
+            )
         for c in self.corrupt:
             lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
         if self.tail_tokens:
@@ -262,6 +282,8 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     end_tokens = found[0].n_tokens if found is not None else None
     end_logits = found is not None and found[0].has_logits
 
+    partial = _partial(bank, root, hashes, toks, k, hybrid, corrupt, end_tokens)
+
     stop: StopReason = "complete"
     if corrupt:
         stop = "corrupt"
@@ -277,7 +299,9 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         full_blocks=len(hashes),
         tail_tokens=len(toks) - len(hashes) * bs,
         matched_blocks=k,
-        restorable_tokens=max(usable * bs, end_tokens or 0),
+        restorable_tokens=max(
+            usable * bs, end_tokens or 0, k * bs + partial.shared if partial.used else 0
+        ),
         stop=stop,
         hybrid=hybrid,
         divergence=divergence,
@@ -293,7 +317,56 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         states_evicted=states_evicted,
         end_record_tokens=end_tokens,
         end_record_logits=end_logits,
+        partial_child=partial.child,
+        partial_kind=partial.kind,
+        partial_tokens=partial.shared,
+        partial_used=partial.used,
+        partial_refused=partial.refused,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Partial:
+    child: str | None = None
+    kind: Literal["block", "end"] | None = None
+    shared: int = 0
+    used: bool = False
+    refused: str | None = None
+
+
+def _partial(
+    bank: Bank,
+    root: bytes,
+    hashes: list[Any],
+    toks: Any,
+    k: int,
+    hybrid: bool,
+    corrupt: list[CorruptRecord],
+    end_tokens: int | None,
+) -> _Partial:
+    """The partial block after the `k` matched blocks, as a restore weighs it."""
+    if corrupt:
+        return _Partial()  # a restore stops before the corrupt block
+    bs = bank.config.block_size
+    plan = find_partial(bank.store, root, hashes, toks, k, bs)
+    if plan is None:
+        return _Partial()
+    child = plan.child
+    kind: Literal["block", "end"] = "block" if child.is_block else "end"
+    why = None
+    if hybrid:
+        why = (
+            f"the model has recurrent layers, and a state exists only where it was captured: "
+            f"none at token {plan.tokens}"
+        )
+    elif not bank.config.partial_blocks:
+        why = "partial blocks are off (BankConfig.partial_blocks)"
+    elif end_tokens is not None and end_tokens >= plan.tokens:
+        why = f"the end record covers as much ({end_tokens} tokens)"
+    elif plan.header is not None:
+        bad = _check(bank, Family.BLOCKS, plan.header.chain_hash, plan.header.payload_digest)
+        why = None if bad is None else f"its payload {bad}"
+    return _Partial(child.name.hex(), kind, plan.shared, why is None, why)
 
 
 def _divergence(siblings: list[Header], block: Any, index: int, bs: int) -> Divergence | None:

@@ -27,6 +27,7 @@ from cas_bank.index.layout import (
     encode_state,
     group_layers,
 )
+from cas_bank.index.partial import find_partial
 from cas_bank.index.payloads import PayloadReader
 from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.index.states import plan_boundaries
@@ -404,7 +405,8 @@ class Namespace:
         """Tokens a restore would cover, without reading payloads.
 
         Reads only what it needs: the chain's stored length by binary search and, for a
-        hybrid model, headers from its end back to the deepest one with a state.
+        hybrid model, headers from its end back to the deepest one with a state; for an
+        attention-only model, the partial block after it (one seek and its header).
         """
         toks = as_token_array(tokens)
         hashes = self.chain(toks)
@@ -415,7 +417,11 @@ class Namespace:
         except CorruptDataError:
             found = None
         at_end = found[0].n_tokens if found is not None else 0
-        return max(at_end, self._chain_match(hashes, stored))
+        partial = 0
+        if not self.spec.is_hybrid and self.bank.config.partial_blocks:  # index.partial
+            part = find_partial(store, self.root, hashes, toks, stored, self.block_size)
+            partial = part.tokens if part is not None else 0
+        return max(at_end, partial, self._chain_match(hashes, stored))
 
     def _chain_match(self, hashes: list[BlockHash], end: int) -> int:
         if not self.spec.is_hybrid:

@@ -23,6 +23,7 @@ from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
 from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
+from cas_bank.index.partial import PartialPlan, find_partial, partial_layers, read_partial
 from cas_bank.index.states import restore_blocks
 from cas_bank.index.timings import RestoreTimings
 
@@ -46,6 +47,7 @@ class Hit:
     logits: mx.array | None = field(default=None, repr=False)
     hidden: mx.array | None = field(default=None, repr=False)
     end: bool = False  # resumed from an end record
+    partial: int = 0  # tokens taken from a partial block (`index.partial`), in `tokens`
     timings: RestoreTimings | None = field(default=None, compare=False)
 
     @property
@@ -143,6 +145,15 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     if cont is not None and cont.end is not None:  # an end record from the shared tier
         end = cont.end.plan
         n_blocks = end.blocks
+    # A partial block: the stored child of the last matched block sharing the most of
+    # the prompt's next tokens (attention-only: a state exists only where captured).
+    part: PartialPlan | None = None
+    if not hybrid and cont is None and n_blocks == len(matched) and ns.bank.config.partial_blocks:
+        part = find_partial(ns.bank.store, ns.root, hashes, toks, n_blocks, bs)
+        if part is not None and end is not None and end.tokens >= part.tokens:
+            part = None  # the end record covers as much (and may hold the logits)
+        if part is not None:
+            end = None
     capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
     # The one probe of memory: the deepest matched block a lease holds.
     leases = ns.bank.leases
@@ -152,9 +163,13 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
     if end is not None and leased > end.blocks:
         end, n_blocks = None, restore_blocks(matched, hybrid)  # the chain goes deeper
+    if part is not None and leased > part.blocks:
+        part = None  # the chain goes deeper (queued for the writer)
     n_blocks = max(n_blocks, leased)
     if end is not None:
         capacity = max(capacity, end.tokens)
+    if part is not None:
+        capacity = max(capacity, part.tokens)
     assembler: Assembler | None = None
     along: StateRead | None = None
     looked_up = allocated = time.perf_counter()
@@ -164,7 +179,8 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     # (~4x slower than `np.copyto` on two): copied here on two. A GPU makes that copy
     # faster than two CPU threads can, so there the lease is handed out.
     full = leased > 0 and leased == n_blocks
-    roomy = capacity > (end.tokens if end is not None else n_blocks * bs) and copies_on_cpu()
+    reach = end.tokens if end is not None else part.tokens if part is not None else n_blocks * bs
+    roomy = capacity > reach and copies_on_cpu()
     if full and not roomy:
         good, hot_hits = n_blocks, n_blocks
     elif full:
@@ -197,7 +213,11 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         good, hot_hits = 0, 0
     if good < n_blocks:  # a payload failed: the restore point moves back
         n_blocks = restore_blocks(matched[:good], hybrid)
-        end = None
+        end = part = None
+    # The partial block's first tokens, verified (None: missing or corrupt, counted).
+    part_arrays = read_partial(ns.spec, part, ns._payloads, ns.bank.counters) if part else None
+    if part_arrays is None:
+        part = None
     state: list[mx.array] | None = None
     state_leased = False
     if end is not None and hybrid:
@@ -214,7 +234,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
     filled = time.perf_counter()
 
-    covered = end.tokens if end is not None else n_blocks * bs
+    covered = end.tokens if end is not None else part.tokens if part is not None else n_blocks * bs
     exact = end is not None and covered == len(toks)
     ns.bank.counters.count(
         restores=1,
@@ -225,6 +245,8 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         hot_hits=hot_hits,
         exact_hits=1 if exact else 0,
         end_hits=1 if end is not None and not exact else 0,
+        partial_hits=1 if part is not None else 0,
+        partial_tokens=part.shared if part is not None else 0,
     )
     end_remote = end is not None and cont is not None and cont.end is not None
     if cont is not None and remote is not None:  # counts it, writes it locally later
@@ -242,6 +264,9 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         ns.bank.access.touch(hashes[:local], state_at)
     if end is not None and not end_remote:  # a remote one: its local write records it
         ns.bank.access.touch((), ends=[end.header.parent])
+    if part is not None:  # its child was used: a block, or the end records under a parent
+        child = part.child
+        ns.bank.access.touch(*(([child.name],) if child.is_block else ((), (), [child.parent])))
     if covered and ns.bank.access.due():
         ns.bank.flush(wait=False)
     if not covered:
@@ -251,6 +276,8 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     finishing = time.perf_counter()  # the copies put off until now count as the fill
     if end is not None:
         kv = end_layers(ns.spec, end, assembler, in_memory, room=room_for > 0)
+    elif part is not None and part_arrays is not None:
+        kv = partial_layers(ns.spec, part, part_arrays, assembler, in_memory, room=room_for > 0)
     elif assembler is not None:
         kv = assembler.layers(n_blocks, room=capacity > 0)
         if leases is not None and not capacity:
@@ -279,5 +306,6 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         logits=logits,
         hidden=hidden,
         end=end is not None,
+        partial=part.shared if part is not None else 0,
         timings=timings,
     )

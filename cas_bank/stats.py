@@ -61,6 +61,8 @@ ACTIVITY = (
     "ends_evicted",
     "exact_hits",
     "end_hits",
+    "partial_hits",
+    "partial_tokens",
     *REMOTE,
 )
 NAMES = STORED + ACTIVITY
@@ -102,6 +104,8 @@ class BankStats(BaseModel):
     ends_evicted: int = 0
     exact_hits: int = 0  # restores that covered the whole prompt from an end record
     end_hits: int = 0  # restores that resumed from an end record short of the prompt's end
+    partial_hits: int = 0  # restores that took the first tokens of a partial block
+    partial_tokens: int = 0  # tokens restored from partial blocks (in hit_tokens too)
     disk_bytes: int | None = None
     # Memory of this process (not persisted): what the hot tier and the leases hold now,
     # and the one bound they share (BankConfig.hot_bytes).

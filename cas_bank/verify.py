@@ -32,7 +32,8 @@ from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
-from cas_bank.index.ends import split_record
+from cas_bank.index.children import INDEXED_KEY, expected_entries, is_indexed
+from cas_bank.index.ends import EndHeader, split_record
 from cas_bank.index.records import (
     END_SUFFIX,
     STATE_SUFFIX,
@@ -66,6 +67,8 @@ ProblemKind = Literal[
     "dangling_end",  # an end record whose parent block is not stored (or is bad)
     "bad_access",  # the last-use records cannot all be read (a damaged file)
     "orphan_access",  # a last use of a block, state or end records that is not stored
+    "bad_child",  # a children-index entry naming no stored block or end record
+    "unindexed",  # a stored block or end record missing from the children index
 ]
 
 _STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
@@ -94,6 +97,10 @@ class VerifyReport:
     removed_states: list[bytes] = field(default_factory=list)  # states dropped, blocks kept
     removed_orphans: int = 0
     removed_ends: int = 0
+    # Records missing from the children index of a bank made before it (not problems:
+    # they only miss partial-block reuse; `fix` indexes them), and entries `fix` wrote.
+    unindexed: int = 0
+    indexed: int = 0
     # Stored-content counters that disagree with what was found: name -> (counter, found).
     counter_drift: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -136,13 +143,20 @@ def verify(
         found.append(Problem("unreachable", key, "below a bad block", index=h.index, root=h.root))
     # In chain order, so a reader can follow each chain down to where it breaks.
     found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
-    ends = _scan_ends(bank, index, specs, bad | unreachable, report)
+    parsed: dict[bytes, EndHeader] = {}
+    ends = _scan_ends(bank, index, specs, bad | unreachable, report, parsed)
     uses = _scan_access(bank, index)
     report.problems += found + orphans + [p for p, _ in ends] + uses
+    report.problems += _scan_children(bank, index, parsed, report)
     if fix and report.problems:
         orphans += [p for p in uses if p.kind == "orphan_access"]
         _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
         _fix_ends(bank, index, bad | unreachable, ends, report)
+        index = HeaderIndex.load(bank.store)
+        for key in [k for k in parsed if bank.store.get(Family.ENDS, k) is None]:
+            del parsed[key]
+    if fix and (report.unindexed or any(p.kind in _INDEX_KINDS for p in report.problems)):
+        _fix_children(bank, index, parsed, report)
     if fix and bank.files is not None:
         with bank.write_lock:  # payload files a crash left without their records
             report.removed_orphans += bank.files.sweep()
@@ -269,6 +283,7 @@ def _scan_ends(
     specs: dict[bytes, ModelSpec],
     bad: set[bytes],
     report: VerifyReport,
+    parsed: dict[bytes, EndHeader],
 ) -> list[tuple[Problem, int]]:
     """Every end record, checked; the bad ones with their sizes (one pass). A walk that
     RocksDB ends at a damaged file is reported (with no key: `--fix` cannot name what
@@ -294,6 +309,7 @@ def _scan_ends(
         except CorruptDataError as e:
             out.append((Problem("bad_end", key, str(e)), len(value)))
             continue
+        parsed[key] = end
         parent = index.headers.get(end.parent)
         base = end.n_tokens - end.tail_len
         if base == 0:
@@ -311,6 +327,50 @@ def _scan_ends(
         elif not codec.verify(payload, end.payload_digest):
             out.append((Problem("corrupt_end", key, "digest mismatch", root=end.root), len(value)))
     return out
+
+
+_INDEX_KINDS = frozenset({"bad_child", "unindexed"})
+
+
+def _scan_children(
+    bank: Bank, index: HeaderIndex, ends: dict[bytes, EndHeader], report: VerifyReport
+) -> list[Problem]:
+    """The children index (`index.children`) against the headers and end records: an
+    entry naming nothing stored is bad; a record without its entry is unindexed (a
+    problem where the bank says every record is indexed; else counted, see
+    `VerifyReport.unindexed`)."""
+    want = expected_entries(index.headers.values(), ends.items())
+    out: list[Problem] = []
+    try:
+        have = dict(bank.store.iterate(Family.CHILDREN))
+    except CorruptDataError as e:
+        return [Problem("bad_child", b"", f"children index unreadable: {_cause(e)}")]
+    for key, value in have.items():
+        if want.get(key) != value:
+            out.append(Problem("bad_child", key, "names no stored block or end record"))
+    missing = [k for k in want if k not in have]
+    if is_indexed(bank.store):
+        out += [Problem("unindexed", want[k][1:], "not in the children index") for k in missing]
+    else:
+        report.unindexed = len(missing)
+    return out
+
+
+def _fix_children(
+    bank: Bank, index: HeaderIndex, ends: dict[bytes, EndHeader], report: VerifyReport
+) -> None:
+    """Write the children index of what is stored now, and the mark that it is whole."""
+    want = expected_entries(index.headers.values(), ends.items())
+    with bank.transaction(budget=False) as tx:
+        have = dict(tx.store.readable(Family.CHILDREN))
+        for key in have.keys() - want.keys():
+            tx.delete(Family.CHILDREN, key)
+        for key, value in want.items():
+            if have.get(key) != value:
+                tx.put(Family.CHILDREN, key, value)
+                report.indexed += 1
+        tx.put(Family.META, INDEXED_KEY, b"1")
+    report.fixed = True
 
 
 def _cause(e: CorruptDataError) -> str:

@@ -124,6 +124,16 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
             "Restores that resumed from an end record short of the prompt's end.",
             stats.end_hits,
         ),
+        (
+            "prefix_partial_hits_total",
+            "Restores that took the first tokens of a stored block (a partial block).",
+            stats.partial_hits,
+        ),
+        (
+            "prefix_partial_tokens_total",
+            "Tokens restored from partial blocks (counted in the hit tokens too).",
+            stats.partial_tokens,
+        ),
     ]
     gauges = [
         ("blocks", "KV blocks stored.", stats.blocks),

@@ -114,10 +114,13 @@ def test_only_full_blocks_are_stored_and_matched(bank: Bank, attn_spec: ModelSpe
     tokens = tokens_of(np.random.default_rng(4), 2 * B + B - 1)
     report = ns.store(tokens, prefix_layers(attn_spec, tokens))
     assert (report.blocks, report.blocks_written) == (2, 2)
-    assert ns.match(tokens[: B - 1]) == 0
-    assert ns.restore(tokens[: B - 1]) is None
-    assert ns.match(tokens[: 2 * B - 1]) == B
+    # A prompt inside a stored block takes its first tokens (a partial block).
+    assert ns.match(tokens[: B - 1]) == B - 1
+    hit = ns.restore(tokens[: B - 1])
+    assert hit is not None and (hit.tokens, hit.partial, hit.blocks) == (B - 1, B - 1, [])
+    assert ns.match(tokens[: 2 * B - 1]) == 2 * B - 1
     assert ns.match([*tokens, 1, 2, 3]) == 2 * B
+    assert ns.match([tokens[0] + 1]) == 0  # no stored block starts with that token
     short = ns.store(tokens[: B - 1], prefix_layers(attn_spec, tokens[: B - 1]))
     assert short.blocks == 0 and short.bytes_written == 0
 

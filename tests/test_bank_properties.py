@@ -65,6 +65,22 @@ def longest_shared_blocks(q: list[int], stored: list[list[int]]) -> int:
     return best
 
 
+def longest_shared_tokens(q: list[int], stored: list[list[int]]) -> int:
+    """Tokens a restore of q covers: its full blocks that prefix a stored sequence, then
+    the first tokens of the stored block after them that shares the most of q's next
+    tokens (a partial block: attention KV is causal)."""
+    base = longest_shared_blocks(q, stored) * B
+    partial = 0
+    for s in stored:
+        if len(s) < base + B or s[:base] != q[:base]:
+            continue  # no stored block of s follows q's matched chain
+        child, after = s[base : base + B], q[base : base + B]
+        pairs = enumerate(zip(child, after, strict=False))
+        shared = next((i for i, (x, y) in pairs if x != y), None)
+        partial = max(partial, min(len(child), len(after)) if shared is None else shared)
+    return base + partial
+
+
 @contextmanager
 def fresh_bank() -> Iterator[Bank]:
     path = tempfile.mkdtemp(prefix="cas_bank_prop_")
@@ -101,7 +117,7 @@ def test_dedup_and_longest_prefix(seqs: list[list[int]], queries: list[list[int]
             *(s[: len(s) // 2] + q for s, q in zip(seqs, queries, strict=False)),
             *queries,
         ]:
-            want = longest_shared_blocks(q, seqs) * B
+            want = longest_shared_tokens(q, seqs)
             assert ns.match(q) == want
             hit = ns.restore(q)
             if want == 0:

@@ -124,6 +124,14 @@ def test_a_lookup_finds_the_longest_stored_tail(
             default=0,
         )
         want = best if best > base or best == len(prompt) else base
+        # A partial block: the stored child of the matched chain (a block, or an end
+        # record's tail) sharing the most of the prompt's next tokens, when that is more.
+        children = [
+            p[base : base + B] for p in stored if len(p) > base and p[:base] == prompt[:base]
+        ]
+        after = prompt[base : base + B]
+        partial = max((_shared(c, after) for c in children), default=0)
+        want = max(want, base + partial)
         hit = ns.restore(prompt)
         assert (hit.tokens if hit else 0) == want
         if hit is not None:
@@ -133,6 +141,11 @@ def test_a_lookup_finds_the_longest_stored_tail(
             assert hit.exact == (best == len(prompt) and want == best)
             if hit.exact:
                 assert bits(hit.logits) == bits(_logits(len(prompt)))  # type: ignore[arg-type]
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 # -- restore -----------------------------------------------------------------------

@@ -44,6 +44,8 @@ from cas_bank.blocks.hashing import end_hash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.index.chain import Header
+from cas_bank.index.children import expected_entries
+from cas_bank.index.ends import split_record
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.evicted import Removal, horizon
 from cas_bank.index.leaves import LeafIndex
@@ -261,6 +263,16 @@ class EvictionMachine(RuleBasedStateMachine):
             assert owner is not None, "an access record outlived its block"
             if key.endswith(STATE_SUFFIX) and len(key) == 33:
                 assert owner.has_state, "an access record outlived its state"
+
+    @invariant()
+    def children_index_is_exact(self) -> None:
+        """Every stored block and end record (with a tail) has its entry in the children
+        index, and nothing else has one (stores, ends, eviction and reopens keep it)."""
+        if self.bank is None:
+            return
+        ends = [(k, split_record(k, v)[0]) for k, v in self._ends().items()]
+        want = expected_entries(self._headers().values(), ends)
+        assert dict(disk(self.b).iterate(Family.CHILDREN)) == want
 
     @invariant()
     def leaf_index_matches_a_rebuild(self) -> None:

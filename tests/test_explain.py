@@ -59,7 +59,9 @@ def test_matched_diverged_absent_corrupt_and_evicted(tmp_path: Path) -> None:
 
         b = [*a[:40], (a[40] + 1) % 512, *a[41:]]
         e = explain(bank, root, b)
-        assert (e.matched_blocks, e.stop, e.restorable_tokens) == (2, "diverged", 32)
+        # Two whole blocks, then the first 8 tokens of a's block 2 (a partial block).
+        assert (e.matched_blocks, e.stop, e.restorable_tokens) == (2, "diverged", 40)
+        assert (e.partial_kind, e.partial_tokens, e.partial_used) == ("block", 8, True)
         assert e.divergence is not None
         assert (e.divergence.block, e.divergence.token) == (2, 40)
         assert (e.divergence.prompt_token, e.divergence.stored_token) == (b[40], a[40])
@@ -146,7 +148,11 @@ def test_the_command_and_the_server_say_the_same(
     other_ids = engine.chat_prompt(other)
     assert answer["prompt_tokens"] == len(other_ids)
     assert answer["stop"] == "diverged" and answer["divergence"]["token"] >= BLOCK
-    assert answer["restorable_tokens"] == answer["divergence"]["token"] // BLOCK * BLOCK
+    # Every token before the divergence: the whole blocks, then a partial block.
+    assert answer["restorable_tokens"] == answer["divergence"]["token"]
+    assert (
+        answer["partial_used"] and answer["partial_tokens"] == answer["divergence"]["token"] % BLOCK
+    )
     assert prompt[: answer["divergence"]["token"]] == other_ids[: answer["divergence"]["token"]]
 
     file = tmp_path / "tokens.json"

@@ -173,6 +173,53 @@ def test_a_salted_cache_shares_only_with_its_own_salt(kv_bits: int | None) -> No
             bank, loaded, model_key=KEY, salt="tenant-a", kv_bits=kv_bits, kv_group_size=32
         )
         restored, rest = again.fetch_nearest_cache(KEY, prompt)
-        assert restored is not None and rest == prompt[3 * BLOCK :]  # its full blocks
+        # Its full blocks, then the end record's first tokens (a partial block): all
+        # of the prompt but the last token.
+        assert restored is not None and rest == prompt[-1:]
         # One set of counters: a view counts into the cache it came from.
         assert base.stats()["inserts"] == 1 and base.stats()["hits"] == 0
+
+
+def _prefilled(model: Any, tokens: list[int]) -> list[Any]:
+    """mlx-lm's cache after one forward pass over `tokens` (as its server prefills)."""
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def _next_logits(model: Any, cache: list[Any], tokens: list[int]) -> mx.array:
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits)
+    return logits[0, -1]
+
+
+def test_a_prompt_sharing_part_of_a_stored_one_leaves_only_its_new_tokens() -> None:
+    """As mlx-lm's `LRUPromptCache` trims a stored cache to the longest common prefix,
+    token by token: a prompt sharing 26 tokens of a stored 40-token prompt (block 16:
+    one whole block, then 10 tokens of the next, a partial block) leaves only its 8
+    new ones, as mlx-lm's own cache does; an exact repeat leaves exactly 1 (mlx-lm's
+    generator needs one), from the end record's first 39 tokens. The logits of the
+    rest are those of the same forward passes without the bank (bit for bit)."""
+    loaded = tiny("tiny-qwen3")
+    model = loaded.model
+    rng = np.random.default_rng(12)
+    stored = random_tokens(rng, 40)
+    branch = [*stored[:26], (stored[26] + 1) % 512, *random_tokens(rng, 7)]
+    with temp_bank(BLOCK) as bank:
+        pc = BankPromptCache(bank, loaded, model_key=KEY)
+        pc.insert_cache(KEY, stored, _prefilled(model, stored))
+        theirs = LRUPromptCache(max_size=4)
+        theirs.insert_cache(KEY, stored, _prefilled(model, stored))
+        _, their_rest = theirs.fetch_nearest_cache(KEY, branch)
+        for prompt, n in ((branch, 26), (stored, 39)):
+            cache, rest = pc.fetch_nearest_cache(KEY, prompt)
+            assert rest == prompt[n:] and cache[0].offset == n
+            reference = _prefilled(model, stored)  # the stored pass, trimmed back to n
+            for c in reference:
+                c.trim(len(stored) - n)
+            assert mx.array_equal(
+                _next_logits(model, cache, rest), _next_logits(model, reference, rest)
+            ).item()
+        assert their_rest == branch[26:]  # mlx-lm's own cache leaves the same 8
+        assert bank.stats().partial_hits == 2 and pc.stats()["hit_tokens"] == 26 + 39

@@ -48,6 +48,12 @@ VARIANTS: dict[str, tuple[Any, str, dict[str, Any]]] = {
     "qwen3-kv8": (lambda: wide("tiny-qwen3"), "float32", {"kv_bits": 8, "kv_group_size": 32}),
     "hybrid-kv4": (lambda: wide("tiny-hybrid"), "float32", {"kv_bits": 4, "kv_group_size": 32}),
 }
+# Attention-only: every supported cache class (KVCache in float32 and bfloat16,
+# QuantizedKVCache at 8 and 4 bits) for partial blocks.
+ATTENTION = {
+    **{k: VARIANTS[k] for k in ("qwen3-fp32", "qwen3-bf16", "qwen3-kv8")},
+    "qwen3-kv4": (lambda: wide("tiny-qwen3"), "float32", {"kv_bits": 4, "kv_group_size": 32}),
+}
 
 
 def expected_restore(
@@ -57,9 +63,11 @@ def expected_restore(
     common = next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
-    full = min(common, len(a), len(b) - 1) // block * block
+    reach = min(common, len(a), len(b) - 1)
+    full = reach // block * block
     if not hybrid:
-        return full
+        # A partial block: the first tokens of a's next stored block, when a has one.
+        return reach if len(a) >= full + block else full
     return max([s for s in captured if s <= full], default=0)
 
 
@@ -153,6 +161,47 @@ def test_shared_prefix_restores_are_exact(variant: str, data: st.DataObject) -> 
     with temp_bank(BLOCK, state_stride=stride) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=chunk, **options)
         check_restored_prefill(pc, a, b, dtype, chunk)
+
+
+@pytest.mark.parametrize("variant", list(ATTENTION))
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_a_prompt_diverging_inside_a_block_keeps_its_first_tokens_exactly(
+    variant: str, data: st.DataObject
+) -> None:
+    """Partial blocks: a prompt that leaves a stored block after j of its tokens, at
+    every offset j inside the block, restores those j tokens too (trimmed along the
+    token axis: a quantized cache's groups run along the head dimension, so its
+    trimmed arrays are the same bits) and its prefill is bit-identical to the same
+    forward passes without the bank."""
+    factory, _, options = ATTENTION[variant]
+    block_index = data.draw(st.integers(0, 2), label="block")
+    chunk = data.draw(st.sampled_from([16, 24, 512]), label="chunk")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    rng = np.random.default_rng(seed)
+    a = random_tokens(rng, 3 * BLOCK + 5)
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, factory(), chunk_size=chunk, **options)
+        pc.prefill(a, pc.new_cache())
+        stored = pc.last_prefill
+        assert stored is not None
+        for j in range(BLOCK):
+            at = block_index * BLOCK + j
+            b = [*a[:at], (a[at] + 1) % 512, *random_tokens(rng, 3)]
+            cache, n = pc.restore(b)
+            assert n == at
+            logits = pc.prefill(b, cache, n, store=False)
+            report = pc.last_prefill
+            assert report is not None
+            reference = same_schedule_logits(pc, a, stored.chunk_ends, b, n, report.chunk_ends)
+            assert bit_equal(logits, reference), f"diverging at {j} of block {block_index}"
+        assert bank.stats().partial_hits == BLOCK - 1  # j = 0 takes no partial block
+        assert bank.stats().partial_tokens == BLOCK * (BLOCK - 1) // 2
 
 
 def test_a_state_from_the_wrong_boundary_is_caught() -> None:

@@ -181,6 +181,29 @@ def test_serving_a_local_model_directory(tmp_path: Path) -> None:
     assert second["choices"] == first["choices"]
 
 
+def test_a_prompt_branching_inside_a_block_counts_its_partial_block(tmp_path: Path) -> None:
+    """An attention-only model (embedded tiny-qwen3, byte tokenizer: one token per
+    ASCII character): a prompt that leaves a stored one inside a block restores every
+    shared token, and `cached_tokens` counts them (so does /metrics)."""
+    s = start_server(tmp_path / "bank", tmp_path / "server.log", "--model", "tiny-qwen3")
+    shared = "the same preamble for every agent, then a branch: " * 2
+    try:
+        answers = []
+        for tail in ("left and on", "right, then"):
+            body = {"model": "tiny-qwen3", "prompt": shared + tail, "max_tokens": 2}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        metrics = httpx.get(f"{s.url}/metrics", timeout=TIMEOUT).text
+    finally:
+        s.stop()
+    second = answers[1]
+    new = len("right, then")  # its tokens after the shared ones: all the prefill left
+    assert cached(second) == second["usage"]["prompt_tokens"] - new
+    assert cached(second) % BLOCK != 0
+    assert _metric(metrics, "cas_bank_prefix_partial_tokens_total") == cached(second) % BLOCK
+
+
 # -- the OpenAI client ----------------------------------------------------------------------
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT)

@@ -98,6 +98,8 @@ def report_json(report: VerifyReport, labels: dict[bytes, str], looks: int) -> d
         "removed_states": [h.hex() for h in report.removed_states],
         "removed_orphans": report.removed_orphans,
         "removed_ends": report.removed_ends,
+        "unindexed": report.unindexed,
+        "indexed": report.indexed,
         "counter_drift": {
             k: {"counter": c, "found": f} for k, (c, f) in report.counter_drift.items()
         },
@@ -186,6 +188,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         summary.append(("fix", f"run `cas-bank verify {args.bank} --fix` to remove them"))
     if any(not p.chain_hash for p in report.problems):  # damage --fix cannot name
         summary.append(("salvage", f"`cas-bank salvage {args.bank} NEW_DIR`: see the problems"))
+    if report.unindexed and not report.fixed:
+        summary.append(
+            (
+                "unindexed",
+                f"{_plural(report.unindexed, 'record')} from before the children index "
+                f"(no partial-block reuse): `cas-bank verify {args.bank} --fix` indexes them",
+            )
+        )
+    if report.indexed:
+        summary.append(("indexed", _plural(report.indexed, "record")))
     if looks > 1:
         summary.append(("looks", f"{looks} (a writer was busy; problems shown were seen in all)"))
     for name, (counter, found) in report.counter_drift.items():

@@ -77,12 +77,16 @@ class Transaction:
         access: AccessLog,
         suspects: Suspects,
         memory: EvictionMemory | None = None,
+        follow: Callable[[BlockStore, list[Write]], list[Write]] | None = None,
     ) -> None:
+        """`follow`: the writes that keep an index in step with a batch (the bank's
+        children index, `index.children.index_writes`), added to it at commit."""
         self.store = store
         self._counters = counters
         self._access = access
         self._suspects = suspects
         self._memory = memory
+        self._follow = follow
         self._removed: list[tuple[bytes, Reason]] = []
         self.writes: list[Write] = []
         self.deltas: dict[str, int] = {}
@@ -164,6 +168,9 @@ class Transaction:
         batch = self.writes + uses + counter_writes(values)
         remember: Callable[[], None] | None = None
         try:
+            # The children index follows every header and end record written or removed.
+            if self._follow is not None:
+                batch += self._follow(self.store, self.writes)
             if self._memory is not None:  # removal records, and clears of what is stored again
                 extra, remember = self._memory.writes(
                     self.store, self.writes, self._removed, self._access.clock

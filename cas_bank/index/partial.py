@@ -1,0 +1,170 @@
+"""Partial blocks: a restore keeps the first j tokens of the stored child of its last
+matched block that shares them with the prompt (docs/design.md, "Partial blocks").
+
+Attention KV is causal: the keys and values of a block's first j tokens depend only on
+the tokens up to them, so a stored block (or end record's tail) whose first j tokens
+are the prompt's next j is exact for those positions. The child is found by the
+children index (`index.children`, one seek), then checked against its own header or
+record (name, parent, root, depth, tokens) before anything of it is used. Its payload
+is read and verified whole (the digest covers the whole payload), and only its first
+j tokens are copied out. A recurrent state exists only where it was captured: a
+hybrid model takes no partial block (an end record at exactly the prompt's position
+is `index.ends`' job).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+
+from cas_bank.arrays import DType, dtype_named, from_numpy
+from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.children import Child, nearest_child, shared_tokens
+from cas_bank.index.ends import EndHeader, decode_end, split_record
+from cas_bank.index.layout import Assembler, group_layers
+
+if TYPE_CHECKING:
+    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.spec import ModelSpec
+    from cas_bank.stats import Counters
+
+log = logging.getLogger("cas_bank")
+
+
+@dataclass(frozen=True, slots=True)
+class PartialPlan:
+    """The child a restore takes the first `child.shared` tokens of, after `blocks`
+    whole blocks; checked against its own header (a block) or record (an end record)."""
+
+    child: Child
+    blocks: int
+    base: int  # tokens before it
+    header: Header | None  # a block's header
+    end: tuple[EndHeader, bytes] | None  # an end record's header and payload
+
+    @property
+    def shared(self) -> int:
+        return self.child.shared
+
+    @property
+    def tokens(self) -> int:
+        return self.base + self.child.shared
+
+
+def find_partial(
+    store: BlockStore,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    tokens: np.ndarray,
+    blocks: int,
+    block_size: int,
+) -> PartialPlan | None:
+    """The child of block `blocks - 1` (the root when 0) sharing the most of the
+    `tokens` after it, checked; None when none shares a token (or its record does not
+    hold up: a stale or damaged entry is a miss, `verify` reports it)."""
+    parent = bytes(root if blocks == 0 else hashes[blocks - 1])
+    base = blocks * block_size
+    after = tokens[base : base + block_size].astype(">u4").tobytes()
+    found = nearest_child(store, parent, after)
+    if found is None:
+        return None
+    try:
+        if found.is_block:
+            header = read_headers(store, [found.name])[0]
+            if header is None or (header.parent, header.root, header.index) != (
+                parent,
+                root,
+                blocks,
+            ):
+                return None
+            own, plan = header.tokens, PartialPlan(found, blocks, base, header, None)
+        else:
+            raw = store.get(Family.ENDS, found.record_key)
+            if raw is None:
+                return None
+            end, payload = split_record(found.record_key, raw)
+            if end.root != root or end.n_tokens != base + end.tail_len:
+                return None
+            own, plan = end.tail, PartialPlan(found, blocks, base, None, (end, payload))
+    except CorruptDataError:
+        return None
+    # The record's own tokens, not the index's word for them.
+    mine = np.frombuffer(own, dtype="<u4").astype(">u4").tobytes()
+    shared = shared_tokens(mine, after)
+    if shared == 0 or (plan.end is not None and shared == plan.end[0].tail_len):
+        return None  # a whole tail the prompt shares is `index.ends`' (`plan_end` reads it)
+    if shared != found.shared or mine != found.tokens:
+        child = Child(parent, found.kind, found.name, mine, shared)
+        plan = PartialPlan(child, blocks, base, plan.header, plan.end)
+    return plan
+
+
+def read_partial(
+    spec: ModelSpec, plan: PartialPlan, payloads: PayloadReader, counters: Counters
+) -> list[np.ndarray] | None:
+    """The first `plan.shared` tokens of every attention array of the child, as numpy
+    views of its verified payload (bf16 as uint16), in spec order; None when it is
+    missing or fails (counted and logged by the reader, or here for an end record)."""
+    j = plan.shared
+    specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
+    if plan.header is not None:
+        h = plan.header
+        block = payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
+        if block is None:
+            return None
+        arrays = block.arrays
+        fits = len(arrays) == len(specs) and all(
+            a.shape == s.with_tokens(len(h.tokens) // 4) and a.dtype == dtype_named(s.dtype).storage
+            for a, s in zip(arrays, specs, strict=False)
+        )
+        if not fits:
+            payloads._corrupt(Family.BLOCKS, h.chain_hash, "block does not fit the spec")
+            return None
+        return [a[..., :j, :] for a in arrays]
+    assert plan.end is not None
+    end, raw = plan.end
+    try:
+        return [a[..., :j, :] for a in decode_end(spec, end, raw).tail]
+    except CorruptDataError as e:
+        counters.count(corrupt_reads=1)
+        log.warning(
+            "cas_bank: end record %s failed verification (%s); no partial block",
+            end.key().hex()[64:80],
+            e,
+        )
+        return None
+
+
+def partial_layers(
+    spec: ModelSpec,
+    plan: PartialPlan,
+    arrays: Sequence[np.ndarray],
+    assembler: Assembler | None,
+    in_memory: Sequence[mx.array],
+    *,
+    room: bool,
+) -> list[tuple[Any, ...] | None]:
+    """The attention layers of a restore ending in `plan`'s partial block: its
+    `plan.blocks` blocks (in the `assembler`, or the arrays of a lease, `in_memory`)
+    and the child's first tokens after them."""
+    if assembler is not None:
+        assembler.put_tail(plan.base, arrays)
+        return assembler.layers(plan.blocks, room=room, tokens=plan.tokens)
+    dtypes: list[DType] = [
+        dtype_named(s.dtype) for ls in spec.layers if ls.kind == "attention" for s in ls.arrays
+    ]
+    tail = [from_numpy(np.ascontiguousarray(a), d) for a, d in zip(arrays, dtypes, strict=True)]
+    if plan.blocks:
+        tail = [
+            mx.concatenate([a[..., : plan.base, :], t], axis=-2)
+            for a, t in zip(in_memory, tail, strict=True)
+        ]
+    return group_layers(spec, tail, None)
