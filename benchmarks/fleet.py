@@ -179,6 +179,81 @@ def admission(workdir: Path, s: FleetSettings) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class BranchSettings:
+    """Agents that share a system prompt and branch at arbitrary points: each request
+    is the system prompt, or an earlier request cut at a random token past the system
+    prompt (a regenerated answer, an edited message, a fork), plus new tokens of its
+    own. The same requests at every block size, with partial blocks and without. Each
+    request is stored with its end record, as `cas-bank serve` stores a prompt."""
+
+    agents: int = 48
+    system_tokens: int = 1000  # not block-aligned, as a real system prompt is not
+    own_tokens: tuple[int, int] = (32, 256)  # each request's new tokens, uniform
+    from_system: float = 0.3  # share of requests that branch off the system prompt itself
+    model: str = "tiny-qwen3"  # attention-only: a hybrid takes no partial block
+    block_sizes: tuple[int, ...] = (16, 64, 256)
+
+
+def branch_prompts(s: BranchSettings) -> list[np.ndarray]:
+    """The requests, seeded: the same list for every block size."""
+    rng = np.random.default_rng(23)
+    system = rng.integers(0, 256, s.system_tokens).astype(np.uint32)
+    prompts: list[np.ndarray] = []
+    for _ in range(s.agents):
+        base = system
+        if prompts and rng.random() >= s.from_system:
+            src = prompts[int(rng.integers(len(prompts)))]
+            base = src[: int(rng.integers(s.system_tokens, len(src) + 1))]
+        own = rng.integers(0, 256, int(rng.integers(s.own_tokens[0], s.own_tokens[1] + 1)))
+        prompts.append(np.concatenate([base, own.astype(np.uint32)]))
+    return prompts
+
+
+def branching(workdir: Path, s: BranchSettings) -> dict[str, Any]:
+    """Prefilled tokens, hit rate, blocks stored and restore/TTFT times of the branching
+    agents at each block size, with partial blocks and without (whole blocks only)."""
+    lm = build_model(s.model)
+    prompts = branch_prompts(s)
+    queried = sum(len(p) for p in prompts)
+    out: dict[str, Any] = {"settings": asdict(s), "requests": len(prompts), "runs": {}}
+    for bs in s.block_sizes:
+        for partial in (True, False):
+            path = workdir / f"b{bs}-{'partial' if partial else 'whole'}"
+            config = BankConfig(block_size=bs, partial_blocks=partial)
+            restored, restore_s, ttft_s = [], [], []
+            with Bank.open(path, config) as bank:
+                pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
+                for prompt in prompts:
+                    t0 = time.perf_counter()
+                    cache, n = pc.restore(prompt)
+                    t1 = time.perf_counter()
+                    pc.prefill(prompt, cache, start=n, end=True)  # as `cas-bank serve` does
+                    ttft_s.append(time.perf_counter() - t0)
+                    restore_s.append(t1 - t0)
+                    restored.append(n)
+                stats = bank.stats()
+            hits = [t for t, n in zip(restore_s, restored, strict=True) if n]
+            out["runs"][f"{bs}/{'partial' if partial else 'whole'}"] = {
+                "block_size": bs,
+                "partial": partial,
+                "prefilled_tokens": queried - sum(restored),
+                "hit_rate": sum(restored) / queried,
+                "partial_tokens": stats.partial_tokens,
+                "blocks_stored": stats.blocks,
+                "blocks_per_restore": sum(n // bs for n in restored) / len(prompts),
+                "restore_p50_s": median(hits) if hits else None,
+                "ttft_p50_s": median(ttft_s),
+                "misses": sum(1 for n in restored if n == 0),
+            }
+    out["queried_tokens"] = queried
+    return out
+
+
+def tiny_branch_settings() -> BranchSettings:
+    return BranchSettings(agents=6, system_tokens=100, own_tokens=(8, 40), block_sizes=(16, 64))
+
+
 def admission_settings() -> FleetSettings:
     """Smaller than the default fleet (it runs twice): 20 agents, 3 turns."""
     return FleetSettings(agents=20, system_tokens=1024, distinct_tokens=256, turns=3)
@@ -196,7 +271,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--system-tokens", type=int, default=FleetSettings.system_tokens)
     p.add_argument("--distinct-tokens", type=int, default=FleetSettings.distinct_tokens)
     p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
+    p.add_argument(
+        "--branching", action="store_true", help="the branching agents, partial blocks or not"
+    )
     args = p.parse_args(argv)
+    if args.branching:
+        b = tiny_branch_settings() if args.tiny else BranchSettings()
+        with tempfile.TemporaryDirectory(prefix="cas_bank_branch_") as tmp:
+            res = branching(Path(tmp), b)
+        print(json.dumps(res, indent=2, default=str))
+        return res
     s = (
         tiny_settings()
         if args.tiny

@@ -107,6 +107,7 @@ def render(r: dict[str, Any]) -> list[str]:
     L += _overhead_section(r)
     L += _fleet_section(r)
     L += _admission_section(r)
+    L += _branching_section(r)
     L += _remote_section(r)
     L += _scale_section(r)
     L += _notes(r)
@@ -286,6 +287,55 @@ def _fleet_section(r: dict[str, Any]) -> list[str]:
                 " / ".join(_ms(x) + " ms" for x in f["split_p50_s"].values()),
             ],
         ],
+    )
+    return L
+
+
+def _branching_section(r: dict[str, Any]) -> list[str]:
+    b = r.get("branching")
+    if not b:
+        return []
+    s = b["settings"]
+    L = [
+        "## Partial blocks: agents branching at arbitrary points",
+        "",
+        f"{b['requests']} requests on {s['model']}: a {s['system_tokens']}-token system "
+        f"prompt, each request the system prompt or an earlier request cut at a random "
+        f"token past it, plus {s['own_tokens'][0]}-{s['own_tokens'][1]} new tokens "
+        f"({b['queried_tokens']} tokens asked in all); each stored with its end record, as "
+        "`cas-bank serve` stores. The same requests at every block size, restoring whole "
+        'blocks only or with partial blocks (docs/design.md, "Partial blocks").',
+        "",
+    ]
+    rows = []
+    for run in b["runs"].values():
+        p50 = run["restore_p50_s"]
+        rows.append(
+            [
+                str(run["block_size"]),
+                "partial" if run["partial"] else "whole blocks",
+                str(run["prefilled_tokens"]),
+                f"{run['hit_rate']:.1%}",
+                str(run["partial_tokens"]),
+                str(run["blocks_stored"]),
+                f"{run['blocks_per_restore']:.1f}",
+                "-" if p50 is None else _ms(p50),
+                _ms(run["ttft_p50_s"]),
+            ]
+        )
+    L += _table(
+        [
+            "block",
+            "restore",
+            "prefilled tokens",
+            "hit rate",
+            "from partial blocks",
+            "blocks stored",
+            "blocks per restore",
+            "restore p50 ms",
+            "TTFT p50 ms",
+        ],
+        rows,
     )
     return L
 

@@ -111,6 +111,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
             "fleet": fleet.tiny_settings(),
             "admission": fleet.tiny_settings(),
+            "branching": fleet.tiny_branch_settings(),
             "remote": remote_tier.tiny_settings(),
             "scale": scale.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
@@ -142,6 +143,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "overhead": overhead,
         "fleet": f,
         "admission": fleet.admission_settings(),
+        "branching": fleet.BranchSettings(),
         "remote": remote_tier.RemoteSettings(),
         "scale": s,
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
@@ -177,6 +179,7 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
         )
     part("fleet", lambda: fleet.run(workdir / "fleet", p["fleet"]))
     part("admission", lambda: fleet.admission(workdir / "admission", p["admission"]))
+    part("branching", lambda: fleet.branching(workdir / "branching", p["branching"]))
     part("remote", lambda: remote_tier.run(workdir / "remote", p["remote"]))
     part("scale", lambda: scale.run(workdir / "scale", p["scale"]))
     return out
