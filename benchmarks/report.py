@@ -337,6 +337,21 @@ def _branching_section(r: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
+    runs = list(b["runs"].values())
+    with_partial = [x for x in runs if x["partial"]]
+    whole = [x for x in runs if not x["partial"]]
+    if with_partial and whole:
+        spread = [x["prefilled_tokens"] for x in with_partial]
+        L += [
+            "",
+            f"With partial blocks every block size prefills {min(spread)}-{max(spread)} "
+            f"tokens (whole blocks only: {min(x['prefilled_tokens'] for x in whole)}-"
+            f"{max(x['prefilled_tokens'] for x in whole)}), so a larger block no longer costs "
+            "attention-only models hit rate, and it stores and looks up fewer blocks. The "
+            "default stays 64: a hybrid model takes no partial block (its state exists only "
+            "at captured boundaries, which a larger block spaces further apart); 256 is the "
+            'choice for attention-only models (README, "Choosing a block size").',
+        ]
     return L
 
 
