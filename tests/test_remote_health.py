@@ -112,6 +112,8 @@ def test_both_servers_report_a_stopped_cluster(
                 # Serving goes on: the tier's blocks are misses.
                 assert srv.chat(serve.url, srv.conversation("still there?"))["choices"]
                 assert mlx.chat(server.url, mlx.conversation("still there?"))["choices"]
+                assert _metric(server.url, "prompt_cache_fetches_total") == 1
+                assert _metric(server.url, "remote_nodes_skipped") >= 0  # exported
             finally:
                 assert server.stop() == 0
         finally:
