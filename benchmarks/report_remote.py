@@ -9,7 +9,36 @@ from benchmarks.targets import mb, ms, table
 
 
 def remote_fleet_sections(r: dict[str, Any]) -> list[str]:
-    return _rtt_section(r) + _load_section(r)
+    return _rtt_section(r) + _prefetch_section(r) + _load_section(r)
+
+
+def _prefetch_section(r: dict[str, Any]) -> list[str]:
+    pf = r.get("remote_prefetch")
+    if not pf:
+        return []
+    s = pf["settings"]
+    L = [
+        "## Prefetch in the server's queue",
+        "",
+        f"One engine worker ({s['model']}), {s['clients']} clients at once: a cold "
+        f"{s['busy_tokens']}-token prompt keeps the worker busy while {s['clients'] - 1} "
+        f"requests of {s['tokens']} tokens stored by another host wait (cluster at "
+        f"{ms(s['rtt'])} ms added RTT). Medians of the cluster-sourced requests.",
+        "",
+    ]
+    rows = []
+    for name in ("prefetch_off", "prefetch_on"):
+        x = pf[name]
+        rows.append(
+            [name.replace("_", " "), ms(x["ttft_s"]), ms(x["submit_to_first_token_s"]),
+             str(x["remote_hit_blocks"]), str(x["prefetched_blocks"])]
+        )  # fmt: skip
+    L += table(
+        ["mode", "worker TTFT ms", "submit to first token ms", "blocks restored from the cluster",
+         "blocks prefetched"],
+        rows,
+    )  # fmt: skip
+    return L
 
 
 def _rtt_section(r: dict[str, Any]) -> list[str]:

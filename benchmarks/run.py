@@ -34,7 +34,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fleet, remote_load, remote_rtt, remote_tier, restore, scale, ttft
+from benchmarks import (
+    fleet,
+    remote_load,
+    remote_prefetch,
+    remote_rtt,
+    remote_tier,
+    restore,
+    scale,
+    ttft,
+)
 from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
@@ -115,6 +124,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "remote": remote_tier.tiny_settings(),
             "remote_rtt": remote_rtt.tiny_settings(),
             "remote_load": remote_load.tiny_settings(),
+            "remote_prefetch": remote_prefetch.tiny_settings(),
             "scale": scale.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
@@ -149,6 +159,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "remote": remote_tier.RemoteSettings(),
         "remote_rtt": remote_rtt.RttSettings(),
         "remote_load": remote_load.short_settings(),
+        "remote_prefetch": remote_prefetch.PrefetchSettings(),
         "scale": s,
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
@@ -187,6 +198,10 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
     part("remote", lambda: remote_tier.run(workdir / "remote", p["remote"]))
     part("remote_rtt", lambda: remote_rtt.run(workdir / "remote_rtt", p["remote_rtt"]))
     part("remote_load", lambda: remote_load.run(workdir / "remote_load", p["remote_load"]))
+    part(
+        "remote_prefetch",
+        lambda: remote_prefetch.run(workdir / "remote_prefetch", p["remote_prefetch"]),
+    )
     part("scale", lambda: scale.run(workdir / "scale", p["scale"]))
     return out
 

@@ -55,6 +55,7 @@ from .generation import (
     TextDelta,
 )
 from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
+from .prefetch import Prefetcher
 from .prefix_cache import DEFAULT_CHUNK_SIZE, PrefillCancelled, PrefixCache
 from .tokenizer import chat_tokens, eos_token_ids
 
@@ -88,7 +89,9 @@ class Engine:
     without a `seed` samples with one drawn for it (as OpenAI's API does: the same
     prompt twice gives two answers); a given seed repeats. `chunk_size`: prompt tokens
     per forward pass; a cancelled request (its client gone, a shutdown) stops at the
-    end of the current one.
+    end of the current one. `prefetch`: with a shared tier, a request queued while the
+    worker is busy has its prefix fetched into the local bank meanwhile
+    (`runtime.prefetch`).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class Engine:
         max_queue: int = DEFAULT_MAX_QUEUE,
         owns_bank: bool = False,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        prefetch: bool = True,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -122,6 +126,8 @@ class Engine:
         self._current: Job | None = None
         self._worker = threading.Thread(target=self._run, name="cas-bank-engine", daemon=True)
         self._worker.start()
+        # While the worker is busy, queued requests' prefixes come from the shared tier.
+        self.prefetcher = Prefetcher() if prefetch and bank.remote is not None else None
 
     @classmethod
     def open(
@@ -257,6 +263,9 @@ class Engine:
             raise EngineBusyError(
                 f"{self._jobs.maxsize} requests are already waiting; try again later"
             ) from None
+        if self.prefetcher is not None and self._busy:
+            pc = self.prefix_cache.salted(job.request.cache_salt)
+            self.prefetcher.submit(pc, job.request.prompt)
         return job
 
     def generate(
@@ -305,6 +314,8 @@ class Engine:
         self._closed = True
         self._jobs.put(None)  # blocks only while the queue is full; the worker drains it
         self._worker.join()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         while True:
             try:
                 job = self._jobs.get_nowait()

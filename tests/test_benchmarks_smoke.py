@@ -55,6 +55,8 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert rt["cluster_bytes"]["ratio_to_lower_bound"] >= 1.0
     ld = res["remote_load"]  # sustained load: every restore checked bit for bit
     assert ld["restores"] > 0 and ld["wrong"] == 0 and ld["rejected"] == 0
+    pf = res["remote_prefetch"]  # a queued request's prefix is local by its turn
+    assert pf["prefetch_on"]["remote_hit_blocks"] < pf["prefetch_off"]["remote_hit_blocks"]
     for row in res["remote_rtt"]["by_rtt"]:  # at each latency: headers, then payloads
         assert all(row[str(n)]["round_trips"] >= 2 for n in run.remote_rtt.tiny_settings().tokens)
     saved = json.loads((out / "results.json").read_text())
@@ -62,6 +64,7 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     md = (out / "RESULTS.md").read_text()
     assert "## Machine" in md and "## Targets" in md and saved["machine"]["cpu"] in md
     assert "## Shared tier under sustained load" in md and "network's latency" in md
+    assert "## Prefetch in the server's queue" in md
     rows = [line for line in md.splitlines() if line.endswith("| met |") or "**missed**" in line]
     assert len(rows) == len(res["targets"]) >= 13
     assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,7 +18,7 @@ log = logging.getLogger("cas_bank.remote")
 
 
 class WorkQueue(Generic[T]):
-    def __init__(self, name: str, work: Callable[[T], None], max_bytes: int) -> None:
+    def __init__(self, name: str, work: Callable[[T], object], max_bytes: int) -> None:
         self.name = name
         self._work = work
         self.max_bytes = max_bytes

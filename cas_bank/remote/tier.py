@@ -32,9 +32,10 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import numpy as np
 
 from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import Family
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.chain import Header, longest_chain, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.ends import with_check as end_with_check
 from cas_bank.index.owner import Owner
@@ -121,6 +122,7 @@ class RemoteTier:
         # one rewrite.
         self._rejected: OrderedDict[bytes, None] = OrderedDict()
         self._rejected_lock = threading.Lock()
+        self.prefetched_blocks = 0  # written locally by `prefetch`
 
     # -- restore -------------------------------------------------------------------
     def continue_chain(
@@ -163,9 +165,32 @@ class RemoteTier:
         if not self.adoptions.submit(_Adopt(cont, n_blocks, used_state and not end, end), nbytes):
             self.bank.counters.count(remote_adopt_dropped=1)
 
-    def _adopt(self, job: _Adopt) -> None:
-        """Write a continuation's used blocks (and state) into the local bank: one
-        transaction, and only on top of a local chain still there (never a hole)."""
+    def prefetch(self, ns: ChainSpace, toks: np.ndarray, hashes: Sequence[BlockHash]) -> int:
+        """Fetch the cluster's continuation of the local chain of `toks` (and its end
+        record) and write it into the local bank now, on this thread, so that a restore
+        of `toks` later is local: what a server does for a queued request while its
+        worker serves another. The blocks written (0: nothing to fetch or none found).
+        Nothing counts as a hit: the restore that follows is a local one."""
+        if self.bank.read_only:
+            return 0
+        matched = longest_chain(self.bank.store, ns.root, hashes)
+        cont = self.continue_chain(ns, toks, hashes, matched)
+        if cont is None:
+            return 0
+        if cont.end is not None:
+            n_blocks, state, end = cont.end.plan.blocks, False, True
+        elif cont.state_at is not None:
+            n_blocks, state, end = cont.state_at + 1, True, False
+        else:
+            n_blocks, state, end = len(cont.matched), False, False
+        got = self._adopt(_Adopt(cont, n_blocks, state, end))
+        self.prefetched_blocks += got
+        return got
+
+    def _adopt(self, job: _Adopt) -> int:
+        """Write a continuation's used blocks (and state, or end record) into the local
+        bank: one transaction, and only on top of a local chain still there (never a
+        hole). The blocks written."""
         bank, cont = self.bank, job.continuation
         chain = cont.matched[: job.n_blocks]
         lo = min(cont.start, cont.state_at if job.state and cont.state_at is not None else 1 << 62)
@@ -174,7 +199,7 @@ class RemoteTier:
             current = read_headers(tx.store, wanted)
             if lo > 0 and current.pop(0) is None:
                 tx.abort()  # the local chain below it was evicted since
-                return
+                return 0
             adopted = 0
             whole = True  # every block of the chain is local now
             check = bank.payload_check  # another host's check may not be this bank's
@@ -207,11 +232,12 @@ class RemoteTier:
                 _adopt_end(tx, cont.end.key, end_with_check(cont.end.key, cont.end.value, check))
             if not tx.writes:
                 tx.abort()
-                return
+                return 0
             tx.add(remote_adopted_blocks=adopted)
             tx.touch(
                 [h.chain_hash for h in chain[lo:]], [chain[-1].chain_hash] if job.state else []
             )
+        return adopted
 
     # -- store ---------------------------------------------------------------------
     def publish_end(self, root: bytes, key: bytes, value: bytes, header_len: int) -> None:
