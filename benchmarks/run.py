@@ -165,7 +165,19 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-PARTS = ("ceilings", "ttft", "restore", "store_overhead", "fleet", "admission", "remote", "scale")
+PARTS = (
+    "ceilings",
+    "ttft",
+    "restore",
+    "store_overhead",
+    "fleet",
+    "admission",
+    "remote",
+    "remote_rtt",
+    "remote_load",
+    "remote_prefetch",
+    "scale",
+)
 
 
 def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> dict[str, Any]:
