@@ -15,6 +15,7 @@ prefill, so this is not where time goes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
@@ -69,9 +70,9 @@ class Sampler:
     ) -> None:
         """Raise `InvalidInputError` for settings a sampler would refuse (no MLX work:
         callers on other threads than the model's may use it)."""
-        if temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidInputError(f"temperature must be a finite number >= 0, got {temperature}")
+        if not 0 < top_p <= 1:  # NaN included
             raise InvalidInputError(f"top_p must be in (0, 1], got {top_p}")
         bad = sorted(i for i in (logit_bias or {}) if not 0 <= i < vocab_size)
         if bad:

@@ -1,13 +1,18 @@
 """The OpenAI wire format the server speaks: request and response models (pydantic).
 
 Only what the server implements is modelled. Requests ignore fields they do not know
-(agent frameworks send many: `user`, `tools`, `response_format`, ...) but reject values
-the server cannot honour (`n > 1`, a negative `max_tokens`) with a clear message, so a
-client never gets a silently different answer than it asked for.
+and that cannot change the answer (agent frameworks send many: `user`, `metadata`,
+`parallel_tool_calls`, ...) but reject values the server cannot honour (`n > 1`, a
+negative `max_tokens`, a NaN temperature, `logprobs: true`, a list of `tools`: see
+`UNSUPPORTED`) with a 400 naming the field, so a client never gets a silently
+different answer than it asked for. A field of `UNSUPPORTED` at its neutral value
+(`logprobs: false`, `tools: []`, `tool_choice: "none"`, a penalty of 0) is accepted.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -32,6 +37,36 @@ class _Request(BaseModel):
         return value
 
 
+def _absent(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == ""
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+_NO_TOOLS = "tool calling is not supported by this server (its answers are text only)"
+
+# Fields OpenAI's API has and this server does not honour: what each neutral value
+# looks like, and why any other is refused.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (_absent, "log probabilities are not returned by this server"),
+    "top_logprobs": (_zero, "log probabilities are not returned by this server"),
+    "tools": (_absent, _NO_TOOLS),
+    "functions": (_absent, _NO_TOOLS),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), _NO_TOOLS),
+    "function_call": (lambda v: v in (None, "none", "auto"), _NO_TOOLS),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        'only {"type": "text"} is supported (no JSON mode or schema)',
+    ),
+    "presence_penalty": (_zero, "penalties are not supported (only 0)"),
+    "frequency_penalty": (_zero, "penalties are not supported (only 0)"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported"),
+    "suffix": (_absent, "suffix (insertion) is not supported"),
+}
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -41,8 +76,8 @@ class SamplingFields(_Request):
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0, strict=True)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -52,6 +87,26 @@ class SamplingFields(_Request):
     # vLLM's field: prompts with the same salt share cached prefixes, different salts
     # share nothing (one tenant cannot time another's prompts through the cache).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # UNSUPPORTED: accepted only at their neutral values.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*UNSUPPORTED, mode="after")
+    @classmethod
+    def _neutral(cls, value: Any, info: Any) -> Any:
+        neutral, why = UNSUPPORTED[info.field_name]
+        if not neutral(value):
+            raise ValueError(f"{info.field_name} {json_text(value)}: {why}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -230,6 +285,12 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+def json_text(value: Any, limit: int = 60) -> str:
+    """`value` as a short JSON snippet for an error message."""
+    text = json.dumps(value, separators=(",", ":"), default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

@@ -319,7 +319,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
     param = ".".join(loc) or None
     where = f"{param}: " if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return ApiError(400, f"{where}{first['msg']}{more}", type="invalid_request_error", param=param)
+    msg = str(first["msg"]).removeprefix("Value error, ")  # pydantic's prefix for ours
+    return ApiError(400, f"{where}{msg}{more}", type="invalid_request_error", param=param)
 
 
 # -- running the server -------------------------------------------------------------------

@@ -364,6 +364,49 @@ def test_error_messages_name_the_problem(server: Server) -> None:
     assert negative["param"] == "max_tokens"
 
 
+UNSUPPORTED = [
+    ("logprobs", True),
+    ("top_logprobs", 3),
+    ("tools", [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}),
+    ("presence_penalty", 0.5),
+]
+
+
+def test_fields_the_server_does_not_honour_are_a_400_naming_them(server: Server) -> None:
+    for field, value in UNSUPPORTED:
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 400, (field, r.text)
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+        assert "Value error" not in error["message"]
+    # Their neutral values change nothing: accepted.
+    neutral = {"logprobs": False, "tools": [], "tool_choice": "none", "presence_penalty": 0}
+    assert chat(server.url, conversation("neutral"), **neutral)["choices"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_a_temperature_or_top_p_that_is_not_finite_says_so(
+    server: Server, field: str, value: str
+) -> None:
+    body = f'{{"model": "{MODEL}", "prompt": "hi", "{field}": {value}}}'  # json.loads reads it
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=body.encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "finite" in error["message"], error
+
+
 # -- concurrency ----------------------------------------------------------------------------
 def test_concurrent_clients_get_the_answers_they_would_get_alone(server: Server) -> None:
     # Distinct from their first byte on: no request shares a block with another, so

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from cas_bank.runtime.engine import Engine
+from cas_bank.runtime.generation import GenerationRequest, RequestError
 from cas_bank.runtime.server import create_app
 from fastapi.testclient import TestClient
 from runtime_helpers import tiny
@@ -183,3 +184,13 @@ def test_an_unexpected_error_is_a_500_that_metrics_count(
     assert r.status_code == 500 and "broken on purpose" in r.json()["error"]["message"]
     text = client.get("/metrics").text
     assert 'cas_bank_http_requests_total{endpoint="/health",status="500"} 1' in text
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf")])
+def test_the_engine_refuses_a_temperature_that_is_not_finite(
+    served: tuple[Engine, TestClient], temperature: float
+) -> None:
+    # The server's request models refuse it first; scripts call the engine directly.
+    engine, _ = served
+    with pytest.raises(RequestError, match="finite"):
+        engine.check(GenerationRequest(prompt=[1, 2, 3], temperature=temperature))

@@ -67,6 +67,38 @@ def bank_path(text: str) -> Path:
     return Path(text)
 
 
+MAX_PORT = 65535
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (a free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(
+            f"port {port} is out of range: a port is 0 (a free one) to {MAX_PORT}"
+        )
+    return port
+
+
+def check_port_arguments(argv: Sequence[str]) -> None:
+    """Checks the `--port N` / `--port=N` in a command line passed on to another parser
+    (mlx_lm.server's), with `port_number`'s message as a `CliError`."""
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--port="):
+            value = arg.removeprefix("--port=")
+        else:
+            continue
+        try:
+            port_number(value)
+        except argparse.ArgumentTypeError as e:
+            raise CliError(f"argument --port: {e}") from None
+
+
 def add_bank_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bank", type=bank_path, metavar="BANK", help="bank directory")
 

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, BankSettingsError, InvalidInputError
 
-from .common import CliError, add_command, bank_path, console, print_json
+from .common import CliError, add_command, bank_path, console, port_number, print_json
 from .remote_args import add_remote_arguments, remote_settings
 
 # The commands' defaults live here (not in the runtime modules, whose imports, MLX and
@@ -63,7 +63,9 @@ def register(subparsers: Any) -> None:
         f"(default: {DEFAULT_BANK_DIR})",
     )
     serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; 0 picks a free one")
+    serve.add_argument(
+        "--port", type=port_number, default=DEFAULT_PORT, help="port; 0 picks a free one"
+    )
     serve.add_argument(
         "--block-size",
         type=_positive,
