@@ -106,6 +106,7 @@ def render(r: dict[str, Any]) -> list[str]:
     L += ttft_section(r)
     L += restore_section(r)
     L += _overhead_section(r)
+    L += _server_store_section(r)
     L += _fleet_section(r)
     L += _admission_section(r)
     L += _branching_section(r)
@@ -240,6 +241,51 @@ def _overhead_section(r: dict[str, Any]) -> list[str]:
                 f"{o['store_share']:.2%}",
             ]
         ],
+    )
+    return L
+
+
+def _server_store_section(r: dict[str, Any]) -> list[str]:
+    o = r.get("server_store")
+    if not o:
+        return []
+    s = o["settings"]
+    L = [
+        "## Stores off the request path, in the server",
+        "",
+        f"`benchmarks/server_store.py`: three `cas-bank serve` apps of {s['model']} in one "
+        f"process, a new {s['tokens']}-token prompt per request (nothing to restore), "
+        f"{s['max_tokens']} tokens streamed, {s['rounds']} request(s) per mode, the modes "
+        "interleaved, the writer drained between requests (`writer s`). `store on path` is "
+        "the prefill's store as the request paid it (inline: the write; background: the "
+        "snapshot and queueing).",
+        "",
+    ]
+    rows = []
+    for mode in ("background", "inline", "off"):
+        m = o["modes"][mode]
+        rows.append(
+            [
+                mode,
+                f"{m['ttft_s']:.3f}",
+                f"{m['total_s']:.3f}",
+                f"{m['ttft_over_off']:.3f}x" if "ttft_over_off" in m else "1x",
+                f"{m['store_on_path_s'] * 1e3:.1f}",
+                f"{m['writer_s'] * 1e3:.1f}",
+                _mb(m["bytes_written"]),
+            ]
+        )
+    L += _table(
+        [
+            "stores",
+            "TTFT s",
+            "total s",
+            "TTFT / not storing",
+            "store on path ms",
+            "writer ms",
+            "MB written",
+        ],
+        rows,
     )
     return L
 

@@ -42,6 +42,7 @@ from benchmarks import (
     remote_tier,
     restore,
     scale,
+    server_store,
     ttft,
 )
 from benchmarks.ceilings import MiB, machine_ceilings
@@ -126,6 +127,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "remote_load": remote_load.tiny_settings(),
             "remote_prefetch": remote_prefetch.tiny_settings(),
             "scale": scale.tiny_settings(),
+            "server_store": server_store.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
     t = ttft.TTFTSettings()
@@ -161,6 +163,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "remote_load": remote_load.short_settings(),
         "remote_prefetch": remote_prefetch.PrefetchSettings(),
         "scale": s,
+        "server_store": server_store.ServerStoreSettings(),
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
 
@@ -204,6 +207,7 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
                 o["model"], o["tokens"], o["repeats"], workdir / "overhead"
             ),
         )
+    part("server_store", lambda: server_store.run(workdir / "server_store", p["server_store"]))
     part("fleet", lambda: fleet.run(workdir / "fleet", p["fleet"]))
     part("admission", lambda: fleet.admission(workdir / "admission", p["admission"]))
     part("branching", lambda: fleet.branching(workdir / "branching", p["branching"]))

@@ -265,4 +265,15 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             ov["added"] <= 0.10,
             f"{ov['model']}, {ov['tokens']} tokens, {ov['repeats']} pairs",
         )
+    ss = r.get("server_store")
+    if ss:
+        bg, inline = ss["modes"]["background"], ss["modes"]["inline"]
+        add(
+            "the first token does not wait for a store (server, background writer)",
+            f"{bg['store_on_path_s'] * 1e3:.1f} ms of store before the first token, inline "
+            f"{inline['store_on_path_s'] * 1e3:.1f} ms; TTFT {bg['ttft_over_off']:.3f}x "
+            f"not storing (inline {inline['ttft_over_off']:.3f}x)",
+            bg["store_on_path_s"] <= 0.1 * inline["store_on_path_s"],
+            f"{ss['settings']['model']}, {ss['settings']['tokens']} tokens",
+        )
     return rows

@@ -289,8 +289,8 @@ def check(case: Case, atol: float) -> list[str]:
 def store_overhead(
     model_name: str, length: int, repeats: int, workdir: Path, block_size: int = 64
 ) -> dict[str, Any]:
-    """Cold prefill without a bank against `PrefixCache.prefill` into an empty bank,
-    interleaved (A, B, A, B, ...) so that the machine's drift hits both alike."""
+    """Cold prefill without a bank against `PrefixCache.prefill` (storing inline) into
+    an empty bank, interleaved (A, B, A, B, ...) so that the machine's drift hits both alike."""
     lm = build_model(model_name)
     prompt = np.random.default_rng(7).integers(0, 256, length).astype(np.uint32)
     without, with_bank, store_s, forward_s = [], [], [], []
@@ -300,7 +300,8 @@ def store_overhead(
         cold_prefill(lm.model, prompt)
         without.append(time.perf_counter() - t0)
         with Bank.open(workdir / f"overhead-{i}", BankConfig(block_size=block_size)) as bank:
-            pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
+            # Inline: the store's own cost (the background writer's is in server_store).
+            pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP, background=False)
             cache = pc.new_cache()
             t0 = time.perf_counter()
             pc.prefill(prompt, cache, start=0)

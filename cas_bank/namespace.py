@@ -318,7 +318,8 @@ class Namespace:
         return writer.submit(
             _skipping_full(
                 lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
-            )
+            ),
+            lambda report: report.bytes_written,
         )
 
     def store_end(
@@ -355,27 +356,48 @@ class Namespace:
         """`store_end` through the bank's background writer, after the stores queued
         before it (their blocks are its parents); the arrays are copied now.
         `skip_when_full` as for `store_later` (0 bytes written)."""
+        return self.prepare_end_later(
+            tokens, layers, state, logits=logits, hidden=hidden, skip_when_full=skip_when_full
+        )()
+
+    def prepare_end_later(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        state: Sequence[Any] | None = None,
+        *,
+        logits: Any = None,
+        hidden: Any = None,
+        skip_when_full: bool = False,
+    ) -> Callable[[], PendingStore[int]]:
+        """`store_end_later` in two steps: the input is checked and copied now, and the
+        function returned queues it (or, with no writer, writes it). A runtime storing a
+        prompt's blocks and its end record prepares the end first, then queues both:
+        nothing of its own then runs while the writer works on the blocks."""
         writer = self.bank.writer
         if writer is None or self.bank.read_only:
-            done: PendingStore[int] = PendingStore()
-            store = _skipping_full(
-                lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
-                skip_when_full,
-                0,
-            )
-            done._set(store(), None)
-            return done
+
+            def now() -> PendingStore[int]:
+                done: PendingStore[int] = PendingStore()
+                store = _skipping_full(
+                    lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
+                    skip_when_full,
+                    0,
+                )
+                done._set(store(), None)
+                return done
+
+            return now
         if writer.closed:
             raise RuntimeError(f"bank at {self.bank.path} is closed")
         end = prepare_end(
             self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
         )
         hashes = self.chain(end.tokens)
-        return writer.submit(
-            _skipping_full(
-                lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
-            )
+        job = _skipping_full(
+            lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
         )
+        return lambda: writer.submit(job, lambda nbytes: nbytes)
 
     def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
         """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit

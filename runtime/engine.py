@@ -63,6 +63,7 @@ log = logging.getLogger("cas_bank.engine")
 
 DEFAULT_MODEL = "tiny-hybrid"
 DEFAULT_MAX_QUEUE = 64
+STORE_MODES = ("background", "inline", "off")
 
 
 class Job:
@@ -92,6 +93,10 @@ class Engine:
     end of the current one. `prefetch`: with a shared tier, a request queued while the
     worker is busy has its prefix fetched into the local bank meanwhile
     (`runtime.prefetch`).
+    `stores`: `background` (the default: through the bank's background writer, so no
+    request waits for a store, before its first token or after its last; inline on a
+    bank opened with `write_behind=0`), `inline` (written before the request goes on) or
+    `off` (nothing is stored; restores still run).
     """
 
     def __init__(
@@ -103,16 +108,24 @@ class Engine:
         owns_bank: bool = False,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         prefetch: bool = True,
+        stores: str = "background",
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if stores not in STORE_MODES:
+            raise ValueError(f"stores must be one of {', '.join(STORE_MODES)}; got {stores!r}")
+        self.stores = stores
         self.loaded = loaded
         self.bank = bank
         self.model_id = loaded.name
         self.context_length = model_context_length(loaded)
         # A full disk degrades the server (answers without storing), never fails it.
         self.prefix_cache = PrefixCache(
-            bank, loaded, skip_store_when_full=True, chunk_size=chunk_size
+            bank,
+            loaded,
+            skip_store_when_full=True,
+            chunk_size=chunk_size,
+            background=stores != "inline",
         )
         self.eos_ids = eos_token_ids(loaded.tokenizer)
         self._owns_bank = owns_bank
@@ -144,6 +157,7 @@ class Engine:
         remote_tls_ca: str | None = None,
         remote_tls_cert: str | None = None,
         remote_tls_key: str | None = None,
+        stores: str = "background",
     ) -> Engine:
         """Open (or create) the bank at `bank_dir` and serve `model` from it.
 
@@ -153,7 +167,7 @@ class Engine:
         `chunk_size`: prompt tokens per forward pass. `remote`: the shared tier's URL
         (`BankConfig.remote`), `remote_secret` its fleet secret (required with it),
         `remote_tls_*` its TLS files (`BankConfig.remote_tls_ca` and the client
-        certificate and key).
+        certificate and key). `stores`: see the class.
         """
         loaded = resolve_model(model, seed=seed)
         settings: dict[str, Any] = {
@@ -168,7 +182,14 @@ class Engine:
         config = BankConfig(**settings)
         bank = Bank.open(bank_dir, config)
         try:
-            return cls(loaded, bank, max_queue=max_queue, owns_bank=True, chunk_size=chunk_size)
+            return cls(
+                loaded,
+                bank,
+                max_queue=max_queue,
+                owns_bank=True,
+                chunk_size=chunk_size,
+                stores=stores,
+            )
         except BaseException:
             bank.close()
             raise
@@ -385,6 +406,7 @@ class Engine:
                     hints=request.branch_hints,
                     end=True,
                     cancelled=lambda: job.cancelled,
+                    store=self.stores != "off",
                 )
             except PrefillCancelled as e:  # its blocks so far are stored
                 log.info("cas_bank: request cancelled during its prefill: %s", e)
@@ -422,14 +444,8 @@ class Engine:
         # Its end record holds the logits the last token was sampled from: a next turn
         # (or the same conversation again) resumes exactly here.
         through_model = prompt + generated[:-1]
-        block = pc.block_size
-        try:
-            if len(through_model) // block > len(prompt) // block:
-                pc.store(through_model, cache, states=recorder)
-            if len(through_model) > len(prompt):
-                pc.store_end(through_model, cache, logits=logits)
-        except BankFullError as e:  # degraded: the answer still goes out
-            log.warning("cas_bank: answer not stored: %s", e)
+        if self.stores != "off":
+            self._store_answer(pc, prompt, through_model, cache, recorder, logits)
         return GenerationResult(
             text=text.text,
             token_ids=generated,
@@ -440,6 +456,25 @@ class Engine:
             ttft_s=ttft,
             total_s=time.perf_counter() - started,
         )
+
+    @staticmethod
+    def _store_answer(
+        pc: PrefixCache,
+        prompt: list[int],
+        through_model: list[int],
+        cache: list[Any],
+        recorder: Any,
+        logits: mx.array,
+    ) -> None:
+        """Store what decoding added: its new full blocks and the end record."""
+        block = pc.block_size
+        try:
+            if len(through_model) // block > len(prompt) // block:
+                pc.store(through_model, cache, states=recorder)
+            if len(through_model) > len(prompt):
+                pc.store_end(through_model, cache, logits=logits)
+        except BankFullError as e:  # degraded: the answer still goes out
+            log.warning("cas_bank: answer not stored: %s", e)
 
     def _cancelled_in_prefill(self, job: Job, cached: int, started: float) -> GenerationResult:
         now = time.perf_counter()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from cas_bank import native
 from cas_bank.index.timings import RestoreTotals
+from cas_bank.index.writer import WriterStats
 from cas_bank.stats import BankStats
 
 if TYPE_CHECKING:
@@ -287,6 +288,47 @@ def _number(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return repr(float(value))
+
+
+def writer_metrics(stats: WriterStats | None) -> list[Metric]:
+    """The bank's background writer (zeros when the bank has none: stores are inline)."""
+    queued, capacity, written, nbytes, failed = (
+        (stats.queued, stats.capacity, stats.written, stats.bytes_written, stats.failed)
+        if stats is not None
+        else (0, 0, 0, 0, 0)
+    )
+    return [
+        Metric.single(
+            "writer_queue_depth",
+            "Stores queued for the background writer (waiting or being written).",
+            "gauge",
+            queued,
+        ),
+        Metric.single(
+            "writer_queue_capacity",
+            "Stores the writer may hold queued before a store waits (write_behind).",
+            "gauge",
+            capacity,
+        ),
+        Metric.single(
+            "writer_stores_total",
+            "Stores the background writer wrote since the server started.",
+            "counter",
+            written,
+        ),
+        Metric.single(
+            "writer_bytes_total",
+            "Payload, state and end-record bytes the background writer wrote.",
+            "counter",
+            nbytes,
+        ),
+        Metric.single(
+            "writer_failures_total",
+            "Background stores that failed (logged; the request had already gone on).",
+            "counter",
+            failed,
+        ),
+    ]
 
 
 def restore_metrics(totals: RestoreTotals) -> list[Metric]:

@@ -142,7 +142,7 @@ def _tagged(request: Any, salt: str | None) -> Any:
 
 
 def make_run(
-    bank: Bank, *, json_line: bool = False, capture_states: bool = True
+    bank: Bank, *, json_line: bool = False, capture_states: bool = True, background: bool = True
 ) -> Callable[..., None]:
     """A replacement for `mlx_lm.server.run` that serves from `bank`."""
     mls = _mlx_lm_server()
@@ -180,6 +180,7 @@ def make_run(
                 kv_bits=args.kv_bits,
                 kv_group_size=args.kv_group_size,
                 capture_states=capture_states,
+                background=None if background else False,
             )
         generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
         tier = TierProbe(bank.remote) if bank.remote is not None else None
@@ -230,10 +231,13 @@ def serve(
     *,
     json_line: bool = False,
     capture_states: bool = True,
+    background: bool = True,
 ) -> None:
     """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
 
-    Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank.
+    `background`: inserts store through the bank's background writer (False: inline).
+    Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank,
+    which writes what is still queued.
     """
     mls = _mlx_lm_server()
     keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
@@ -242,7 +246,9 @@ def serve(
     argv = sys.argv
     sys.argv = ["mlx_lm.server", *mlx_lm_args]
     try:
-        run = make_run(bank, json_line=json_line, capture_states=capture_states)
+        run = make_run(
+            bank, json_line=json_line, capture_states=capture_states, background=background
+        )
         # A stop (Ctrl-C, SIGTERM) before mlx-lm's serve loop catches it (just after the
         # ready line) is a stop all the same, not an error.
         with _swapped_run(run), _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):

@@ -37,15 +37,18 @@ Decoding: `pc.store(prompt + response, cache, states=recorder)` stores the block
 generation produced; a `StateRecorder` (`pc.recorder(cache)`, `observe()` after each
 forward pass) supplies the state at the last boundary decoding crossed.
 
-Throughput: by default the store is synchronous, on the caller's thread, after the
-last chunk: the KV buffers are sliced as zero-copy views, encoded (the one copy to host
-bytes) and written in one batch (its share of the prefill: docs/design.md, "Where each
-figure is measured"). With `background=True` (and a bank opened with
-`BankConfig.write_behind`), the prefill only snapshots the cache (no copy: the cache's
-next update copies its buffer instead) and queues the store for the bank's writer
-(docs/design.md, "Background writer"); a restore right after still sees the blocks
-(from memory until they are written). `last_prefill.store_s` against `forward_s`
-shows the share for any model.
+Throughput: by default (a bank opened with default settings has a background writer,
+`BankConfig.write_behind`) stores are off the caller's thread: `prefill` and `store`
+only snapshot the cache (no copy: the cache's next update copies its buffer instead)
+and queue the store for the bank's writer (docs/design.md, "Background writer"), so
+the first token never waits for a store; a restore right after still sees the blocks
+(from memory until they are written; a hybrid model's once they are). `bank.flush()`
+waits for what is queued (and raises a store that failed); `store`'s `PendingStore`
+waits for its own. `PrefixCache(..., background=False)` stores inline: on the
+caller's thread after the last chunk, the KV buffers sliced as zero-copy views,
+encoded (the one copy to host bytes) and written in one batch before the call returns
+(its share of the prefill: docs/design.md, "Where each figure is measured").
+`last_prefill.store_s` against `forward_s` shows the caller's share for any model.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -130,7 +133,11 @@ class PrefixCache:
     tenant's salt, part of the namespace root: the same salt shares every block,
     different salts share none (see `Bank.namespace`). `skip_store_when_full`: a
     prefill whose store finds the disk full (`BankFullError`) skips the store instead
-    of raising (a server keeps answering; `bank.degraded` says why).
+    of raising (a server keeps answering; `bank.degraded` says why). `background`:
+    where `prefill`, `store` and `store_end` write. None (the default): through the
+    bank's background writer when it has one (every bank opened with default
+    settings), else inline; False: always inline (written when the call returns);
+    True: through the writer (inline on a bank without one).
     """
 
     def salted(self, salt: str | bytes | None) -> PrefixCache:
@@ -154,7 +161,7 @@ class PrefixCache:
         name: str | None = None,
         salt: str | bytes | None = None,
         skip_store_when_full: bool = False,
-        background: bool = False,
+        background: bool | None = None,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -167,8 +174,9 @@ class PrefixCache:
         self.skip_store_when_full = skip_store_when_full
         # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
         # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.
-        self.background = background
-        self.last_pending: PendingStore[StoreReport] | None = None
+        self.background = bank.writer is not None if background is None else background
+        self.last_pending: PendingStore[StoreReport] | None = None  # the last queued store
+        self.last_end_pending: PendingStore[int] | None = None  # and end record
         self.last_prefill: PrefillReport | None = None
 
     @property
@@ -320,12 +328,15 @@ class PrefixCache:
         report = None
         if store and not self.bank.read_only:
             if self.background:
+                # The end record is copied before anything is queued: the writer then
+                # works while this thread goes on to the first token.
+                queue_end = self._end_later(toks, cache, last) if end else None
                 self.last_pending = self.store_later(toks, cache, states)
-                if end:
-                    self.store_end(toks, cache, logits=last)
+                if queue_end is not None:
+                    self.last_end_pending = queue_end()
             else:
                 try:
-                    report = self.store(toks, cache, states)
+                    report = self._store_inline(toks, cache, states)
                     if end:
                         self.store_end(toks, cache, logits=last)
                 except BankFullError as e:
@@ -360,14 +371,35 @@ class PrefixCache:
         states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
         *,
         this_model: bool = False,
-    ) -> StoreReport:
+    ) -> PendingStore[StoreReport]:
         """Store the full blocks of `tokens` from `cache` (which holds at least them).
 
         `states`: recurrent states by boundary (per-layer lists, None for attention
         layers), or a `StateRecorder` that captured them while decoding. The cache must
         come from this PrefixCache (`new_cache`, `restore`, `prefill`); any other is
-        refused unless `this_model=True` says that it holds this model's KV.
+        refused unless `this_model=True` says that it holds this model's KV. Bad input
+        raises here in either mode.
+
+        In the background (see the class) the store is queued and this returns at
+        once; inline it is written before this returns. Either way the answer is a
+        `PendingStore`: `.result()` is the `StoreReport` (it waits for the write), and
+        the report's fields read through it (`pc.store(...).blocks_written`).
         """
+        if self.background:
+            return self.store_later(tokens, cache, states, this_model=this_model)
+        done: PendingStore[StoreReport] = PendingStore()
+        done._set(self._store_inline(tokens, cache, states, this_model=this_model), None)
+        return done
+
+    def _store_inline(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
+        *,
+        this_model: bool = False,
+    ) -> StoreReport:
+        """`store`, written on this thread now."""
         toks = self.tokens(tokens)
         check_cache(self.spec, cache, self._offset(cache, len(toks)))
         vouch_for(self.spec, cache, this_model)
@@ -392,6 +424,18 @@ class PrefixCache:
         Through the background writer when this PrefixCache stores in the background.
         Returns the bytes written now (0: nothing new, or queued).
         """
+        if self.background:
+            self.last_end_pending = self._end_later(
+                tokens, cache, logits, hidden=hidden, this_model=this_model
+            )()
+            return 0
+        toks, layers, state = self._end_input(tokens, cache, this_model)
+        return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
+
+    def _end_input(
+        self, tokens: Any, cache: Sequence[Any], this_model: bool
+    ) -> tuple[np.ndarray, list[Any], list[Any] | None]:
+        """An end record's tokens, layers and state from `cache`, checked."""
         toks = self.tokens(tokens)
         n = len(toks)
         if n == 0:
@@ -405,17 +449,27 @@ class PrefixCache:
         vouch_for(self.spec, cache, this_model)
         layers = cache_layers(self.spec, cache, n)
         state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
-        if self.background:
-            self.namespace.store_end_later(
-                toks,
-                layers,
-                state,
-                logits=logits,
-                hidden=hidden,
-                skip_when_full=self.skip_store_when_full,
-            )
-            return 0
-        return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
+        return toks, layers, state
+
+    def _end_later(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        logits: mx.array | None,
+        *,
+        hidden: mx.array | None = None,
+        this_model: bool = False,
+    ) -> Callable[[], PendingStore[int]]:
+        """The end record checked and copied now; the function returned queues it."""
+        toks, layers, state = self._end_input(tokens, cache, this_model)
+        return self.namespace.prepare_end_later(
+            toks,
+            layers,
+            state,
+            logits=logits,
+            hidden=hidden,
+            skip_when_full=self.skip_store_when_full,
+        )
 
     def store_later(
         self,

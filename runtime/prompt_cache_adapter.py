@@ -52,12 +52,21 @@ bank (least recently used leaves first) to that many payload and state bytes.
 A cache failure never stops serving: `fetch_nearest_cache` and `insert_cache` run on
 mlx-lm's generation thread, so an error there (an unsupported cache class, a failed
 write) is logged and counted in `stats()`, and the request goes on uncached.
+
+Stores go through the bank's background writer by default (`PrefixCache`'s
+`background`): `insert_cache` returns once the cache is snapshotted and its stores are
+queued, so mlx-lm's generation thread never waits for a write; a fetch right after
+sees an attention model's blocks from memory, a hybrid model's once written.
+`blocks_written`, `bytes_written` and `end_bytes_written` count what the writer wrote
+(`bank.flush()` waits for it); a queued store that fails is logged and raised by the
+next `bank.flush()` (and `close()`). `background=False` stores inline.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final
@@ -67,6 +76,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.evict import evict_to_budget
+from cas_bank.index.writer import PendingStore
+from cas_bank.namespace import StoreReport
 
 from .cache_io import snapshot_states
 from .model_spec import check_cache_class
@@ -121,6 +132,8 @@ class BankPromptCache:
     `salt`: a tenant's salt (vLLM's `cache_salt`), part of every namespace root this
     cache reads and writes: the same salt shares every block, different salts (or
     none) share none. `salted(salt)` is this cache for another tenant.
+    `background`: `PrefixCache`'s (None: the bank's writer when it has one; False:
+    inline stores).
     """
 
     def __init__(
@@ -134,15 +147,18 @@ class BankPromptCache:
         name: str | None = None,
         capture_states: bool = True,
         salt: str | bytes | None = None,
+        background: bool | None = None,
     ) -> None:
         self.bank = bank
         self.capture_states = capture_states
+        self.background = background
+        self._count_lock = threading.Lock()  # the writer's thread counts what it wrote
         self.model = model
         self.model_key = model_key
         self.name = name
         self.salt = salt or None
         self._prefix: dict[QuantKey, PrefixCache] = {
-            None: PrefixCache(bank, model, name=name, salt=self.salt)
+            None: PrefixCache(bank, model, name=name, salt=self.salt, background=background)
         }
         if kv_bits is not None:
             self._prefix_for((kv_bits, kv_group_size))
@@ -218,14 +234,10 @@ class BankPromptCache:
         self.counters.inserts += 1
         self._counts[cache_type] += 1
         try:
-            written, nbytes = self._store(tokens, prompt_cache)
+            self._store(tokens, prompt_cache, cache_type)
         except Exception:
             log.exception("cas_bank: storing a prompt cache failed; nothing of it is kept")
             self.counters.failures += 1
-            return
-        self.counters.blocks_written += written
-        self.counters.bytes_written += nbytes
-        self._bytes[cache_type] += nbytes
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict the bank to `n_bytes` (least recently used leaves first)."""
@@ -264,6 +276,7 @@ class BankPromptCache:
                 kv_group_size=group,
                 name=self.name,
                 salt=self.salt,
+                background=self.background,
             )
             self._prefix[key] = pc
         return pc
@@ -277,25 +290,41 @@ class BankPromptCache:
         cache, n = candidates[0].restore(tokens)
         return (cache, n) if n else None
 
-    def _store(self, tokens: Sequence[int], cache: list[Any]) -> tuple[int, int]:
+    def _store(self, tokens: Sequence[int], cache: list[Any], cache_type: str) -> None:
         for i, entry in enumerate(cache):
             check_cache_class(entry, i)  # refuses what the bank cannot hold, by name
         quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
         pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
         held = self._held(pc, cache)
         n = min(held, len(tokens))
-        written = self._store_blocks(pc, tokens, cache, n, held) if n >= pc.block_size else (0, 0)
+        if n >= pc.block_size:
+            stored = self._store_blocks(pc, tokens, cache, n, held)
+            if stored is not None:
+                stored.when_written(
+                    lambda r: self._count(cache_type, r.blocks_written, r.bytes_written)
+                )
         if n == held and n > 0:
             # The cache holds exactly tokens[:held]: its end record (KV of the partial
             # block, the recurrent state right there) lets a longer prompt resume here.
             end_bytes = pc.store_end(list(tokens[:held]), cache, this_model=True)
-            self.counters.end_bytes_written += end_bytes
-            written = (written[0], written[1] + end_bytes)
-        return written
+            end = pc.last_end_pending if pc.background else None
+            if end is not None:
+                end.when_written(lambda nbytes: self._count(cache_type, 0, nbytes, end=True))
+            else:
+                self._count(cache_type, 0, end_bytes, end=True)
+
+    def _count(self, cache_type: str, blocks: int, nbytes: int, *, end: bool = False) -> None:
+        """What a store wrote (on the writer's thread for a queued one)."""
+        with self._count_lock:
+            self.counters.blocks_written += blocks
+            self.counters.bytes_written += nbytes
+            if end:
+                self.counters.end_bytes_written += nbytes
+            self._bytes[cache_type] += nbytes
 
     def _store_blocks(
         self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], n: int, held: int
-    ) -> tuple[int, int]:
+    ) -> PendingStore[StoreReport] | None:
         states = None
         if pc.spec.is_hybrid:
             if n == held and n % pc.block_size == 0:
@@ -307,21 +336,27 @@ class BankPromptCache:
                 # restore of these blocks needs the end record stored next.
                 n = (n // pc.block_size) * pc.block_size
         # mlx-lm made this cache for the model this adapter serves (`_accepts`).
-        report = pc.store(list(tokens[:n]), cache, states, this_model=True)
-        return report.blocks_written, report.bytes_written
+        return pc.store(list(tokens[:n]), cache, states, this_model=True)
 
-    def _capture(self, pc: PrefixCache, tokens: Sequence[int], boundary: int) -> tuple[int, int]:
+    def _capture(
+        self, pc: PrefixCache, tokens: Sequence[int], boundary: int
+    ) -> PendingStore[StoreReport] | None:
         """Prefill `tokens[:boundary]` again from the deepest stored state, stopping on the
         boundaries where states are due (`PrefixCache.prefill`), and store it all: blocks
         and states of one computation. Runs only over what the bank does not yet cover."""
         through = list(tokens[: boundary + 1])  # one token past: restore and prefill leave it
         cache, start = pc.restore(through)
         if start >= boundary:
-            return 0, 0
+            return None
+        pc.last_pending = None
         pc.prefill(through, cache, start=start)
         self.counters.recomputed_tokens += len(through) - start
         report = pc.last_prefill.stored if pc.last_prefill is not None else None
-        return (report.blocks_written, report.bytes_written) if report is not None else (0, 0)
+        if report is None:  # queued (or not stored: a full disk)
+            return pc.last_pending
+        done: PendingStore[StoreReport] = PendingStore()
+        done._set(report, None)
+        return done
 
     @staticmethod
     def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:

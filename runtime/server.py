@@ -50,6 +50,7 @@ from .metrics import (
     render,
     restore_metrics,
     tier_metrics,
+    writer_metrics,
 )
 from .responses import (
     ApiError,
@@ -181,6 +182,7 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             [
                 *bank_metrics(stats),
                 *restore_metrics(engine.bank.restore_times()),
+                *writer_metrics(writer.stats() if (writer := engine.bank.writer) else None),
                 *engine_metrics(engine.stats()),
                 degraded,
                 *([] if tier is None or remote is None else tier_metrics(remote, tier)),

@@ -60,6 +60,12 @@ def register(subparsers: Any) -> None:
         "states at their block boundaries (mlx-lm's own prefill shows none)",
     )
     add_remote_arguments(cmd)
+    cmd.add_argument(
+        "--inline-stores",
+        action="store_true",
+        help="write each insert's stores before mlx-lm goes on (default: the bank's "
+        "background writer writes them, and no request waits for one)",
+    )
     cmd.set_defaults(extra_args=True)
 
 
@@ -88,7 +94,13 @@ def _run(args: argparse.Namespace) -> int:
     except BankLockedError:
         raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
     with bank:
-        serve(bank, list(args.extra), json_line=args.json, capture_states=args.capture_states)
+        serve(
+            bank,
+            list(args.extra),
+            json_line=args.json,
+            capture_states=args.capture_states,
+            background=not args.inline_stores,
+        )
     return 0
 
 

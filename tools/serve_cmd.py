@@ -82,6 +82,14 @@ def register(subparsers: Any) -> None:
         "client goes away, or a shutdown, stops its prefill at the end of the current step",
     )
     add_remote_arguments(serve)
+    serve.add_argument(
+        "--stores",
+        default="background",
+        choices=["background", "inline", "off"],
+        help="background (default): stores go through the bank's background writer and "
+        "no request waits for one; inline: written before the request goes on; off: "
+        "nothing is stored",
+    )
     serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
     serve.add_argument(
         "--max-queue", type=_positive, default=64, help="requests that may wait for the model"
@@ -149,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             chunk_size=args.prefill_step_size,
             **remote,
+            stores=args.stores,
         )
     except ValidationError as e:
         why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")

@@ -11,6 +11,9 @@ caller's thread (MTPLX's idle-lane spill).
   `Bank.flush()` (and `PendingStore.result()`) raises.
 - Each store is one transaction, as on the caller's thread: under SIGKILL a store is
   whole or absent; one whose `Bank.flush()` returned is on disk (`durability="wal"`).
+  What a SIGKILL loses is at most what was still queued.
+- `stats()`: how many stores are queued now (waiting or being written) and what the
+  writer wrote (stores, bytes, failures) since the bank opened; `/metrics` shows them.
 """
 
 from __future__ import annotations
@@ -18,22 +21,50 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 
 class PendingStore(Generic[T]):
-    """A store queued for the background writer; `result()` waits for it."""
+    """A store queued for the background writer; `result()` waits for it.
+
+    The report's fields read through it (`pending.blocks_written`): each waits for the
+    write, then answers from `result()` (so code written for an inline store's report
+    keeps working, and reads what was committed).
+    """
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[T], None]] = []
+        self._lock = threading.Lock()
 
     def _set(self, value: T | None, error: BaseException | None) -> None:
-        self._value, self._error = value, error
-        self._done.set()
+        with self._lock:
+            self._value, self._error = value, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        if error is None:
+            for fn in callbacks:
+                fn(value)  # type: ignore[arg-type]
+
+    def when_written(self, fn: Callable[[T], None]) -> None:
+        """Call `fn(report)` once the store is written (now, if it is); never if it
+        failed. On the writer's thread: keep it short."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        if self._error is None:
+            fn(self._value)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.result(), name)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -48,10 +79,23 @@ class PendingStore(Generic[T]):
         return self._value
 
 
+@dataclass(frozen=True, slots=True)
+class WriterStats:
+    """The background writer now (`BackgroundWriter.stats`)."""
+
+    queued: int  # stores waiting or being written
+    capacity: int  # BankConfig.write_behind: a caller waits at this many
+    written: int  # stores written since the bank opened
+    bytes_written: int  # payload, state and end bytes they wrote
+    failed: int  # stores that raised (flush() raises the first)
+
+
 class BackgroundWriter:
     """One thread writing queued stores in order; at most `depth` wait."""
 
     def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self._written = self._bytes = self._failed = 0
         self._queue: queue.Queue[tuple[Callable[[], Any], PendingStore[Any]] | None] = queue.Queue(
             maxsize=depth
         )
@@ -68,15 +112,33 @@ class BackgroundWriter:
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, write: Callable[[], T]) -> PendingStore[T]:
+    def submit(
+        self, write: Callable[[], T], measure: Callable[[T], int] | None = None
+    ) -> PendingStore[T]:
         """Queue `write`; blocks while the queue is full. `RuntimeError` once closed:
-        nobody would ever write it."""
+        nobody would ever write it. `measure(result)`: the bytes it wrote (`stats`)."""
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed: the bank was closed")
             pending: PendingStore[T] = PendingStore()
+            if measure is not None:
+                pending.when_written(lambda r: self._count(bytes_written=measure(r)))
             self._queue.put((write, pending))  # the writer drains: never waits for ever
             return pending
+
+    def stats(self) -> WriterStats:
+        with self._lock:
+            return WriterStats(
+                queued=self._queue.unfinished_tasks,
+                capacity=self.depth,
+                written=self._written,
+                bytes_written=self._bytes,
+                failed=self._failed,
+            )
+
+    def _count(self, *, bytes_written: int) -> None:
+        with self._lock:
+            self._bytes += bytes_written
 
     def _run(self) -> None:
         while True:
@@ -86,11 +148,16 @@ class BackgroundWriter:
                     return
                 write, pending = item
                 try:
-                    pending._set(write(), None)
+                    value = write()
                 except BaseException as e:  # kept for flush(): never dropped silently
                     with self._lock:
                         self._errors.append(e)
+                        self._failed += 1
                     pending._set(None, e)
+                else:
+                    with self._lock:
+                        self._written += 1
+                    pending._set(value, None)
             finally:
                 self._queue.task_done()
 
