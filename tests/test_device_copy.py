@@ -5,16 +5,20 @@ CAS_BANK_FILL_COPY=1: the same bit-exact restores, the fast file reader still us
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache
+from conftest import BLOCK_SIZE, attention_spec, layers_bits, prefix_layers
 from runtime_helpers import random_tokens, temp_bank
 from test_runtime_exact import VARIANTS, check_restored_prefill
 
-from cas_bank import arrays
+from cas_bank import Bank, BankConfig, arrays
 from cas_bank.arrays import FILL_COPY_ENV, Destination, cpu_fillable, mlx_backend
 from cas_bank.blocks.store import Family
 from cas_bank.index import fastread
+from cas_bank.spares import SPARES, keep_spare_destinations
 
 
 def test_only_cpu_and_unified_memory_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,3 +60,27 @@ def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.M
     # hybrid's state on its own)
     alone = [] if fastread.fill_module is not None else [Family.STATES]
     assert one_by_one == (alone if pc.spec.is_hybrid else [])
+
+
+def test_staged_restores_take_no_spare_mlx_arrays(
+    bank_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spares are MLX memory a staged restore would not use: none taken or made."""
+    spec = attention_spec(n_layers=2)
+    tokens = list(range(64))
+    layers = prefix_layers(spec, tokens)
+    monkeypatch.setenv(FILL_COPY_ENV, "1")
+    keep_spare_destinations(16 << 20)
+    before = (SPARES.taken, SPARES.made)
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=0)) as bank:
+            ns = bank.namespace(spec)
+            ns.store(tokens, layers)
+            for _ in range(2):
+                hit = ns.restore(tokens)
+                assert hit is not None and hit.tokens == 64
+                assert layers_bits(hit.layers, spec) == layers_bits(layers, spec)
+                SPARES.settle()
+            assert (SPARES.taken, SPARES.made) == before and SPARES.bytes == 0
+    finally:
+        SPARES.enable(0)

@@ -18,6 +18,7 @@ import numpy as np
 from cas_bank.arrays import (
     Destination,
     DType,
+    cpu_fillable,
     dtype_named,
     dtype_of,
     from_numpy,
@@ -183,7 +184,9 @@ class Assembler:
             ),
             *zip(self.state_shapes, self.state_dtypes, strict=True),
         ]
-        ready = SPARES.take(self._wanted, 0)  # all: every byte read back is written
+        # Staged destinations (`arrays.cpu_fillable`: MLX CUDA) take no MLX memory.
+        self._spared = cpu_fillable()
+        ready = SPARES.take(self._wanted, 0) if self._spared else {}  # all: each byte written
         everything = Destination.allocate(self._wanted, overwritten=True, ready=ready)
         self.dests = everything[: len(self.specs)]
         self._state_dests = everything[len(self.specs) :]
@@ -279,7 +282,8 @@ class Assembler:
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
-        SPARES.refill(self._wanted, 0)  # the next restore's, made off its path
+        if self._spared:
+            SPARES.refill(self._wanted, 0)  # the next restore's, made off its path
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)
