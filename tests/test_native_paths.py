@@ -116,12 +116,24 @@ def test_the_library_needs_no_runtime_extra(tmp_path: Path) -> None:
         for name in ("fastapi", "uvicorn", "mlx_lm", "rich", "starlette"):
             sys.modules[name] = None  # `import name` raises ImportError
         sys.argv = ["roundtrip", {str(tmp_path / "bank")!r}, "any"]
-        runpy.run_path({str(ROUNDTRIP)!r}, run_name="__main__")
+        try:
+            runpy.run_path({str(ROUNDTRIP)!r}, run_name="__main__")
+        except SystemExit as e:
+            assert e.code == 0, e
+        # The console script: --version works, a command names the extra to install.
+        from cas_bank.tools.entry import main
+        assert main(["--version"]) == 0
+        assert main(["stats", {str(tmp_path / "bank")!r}]) == 2
         """
     )
-    report = json.loads(out.stdout.splitlines()[-1]) if out.stdout else None
+    lines = out.stdout.splitlines()
+    report = json.loads(lines[0]) if lines else None
     assert report is not None and report["exact"], out.stdout + out.stderr
     assert report["runtime_imported"] == [], report
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert lines[1].startswith("cas-bank 0") and "native helpers" in lines[2], lines
+    assert "the commands need the runtime extra (rich is not installed)" in out.stderr
+    assert 'pip install "cas_bank[runtime]"' in out.stderr
 
 
 def test_the_library_runs_without_the_linux_only_calls(tmp_path: Path) -> None:

@@ -130,8 +130,12 @@ def test_wheel_installs_and_works_outside_the_checkout(
         probe = [venv / "bin" / "python", "-c", f"import {module}"]
         assert subprocess.run(probe, capture_output=True, cwd=tmp_path).returncode != 0
 
-    _pip(venv, "--no-compile", f"{wheel}[runtime]")
     cli = venv / "bin" / "cas-bank"
+    assert "native helpers: _chain" in _run([cli, "--version"], cwd=tmp_path, env=_env()).stdout
+    alone_stats = subprocess.run([cli, "stats", tmp_path / "alone" / "bank"], capture_output=True)
+    assert alone_stats.returncode == 2 and b"cas_bank[runtime]" in alone_stats.stderr
+
+    _pip(venv, "--no-compile", f"{wheel}[runtime]")
     version = _run([cli, "--version"], cwd=tmp_path, env=_env()).stdout
     assert f"cas-bank {__version__}" in version and "native helpers: _chain" in version, version
     assert "mlx " in version, version
