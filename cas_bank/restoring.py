@@ -23,7 +23,13 @@ from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
 from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
-from cas_bank.index.partial import PartialPlan, find_partial, partial_layers, read_partial
+from cas_bank.index.partial import (
+    PartialPlan,
+    find_partial,
+    partial_layers,
+    read_partial,
+    remote_partial,
+)
 from cas_bank.index.states import restore_blocks
 from cas_bank.index.timings import RestoreTimings
 
@@ -103,11 +109,8 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     remote = ns.bank.remote
     hybrid = ns.spec.is_hybrid
     # The shared tier continues the local chain where it ends (verified, in memory).
-    cont = (
-        remote.continue_chain(ns, toks, hashes, matched)
-        if remote is not None and len(matched) < len(hashes)
-        else None
-    )
+    asked = remote is not None and len(matched) < len(hashes)  # the chain goes on there
+    cont = remote.continue_chain(ns, toks, hashes, matched) if asked and remote else None
     if cont is not None:
         matched = cont.matched
     n_blocks = restore_blocks(matched, hybrid)
@@ -148,8 +151,11 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     # A partial block: the stored child of the last matched block sharing the most of
     # the prompt's next tokens (attention-only: a state exists only where captured).
     part: PartialPlan | None = None
-    if not hybrid and cont is None and n_blocks == len(matched) and ns.bank.config.partial_blocks:
-        part = find_partial(ns.bank.store, ns.root, hashes, toks, n_blocks, bs)
+    if not hybrid and n_blocks == len(matched) and ns.bank.config.partial_blocks:
+        at_home = cont is None or cont.start == n_blocks  # the chain's last block is local
+        part = find_partial(ns.bank.store, ns.root, hashes, toks, n_blocks, bs) if at_home else None
+        if part is None and asked and remote is not None:  # fetched with the rest of the chain
+            part = remote_partial(remote, ns, hashes, toks, n_blocks)
         if part is not None and end is not None and end.tokens >= part.tokens:
             part = None  # the end record covers as much (and may hold the logits)
         if part is not None:
@@ -264,7 +270,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         ns.bank.access.touch(hashes[:local], state_at)
     if end is not None and not end_remote:  # a remote one: its local write records it
         ns.bank.access.touch((), ends=[end.header.parent])
-    if part is not None:  # its child was used: a block, or the end records under a parent
+    if part is not None and part.fetched is None:  # a local child was used (block or ends)
         child = part.child
         ns.bank.access.touch(*(([child.name],) if child.is_block else ((), (), [child.parent])))
     if covered and ns.bank.access.due():

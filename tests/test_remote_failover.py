@@ -87,7 +87,8 @@ def test_a_killed_master_fails_over_and_hosts_keep_their_hits(tmp_path: Path) ->
                 toks = shared_prompt(k)
                 seed.namespace(spec).store(toks, prefix_layers(spec, toks))
             seed.flush()
-        assert len(cl.all_keys()) == 2 * SHARED * len(shared_prompt(0)) // BLOCK
+        entries = [k for k in cl.all_keys() if not k.endswith(b":c")]  # less children sets
+        assert len(entries) == 2 * SHARED * len(shared_prompt(0)) // BLOCK
         hosts = _hosts(cl, tmp_path)
         try:
             calm = _run(cl, hosts, kill=False)

@@ -4,6 +4,7 @@ restore stops at the first missing or rejected entry, never with a hole."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +203,10 @@ def test_hosts_publish_a_shared_block_once(cluster: Any, tmp_path: Path) -> None
             bank.flush()
         assert _remote(a)["remote_publishes"] == 4
         assert _remote(b)["remote_publishes"] == 0  # already there
-        assert len(cluster.all_keys()) == 8  # a header and a payload per block
+        stored = cluster.all_keys()
+        # A header and a payload per block, and each parent's children (partial blocks).
+        assert len([k for k in stored if not k.endswith(b":c")]) == 8
+        assert len([k for k in stored if k.endswith(b":c")]) == 4
     finally:
         a.close()
         b.close()
@@ -228,3 +232,37 @@ def test_no_remote_changes_nothing(bank_path: Path) -> None:
         assert bank.remote is None
         s = bank.stats()
         assert s.remote is None and s.remote_hits == 0 and s.remote_publishes == 0
+
+
+def test_a_host_fetches_the_partial_block_it_lacks(cluster: Any, tmp_path: Path) -> None:
+    """Host a stored a prompt; host b (an empty bank) gets one that leaves it inside a
+    block: the chain and the first tokens of that block come from the cluster, bit for
+    bit (the block's parent lists it in the cluster's children index)."""
+    a, b = _hosts(tmp_path, cluster.url(1))
+    try:
+        spec = attention_spec()
+        toks = tokens_of(np.random.default_rng(7), 6 * BLOCK_SIZE + 1)
+        layers = prefix_layers(spec, toks)
+        a.namespace(spec).store(toks, layers)
+        a.flush()
+        at = 4 * BLOCK_SIZE + 3
+        branch = [*toks[:at], 99_999]
+        hit = b.namespace(spec).restore(branch)
+        assert hit is not None and (hit.tokens, hit.partial) == (at, 3)
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, at)
+        b.flush()
+        assert b.stats().partial_tokens == 3 and b.stats().remote_rejected == 0
+        # A forged member naming a block that does not hang there is a rejected miss.
+        chain, root = b.namespace(spec).chain(toks), b.namespace(spec).root
+        member = bytes(4 * BLOCK_SIZE) + bytes(chain[4])  # tokens 0, 0, ...: block 4's name
+        valkey: Any = importlib.import_module("valkey")
+        with valkey.ValkeyCluster.from_url(cluster.url(), **cluster.client_tls()) as c:
+            c.zadd(keys.key(root, chain[1], "c"), {member: 0})
+        assert toks[2 * BLOCK_SIZE] != 0
+        other = [*toks[: 2 * BLOCK_SIZE], 0, *([7] * BLOCK_SIZE)]  # shares 1 token with it
+        hit = b.namespace(spec).restore(other)
+        assert hit is not None and (hit.tokens, hit.partial) == (2 * BLOCK_SIZE, 0)
+        assert b.stats().remote_rejected == 1
+    finally:
+        a.close()
+        b.close()

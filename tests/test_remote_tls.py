@@ -147,7 +147,7 @@ def test_a_single_tls_server(tls_binary: Path, tls_files: TLSFiles, tmp_path: Pa
             assert layers_bits(hit.layers, attention_spec()) == kv_prefix_bits(
                 layers, attention_spec(), hit.tokens
             )
-            assert len(server.all_keys()) == 10
+            assert len([k for k in server.all_keys() if not k.endswith(b":c")]) == 10
 
 
 def _faulty_host_goes_on(bank: Bank, cluster: LocalCluster, seed: int) -> Any:

@@ -68,6 +68,13 @@ class ChainTier(Protocol):
         matched: Sequence[Header],
     ) -> Continuation | None: ...
 
+    def partial_child(
+        self, ns: ChainSpace, parent: bytes, index: int, after: bytes
+    ) -> tuple[Header, codec.Decoded, int] | None:
+        """The stored child of `parent` (block `index - 1`) sharing the most (j >= 1) of
+        the prompt's next tokens `after` (>u4): its header, verified payload and j."""
+        ...
+
     def restored(
         self, ns: ChainSpace, cont: Continuation, n_blocks: int, state: bool, *, end: bool = False
     ) -> None: ...

@@ -27,11 +27,13 @@ from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.children import Child, nearest_child, shared_tokens
+from cas_bank.index.children import KIND_BLOCK, Child, nearest_child, shared_tokens
 from cas_bank.index.ends import EndHeader, decode_end, split_record
 from cas_bank.index.layout import Assembler, group_layers
 
 if TYPE_CHECKING:
+    from cas_bank.blocks.codec import Decoded
+    from cas_bank.index.continuation import ChainSpace, ChainTier
     from cas_bank.index.payloads import PayloadReader
     from cas_bank.spec import ModelSpec
     from cas_bank.stats import Counters
@@ -49,6 +51,7 @@ class PartialPlan:
     base: int  # tokens before it
     header: Header | None  # a block's header
     end: tuple[EndHeader, bytes] | None  # an end record's header and payload
+    fetched: Decoded | None = None  # a block's payload, verified, from the shared tier
 
     @property
     def shared(self) -> int:
@@ -107,6 +110,28 @@ def find_partial(
     return plan
 
 
+def remote_partial(
+    tier: ChainTier,
+    ns: ChainSpace,
+    hashes: Sequence[BlockHash],
+    tokens: np.ndarray,
+    blocks: int,
+) -> PartialPlan | None:
+    """`find_partial` in the shared tier: the child a host lacks, fetched and checked
+    there (`remote.children`), held in memory for `read_partial`."""
+    bs = ns.block_size
+    parent = bytes(ns.root if blocks == 0 else hashes[blocks - 1])
+    base = blocks * bs
+    after = tokens[base : base + bs].astype(">u4").tobytes()
+    found = tier.partial_child(ns, parent, blocks, after)
+    if found is None:
+        return None
+    header, block, shared = found
+    mine = np.frombuffer(header.tokens, dtype="<u4").astype(">u4").tobytes()
+    child = Child(parent, KIND_BLOCK, bytes(header.chain_hash), mine, shared)
+    return PartialPlan(child, blocks, base, header, None, block)
+
+
 def read_partial(
     spec: ModelSpec, plan: PartialPlan, payloads: PayloadReader, counters: Counters
 ) -> list[np.ndarray] | None:
@@ -117,7 +142,7 @@ def read_partial(
     specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
     if plan.header is not None:
         h = plan.header
-        block = payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
+        block = plan.fetched or payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
         if block is None:
             return None
         arrays = block.arrays

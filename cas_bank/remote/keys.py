@@ -42,7 +42,7 @@ MAGIC = b"CBR1"
 MAC_SIZE = 32
 MAC_CONTEXT = "cas_bank 2026-11-30 remote tier mac key v1"
 
-Kind = Literal["h", "p", "s"]
+Kind = Literal["h", "p", "s", "c"]  # "c": a parent's children (`remote.children`)
 
 
 def mac_key(secret: bytes) -> bytes:

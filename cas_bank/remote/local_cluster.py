@@ -407,12 +407,16 @@ class LocalCluster:
         return total
 
     def value_bytes(self) -> int:
-        """Sum of the values' lengths (STRLEN) over every key of the masters."""
+        """Sum of the values' lengths (STRLEN) over every key of the masters; a sorted
+        set (a block's children, `remote.children`) counts its members' lengths."""
         total = 0
         for node in self._masters_up():
             with self._client(node) as c:
                 for key in c.scan_iter(count=1000):
-                    total += int(c.strlen(key))
+                    if c.type(key) in (b"zset", "zset"):
+                        total += sum(len(m) for m in c.zrange(key, 0, -1))
+                    else:
+                        total += int(c.strlen(key))
         return total
 
     def config_set(self, name: str, value: str | int) -> None:

@@ -40,6 +40,7 @@ from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.ends import with_check as end_with_check
 from cas_bank.index.owner import Owner
 from cas_bank.remote import ends, keys
+from cas_bank.remote.children import child_entry, fetch_child
 from cas_bank.remote.client import RemoteClient, tls_options
 from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
@@ -134,6 +135,12 @@ class RemoteTier:
     ) -> Continuation | None:
         """The cluster's continuation of the local chain `matched`, verified, or None."""
         return fetch_continuation(self, ns, toks, hashes, matched)
+
+    def partial_child(
+        self, ns: ChainSpace, parent: bytes, index: int, after: bytes
+    ) -> tuple[Header, codec.Decoded, int] | None:
+        """The cluster's child of `parent` sharing the most of `after` (`remote.children`)."""
+        return fetch_child(self, ns.root, parent, index, after)
 
     def reject(self, h: bytes, why: str) -> None:
         self.bank.counters.count(remote_rejected=1)
@@ -287,8 +294,9 @@ class RemoteTier:
             # The payload first: a reader that sees the header finds the payload.
             cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), *nx))
             cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx))
-            counted += [False, True]
-            owners += [header.chain_hash, header.chain_hash]
+            cmds.append(child_entry(root, header))  # its parent's children (partial blocks)
+            counted += [False, True, False]
+            owners += [header.chain_hash] * 3
         singles = [
             (h, sk, keys.seal_payload(self.mkey, sk, payload))
             for (h, payload), sk in zip(job.states, state_keys, strict=True)
@@ -315,7 +323,9 @@ class RemoteTier:
                 for h in redo - failed:
                     self._rejected.pop(h, None)
         # None: refused (a full node), not sent, or already written by another host.
-        written = sum(len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None)
+        written = sum(
+            len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None and c[0] == "SET"
+        )
         self.bank.counters.count(
             remote_publishes=sum(1 for a, c in zip(done, counted, strict=True) if c and a),
             remote_published_bytes=written,
