@@ -5,10 +5,13 @@ nothing pays for the lookup."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+from cas_bank.tools.cli import main as cli_main
 from conftest import attention_spec, hybrid_spec, layers_bits, prefix_layers, random_state
 from conftest import tokens_of as _tokens
 
@@ -105,7 +108,9 @@ def test_imports_and_salvage_carry_the_index(tmp_path: Path) -> None:
         assert hit is not None and (hit.tokens, hit.partial) == (7, 3)
 
 
-def test_a_partial_block_is_the_stored_kv_of_its_first_tokens(tmp_path: Path) -> None:
+def test_a_partial_block_is_the_stored_kv_of_its_first_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """From a block or from an end record's tail, restored from disk after a reopen."""
     path = tmp_path / "bank"
     with Bank.open(path, BankConfig(block_size=B)) as bank:
@@ -120,6 +125,9 @@ def test_a_partial_block_is_the_stored_kv_of_its_first_tokens(tmp_path: Path) ->
                 [(k[..., :at, :], v[..., :at, :]) for k, v in prefix_layers(SPEC, stored)], SPEC
             )
         assert bank.stats().partial_hits == 3
+    assert cli_main(["stats", str(path), "--json"]) == 0  # kept past the close
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["partial_hits"], shown["partial_tokens"]) == (3, 6 % B + 9 % B + 13 % B)
 
 
 def test_a_hybrid_model_takes_no_partial_block(tmp_path: Path) -> None:

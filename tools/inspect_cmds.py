@@ -144,6 +144,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("hits / misses", f"{s.hits} / {s.misses}"),
         ("hit rate", f"{s.hit_rate:.1%} of queried tokens"),
         ("end hits", f"{s.exact_hits} exact repeats, {s.end_hits} extensions"),
+        ("partial blocks", f"{s.partial_hits} restores took {s.partial_tokens} tokens of one"),
         ("corrupt reads", s.corrupt_reads),
         (
             "evicted",
