@@ -130,6 +130,22 @@ def test_a_partial_block_is_the_stored_kv_of_its_first_tokens(
     assert (shown["partial_hits"], shown["partial_tokens"]) == (3, 6 % B + 9 % B + 13 % B)
 
 
+def test_a_partial_block_joins_a_leased_chain_exactly(tmp_path: Path) -> None:
+    """Right after the store the chain is leased (in memory): the partial block's first
+    tokens are joined to the lease's arrays, without room and with it."""
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
+        prompts = _fill(bank)
+        ns = bank.namespace(SPEC)
+        assert bank.leases is not None
+        want = [(k[..., :10, :], v[..., :10, :]) for k, v in prefix_layers(SPEC, prompts[0])]
+        for room in (0, 64):
+            hit = ns.restore([*prompts[0][:10], 999], room_for=room)
+            assert hit is not None and (hit.tokens, hit.partial) == (10, 2)
+            got = [(k[..., :10, :], v[..., :10, :]) for k, v in hit.layers]
+            assert layers_bits(got, SPEC) == layers_bits(want, SPEC)
+        assert bank.stats().hot_hits >= 2 * 2  # both restores took the 2 blocks from the lease
+
+
 def test_a_hybrid_model_takes_no_partial_block(tmp_path: Path) -> None:
     spec = hybrid_spec()
     with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
