@@ -175,6 +175,7 @@ PARTS = (
     "store_overhead",
     "fleet",
     "admission",
+    "branching",
     "remote",
     "remote_rtt",
     "remote_load",
