@@ -65,6 +65,10 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert "## Machine" in md and "## Targets" in md and saved["machine"]["cpu"] in md
     assert "## Shared tier under sustained load" in md and "network's latency" in md
     assert "## Prefetch in the server's queue" in md
+    assert "## Partial blocks: agents branching at arbitrary points" in md
+    runs = res["branching"]["runs"]  # the same requests: partial blocks never prefill more
+    for bs in run.fleet.tiny_branch_settings().block_sizes:
+        assert runs[f"{bs}/partial"]["prefilled_tokens"] <= runs[f"{bs}/whole"]["prefilled_tokens"]
     rows = [line for line in md.splitlines() if line.endswith("| met |") or "**missed**" in line]
     assert len(rows) == len(res["targets"]) >= 13
     assert (out / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
