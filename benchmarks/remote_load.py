@@ -20,7 +20,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import blake3
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.remote_setup import bank_config, run_alone
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.remote.local_cluster import LocalCluster
 
@@ -90,13 +90,7 @@ def digest(kv: list[Any]) -> str:
 
 
 def _config(s: LoadSettings, url: str) -> BankConfig:
-    return BankConfig(
-        block_size=s.block_size,
-        hot_bytes=0,
-        remote=url,
-        remote_secret=SECRET,
-        remote_queue_bytes=s.queue_bytes,
-    )
+    return bank_config(s.block_size, url, remote_queue_bytes=s.queue_bytes)
 
 
 def client(workdir: Path, url: str, s: LoadSettings, seed: int) -> dict[str, Any]:
@@ -248,10 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--short", action="store_true", help="the make bench form (a few seconds)")
     args = p.parse_args(argv)
     s = short_settings() if args.short else LoadSettings(clients=args.clients, seconds=args.seconds)
-    with tempfile.TemporaryDirectory(prefix="cas_bank_load_") as tmp:
-        res = run(Path(tmp), s)
-    print(json.dumps(res, indent=2))
-    return res
+    return run_alone(run, s, "cas_bank_load_")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ time from submit to first token, and what the restores took from the cluster.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,11 +26,10 @@ from cas_bank.runtime.engine import Engine
 from cas_bank.runtime.generation import GenerationRequest, GenerationResult
 
 from benchmarks.ceilings import median
+from benchmarks.remote_setup import bank_config, run_alone
 from benchmarks.restore import synthetic_cache
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank
 from cas_bank.remote.local_cluster import LocalCluster
-
-SECRET = "bench fleet secret"
 
 
 @dataclass(frozen=True)
@@ -49,16 +46,12 @@ def tiny_settings() -> PrefetchSettings:
     return PrefetchSettings(tokens=256, busy_tokens=512, rtt=0.0)
 
 
-def _config(s: PrefetchSettings, url: str) -> BankConfig:
-    return BankConfig(block_size=s.block_size, hot_bytes=0, remote=url, remote_secret=SECRET)
-
-
 def _prompt(i: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(100 + i).integers(0, 256, n)]
 
 
 def _serve(workdir: Path, s: PrefetchSettings, lm: Any, url: str, prefetch: bool) -> dict[str, Any]:
-    with Bank.open(workdir / f"host-b-{prefetch}", _config(s, url)) as bank:
+    with Bank.open(workdir / f"host-b-{prefetch}", bank_config(s.block_size, url)) as bank:
         engine = Engine(lm, bank, prefetch=prefetch)
         try:
             prompts = [_prompt(-1, s.busy_tokens)] + [
@@ -101,7 +94,8 @@ def run(workdir: Path, s: PrefetchSettings) -> dict[str, Any]:
     with LocalCluster(3, rtt=s.rtt) as cluster:
         for prefetch in (False, True):
             cluster.flushall()  # what host b stored in the last mode is gone again
-            with Bank.open(workdir / f"host-a-{prefetch}", _config(s, cluster.url(0))) as a:
+            config = bank_config(s.block_size, cluster.url(0))
+            with Bank.open(workdir / f"host-a-{prefetch}", config) as a:
                 pc = PrefixCache(a, lm)
                 for i in range(s.clients - 1):
                     cache, states = synthetic_cache(pc, s.tokens, np.random.default_rng(i))
@@ -120,10 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
     args = p.parse_args(argv)
     s = tiny_settings() if args.tiny else PrefetchSettings()
-    with tempfile.TemporaryDirectory(prefix="cas_bank_prefetch_") as tmp:
-        res = run(Path(tmp), s)
-    print(json.dumps(res, indent=2))
-    return res
+    return run_alone(run, s, "cas_bank_prefetch_")
 
 
 if __name__ == "__main__":

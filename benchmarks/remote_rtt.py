@@ -13,8 +13,6 @@ the next one (the node's breaker skips it).
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,12 +23,11 @@ import numpy as np
 from cas_bank.runtime import PrefixCache, build_model
 
 from benchmarks.ceilings import median
+from benchmarks.remote_setup import bank_config, run_alone
 from benchmarks.restore import synthetic_cache
 from benchmarks.ttft import PREFILL_STEP
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank
 from cas_bank.remote.local_cluster import LocalCluster
-
-SECRET = "bench fleet secret"
 
 
 @dataclass(frozen=True)
@@ -45,12 +42,6 @@ class RttSettings:
 
 def tiny_settings() -> RttSettings:
     return RttSettings(rtts=(0.0, 0.002), tokens=(256,), cold_tokens=(256,), repeats=1)
-
-
-def _config(s: RttSettings, url: str | None) -> BankConfig:
-    return BankConfig(
-        block_size=s.block_size, hot_bytes=0, remote=url, remote_secret=SECRET if url else None
-    )
 
 
 def _prompt(n: int) -> np.ndarray:
@@ -75,7 +66,7 @@ def _cold(workdir: Path, s: RttSettings, lm: Any, n: int) -> float:
     prompt = _prompt(n)
     times = []
     for _ in range(s.repeats):
-        with Bank.open(workdir / f"cold{n}", _config(s, None)) as bank:
+        with Bank.open(workdir / f"cold{n}", bank_config(s.block_size, None)) as bank:
             pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
             cache, _ = pc.restore(prompt[:1])
             t = time.perf_counter()
@@ -86,7 +77,7 @@ def _cold(workdir: Path, s: RttSettings, lm: Any, n: int) -> float:
 
 def _restores(workdir: Path, s: RttSettings, lm: Any, url: str, n: int) -> dict[str, Any]:
     prompt = _prompt(n)
-    with Bank.open(workdir / f"source{n}", _config(s, url)) as src:
+    with Bank.open(workdir / f"source{n}", bank_config(s.block_size, url)) as src:
         pc = PrefixCache(src, lm, chunk_size=PREFILL_STEP)
         cache, states = synthetic_cache(pc, n, np.random.default_rng(n))  # no prefill
         pc.store(prompt[:-1], cache, states)
@@ -99,7 +90,7 @@ def _restores(workdir: Path, s: RttSettings, lm: Any, url: str, n: int) -> dict[
         assert got == n, got
     cluster, trips, fetched = [], [], 0
     for r in range(s.repeats):
-        with Bank.open(workdir / f"empty{n}-{r}", _config(s, url)) as empty:
+        with Bank.open(workdir / f"empty{n}-{r}", bank_config(s.block_size, url)) as empty:
             pc = PrefixCache(empty, lm, chunk_size=PREFILL_STEP)
             pc.restore(np.arange(2 * s.block_size, dtype=np.uint32))  # connects (a miss)
             client = empty.remote.client  # type: ignore[union-attr]
@@ -125,7 +116,7 @@ def _breaker(workdir: Path, s: RttSettings, lm: Any, cluster: LocalCluster) -> d
     next is answered at once (its breaker skips the node; the chain stops before it)."""
     n = s.tokens[0]
     prompt = _prompt(n)
-    with Bank.open(workdir / "breaker", _config(s, cluster.url(1))) as bank:
+    with Bank.open(workdir / "breaker", bank_config(s.block_size, cluster.url(1))) as bank:
         pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
         pc.restore(np.arange(2 * s.block_size, dtype=np.uint32))  # connects
         cluster.pause(0)
@@ -169,10 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
     args = p.parse_args(argv)
     s = tiny_settings() if args.tiny else RttSettings()
-    with tempfile.TemporaryDirectory(prefix="cas_bank_rtt_") as tmp:
-        res = run(Path(tmp), s)
-    print(json.dumps(res, indent=2, default=str))
-    return res
+    return run_alone(run, s, "cas_bank_rtt_")
 
 
 if __name__ == "__main__":

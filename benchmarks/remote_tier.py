@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -31,11 +29,10 @@ import numpy as np
 from cas_bank.runtime import PrefixCache, build_model
 
 from benchmarks.ceilings import median
+from benchmarks.remote_setup import bank_config, run_alone
 from benchmarks.ttft import PREFILL_STEP
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank
 from cas_bank.remote.local_cluster import LocalCluster
-
-SECRET = "bench fleet secret"
 
 
 @dataclass(frozen=True)
@@ -58,16 +55,11 @@ def tiny_settings() -> RemoteSettings:
     )  # fmt: skip
 
 
-def _config(s: RemoteSettings, url: str | None) -> BankConfig:
-    return BankConfig(
-        block_size=s.block_size, hot_bytes=0, remote=url, remote_secret=SECRET if url else None
-    )
-
-
 def _fleet(
     workdir: Path, s: RemoteSettings, lm: Any, url: str | None, prompts: list[list[np.ndarray]]
 ) -> dict[str, Any]:
-    banks = [Bank.open(workdir / f"host{h}", _config(s, url)) for h in range(s.hosts)]
+    config = bank_config(s.block_size, url)
+    banks = [Bank.open(workdir / f"host{h}", config) for h in range(s.hosts)]
     try:
         caches = [PrefixCache(b, lm, chunk_size=PREFILL_STEP) for b in banks]
         queried = restored = 0
@@ -99,7 +91,7 @@ def _fleet(
 def _restore_ways(workdir: Path, s: RemoteSettings, lm: Any, url: str) -> dict[str, Any]:
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, 256, s.restore_tokens + 1).astype(np.uint32)
-    with Bank.open(workdir / "source", _config(s, url)) as src:
+    with Bank.open(workdir / "source", bank_config(s.block_size, url)) as src:
         pc = PrefixCache(src, lm, chunk_size=PREFILL_STEP)
         cache, _ = pc.restore(prompt)
         pc.prefill(prompt, cache)
@@ -112,7 +104,7 @@ def _restore_ways(workdir: Path, s: RemoteSettings, lm: Any, url: str) -> dict[s
         assert n == s.restore_tokens
     cluster = []
     for r in range(s.repeats):
-        with Bank.open(workdir / f"empty{r}", _config(s, url)) as empty:
+        with Bank.open(workdir / f"empty{r}", bank_config(s.block_size, url)) as empty:
             pc = PrefixCache(empty, lm, chunk_size=PREFILL_STEP)
             pc.restore(np.arange(2 * s.block_size, dtype=np.uint32))  # connects (a miss)
             t = time.perf_counter()
@@ -121,7 +113,7 @@ def _restore_ways(workdir: Path, s: RemoteSettings, lm: Any, url: str) -> dict[s
             assert n == s.restore_tokens, n
     cold = []
     for _ in range(s.repeats):
-        with Bank.open(workdir / "cold", _config(s, None)) as bank:
+        with Bank.open(workdir / "cold", bank_config(s.block_size, None)) as bank:
             pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
             cache, _ = pc.restore(prompt[:1])
             t = time.perf_counter()
@@ -143,7 +135,7 @@ def _down(workdir: Path, s: RemoteSettings, lm: Any, cluster: LocalCluster) -> d
     longer = np.concatenate([prompt, rng.integers(0, 256, 4 * s.block_size).astype(np.uint32)])
     out: dict[str, Any] = {}
     for name, url in (("no_remote", None), ("down", cluster.url())):
-        with Bank.open(workdir / f"down-{name}", _config(s, url)) as bank:
+        with Bank.open(workdir / f"down-{name}", bank_config(s.block_size, url)) as bank:
             pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
             cache, _ = pc.restore(prompt)
             pc.prefill(prompt, cache)
@@ -191,7 +183,7 @@ def run(workdir: Path, s: RemoteSettings) -> dict[str, Any]:
         shared = _fleet(workdir / "shared", s, lm, cluster.url(), prompts)
         held = cluster.memory_usage()
         values = cluster.value_bytes()
-        with Bank.open(workdir / "probe", _config(s, None)) as probe:
+        with Bank.open(workdir / "probe", bank_config(s.block_size, None)) as probe:
             spec = PrefixCache(probe, lm).spec
         bs = s.block_size
         distinct_blocks = s.system_tokens // bs + s.agents * (
@@ -221,10 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
     args = p.parse_args(argv)
     s = tiny_settings() if args.tiny else RemoteSettings()
-    with tempfile.TemporaryDirectory(prefix="cas_bank_remote_") as tmp:
-        res = run(Path(tmp), s)
-    print(json.dumps(res, indent=2, default=str))
-    return res
+    return run_alone(run, s, "cas_bank_remote_")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ rejected miss; the restoring host keeps the record locally afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,101 +40,90 @@ def _logits(seed: int) -> mx.array:
     return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
 
 
-def _banks(cluster: Any, tmp_path: Path) -> tuple[Bank, Bank]:
-    return (
-        Bank.open(tmp_path / "a", remote_config(cluster.url(0))),
-        Bank.open(tmp_path / "b", remote_config(cluster.url(1))),
-    )
+@pytest.fixture
+def hosts(cluster: Any, tmp_path: Path) -> Iterator[tuple[Bank, Bank]]:
+    """Two hosts' banks on the cluster (a on master 0, b on master 1), closed after."""
+    a = Bank.open(tmp_path / "a", remote_config(cluster.url(0)))
+    b = Bank.open(tmp_path / "b", remote_config(cluster.url(1)))
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 def test_an_exact_repeat_on_another_host_restores_every_token_and_the_logits(
-    cluster: Any, tmp_path: Path
+    cluster: Any, hosts: tuple[Bank, Bank]
 ) -> None:
-    a, b = _banks(cluster, tmp_path)
-    try:
-        toks = tokens_of(np.random.default_rng(1), 5 * BLOCK_SIZE + 3)
-        layers, logits = prefix_layers(ATT, toks), _logits(1)
-        a.namespace(ATT).store(toks, layers)
-        a.namespace(ATT).store_end(toks, layers, logits=logits)
-        a.flush()
-        hit = b.namespace(ATT).restore(toks)
-        assert hit is not None and hit.tokens == len(toks) and hit.exact
-        assert hit.logits is not None and bits(hit.logits) == bits(logits)
-        assert layers_bits(hit.layers, ATT) == kv_prefix_bits(layers, ATT, len(toks))
-        assert b.stats().remote_hit_tokens == len(toks)
-        b.flush()  # the record and its blocks written locally
-        cluster.flushall()
-        again = b.namespace(ATT).restore(toks)
-        assert again is not None and again.exact and bits(again.logits) == bits(logits)
-        assert b.stats().ends == 1
-    finally:
-        a.close()
-        b.close()
+    a, b = hosts
+    toks = tokens_of(np.random.default_rng(1), 5 * BLOCK_SIZE + 3)
+    layers, logits = prefix_layers(ATT, toks), _logits(1)
+    a.namespace(ATT).store(toks, layers)
+    a.namespace(ATT).store_end(toks, layers, logits=logits)
+    a.flush()
+    hit = b.namespace(ATT).restore(toks)
+    assert hit is not None and hit.tokens == len(toks) and hit.exact
+    assert hit.logits is not None and bits(hit.logits) == bits(logits)
+    assert layers_bits(hit.layers, ATT) == kv_prefix_bits(layers, ATT, len(toks))
+    assert b.stats().remote_hit_tokens == len(toks)
+    b.flush()  # the record and its blocks written locally
+    cluster.flushall()
+    again = b.namespace(ATT).restore(toks)
+    assert again is not None and again.exact and bits(again.logits) == bits(logits)
+    assert b.stats().ends == 1
 
 
 def test_a_host_with_the_blocks_takes_the_end_record_from_the_cluster(
-    cluster: Any, tmp_path: Path
+    hosts: tuple[Bank, Bank],
 ) -> None:
-    a, b = _banks(cluster, tmp_path)
-    try:
-        toks = tokens_of(np.random.default_rng(2), 4 * BLOCK_SIZE + 1)
-        layers, logits = prefix_layers(ATT, toks), _logits(2)
-        b.namespace(ATT).store(toks, layers)  # b has every block, not the end
-        a.namespace(ATT).store(toks, layers)
-        a.namespace(ATT).store_end(toks, layers, logits=logits)
-        a.flush()
-        hit = b.namespace(ATT).restore(toks)
-        assert hit is not None and hit.exact and hit.tokens == len(toks)
-        assert bits(hit.logits) == bits(logits)
-    finally:
-        a.close()
-        b.close()
+    a, b = hosts
+    toks = tokens_of(np.random.default_rng(2), 4 * BLOCK_SIZE + 1)
+    layers, logits = prefix_layers(ATT, toks), _logits(2)
+    b.namespace(ATT).store(toks, layers)  # b has every block, not the end
+    a.namespace(ATT).store(toks, layers)
+    a.namespace(ATT).store_end(toks, layers, logits=logits)
+    a.flush()
+    hit = b.namespace(ATT).restore(toks)
+    assert hit is not None and hit.exact and hit.tokens == len(toks)
+    assert bits(hit.logits) == bits(logits)
 
 
 def test_a_hybrid_next_turn_on_another_host_resumes_from_the_end_record(
-    cluster: Any, tmp_path: Path
+    hosts: tuple[Bank, Bank],
 ) -> None:
     spec = hybrid_spec()
-    a, b = _banks(cluster, tmp_path)
-    try:
-        rng = np.random.default_rng(3)
-        turn = tokens_of(rng, 3 * BLOCK_SIZE + 2)
-        layers, state = prefix_layers(spec, turn), random_state(spec, 3)
-        a.namespace(spec).store(turn, layers)  # no boundary state (mlx-lm's server)
-        a.namespace(spec).store_end(turn, layers, state)
-        a.flush()
-        nxt = [*turn, *tokens_of(rng, 2 * BLOCK_SIZE)]
-        hit = b.namespace(spec).restore(nxt)
-        assert hit is not None and hit.tokens == len(turn) and hit.end and not hit.exact
-        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, len(turn))
-        assert state_bits(hit.layers, spec) == state_bits(state, spec)
-    finally:
-        a.close()
-        b.close()
+    a, b = hosts
+    rng = np.random.default_rng(3)
+    turn = tokens_of(rng, 3 * BLOCK_SIZE + 2)
+    layers, state = prefix_layers(spec, turn), random_state(spec, 3)
+    a.namespace(spec).store(turn, layers)  # no boundary state (mlx-lm's server)
+    a.namespace(spec).store_end(turn, layers, state)
+    a.flush()
+    nxt = [*turn, *tokens_of(rng, 2 * BLOCK_SIZE)]
+    hit = b.namespace(spec).restore(nxt)
+    assert hit is not None and hit.tokens == len(turn) and hit.end and not hit.exact
+    assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, len(turn))
+    assert state_bits(hit.layers, spec) == state_bits(state, spec)
 
 
-def test_a_forged_end_record_is_a_rejected_miss(cluster: Any, tmp_path: Path) -> None:
-    a, b = _banks(cluster, tmp_path)
-    try:
-        toks = tokens_of(np.random.default_rng(4), 3 * BLOCK_SIZE + 2)
-        layers = prefix_layers(ATT, toks)
-        a.namespace(ATT).store(toks, layers)
-        a.namespace(ATT).store_end(toks, layers, logits=_logits(4))
-        a.flush()
-        ns = a.namespace(ATT)
-        local = end_key(ns.chain(toks)[-1], np.array(toks[-2:], dtype="<u4").tobytes())
-        value = a.store.get(Family.ENDS, local)
-        assert value is not None
-        header, _ = split_record(local, value)
-        k = ends.remote_key(ns.root, local)
-        forged = ends.seal(keys.mac_key(b"another fleet"), k, value, len(header.encode()))
-        cluster.set_raw(k, forged)
-        hit = b.namespace(ATT).restore(toks)
-        assert hit is not None and hit.tokens == 3 * BLOCK_SIZE and not hit.exact
-        assert b.stats().remote_rejected == 1
-    finally:
-        a.close()
-        b.close()
+def test_a_forged_end_record_is_a_rejected_miss(cluster: Any, hosts: tuple[Bank, Bank]) -> None:
+    a, b = hosts
+    toks = tokens_of(np.random.default_rng(4), 3 * BLOCK_SIZE + 2)
+    layers = prefix_layers(ATT, toks)
+    a.namespace(ATT).store(toks, layers)
+    a.namespace(ATT).store_end(toks, layers, logits=_logits(4))
+    a.flush()
+    ns = a.namespace(ATT)
+    local = end_key(ns.chain(toks)[-1], np.array(toks[-2:], dtype="<u4").tobytes())
+    value = a.store.get(Family.ENDS, local)
+    assert value is not None
+    header, _ = split_record(local, value)
+    k = ends.remote_key(ns.root, local)
+    forged = ends.seal(keys.mac_key(b"another fleet"), k, value, len(header.encode()))
+    cluster.set_raw(k, forged)
+    hit = b.namespace(ATT).restore(toks)
+    assert hit is not None and hit.tokens == 3 * BLOCK_SIZE and not hit.exact
+    assert b.stats().remote_rejected == 1
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-hybrid"])
