@@ -34,7 +34,7 @@ from cas_bank.runtime.engine import Engine
 from cas_bank.runtime.server import BackgroundServer
 
 from benchmarks.ceilings import median
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank
 
 MODES = ("background", "inline", "off")
 
@@ -83,7 +83,7 @@ def run(workdir: Path, s: ServerStoreSettings) -> dict[str, Any]:
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     try:
         for mode in MODES:
-            bank = Bank.open(workdir / mode, BankConfig(write_behind=4))  # a background writer
+            bank = Bank.open(workdir / mode)  # default settings: a background writer
             servers[mode] = BackgroundServer(Engine(lm, bank, stores=mode, owns_bank=True)).start()
         for mode in MODES:  # warm-up: first-call costs are no part of any mode
             _request(servers[mode], [int(t) for t in rng.integers(0, 256, 64)], 2)

@@ -47,9 +47,11 @@ class BankConfig(BaseModel):
     `"xxh3"` on an older bank marks it version 4: its blake3 records stay as they are,
     new ones are XXH3-128. Every read checks each record by the check it carries."""
 
-    write_behind: int = Field(default=0, ge=0, strict=True)
-    """Stores `Namespace.store_later` (and `PrefixCache(background=True)`) may queue for
-    the background writer; a caller waits when that many are queued. 0: no writer."""
+    write_behind: int = Field(default=4, ge=0, strict=True)
+    """Stores the background writer may hold queued (`Namespace.store_later`, and every
+    store of `PrefixCache`, `BankPromptCache` and `cas-bank serve` unless they are asked
+    for inline stores); a caller waits while that many are queued. 0: no writer, every
+    store is written on the caller's thread. `Namespace.store` is always synchronous."""
 
     admit: Literal["always", "second_use"] = "always"
     """Which new blocks a store writes. `always`: every one. `second_use`: a new block

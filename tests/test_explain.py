@@ -35,6 +35,7 @@ def stored_bank(path: Path, model: str, tokens: list[int]) -> PrefixCache:
     pc = PrefixCache(bank, tiny(model))
     cache, _ = pc.restore(tokens)
     pc.prefill(tokens, cache)
+    bank.flush()  # stored: committed by the background writer
     return pc
 
 
@@ -345,6 +346,7 @@ def test_an_end_record_is_explained_and_counted_as_a_restore_does(tmp_path: Path
         pc.prefill(a, cache, store=False)  # no boundary state is captured
         pc.store(a, cache)
         pc.store_end(a, cache)
+        bank.flush()  # committed: explain reads the bank
         root = pc.namespace.root
         before = explain(bank, root, a)
         assert before.end_record_tokens == len(a) == before.restorable_tokens

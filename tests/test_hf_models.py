@@ -152,4 +152,5 @@ def test_cas_bank_serve_a_quantized_model_directory_with_its_tokenizer(tmp_path:
         )
     )
     cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
-    assert cached == [0, shared // BLOCK * BLOCK] and cached[1] > 0
+    # The shared full blocks, and (partial-block reuse) up to the rest of what is shared.
+    assert cached[0] == 0 and shared // BLOCK * BLOCK <= cached[1] <= shared and cached[1] > 0

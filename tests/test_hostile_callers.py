@@ -186,4 +186,5 @@ def test_an_empty_end_record_and_no_hints_are_told_apart_from_bugs() -> None:
         with pytest.raises(InvalidInputError, match="at least one token"):
             pc.store_end([], cache)
         pc.prefill(TOKENS, cache, hints=None)  # None: no hints, as ()
+        bank.flush()  # committed by the background writer
         assert pc.namespace.match(TOKENS) > 0

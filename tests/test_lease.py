@@ -57,6 +57,7 @@ def _stored(seed: int, n_tokens: int) -> Iterator[tuple[Any, PrefixCache, list[i
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, lm)
         pc.prefill(tokens, pc.new_cache())
+        bank.flush()  # stored: committed by the background writer
         assert bank.leases is not None
         yield bank, pc, tokens
 

@@ -48,6 +48,7 @@ def test_a_cancelled_prefill_stores_what_it_finished_and_resumes_exactly(
             stopped: PrefillCancelled | None = e
         else:
             stopped = None
+        bank.flush()  # what it stored, committed by the background writer
         assert pc.last_prefill is not None
         passes = pc.last_prefill.chunk_ends  # the forward passes that ran
         if stopped is None:  # fewer passes than `chunks`: never asked after the last

@@ -65,6 +65,7 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
         generated, _ = run(model, prompt, cache)
         held = prompt + generated  # generate_step has fed every token it yielded
         pc.insert_cache(KEY, held, cache)
+        bank.flush()  # the insert's stores committed (the background writer)
         assert len(pc) == 1 and pc.stats_by_type()["assistant"]["n_sequences"] == 1
         assert pc.nbytes > 0 and pc.stats()["failures"] == 0
 
@@ -97,6 +98,7 @@ def test_without_capture_a_hybrid_resumes_only_from_the_end_record() -> None:
         cache = make_prompt_cache(loaded.model)
         loaded.model(mx.array(prompt)[None], cache=cache)
         pc.insert_cache(KEY, prompt, cache)
+        bank.flush()  # the insert's stores committed (the background writer)
         assert pc.stats()["blocks_written"] == 2 and pc.stats()["recomputed_tokens"] == 0
         assert pc.stats()["end_bytes_written"] > 0 and bank.stats().ends == 1
         branch = [*prompt[:-1], prompt[-1] + 1, 1]  # leaves it inside the last block

@@ -98,6 +98,7 @@ def test_restore_fills_mlx_lm_cache_objects() -> None:
     with temp_bank(16) as bank:
         pc = PrefixCache(bank, tiny("tiny-hybrid"))
         pc.prefill(toks, pc.new_cache())
+        bank.flush()  # the background writer committed it (a hybrid restores from disk)
         assert pc.match(toks) == 48
         cache, n = pc.restore(toks)
         assert n == 48
@@ -144,7 +145,7 @@ def test_store_after_decoding_with_a_state_recorder() -> None:
             rec.observe()
         assert rec.captured == [48, 64]
         full = prompt + response
-        report = pc.store(full, cache, states=rec)
+        report = pc.store(full, cache, states=rec).result()  # waits for the writer
         assert report.blocks == 4 and report.blocks_written == 2 and report.states_written == 1
 
         turn = [*full, *random_tokens(rng, 5)]
@@ -177,7 +178,7 @@ def test_state_recorder_under_mlx_lm_generate_step() -> None:
         full = prompt + response
         assert cache[1].offset == len(full) == 71
         assert rec.captured == [48, 64]
-        pc.store(full, cache, states=rec)
+        pc.store(full, cache, states=rec).result()  # committed: a hybrid restores from disk
 
         turn = [*full, *random_tokens(rng, 3)]
         cache2, n = pc.restore(turn)
@@ -214,7 +215,7 @@ def test_attention_only_store_after_generation() -> None:
         for t in response:
             pc.model(mx.array([[t]]), cache=cache)
         full = prompt + response
-        report = pc.store(full, cache)
+        report = pc.store(full, cache).result()  # waits for the writer
         assert (report.blocks, report.blocks_written) == (2, 1)
         assert pc.match([*full, 1]) == 32
 
@@ -315,6 +316,7 @@ def test_a_read_only_bank_restores_and_stores_nothing(tmp_path: Any) -> None:
     with Bank.open(tmp_path / "bank", BankConfig(block_size=16)) as bank:
         pc = PrefixCache(bank, tiny("tiny-hybrid"))
         pc.prefill(toks, pc.new_cache())
+        bank.flush()  # the counters once the background writer committed the store
         before = counters(bank)
     with Bank.open(tmp_path / "bank", mode="read_only") as bank:
         pc = PrefixCache(bank, tiny("tiny-hybrid"))

@@ -32,6 +32,7 @@ def test_agents_share_one_copy_of_the_system_prompt() -> None:
             cache, n = pc.restore(prompt)
             restored.append(n)
             logits = pc.prefill(prompt, cache, n)
+            bank.flush()  # committed before the next agent comes (the background writer)
         system_blocks = SYSTEM // BLOCK
         # Agent 1 stores a state only near its own end; agent 2's prefill captures the
         # branch point; every later agent restores the system prompt's full blocks.
@@ -66,6 +67,7 @@ def test_different_weights_never_share_a_block() -> None:
         cache, n = b.restore(toks)
         assert n == 0
         b.prefill(toks, cache)
+        bank.flush()
         assert bank.stats().blocks == 2 * (100 // 16)
 
 
@@ -77,6 +79,7 @@ def test_the_same_weights_built_twice_share_every_block() -> None:
     with temp_bank(16) as bank:
         a = PrefixCache(bank, first)
         a.prefill(toks, a.new_cache())
+        bank.flush()  # committed: a hybrid restores from the bank
         stored = a.last_prefill
         assert stored is not None
         blocks = bank.stats().blocks
@@ -87,7 +90,8 @@ def test_the_same_weights_built_twice_share_every_block() -> None:
         assert n == 96
         logits = b.prefill(more, cache, n)
         report = b.last_prefill
-        assert report is not None and report.stored is not None
-        assert report.stored.blocks_existing == 6 and bank.stats().blocks == blocks + 0
+        assert report is not None and b.last_pending is not None
+        written = b.last_pending.result()  # the background writer's report
+        assert written.blocks_existing == 6 and bank.stats().blocks == blocks + 0
         ends = report.chunk_ends
         assert bit_equal(logits, same_schedule_logits(a, toks, stored.chunk_ends, more, n, ends))

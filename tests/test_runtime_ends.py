@@ -79,6 +79,7 @@ def test_an_extension_continues_from_the_end_record(variant: str) -> None:
         assert len(finished) % BLOCK
         pc.store(finished, cache)  # blocks only: no state at any boundary
         pc.store_end(finished, cache)
+        bank.flush()  # committed: an end record is restored from the bank
         assert bank.stats().states == 0
 
         turn = finished + random_tokens(rng, 6)

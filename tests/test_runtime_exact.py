@@ -78,6 +78,7 @@ def check_restored_prefill(
     cache, n0 = pc.restore(a)
     assert n0 == 0
     pc.prefill(a, cache, n0)
+    pc.bank.flush()  # committed by the background writer: b restores from the bank
     stored = pc.last_prefill
     assert stored is not None
     assert all(c % chunk_size == 0 or c in stored.captured for c in stored.chunk_ends[:-1])
@@ -188,6 +189,7 @@ def test_a_prompt_diverging_inside_a_block_keeps_its_first_tokens_exactly(
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=chunk, **options)
         pc.prefill(a, pc.new_cache())
+        pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None
         for j in range(BLOCK):
@@ -212,6 +214,7 @@ def test_a_state_from_the_wrong_boundary_is_caught() -> None:
     with temp_bank(BLOCK, state_stride=1) as bank:
         pc = PrefixCache(bank, tiny("tiny-hybrid"), chunk_size=512)
         pc.prefill(a, pc.new_cache())
+        pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None and stored.captured == list(range(16, 100, 16))
 
@@ -247,6 +250,7 @@ def test_generate_step_from_a_restored_cache(variant: str) -> None:
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=32, **options)
         pc.prefill(a, pc.new_cache())
+        pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None
         cache, n = pc.restore(b)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -481,6 +482,7 @@ def test_health_models_and_metrics(server: Server) -> None:
     assert health["status"] == "ok" and health["model"] == MODEL
     assert health["block_size"] == BLOCK
     chat(server.url, conversation("metrics please"))
+    written(server.url)  # the first answer's stores committed (the background writer)
     chat(server.url, conversation("metrics please"))
     r = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT)
     assert r.headers["content-type"].startswith("text/plain")
@@ -505,6 +507,11 @@ def test_health_models_and_metrics(server: Server) -> None:
     # Which native helpers this server runs with (0: the slower Python path).
     assert 'cas_bank_native_helper{helper="chain"} ' in text
     assert 'cas_bank_native_helper{helper="fill"} ' in text
+    # The background writer wrote the stores; nothing failed.
+    assert _metric(text, "cas_bank_writer_stores_total") >= 2
+    assert _metric(text, "cas_bank_writer_bytes_total") > 0
+    assert _metric(text, "cas_bank_writer_failures_total") == 0
+    assert _metric(text, "cas_bank_writer_queue_capacity") >= 1
     # Where the restores' time went: each request restored once (or more) in this process.
     assert _metric(text, "cas_bank_restores_timed_total") >= 2
     total = _metric(text, "cas_bank_restore_seconds_total")
@@ -513,6 +520,18 @@ def test_health_models_and_metrics(server: Server) -> None:
         for p in ("lookup", "allocate", "fill")
     ]
     assert total > 0 and all(p >= 0 for p in parts) and sum(parts) <= total
+
+
+def written(url: str, timeout: float = 60.0) -> None:
+    """Wait until the server's background writer has written every queued store (its
+    queue depth on /metrics is 0)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+        if _metric(text, "cas_bank_writer_queue_depth") == 0:
+            return
+        assert time.monotonic() < deadline, "the background writer never drained"
+        time.sleep(0.05)
 
 
 def _metric(text: str, name: str) -> float:
