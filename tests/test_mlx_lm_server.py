@@ -100,11 +100,26 @@ def common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def restorable(prompt: list[int], stored: list[list[int]], ends: list[list[int]] = ()) -> int:  # type: ignore[assignment]
-    """Full blocks of the longest prefix of prompt[:-1] that some stored prompt shares,
-    or, deeper, the end of an inserted cache (`ends`: its tokens) that prefixes
-    prompt[:-1] inside the block after them (its end record: docs/design.md)."""
-    best = max((common(prompt[:-1], s) for s in stored), default=0)
+def restorable(
+    prompt: list[int],
+    stored: list[list[int]],
+    ends: list[list[int]] = (),  # type: ignore[assignment]
+    *,
+    partial: bool = True,
+) -> int:
+    """Tokens of prompt[:-1] a restore covers, given the prompts whose full blocks are
+    stored and the end records of inserted caches (`ends`: their tokens).
+
+    An attention-only model (`partial`) keeps, to the token, the longest prefix it
+    shares with any stored block or end record: the child of the last whole block that
+    shares most of its next tokens (docs/design.md, partial blocks). A hybrid model
+    keeps full blocks, or deeper an end record that prefixes prompt[:-1] inside the
+    block after them (its recurrent state exists only there)."""
+    head = prompt[:-1]
+    if partial:
+        extents = [s[: len(s) // BLOCK * BLOCK] for s in stored] + list(ends)
+        return max((common(head, x) for x in extents), default=0)
+    best = max((common(head, s) for s in stored), default=0)
     full = best // BLOCK * BLOCK
     deeper = [len(e) for e in ends if full < len(e) < full + BLOCK and prompt[: len(e)] == e]
     return max([full, *[d for d in deeper if d <= len(prompt) - 1]])
@@ -128,7 +143,8 @@ def test_two_clients_share_a_system_prompt_and_a_restart_keeps_it(
     bank, log = tmp_path / "bank", tmp_path / "server.log"
     one, two = conversation("what is the weather in city 1?"), conversation("and in city 22?")
     p1, p2 = ids(tok, one), ids(tok, two)
-    assert restorable(p2, [p1]) >= len(ids(tok, conversation("")[:1])) // BLOCK * BLOCK > 0
+    system = len(ids(tok, conversation("")[:1])) // BLOCK * BLOCK
+    assert restorable(p2, [p1], partial=False) >= system > 0
 
     server = start(bank, models["plain"], log)
     try:
@@ -176,7 +192,9 @@ def test_quantized_kv_is_kept_in_its_own_namespace(models: dict[str, Path], tmp_
     finally:
         assert server.stop() == 0, log.read_text()
     assert cached(r1) == 0
-    assert cached(r2) == restorable(ids(tok, two), [ids(tok, one)]) > 0
+    p1, p2 = ids(tok, one), ids(tok, two)
+    inserted = [p1[: system_end(tok, one)], p1[:-1]]  # mlx-lm's inserts: end records
+    assert cached(r2) == restorable(p2, [p1], inserted) > 0
     with Bank.open(bank) as b:
         specs = list(load_namespaces(b.store)[0].values())
     quantized = [s for s in specs if s.layers[0].quantization is not None]
@@ -206,9 +224,9 @@ def test_a_hybrid_model_restores_shared_prompts_from_captured_states(
     assert cached(r1) == 0
     # The end records of mlx-lm's inserts hold the state at exactly their positions.
     e1 = p1[: system_end(tok, one)]
-    assert 0 < system_blocks <= cached(r2) <= restorable(p2, [p1], [e1, p1[:-1]])
+    assert 0 < system_blocks <= cached(r2) <= restorable(p2, [p1], [e1, p1[:-1]], partial=False)
     assert cached(r2) % BLOCK == 0 or cached(r2) == len(e1)
-    assert cached(r3) == restorable(p1, [p1], [e1, p1[:-1]]) == len(p1) - 1
+    assert cached(r3) == restorable(p1, [p1], [e1, p1[:-1]], partial=False) == len(p1) - 1
     assert answer(r3) == answer(r1)
 
 
