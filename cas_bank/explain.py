@@ -124,13 +124,18 @@ class Explanation:
     partial_used: bool = False
     partial_refused: str | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, stored_tokens: bool = True) -> dict[str, Any]:
+        """The fields and the summary. `stored_tokens=False` (the server's answer to any
+        client): without the stored block's token and name where the prompt diverges,
+        which would let a client rebuild another user's prompt a token per call."""
         out = asdict(self)
-        out["summary"] = self.summary()
+        out["summary"] = self.summary(stored_tokens=stored_tokens)
+        if not stored_tokens and out["divergence"] is not None:
+            del out["divergence"]["stored_token"], out["divergence"]["sibling"]
         return out
 
-    def summary(self) -> list[str]:
-        """The explanation in sentences."""
+    def summary(self, *, stored_tokens: bool = True) -> list[str]:
+        """The explanation in sentences (`stored_tokens`: as in `as_dict`)."""
         bs = self.block_size
         lines = [
             f"{self.matched_blocks} of {self.full_blocks} full blocks matched "
@@ -139,9 +144,14 @@ class Explanation:
         ]
         d = self.divergence
         if d is not None:
+            theirs = (
+                f"the stored block {d.sibling[:16]} has {d.stored_token}"
+                if stored_tokens
+                else "a stored block has another"
+            )
             lines.append(
                 f"the chain diverges in block {d.block} at token {d.token}: the prompt has "
-                f"id {d.prompt_token}, the stored block {d.sibling[:16]} has {d.stored_token}."
+                f"id {d.prompt_token}, {theirs}."
             )
         elif self.missing_block is not None:
             lines.append(

@@ -5,7 +5,9 @@ The body names a prompt the way a completion request does: `{"messages": [...]}`
 optionally its `cache_salt`. The answer is `cas_bank.explain.Explanation.as_dict()`
 for the ids the engine looks up for it, as `PrefixCache.restore_exact` does: the whole
 prompt when an end record of all of it holds its logits (an exact repeat), else the
-prompt less its last token; plus `prompt_tokens`.
+prompt less its last token; plus `prompt_tokens`. It leaves out the stored block's
+token and name where the prompt diverges (`stored_token`, `sibling`): any client may
+ask, and those would rebuild another user's prompt a token per call.
 """
 
 from __future__ import annotations
@@ -61,6 +63,6 @@ def explain_request(engine: Engine, body: Mapping[str, Any]) -> dict[str, Any]:
     if not exact and found.restorable_tokens >= len(prompt):
         # What `restore_exact` falls back to.
         found = explain(engine.bank, root, prompt[:-1], index)
-    result = found.as_dict()
+    result = found.as_dict(stored_tokens=False)  # another user's tokens stay unsaid
     result["prompt_tokens"] = len(prompt)
     return result

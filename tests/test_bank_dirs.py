@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from conftest import BLOCK_SIZE, attention_spec, random_layers
 from rocksdict import Options, Rdict
 from tool_banks import CLI, assert_one_line_error
 
-from cas_bank import Bank, BankConfig, NotABankError
+from cas_bank import Bank, BankConfig, BankLockedError, NotABankError
 from cas_bank.bundle import chain_to_leaf, export_chain
 
 
@@ -203,3 +205,65 @@ def test_serve_refuses_the_directory_before_serving(kind: str, tmp_path: Path) -
     assert_one_line_error(proc, needle)
     assert proc.stdout == ""
     assert _snapshot(home) == before
+
+
+def _cut_short_first_open(tmp_path: Path) -> Path:
+    """What a first open killed before `CURRENT` leaves (copied from a real open), and
+    the `lost+found` of a fresh volume mounted there."""
+    scratch = tmp_path / "scratch"
+    Rdict(str(scratch)).close()
+    bank = tmp_path / "bank"
+    bank.mkdir()
+    (bank / "lost+found").mkdir()
+    for name in ("LOCK", "LOG", "IDENTITY", "rocksdict-config.json"):
+        if (scratch / name).exists():
+            shutil.copy(scratch / name, bank / name)
+    (bank / "LOG.old.1700000000000000").write_text("an older open's log\n")
+    return bank
+
+
+def test_a_first_open_cut_short_opens_as_a_new_bank(tmp_path: Path) -> None:
+    bank = _cut_short_first_open(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no bank at"):
+        Bank.open(bank, mode="read_only")  # a reader finds no bank, as in an empty one
+    tokens = list(range(2 * BLOCK_SIZE))
+    with Bank.open(bank, BankConfig(block_size=BLOCK_SIZE)) as b:
+        ns = b.namespace(attention_spec())
+        ns.store(tokens, random_layers(ns.spec, len(tokens)))
+    with Bank.open(bank) as b:
+        assert b.namespace(attention_spec()).match(tokens) == len(tokens)
+
+
+def test_rocksdb_data_without_current_is_still_refused(tmp_path: Path) -> None:
+    bank = _cut_short_first_open(tmp_path)
+    (bank / "MANIFEST-000001").write_bytes(b"\0" * 16)
+    (bank / "000004.log").write_bytes(b"")
+    with pytest.raises(NotABankError, match="2 other entries"):
+        Bank.open(bank)
+
+
+def test_a_bank_being_created_is_locked_not_foreign(tmp_path: Path) -> None:
+    """Another process between its LOCK and its CURRENT: the lock is what it says."""
+    bank = _cut_short_first_open(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(bank / "LOCK")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(BankLockedError, match="another writer process"):
+            Bank.open(bank)
+    finally:
+        holder.communicate("")
+    assert not (bank / "CURRENT").exists()
+
+
+_HOLD_LOCK = """
+import fcntl, sys
+f = open(sys.argv[1], "r+")
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+sys.stdin.read()
+"""

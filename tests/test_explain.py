@@ -154,14 +154,24 @@ def test_the_command_and_the_server_say_the_same(
     assert (
         answer["partial_used"] and answer["partial_tokens"] == answer["divergence"]["token"] % BLOCK
     )
-    assert prompt[: answer["divergence"]["token"]] == other_ids[: answer["divergence"]["token"]]
+    at = answer["divergence"]["token"]
+    assert prompt[:at] == other_ids[:at]
+    # Any client may ask: the answer names no token of the stored prompt it left.
+    assert prompt[at] != other_ids[at] and "stored_token" not in answer["divergence"]
+    assert "sibling" not in answer["divergence"]
+    said = " ".join(answer["summary"])
+    assert f"has {prompt[at]}" not in said and "a stored block has another" in said
 
     file = tmp_path / "tokens.json"
     file.write_text(json.dumps(other_ids))  # the server explains the prompt it restores
     assert cli_main(["explain", str(tmp_path / "bank"), "--tokens", str(file), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert {k: v for k, v in shown.items() if k != "blocks_evicted"} == {
-        k: v for k, v in answer.items() if k not in ("prompt_tokens", "blocks_evicted")
+    # The command (the bank's owner, local) also says the stored token.
+    assert shown["divergence"].pop("stored_token") == prompt[at]
+    assert shown["divergence"].pop("sibling")
+    skip = ("prompt_tokens", "blocks_evicted", "summary")
+    assert {k: v for k, v in shown.items() if k not in skip} == {
+        k: v for k, v in answer.items() if k not in skip
     }
     assert cli_main(["explain", str(tmp_path / "bank"), "--tokens", str(file)]) == 0
     assert "diverges in block" in capsys.readouterr().out

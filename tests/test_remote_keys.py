@@ -124,6 +124,11 @@ def test_a_shared_tier_without_a_secret_is_refused(secret: str | None) -> None:
 def test_the_clusters_password_is_no_secret(url: str) -> None:
     with pytest.raises(ValidationError, match="remote_secret is the cluster's password"):
         BankConfig(remote=url, remote_secret="pw")
+    # The refusal does not print its input: neither the secret nor the password.
+    leaked = url.replace("pw", "Hunter2-sekrit")
+    with pytest.raises(ValidationError) as e:
+        BankConfig(remote=leaked, remote_secret="Hunter2-sekrit", block_size=8)
+    assert "Hunter2" not in str(e.value) and "input_value" not in str(e.value)
 
 
 @pytest.mark.parametrize(

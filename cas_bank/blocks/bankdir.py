@@ -5,7 +5,9 @@ them refuses the same things with the same one line, and changes nothing:
 
 - a path that names a file;
 - a directory of other files (no RocksDB `CURRENT`: a user's `config.json`,
-  `notes.txt`, the current directory given as an empty path);
+  `notes.txt`, the current directory given as an empty path). What RocksDB writes
+  before `CURRENT` (`LOCK`, `LOG`, `IDENTITY`, rocksdict's config: a first open cut
+  short, or one under way) and `lost+found` are no such files;
 - another program's RocksDB database: no `meta` family (every bank has one from its
   first open), or one RocksDB cannot open with a bank's options (a comparator other
   than the bytewise one a bank uses).
@@ -16,6 +18,7 @@ at ...")`: a writer creates its bank there instead.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,7 +27,11 @@ from cas_bank.errors import NotABankError
 MARKER_FAMILY = "meta"
 """The column family every bank has and another program's database lacks."""
 
-_IGNORED = frozenset({".DS_Store"})  # what Finder leaves in any directory it shows
+# What Finder leaves in any directory it shows; what mkfs puts in a fresh ext4/xfs volume.
+_IGNORED = frozenset({".DS_Store", "lost+found"})
+# What RocksDB writes before CURRENT: a first open killed part-way (SIGKILL, a full
+# disk) left them, or another process is creating the bank now (its lock then says so).
+_BEFORE_CURRENT = re.compile(r"^(LOCK|IDENTITY|LOG(\.old\..*)?|rocksdict-config\.json)$")
 _SHOWN = 4
 
 
@@ -38,7 +45,7 @@ def check_directory(path: Path, *, create: bool) -> bool:
         raise NotABankError(f"{path} is a file, not a bank directory")
     if (path / "CURRENT").exists():
         return True  # RocksDB's: whether it is a bank is `check_families`' question
-    others = sorted(n for n in _listing(path) if n not in _IGNORED)
+    others = sorted(n for n in _listing(path) if n not in _IGNORED and not _BEFORE_CURRENT.match(n))
     if others:
         shown = ", ".join(others[:_SHOWN]) + (", ..." if len(others) > _SHOWN else "")
         raise NotABankError(
