@@ -285,7 +285,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     elif part is not None and part_arrays is not None:
         kv = partial_layers(ns.spec, part, part_arrays, assembler, in_memory, room=room_for > 0)
     elif assembler is not None:
-        kv = assembler.layers(n_blocks, room=capacity > 0)
+        kv = assembler.layers(n_blocks, room=room_for > 0)
         if leases is not None and not capacity:
             # Exact arrays: the first update copies them anyway, so keep them too.
             leases.put(hashes[:n_blocks], flat_attention(kv))
