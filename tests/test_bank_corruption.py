@@ -8,6 +8,7 @@ so every restore is checked bit for bit against the prompt's own KV.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from cas_bank import (
 )
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
+from cas_bank.index.chain import Header
 
 B = BLOCK_SIZE
 
@@ -178,3 +180,48 @@ def test_damaged_table_files_raise_corrupt_data_not_locked(bank_path: Path, tmp_
                 bank.namespace(spec).restore(tokens)
         except CorruptDataError as e:
             assert str(copy) in str(e)
+
+
+def test_a_damaged_partial_child_restores_exactly_its_whole_blocks(
+    bank_path: Path, attn_spec: ModelSpec
+) -> None:
+    """The partial child's payload fails its check: the restore falls back to the
+    whole blocks, and its arrays hold exactly `hit.tokens` tokens (none unwritten)."""
+    tokens = tokens_of(np.random.default_rng(41), 2 * B)
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        bank.namespace(attn_spec).store(tokens, prefix_layers(attn_spec, tokens))
+        second = bank.namespace(attn_spec).chain(tokens)[1]
+    _corrupt(bank_path, Family.BLOCKS, bytes(second), "flip")
+    prompt = tokens[: 2 * B - 1]
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(attn_spec).restore(prompt)
+        assert hit is not None and hit.tokens == B and hit.partial == 0
+        assert all(a.shape[-2] == B for layer in hit.layers for a in layer)
+        assert layers_bits(hit.layers, attn_spec) == kv_prefix_bits(
+            prefix_layers(attn_spec, prompt), attn_spec, B
+        )
+
+
+def test_a_header_with_rewritten_tokens_is_no_partial_block(
+    bank_path: Path, attn_spec: ModelSpec
+) -> None:
+    """A header record, well formed, whose tokens were rewritten (they no longer hash to
+    its name) is not used as a partial block: its KV is for other tokens."""
+    tokens = tokens_of(np.random.default_rng(42), 2 * B)
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=0)) as bank:
+        bank.namespace(attn_spec).store(tokens, prefix_layers(attn_spec, tokens))
+        second = bytes(bank.namespace(attn_spec).chain(tokens)[1])
+    other = (tokens[B + 2] + 1) % 1000
+    with RocksStore(bank_path) as raw:
+        header = Header.decode(second, raw.get(Family.HEADERS, second) or b"")
+        ids = header.token_ids()
+        ids[2] = other
+        forged = replace(header, tokens=np.array(ids, dtype="<u4").tobytes())
+        raw.put_batch([(Family.HEADERS, second, forged.encode())])
+    prompt = [*tokens[: B + 2], other]
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(attn_spec).restore(prompt)
+        assert hit is not None and hit.tokens == B
+        assert layers_bits(hit.layers, attn_spec) == kv_prefix_bits(
+            prefix_layers(attn_spec, prompt), attn_spec, B
+        )

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from cas_bank.arrays import DType, dtype_named, from_numpy
-from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.hashing import BlockHash, hash_block
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
@@ -82,10 +82,10 @@ def find_partial(
     try:
         if found.is_block:
             header = read_headers(store, [found.name])[0]
-            if header is None or (header.parent, header.root, header.index) != (
-                parent,
-                root,
-                blocks,
+            if (
+                header is None
+                or (header.parent, header.root, header.index) != (parent, root, blocks)
+                or hash_block(parent, header.tokens) != found.name  # its tokens are its name's
             ):
                 return None
             own, plan = header.tokens, PartialPlan(found, blocks, base, header, None)
