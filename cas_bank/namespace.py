@@ -313,14 +313,35 @@ class Namespace:
         mx.eval(flat, list(kept.values()))
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
-        if self.bank.leases is not None:
-            self.bank.leases.put_chain(self.chain(toks), flat, kept)
-        return writer.submit(
-            _skipping_full(
-                lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
-            ),
-            lambda report: report.bytes_written,
+        if self.bank.leases is None:
+            return writer.submit(
+                _skipping_full(
+                    lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
+                ),
+                lambda report: report.bytes_written,
+            )
+        hashes = self.chain(toks)
+        self.bank.leases.put_chain(hashes, flat, kept)
+        store = _skipping_full(
+            lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
         )
+
+        def write() -> StoreReport:
+            # A store that failed or was skipped leases nothing the bank does not hold.
+            try:
+                report = store()
+            except BaseException:
+                self._unlease_unstored(hashes, flat)
+                raise
+            if report is _NOTHING_STORED:
+                self._unlease_unstored(hashes, flat)
+            return report
+
+        return writer.submit(write, lambda report: report.bytes_written)
+
+    def _unlease_unstored(self, hashes: list[BlockHash], flat: list[mx.array]) -> None:
+        """Keep leased only the leading blocks of `hashes` the bank holds (no states)."""
+        self._lease_stored(hashes, stored_prefix(self.bank.store, hashes), flat, {})
 
     def store_end(
         self,
