@@ -329,11 +329,19 @@ class Bank:
         too), also when the disk is full (the counters and last uses since the last store
         are then lost)."""
         try:
-            if self.writer is not None:
-                self.writer.close()
+            failed: Exception | None = None
+            try:
+                if self.writer is not None:
+                    self.writer.close()
+            except BankFullError:
+                raise
+            except Exception as e:  # a queued store's: raised once the rest is closed
+                failed = e
             if self.remote is not None:
                 self.remote.close()  # finishes queued publishes and local writes first
             self.flush()
+            if failed is not None:
+                raise failed
         except BankFullError as e:
             log.warning("cas_bank: %s; closing without the last counters", e)
         finally:

@@ -302,3 +302,52 @@ def test_sigkill_mid_queue_with_the_default_writer_leaves_a_clean_bank(
 
 def _full(tokens: list[int]) -> int:
     return len(tokens) // KILL_BLOCK * KILL_BLOCK
+
+
+class FailsBlocks(RocksStore):
+    """A real RocksDB whose batches writing blocks fail (a bad disk), until `healed`."""
+
+    healed = False
+
+    def put_batch(self, writes: list[Write]) -> None:  # type: ignore[override]
+        if not self.healed and any(w[0] == Family.BLOCKS for w in writes):
+            raise OSError("injected I/O error")
+        super().put_batch(writes)
+
+
+def test_a_failed_background_store_leases_nothing_it_did_not_store(bank_path: Path) -> None:
+    """The lease taken when the store was queued is dropped when the store fails (or is
+    skipped): a restore after it covers only what the bank holds."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(21), 3 * B)
+    layers = prefix_layers(spec, tokens)
+    disk = FailsBlocks(bank_path)
+    with Bank.open(disk, BankConfig(block_size=B, write_behind=2)) as bank:
+        ns = bank.namespace(spec)
+        disk.healed = True
+        ns.store(tokens[:B], layers)  # the first block is stored
+        disk.healed = False
+        pending = ns.store_later(tokens, layers)
+        with pytest.raises(OSError, match="injected"):
+            pending.result()
+        with pytest.raises(OSError, match="injected"):
+            bank.flush()
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.tokens == B  # not the 3 leased blocks
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, B)
+        disk.healed = True
+
+
+def test_close_raises_a_queued_stores_error_after_persisting_the_counters(
+    bank_path: Path,
+) -> None:
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(22), 2 * B)
+    bank = Bank.open(FailsBlocks(bank_path), BankConfig(block_size=B, write_behind=2))
+    ns = bank.namespace(spec)
+    assert ns.restore(tokens) is None  # counted in memory: close persists it
+    ns.store_later(tokens, prefix_layers(spec, tokens))
+    with pytest.raises(OSError, match="injected"):
+        bank.close()
+    with Bank.open(bank_path) as again:
+        assert again.stats().restores == 1 and again.stats().blocks == 0
