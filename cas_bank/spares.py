@@ -20,6 +20,7 @@ as the freed caches' memory is under `keep_freed_memory`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -29,6 +30,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from cas_bank.arrays import DType, unfilled
+
+log = logging.getLogger("cas_bank")
 
 Wanted = tuple[tuple[int, ...], DType]
 
@@ -95,6 +98,8 @@ class Spares:
             wanted = self._wants.get()
             try:
                 self._make(wanted)
+            except Exception:  # the thread lives on: a later take() never waits for ever
+                log.exception("cas_bank: making spare arrays failed")
             finally:
                 self._wants.task_done()
 

@@ -93,3 +93,24 @@ def test_restores_with_spares_are_bit_exact_and_share_no_buffer(bank_path: Path)
     finally:
         SPARES.enable(0)
     assert SPARES.bytes == 0
+
+
+def test_a_set_the_pool_cannot_make_leaves_it_working(spares: Spares) -> None:
+    """Making a set fails (a dtype safetensors has no name for): the failure is logged,
+    the thread lives on, and the next take and refill do not wait for ever."""
+    import threading
+    from dataclasses import replace
+
+    spares.enable(16 << 20)
+    spares.refill([(BIG[0], replace(F16, name="nonesuch"))], UNFILLED_FROM)
+    done = threading.Event()
+
+    def after() -> None:
+        spares.take([BIG], UNFILLED_FROM)
+        spares.refill([BIG], UNFILLED_FROM)
+        spares.settle()
+        done.set()
+
+    threading.Thread(target=after, daemon=True).start()
+    assert done.wait(30), "take() waited for a refill that never finishes"
+    assert list(spares.take([BIG], UNFILLED_FROM)) == [0]
