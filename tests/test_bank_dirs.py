@@ -267,3 +267,18 @@ fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def test_another_databases_meta_family_is_not_a_banks(tmp_path: Path) -> None:
+    """A bank's comparator and a family named `meta`, but no format record in it: the
+    writer refuses it before its open would add a bank's families to it."""
+    options = Options(raw_mode=True)
+    options.create_missing_column_families(True)
+    db = Rdict(str(tmp_path / "db"), options=options)
+    db.create_column_family("meta", Options(raw_mode=True))[b"theirs"] = b"data"
+    db.close()
+    before = _snapshot(tmp_path)
+    with pytest.raises(NotABankError, match=r"not a cas_bank bank .*no cas_bank format record"):
+        Bank.open(tmp_path / "db")
+    assert _snapshot(tmp_path) == before
+    assert sorted(Rdict.list_cf(str(tmp_path / "db"))) == ["default", "meta"]

@@ -9,7 +9,8 @@ them refuses the same things with the same one line, and changes nothing:
   before `CURRENT` (`LOCK`, `LOG`, `IDENTITY`, rocksdict's config: a first open cut
   short, or one under way) and `lost+found` are no such files;
 - another program's RocksDB database: no `meta` family (every bank has one from its
-  first open), or one RocksDB cannot open with a bank's options (a comparator other
+  first open), a `meta` with records but no format record (`damage`'s look, before
+  the writer's open adds a bank's families), or one RocksDB cannot open with a bank's options (a comparator other
   than the bytewise one a bank uses).
 
 A reader finding no directory, or an empty one, raises `FileNotFoundError("no bank
@@ -26,6 +27,8 @@ from cas_bank.errors import NotABankError
 
 MARKER_FAMILY = "meta"
 """The column family every bank has and another program's database lacks."""
+FORMAT_KEY = b"format_version"
+"""The key in `meta` every bank writes at its first open (`bank.py`'s `_KEY_FORMAT`)."""
 
 # What Finder leaves in any directory it shows; what mkfs puts in a fresh ext4/xfs volume.
 _IGNORED = frozenset({".DS_Store", "lost+found"})

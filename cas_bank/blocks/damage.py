@@ -31,7 +31,13 @@ from typing import Any
 
 from rocksdict import AccessType, Options, Rdict
 
-from cas_bank.blocks.bankdir import check_families, foreign_error, is_foreign
+from cas_bank.blocks.bankdir import (
+    FORMAT_KEY,
+    MARKER_FAMILY,
+    check_families,
+    foreign_error,
+    is_foreign,
+)
 from cas_bank.errors import BankDamagedError, BankFullError, CorruptDataError
 
 # Files of a RocksDB directory a reader must not share: its lock, its info log, and
@@ -192,6 +198,8 @@ def _look(path: Path, families: dict[str, Options], db_options: Options) -> None
                 access_type=AccessType.read_only(),
             )
             empty = all(_empty(db.get_column_family(name)) for name in names)
+            meta = db.get_column_family(MARKER_FAMILY)
+            unmarked = not _empty(meta) and meta.get(FORMAT_KEY) is None
             live = {str(f["name"]).lstrip("/") for f in db.live_files()}
             blobs_named = 0
             for name in names:
@@ -204,6 +212,8 @@ def _look(path: Path, families: dict[str, Options], db_options: Options) -> None
                 raise foreign_error(path, real(e, path, view.path)) from None
             why = f"RocksDB cannot open it ({real(e, path, view.path)})"
             raise BankDamagedError(_damaged(path, why)) from None
+        if unmarked:  # before the writer's open adds a bank's families to it
+            raise foreign_error(path, f"its {MARKER_FAMILY} family holds no cas_bank format record")
         present = sorted(os.listdir(path))
         tables = _numbered(present, "sst")
         blobs = _numbered(present, "blob")
