@@ -10,8 +10,8 @@ them refuses the same things with the same one line, and changes nothing:
   short, or one under way) and `lost+found` are no such files;
 - another program's RocksDB database: no `meta` family (every bank has one from its
   first open), a `meta` with records but no format record (`damage`'s look, before
-  the writer's open adds a bank's families), or one RocksDB cannot open with a bank's options (a comparator other
-  than the bytewise one a bank uses).
+  the writer's open adds a bank's families), or one RocksDB cannot open with a bank's
+  options (a comparator other than the bytewise one a bank uses).
 
 A reader finding no directory, or an empty one, raises `FileNotFoundError("no bank
 at ...")`: a writer creates its bank there instead.
