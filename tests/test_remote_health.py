@@ -34,7 +34,7 @@ def until(what: Callable[[], Any], timeout: float = 20.0) -> Any:
 def _until_reason(probe: TierProbe, text: str) -> TierHealth:
     """The probe's answer once its reason says `text` (the cluster takes its node
     time-out to decide a master is gone)."""
-    got = until(lambda: (h := probe.check()).reason and text in h.reason and h)
+    got = until(lambda: (h := probe.check()).reason and text in h.reason and h, timeout=60.0)
     assert got, probe.check()
     return got  # type: ignore[no-any-return]
 

@@ -119,6 +119,7 @@ def test_restore_leaves_at_least_one_token_and_a_miss_is_empty() -> None:
         cache, n = pc.restore(toks)
         assert n == 0 and all(c.offset == 0 for c in cache)
         pc.prefill(toks, cache, n)
+        bank.flush()  # committed: the children index finds block 1 (not a queued store)
         _, n = pc.restore(toks)  # 32 tokens stored, 31 may be restored: block 1 in part
         assert n == 31
         _, n = pc.restore([*toks, 5])
