@@ -61,10 +61,11 @@ def register(subparsers: Any) -> None:
     )
     add_remote_arguments(cmd)
     cmd.add_argument(
-        "--inline-stores",
+        "--background-stores",
         action="store_true",
-        help="write each insert's stores before mlx-lm goes on (default: the bank's "
-        "background writer writes them, and mlx-lm's generation thread never waits for one)",
+        help="inserts store through the bank's background writer, so mlx-lm's generation "
+        "thread never waits for a write (default: inline; with --kv-bits it hangs mlx-lm's "
+        "generation thread, being looked into)",
     )
     cmd.set_defaults(extra_args=True)
 
@@ -99,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
             list(args.extra),
             json_line=args.json,
             capture_states=args.capture_states,
-            background=not args.inline_stores,
+            background=args.background_stores,
         )
     return 0
 
