@@ -205,13 +205,8 @@ class Destination:
         for i, storage in zip(big, got or [], strict=False):
             storages[i] = storage
         rest = [i for i, storage in enumerate(storages) if storage is None]
-        zeroed = {i: _zeros(*wanted[i]) for i in rest}
-        if sum(sizes[i] for i in rest) > _BATCH_EVAL_BYTES:
-            for array in zeroed.values():
-                mx.eval(array)
-        elif zeroed:
-            mx.eval(*zeroed.values())
-        storages = [zeroed.get(i, storage) for i, storage in enumerate(storages)]
+        made = dict(zip(rest, zeroed([wanted[i] for i in rest]), strict=True))
+        storages = [made.get(i, storage) for i, storage in enumerate(storages)]
         return [
             cls(shape, dtype, storage)
             for (shape, dtype), storage in zip(wanted, storages, strict=True)
@@ -222,6 +217,22 @@ class Destination:
         if self.array is None:
             self.array = from_numpy(self.view, self._dtype)
         return self.array
+
+
+def zeroed(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array]:
+    """New, evaluated zero arrays holding each dtype's bits (bf16 as uint16), each with
+    a buffer of its own. Above `_BATCH_EVAL_BYTES` in all, each is evaluated on its own
+    (see `Destination.allocate`), else one `mx.eval` makes them all.
+
+    Unlike `unfilled`, nothing here calls back into Python from MLX's threads, so any
+    thread may call it while others run MLX (`cas_bank.spares`)."""
+    arrays = [_zeros(shape, dtype) for shape, dtype in wanted]
+    if sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted) > _BATCH_EVAL_BYTES:
+        for array in arrays:
+            mx.eval(array)
+    elif arrays:
+        mx.eval(*arrays)
+    return arrays
 
 
 def _zeros(shape: tuple[int, ...], dtype: DType) -> mx.array:
@@ -298,6 +309,12 @@ def unfilled(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array] 
     serves only the header leaves the tensors unwritten. A restore that overwrites
     every byte it hands out then skips a pass over the memory (the zero fill); bytes
     beyond a cache's offset (its room) are never read.
+
+    Only on a thread that is the one running MLX at the time (a restore's own): MLX's
+    I/O thread calls `readinto` and so waits for the GIL, while `mx.clear_cache()` (which
+    mlx-lm calls during prefill) holds the GIL as it waits for every CPU stream, this
+    load's too. Called from a second thread beside such a call, the two deadlock (it
+    hung mlx-lm's server: tests/test_spares.py). Background threads use `zeroed`.
     """
     if not wanted:
         return []

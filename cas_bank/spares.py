@@ -12,6 +12,14 @@ shapes and dtypes, and a background thread makes the next set after it, off the
 restore's path. An array is taken from the pool whole and never given to two
 callers: a spare is an array nobody else holds, as a fresh one is.
 
+The background thread zero-fills its arrays (`arrays.zeroed`), never MLX's load of a
+stream (`arrays.unfilled`): that load calls back into Python from MLX's I/O thread,
+and with another thread in `mx.clear_cache()` (mlx-lm calls it during prefill; it
+holds the GIL while it waits for every CPU stream) the two deadlock: it hung mlx-lm's
+server (tests/test_spares.py). The fill costs the background thread a pass over the
+memory; it leaves the pages resident, so the restore that takes them does not fault
+them in.
+
 Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
 the least recently wanted shapes first. The memory is held (resident once reused),
 as the freed caches' memory is under `keep_freed_memory`.
@@ -29,7 +37,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from cas_bank.arrays import DType, unfilled
+from cas_bank.arrays import DType, zeroed
 
 log = logging.getLogger("cas_bank")
 
@@ -37,7 +45,7 @@ Wanted = tuple[tuple[int, ...], DType]
 
 
 class Spares:
-    """Spare unfilled arrays by (shape, dtype); off (`max_bytes` 0) until enabled."""
+    """Spare destination arrays by (shape, dtype); off (`max_bytes` 0) until enabled."""
 
     def __init__(self) -> None:
         self.max_bytes = 0
@@ -110,9 +118,9 @@ class Spares:
             for w in wanted:
                 counts[w] = counts.get(w, 0) + 1
             missing = [w for w, n in counts.items() for _ in range(n - len(self._pool.get(w, ())))]
-        made = unfilled(missing) if missing else []
+        made = zeroed(missing)
         with self._lock:
-            for w, array in zip(missing, made or [], strict=False):
+            for w, array in zip(missing, made, strict=True):
                 self._pool.setdefault(w, []).append(array)
                 self._pool.move_to_end(w)
                 self.bytes += _size(w)

@@ -96,13 +96,13 @@ def test_restores_with_spares_are_bit_exact_and_share_no_buffer(bank_path: Path)
 
 
 def test_a_set_the_pool_cannot_make_leaves_it_working(spares: Spares) -> None:
-    """Making a set fails (a dtype safetensors has no name for): the failure is logged,
+    """Making a set fails (a dtype MLX has no such type for): the failure is logged,
     the thread lives on, and the next take and refill do not wait for ever."""
     import threading
     from dataclasses import replace
 
     spares.enable(16 << 20)
-    spares.refill([(BIG[0], replace(F16, name="nonesuch"))], UNFILLED_FROM)
+    spares.refill([(BIG[0], replace(F16, mx_dtype="nonesuch"))], UNFILLED_FROM)
     done = threading.Event()
 
     def after() -> None:
@@ -114,3 +114,41 @@ def test_a_set_the_pool_cannot_make_leaves_it_working(spares: Spares) -> None:
     threading.Thread(target=after, daemon=True).start()
     assert done.wait(30), "take() waited for a refill that never finishes"
     assert list(spares.take([BIG], UNFILLED_FROM)) == [0]
+
+
+# Refills on the spares' thread while this thread runs MLX and calls mx.clear_cache()
+# (as mlx-lm does during prefill): with MLX's load of a Python stream on the spares'
+# thread the two deadlocked within a second, every run (see cas_bank/spares.py).
+_BESIDE_CLEAR_CACHE = """
+import sys, threading, time
+import mlx.core as mx
+from cas_bank.arrays import DTYPES
+from cas_bank.spares import SPARES, keep_spare_destinations
+keep_spare_destinations(1 << 28)
+wanted = [((1, 4, 256, 64), DTYPES["float16"])] * 16
+stop = time.monotonic() + 2.0
+def refills():
+    while time.monotonic() < stop:
+        SPARES.take(wanted, 0)
+        SPARES.refill(wanted, 0)
+thread = threading.Thread(target=refills)
+thread.start()
+x = mx.ones((64, 64))
+while time.monotonic() < stop:
+    mx.eval(x @ x)
+    mx.clear_cache()
+thread.join()
+SPARES.settle()
+print("made", SPARES.made)
+"""
+
+
+def test_refills_beside_mlx_clear_cache_on_another_thread_do_not_deadlock() -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _BESIDE_CLEAR_CACHE], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) > 16  # refills ran, more than one set
