@@ -6,6 +6,7 @@ Models are built once per process (milliseconds each) and shared read-only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import signal
 import subprocess
@@ -141,12 +142,17 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int = 512) -> list[in
 
 
 def stop_process(proc: subprocess.Popen[str]) -> int:
-    """SIGTERM a server subprocess (SIGKILL after 30 s), close its stdout, return its code."""
+    """SIGTERM a server subprocess (SIGKILL after 30 s), close its stdout, return its code.
+    One that outlives the SIGTERM is first asked for its threads' stacks (SIGUSR1: the
+    servers print them to stderr, so the test's log says where it hung)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2)
             proc.kill()
             proc.wait(timeout=10)
     if proc.stdout is not None:

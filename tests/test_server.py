@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -477,6 +478,19 @@ def test_a_full_queue_refuses_at_once_and_close_refuses_what_waits(tmp_path: Pat
 
 
 # -- health, models, metrics ----------------------------------------------------------------
+def test_sigusr1_prints_every_threads_stack_and_the_server_serves_on(server: Server) -> None:
+    """What a server that seems hung is asked (tests' `stop_process` asks it too)."""
+    before = server.log.stat().st_size
+    server.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 20
+    while "engine.py" not in server.log.read_text()[before:]:
+        assert time.monotonic() < deadline, server.log.read_text()[before:]
+        time.sleep(0.1)
+    dump = server.log.read_text()[before:]
+    assert "Thread 0x" in dump and "queue.py" in dump  # the worker waits for a request
+    assert chat(server.url, conversation("still there?"))["choices"]
+
+
 def test_health_models_and_metrics(server: Server) -> None:
     health = httpx.get(f"{server.url}/health", timeout=TIMEOUT).json()
     assert health["status"] == "ok" and health["model"] == MODEL

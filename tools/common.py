@@ -9,8 +9,10 @@ handler `(args) -> int` (the exit status). Handlers raise `CliError` (or any
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +59,13 @@ def add_command(
     )
     parser.set_defaults(handler=handler)
     return parser
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's Python stack to stderr (a server that
+    seems hung says where each thread waits); the process goes on. Servers call it."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def bank_path(text: str) -> Path:

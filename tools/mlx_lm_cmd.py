@@ -19,7 +19,13 @@ from pydantic import ValidationError
 
 from cas_bank.errors import BankLockedError, InvalidInputError
 
-from .common import CliError, add_command, bank_path, check_port_arguments
+from .common import (
+    CliError,
+    add_command,
+    bank_path,
+    check_port_arguments,
+    dump_stacks_on_sigusr1,
+)
 from .remote_args import add_remote_arguments, remote_settings
 from .serve_cmd import DEFAULT_BANK_DIR, _positive
 
@@ -71,6 +77,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    dump_stacks_on_sigusr1()
     check_port_arguments(args.extra)  # before the bank opens (mlx-lm: an OverflowError)
     from cas_bank import Bank, BankConfig
 

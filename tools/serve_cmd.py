@@ -26,7 +26,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, BankSettingsError, InvalidInputError
 
-from .common import CliError, add_command, bank_path, console, port_number, print_json
+from .common import (
+    CliError,
+    add_command,
+    bank_path,
+    console,
+    dump_stacks_on_sigusr1,
+    port_number,
+    print_json,
+)
 from .remote_args import add_remote_arguments, remote_settings
 
 # The commands' defaults live here (not in the runtime modules, whose imports, MLX and
@@ -137,6 +145,7 @@ def register(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    dump_stacks_on_sigusr1()
     remote = remote_settings(args)  # a missing fleet secret: refused before anything
     check_directory(args.bank, create=True)  # a file, other files: before the model loads
     from cas_bank.runtime.engine import Engine
