@@ -49,8 +49,8 @@ class BankConfig(BaseModel):
 
     write_behind: int = Field(default=4, ge=0, strict=True)
     """Stores the background writer may hold queued (`Namespace.store_later`, and every
-    store of `PrefixCache`, `BankPromptCache` and `cas-bank serve` unless they are asked
-    for inline stores); a caller waits while that many are queued. 0: no writer, every
+    store of `PrefixCache`, `BankPromptCache` and the servers unless they are asked for
+    inline stores); a caller waits while that many are queued. 0: no writer, every
     store is written on the caller's thread. `Namespace.store` is always synchronous."""
 
     admit: Literal["always", "second_use"] = "always"

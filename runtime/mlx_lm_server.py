@@ -142,7 +142,7 @@ def _tagged(request: Any, salt: str | None) -> Any:
 
 
 def make_run(
-    bank: Bank, *, json_line: bool = False, capture_states: bool = True, background: bool = False
+    bank: Bank, *, json_line: bool = False, capture_states: bool = True, background: bool = True
 ) -> Callable[..., None]:
     """A replacement for `mlx_lm.server.run` that serves from `bank`."""
     mls = _mlx_lm_server()
@@ -231,13 +231,11 @@ def serve(
     *,
     json_line: bool = False,
     capture_states: bool = True,
-    background: bool = False,
+    background: bool = True,
 ) -> None:
     """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
 
-    `background`: inserts store through the bank's background writer (`False`, the
-    default: inline; with `--kv-bits` the writer hung mlx-lm's generation thread in
-    tests/test_mlx_lm_server.py, so it stays opt-in here for now).
+    `background`: inserts store through the bank's background writer (False: inline).
     Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank,
     which writes what is still queued.
     """

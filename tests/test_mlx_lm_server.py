@@ -149,7 +149,7 @@ def test_two_clients_share_a_system_prompt_and_a_restart_keeps_it(
     # Each request counts what the one before it stored, to the token: inline stores
     # commit before the answer (in the background, a store still queued when the next
     # request comes restores its whole blocks from memory but not its end records).
-    server = start(bank, models["plain"], log)  # inline stores, the default here
+    server = start(bank, models["plain"], log, "--inline-stores")
     try:
         r1 = chat(server.url, one)
         r2 = chat(server.url, two)
@@ -189,7 +189,7 @@ def test_quantized_kv_is_kept_in_its_own_namespace(models: dict[str, Path], tmp_
     bank, log = tmp_path / "bank", tmp_path / "server.log"
     quant = ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0")
     one, two = conversation("what is the weather?"), conversation("what is the time?")
-    server = start(bank, models["wide"], log, *quant)
+    server = start(bank, models["wide"], log, *quant, "--inline-stores")  # as above
     try:
         r1, r2 = chat(server.url, one), chat(server.url, two)
     finally:

@@ -67,11 +67,10 @@ def register(subparsers: Any) -> None:
     )
     add_remote_arguments(cmd)
     cmd.add_argument(
-        "--background-stores",
+        "--inline-stores",
         action="store_true",
-        help="inserts store through the bank's background writer, so mlx-lm's generation "
-        "thread never waits for a write (default: inline; with --kv-bits it hangs mlx-lm's "
-        "generation thread, being looked into)",
+        help="write each insert's stores before mlx-lm goes on (default: the bank's "
+        "background writer writes them, and mlx-lm's generation thread never waits for one)",
     )
     cmd.set_defaults(extra_args=True)
 
@@ -107,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
             list(args.extra),
             json_line=args.json,
             capture_states=args.capture_states,
-            background=args.background_stores,
+            background=not args.inline_stores,
         )
     return 0
 
