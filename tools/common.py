@@ -64,8 +64,16 @@ def add_command(
 def dump_stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's Python stack to stderr (a server that
     seems hung says where each thread waits); the process goes on. Servers call it."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for out in (sys.stderr, sys.__stderr__):  # a captured stderr has no descriptor
+        if out is None:
+            continue
+        try:
+            faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+            return
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation too
+            continue
 
 
 def bank_path(text: str) -> Path:
