@@ -27,6 +27,7 @@ as the freed caches' memory is under `keep_freed_memory`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -65,6 +66,7 @@ class Spares:
                     target=self._run, name="cas_bank-spares", daemon=True
                 )
                 self._thread.start()
+                atexit.register(self._at_exit)
             self._trim()
 
     def take(self, wanted: Sequence[Wanted], from_bytes: int) -> dict[int, mx.array]:
@@ -72,11 +74,10 @@ class Spares:
         (those the pool holds). `refill` with the same set once the restore is done."""
         if self.max_bytes <= 0:
             return {}
-        # A refill still being made (the last restore was a moment ago): wait for it
-        # rather than run beside it. MLX's load holds the GIL while it makes arrays, so
-        # it would stall this restore's Python and lookups for as long; waiting costs no
-        # more than making the arrays here, and then finds them.
-        self._wants.join()
+        # A refill still being made (the last restore was a moment ago) is not waited
+        # for: what it has not made yet this restore allocates itself, as without
+        # spares, beside it (its zero fill runs in MLX without the GIL). Waiting for it
+        # made back-to-back restores pay the whole fill: 8.8 against 6.6 ms at 25 MB.
         out: dict[int, mx.array] = {}
         with self._lock:
             for i, w in enumerate(wanted):
@@ -99,6 +100,14 @@ class Spares:
 
     def settle(self) -> None:
         """Wait until every refill asked for is made (tests, benchmarks)."""
+        self._wants.join()
+
+    def _at_exit(self) -> None:
+        """Let a refill under way finish before the interpreter goes: a daemon thread
+        still inside MLX as the process exits aborts it ("terminate called without an
+        active exception")."""
+        with self._lock:
+            self.max_bytes = 0  # refills asked for from now on are dropped
         self._wants.join()
 
     def _run(self) -> None:
