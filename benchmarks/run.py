@@ -173,6 +173,7 @@ PARTS = (
     "ttft",
     "restore",
     "store_overhead",
+    "server_store",
     "fleet",
     "admission",
     "branching",

@@ -65,6 +65,10 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert "## Machine" in md and "## Targets" in md and saved["machine"]["cpu"] in md
     assert "## Shared tier under sustained load" in md and "network's latency" in md
     assert "## Prefetch in the server's queue" in md
+    assert "## Stores off the request path, in the server" in md  # a part of PARTS
+    st = res["server_store"]["modes"]  # what each mode wrote: the store is really off
+    assert st["off"]["bytes_written"] == 0 < st["inline"]["bytes_written"]
+    assert st["background"]["bytes_written"] == st["inline"]["bytes_written"]
     assert "## Partial blocks: agents branching at arbitrary points" in md
     runs = res["branching"]["runs"]  # the same requests: partial blocks never prefill more
     for bs in run.fleet.tiny_branch_settings().block_sizes:
