@@ -253,3 +253,18 @@ def test_a_hybrid_restore_reads_its_state_file_with_the_blocks_and_refuses_damag
         assert state_bits(hit.layers, HYBRID) == state_bits(states[2 * B], HYBRID)
         assert bank.stats().corrupt_reads == 1
         assert slow == [*with_blocks, Family.STATES, Family.STATES]  # the damaged one, 2B's
+
+
+def test_file_bytes_skips_a_file_renamed_between_the_listing_and_its_stat(tmp_path: Path) -> None:
+    """A background store renames its `.tmp` files while `stats()` adds up the file
+    tier's bytes: a file gone since the listing counts nothing (it raised, and
+    `stats()` with it)."""
+    from cas_bank.blocks.files import _size_if_there
+
+    tmp = tmp_path / "key.tmp"
+    tmp.write_bytes(b"abc")
+    (entry,) = list(os.scandir(tmp_path))
+    tmp.rename(tmp_path / "key")
+    assert _size_if_there(entry) == 0
+    (entry,) = list(os.scandir(tmp_path))
+    assert _size_if_there(entry) == 3

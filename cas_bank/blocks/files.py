@@ -275,11 +275,14 @@ class FileTier(BlockStore):
         return removed
 
     def file_bytes(self) -> int:
+        """Bytes of the payload files now. A writer may rename or remove a file between
+        the listing and its `stat` (a `.tmp` made final, an eviction): it is not
+        counted (stats() during a background store failed on exactly that)."""
         total = 0
         for family in PAYLOAD_FAMILIES:
             folder = self.directory / family.value
             if folder.is_dir():
-                total += sum(e.stat().st_size for e in os.scandir(folder))
+                total += sum(map(_size_if_there, os.scandir(folder)))
         return total
 
     @property
@@ -319,3 +322,10 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _size_if_there(entry: os.DirEntry[str]) -> int:
+    try:
+        return entry.stat().st_size
+    except FileNotFoundError:  # renamed or removed since it was listed
+        return 0
