@@ -309,8 +309,21 @@ class Engine:
         return self._closed
 
     def stats(self) -> EngineStats:
+        p = self.prefetcher
+        prefetch = (
+            {
+                "prefetches": p.requests,
+                "prefetched_blocks": p.blocks,
+                "prefetches_dropped": p.dropped,
+                "prefetches_failed": p.failed,
+            }
+            if p is not None
+            else {}
+        )
         with self._lock:
-            return EngineStats(queue_depth=self._jobs.qsize(), busy=self._busy, **self._counts)
+            return EngineStats(
+                queue_depth=self._jobs.qsize(), busy=self._busy, **self._counts, **prefetch
+            )
 
     def stop(self) -> None:
         """Begin shutting down at once (a signal handler may call it): refuse new and

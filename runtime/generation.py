@@ -82,3 +82,8 @@ class EngineStats:
     completion_tokens: int
     queue_depth: int
     busy: bool
+    # The shared tier's prefetch of queued requests' prefixes (zeros without one).
+    prefetches: int = 0
+    prefetched_blocks: int = 0
+    prefetches_dropped: int = 0
+    prefetches_failed: int = 0

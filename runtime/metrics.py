@@ -384,6 +384,30 @@ def engine_metrics(stats: EngineStats) -> list[Metric]:
         ),
         Metric.single("queue_depth", "Requests waiting for the model.", "gauge", stats.queue_depth),
         Metric.single("busy", "1 while a generation runs.", "gauge", 1 if stats.busy else 0),
+        Metric.single(
+            "prefetches_total",
+            "Queued requests whose prefix was fetched from the shared tier ahead of them.",
+            "counter",
+            stats.prefetches,
+        ),
+        Metric.single(
+            "prefetched_blocks_total",
+            "Blocks those prefetches wrote into the local bank.",
+            "counter",
+            stats.prefetched_blocks,
+        ),
+        Metric.single(
+            "prefetches_dropped_total",
+            "Queued requests not prefetched: the prefetch queue was full.",
+            "counter",
+            stats.prefetches_dropped,
+        ),
+        Metric.single(
+            "prefetches_failed_total",
+            "Prefetches that failed (logged; the request's restore asks the tier itself).",
+            "counter",
+            stats.prefetches_failed,
+        ),
     ]
 
 

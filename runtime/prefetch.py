@@ -30,6 +30,8 @@ class Prefetcher:
         self._jobs: queue.Queue[tuple[PrefixCache, Sequence[int]] | None] = queue.Queue(max_queued)
         self.requests = 0  # prefetches run
         self.blocks = 0  # blocks they wrote into the local bank
+        self.dropped = 0  # requests not prefetched: the queue was full
+        self.failed = 0  # prefetches that raised (logged)
         self._thread = threading.Thread(target=self._run, name="cas-bank-prefetch", daemon=True)
         self._thread.start()
 
@@ -38,6 +40,7 @@ class Prefetcher:
         try:
             self._jobs.put_nowait((pc, prompt))
         except queue.Full:
+            self.dropped += 1
             return False
         return True
 
@@ -50,6 +53,7 @@ class Prefetcher:
                 self.blocks += prefetch_prompt(*job)
                 self.requests += 1
             except Exception:  # a prefetch is an optimisation: it never fails a request
+                self.failed += 1
                 log.exception("cas_bank: a prefetch failed")
 
     def close(self, timeout: float = 5.0) -> None:

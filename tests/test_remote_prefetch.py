@@ -62,10 +62,13 @@ def test_a_queued_request_finds_its_prefix_local(
         try:
             s = bank.stats()
             assert got.cached_tokens == len(prompt)  # every token, end record included
+            es = engine.stats()  # what /metrics shows (cas_bank_prefetch*_total)
             if prefetch:
                 assert engine.prefetcher is not None and engine.prefetcher.blocks == 6
+                assert (es.prefetches, es.prefetched_blocks, es.prefetches_failed) == (1, 6, 0)
                 assert s.remote_hits == 0  # the restore on its turn was local
             else:
+                assert (es.prefetches, es.prefetched_blocks) == (0, 0)
                 assert s.remote_hits == 1 and s.remote_hit_blocks == 6
         finally:
             engine.close()

@@ -508,6 +508,8 @@ def test_health_models_and_metrics(server: Server) -> None:
         "cas_bank_stored_bytes",
         "cas_bank_corrupt_reads_total",
         "cas_bank_requests_total",
+        "cas_bank_prefetches_total",  # zero here: no shared tier
+        "cas_bank_prefetches_dropped_total",
     ):
         assert f"# TYPE {name} " in text, name
     assert _metric(text, "cas_bank_prefix_hit_tokens_total") > 0
