@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import longest_chain
+from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
 from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
 from cas_bank.index.partial import (
@@ -34,6 +35,7 @@ from cas_bank.index.states import restore_blocks
 from cas_bank.index.timings import RestoreTimings
 
 if TYPE_CHECKING:
+    from cas_bank.index.continuation import Continuation
     from cas_bank.index.owner import Owner
     from cas_bank.index.payloads import PayloadReader, StateRead
     from cas_bank.spec import ModelSpec
@@ -95,11 +97,100 @@ def _clocked(
     return timings
 
 
+@dataclass(slots=True)
+class _Plan:
+    """What the lookups found: the prompt's chain, the matched part (local, continued
+    from the shared tier), how many blocks a restore takes, and what resumes after
+    them (an end record, or a partial block)."""
+
+    toks: np.ndarray
+    hashes: list[BlockHash]
+    matched: list[Header]
+    cont: Continuation | None
+    asked: bool  # the chain went on past the local part: the shared tier was asked
+    n_blocks: int
+    end: EndPlan | None = None
+    part: PartialPlan | None = None
+
+    def covered(self, block_size: int) -> int:
+        """Tokens the restore reaches."""
+        if self.end is not None:
+            return self.end.tokens
+        return self.part.tokens if self.part is not None else self.n_blocks * block_size
+
+
+@dataclass(slots=True)
+class _Filled:
+    """The fill of the destination arrays: `good` blocks placed (fewer than planned
+    where a payload failed), `hot_hits` of them from memory, the boundary state read
+    with them (`along`), and when the arrays were allocated (None: none were)."""
+
+    assembler: Assembler | None = None
+    good: int = 0
+    hot_hits: int = 0
+    along: StateRead | None = None
+    allocated: float | None = None
+
+
 def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     """`Namespace.restore(tokens, room_for=room_for)` of `ns` (its docstring says what
     comes back)."""
     started = time.perf_counter()
-    toks = as_token_array(tokens)
+    plan = _plan(ns, as_token_array(tokens))
+    leased, in_memory, capacity = _probe_leases(ns, plan, room_for)
+    looked_up = time.perf_counter()
+    filling = _fill(ns, plan, leased, in_memory, capacity)
+    allocated = filling.allocated if filling.allocated is not None else looked_up
+    if filling.good < plan.n_blocks:  # a payload failed: the restore point moves back
+        plan.n_blocks = restore_blocks(plan.matched[: filling.good], ns.spec.is_hybrid)
+        plan.end = plan.part = None
+    # The partial block's first tokens, verified (None: missing or corrupt, counted).
+    part = plan.part
+    part_arrays = read_partial(ns.spec, part, ns._payloads, ns.bank.counters) if part else None
+    if part_arrays is None:
+        plan.part = None
+    state, state_leased = _read_state(ns, plan, filling.along)
+    filled = time.perf_counter()
+
+    covered = plan.covered(ns.block_size)
+    _account(ns, plan, covered, filling.hot_hits, state is not None)
+    if not covered:
+        _clocked(ns, started, looked_up, allocated, filled)
+        return None
+    finishing = time.perf_counter()  # the copies put off until now count as the fill
+    kv = _layers(ns, plan, filling.assembler, in_memory, part_arrays, room_for, capacity)
+    if state is not None:
+        if ns.bank.leases is not None and not state_leased and plan.end is None:
+            # A boundary's state (an end record's is at its own position, not leased).
+            ns.bank.leases.put_state(plan.hashes[plan.n_blocks - 1], state)
+        kv = merge_layers(kv, group_layers(ns.spec, None, state))
+    # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
+    # thread's MLX stream, and runtimes may restore on one thread and prefill on
+    # another. Views share their buffers, so this copies nothing, except a lease's
+    # blocks joined to an end record's tail (`end_layers`): part of the fill.
+    end = plan.end
+    exact = end is not None and covered == len(plan.toks)
+    logits = end.payload.logits if exact and end is not None else None
+    hidden = end.payload.hidden if exact and end is not None else None
+    mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+    filled += time.perf_counter() - finishing
+    timings = _clocked(ns, started, looked_up, allocated, filled)
+    return Hit(
+        tokens=covered,
+        layers=kv,
+        blocks=plan.hashes[: plan.n_blocks],
+        logits=logits,
+        hidden=hidden,
+        end=end is not None,
+        partial=plan.part.shared if plan.part is not None else 0,
+        timings=timings,
+    )
+
+
+def _plan(ns: Restorable, toks: np.ndarray) -> _Plan:
+    """The lookups: the longest stored chain of `toks`' blocks (continued from the
+    shared tier where it ends locally), then an end record under its deepest block or
+    a partial block after it."""
     hashes = ns.chain(toks)
     try:
         matched = longest_chain(ns.bank.store, ns.root, hashes)
@@ -113,138 +204,161 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     cont = remote.continue_chain(ns, toks, hashes, matched) if asked and remote else None
     if cont is not None:
         matched = cont.matched
-    n_blocks = restore_blocks(matched, hybrid)
-    bs = ns.block_size
-    # An end record under the deepest matched block (index.ends): an exact repeat,
-    # or a prompt that extends a stored one past the chain's restore point.
-    end: EndPlan | None = None
+    plan = _Plan(toks, hashes, matched, cont, asked, restore_blocks(matched, hybrid))
     if cont is None:
-        end = plan_end(
+        # An end record under the deepest matched block (index.ends): an exact repeat,
+        # or a prompt that extends a stored one past the chain's restore point.
+        plan.end = plan_end(
             ns.bank.store,
             ns.spec,
             ns.root,
             hashes,
             toks,
             len(matched),
-            bs,
-            n_blocks * bs,
+            ns.block_size,
+            plan.n_blocks * ns.block_size,
             ns.bank.counters,
         )
-        if end is not None:
-            n_blocks = end.blocks
-    if (
-        cont is None
-        and end is None
-        and remote is not None
-        and (n_blocks < len(matched) or len(matched) == len(hashes))
-    ):
-        # A hybrid model whose local blocks go past its deepest local state, or a chain
-        # all local (and no local end record reaches further): the shared tier may hold
-        # a deeper state over them, or the end record another host stored.
-        cont = remote.continue_chain(ns, toks, hashes, matched)
-        if cont is not None:
-            matched = cont.matched
-            n_blocks = restore_blocks(matched, hybrid)
+        if plan.end is not None:
+            plan.n_blocks = plan.end.blocks
+        elif remote is not None and (plan.n_blocks < len(matched) or len(matched) == len(hashes)):
+            # A hybrid model whose local blocks go past its deepest local state, or a
+            # chain all local (and no local end record reaches further): the shared
+            # tier may hold a deeper state over them, or the end record another host
+            # stored.
+            cont = remote.continue_chain(ns, toks, hashes, matched)
+            if cont is not None:
+                plan.cont, plan.matched = cont, cont.matched
+                plan.n_blocks = restore_blocks(cont.matched, hybrid)
     if cont is not None and cont.end is not None:  # an end record from the shared tier
-        end = cont.end.plan
-        n_blocks = end.blocks
-    # A partial block: the stored child of the last matched block sharing the most of
-    # the prompt's next tokens (attention-only: a state exists only where captured).
-    part: PartialPlan | None = None
-    if not hybrid and n_blocks == len(matched) and ns.bank.config.partial_blocks:
-        at_home = cont is None or cont.start == n_blocks  # the chain's last block is local
-        part = find_partial(ns.bank.store, ns.root, hashes, toks, n_blocks, bs) if at_home else None
-        if part is None and asked and remote is not None:  # fetched with the rest of the chain
-            part = remote_partial(remote, ns, hashes, toks, n_blocks)
-        if part is not None and end is not None and end.tokens >= part.tokens:
-            part = None  # the end record covers as much (and may hold the logits)
-        if part is not None:
-            end = None
-    capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
-    # The one probe of memory: the deepest matched block a lease holds.
-    leases = ns.bank.leases
-    # A chain queued for the background writer counts too (attention-only models).
-    queued = ns.bank.writer is not None and not hybrid and cont is None
-    probed = hashes if queued else hashes[:n_blocks]
-    leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
-    if end is not None and leased > end.blocks:
-        end, n_blocks = None, restore_blocks(matched, hybrid)  # the chain goes deeper
-    if part is not None and leased > part.blocks:
-        part = None  # the chain goes deeper (queued for the writer)
-    n_blocks = max(n_blocks, leased)
-    if end is not None:
-        capacity = max(capacity, end.tokens)
+        plan.end = cont.end.plan
+        plan.n_blocks = plan.end.blocks
+    if not hybrid and plan.n_blocks == len(plan.matched) and ns.bank.config.partial_blocks:
+        _add_partial(ns, plan)
+    return plan
+
+
+def _add_partial(ns: Restorable, plan: _Plan) -> None:
+    """A partial block: the stored child of the last matched block sharing the most of
+    the prompt's next tokens (attention-only: a state exists only where captured),
+    where it reaches further than the end record found."""
+    remote = ns.bank.remote
+    n = plan.n_blocks
+    at_home = plan.cont is None or plan.cont.start == n  # the chain's last block is local
+    part = (
+        find_partial(ns.bank.store, ns.root, plan.hashes, plan.toks, n, ns.block_size)
+        if at_home
+        else None
+    )
+    if part is None and plan.asked and remote is not None:  # fetched with the rest
+        part = remote_partial(remote, ns, plan.hashes, plan.toks, n)
+    if part is not None and plan.end is not None and plan.end.tokens >= part.tokens:
+        part = None  # the end record covers as much (and may hold the logits)
     if part is not None:
-        capacity = max(capacity, part.tokens)
-    assembler: Assembler | None = None
-    along: StateRead | None = None
-    looked_up = allocated = time.perf_counter()
+        plan.end = None
+    plan.part = part
+
+
+def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, list[mx.array], int]:
+    """The one probe of memory: how many of the chain's blocks a lease holds and their
+    arrays (a chain queued for the background writer counts too, attention-only), and
+    the tokens the destination arrays hold (`room_for` rounded up to `ROOM_STEP`)."""
+    capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
+    leases = ns.bank.leases
+    hybrid = ns.spec.is_hybrid
+    queued = ns.bank.writer is not None and not hybrid and plan.cont is None
+    probed = plan.hashes if queued else plan.hashes[: plan.n_blocks]
+    leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+    if plan.end is not None and leased > plan.end.blocks:  # the chain goes deeper
+        plan.end, plan.n_blocks = None, restore_blocks(plan.matched, hybrid)
+    if plan.part is not None and leased > plan.part.blocks:
+        plan.part = None  # the chain goes deeper (queued for the writer)
+    plan.n_blocks = max(plan.n_blocks, leased)
+    if plan.end is not None:
+        capacity = max(capacity, plan.end.tokens)
+    if plan.part is not None:
+        capacity = max(capacity, plan.part.tokens)
+    return leased, in_memory, capacity
+
+
+def _fill(
+    ns: Restorable, plan: _Plan, leased: int, in_memory: list[mx.array], capacity: int
+) -> _Filled:
+    """The planned blocks into destination arrays of `capacity` tokens: leased ones
+    copied, the rest read and verified (with the boundary state a hybrid restore ends
+    on, where it is in a file)."""
+    n_blocks, bs = plan.n_blocks, ns.block_size
     # All in memory: handed out as they are (no copy), unless the caller wants room
     # after them and MLX computes on the CPU. Then its cache must own its buffers, and
     # mlx-lm's first update would copy the prefix whole to write after it, on one core
     # (~4x slower than `np.copyto` on two): copied here on two. A GPU makes that copy
     # faster than two CPU threads can, so there the lease is handed out.
     full = leased > 0 and leased == n_blocks
-    reach = end.tokens if end is not None else part.tokens if part is not None else n_blocks * bs
-    roomy = capacity > reach and copies_on_cpu()
+    roomy = capacity > plan.covered(bs) and copies_on_cpu()
     if full and not roomy:
-        good, hot_hits = n_blocks, n_blocks
-    elif full:
+        return _Filled(good=n_blocks, hot_hits=n_blocks)
+    if full:
         assembler = Assembler(ns.spec, n_blocks, bs, capacity)
         allocated = time.perf_counter()
         assembler.put_arrays(in_memory, leased)
-        good, hot_hits = n_blocks, n_blocks
-    elif n_blocks:
-        # The boundary state this restore ends on, read along with the blocks (a
-        # state in memory or from an end record or the shared tier is not read).
-        wanted = matched[n_blocks - 1] if hybrid and end is None and cont is None else None
-        if wanted is not None and (
-            not ns._payloads.state_in_file(wanted)
-            or (leases is not None and leases.has_state(wanted.chain_hash))
-        ):
-            wanted = None
-        assembler = Assembler(ns.spec, n_blocks, ns.block_size, capacity, state=wanted is not None)
-        allocated = time.perf_counter()
-        if leased:
-            assembler.put_arrays(in_memory, leased)
-        good, hot_hits, along = ns._payloads.assemble(
-            matched[:n_blocks],
-            assembler,
-            leased,
-            cont.blocks if cont is not None else None,
-            state=wanted,
-        )
-        hot_hits += leased
-    else:
-        good, hot_hits = 0, 0
-    if good < n_blocks:  # a payload failed: the restore point moves back
-        n_blocks = restore_blocks(matched[:good], hybrid)
-        end = part = None
-    # The partial block's first tokens, verified (None: missing or corrupt, counted).
-    part_arrays = read_partial(ns.spec, part, ns._payloads, ns.bank.counters) if part else None
-    if part_arrays is None:
-        part = None
-    state: list[mx.array] | None = None
-    state_leased = False
-    if end is not None and hybrid:
-        state = end.payload.state
-    while hybrid and n_blocks and end is None:
-        h = matched[n_blocks - 1]
+        return _Filled(assembler, n_blocks, n_blocks, None, allocated)
+    if not n_blocks:
+        return _Filled()
+    # The boundary state this restore ends on, read along with the blocks (a state in
+    # memory or from an end record or the shared tier is not read).
+    cont, leases = plan.cont, ns.bank.leases
+    hybrid_end = ns.spec.is_hybrid and plan.end is None and cont is None
+    wanted = plan.matched[n_blocks - 1] if hybrid_end else None
+    if wanted is not None and (
+        not ns._payloads.state_in_file(wanted)
+        or (leases is not None and leases.has_state(wanted.chain_hash))
+    ):
+        wanted = None
+    assembler = Assembler(ns.spec, n_blocks, bs, capacity, state=wanted is not None)
+    allocated = time.perf_counter()
+    if leased:
+        assembler.put_arrays(in_memory, leased)
+    good, hot_hits, along = ns._payloads.assemble(
+        plan.matched[:n_blocks],
+        assembler,
+        leased,
+        cont.blocks if cont is not None else None,
+        state=wanted,
+    )
+    return _Filled(assembler, good, hot_hits + leased, along, allocated)
+
+
+def _read_state(
+    ns: Restorable, plan: _Plan, along: StateRead | None
+) -> tuple[list[mx.array] | None, bool]:
+    """A hybrid model's recurrent state where the restore ends, and whether a lease
+    held it: an end record's own, else the deepest boundary's (leased, read along with
+    the blocks, or read now; a missing one moves the restore point back)."""
+    if not ns.spec.is_hybrid:
+        return None, False
+    if plan.end is not None:
+        return plan.end.payload.state, False
+    leases, cont = ns.bank.leases, plan.cont
+    while plan.n_blocks:
+        h = plan.matched[plan.n_blocks - 1]
         state = leases.state(h.chain_hash) if leases is not None else None
         if state is not None:
-            state_leased = True
-            break
+            return state, True
         state = ns._payloads.read_state(h, cont.states if cont is not None else None, along)
         if state is not None:
-            break
-        n_blocks = restore_blocks(matched[: n_blocks - 1], hybrid)
-    filled = time.perf_counter()
+            return state, False
+        plan.n_blocks = restore_blocks(plan.matched[: plan.n_blocks - 1], True)
+    return None, False
 
-    covered = end.tokens if end is not None else part.tokens if part is not None else n_blocks * bs
-    exact = end is not None and covered == len(toks)
+
+def _account(ns: Restorable, plan: _Plan, covered: int, hot_hits: int, state: bool) -> None:
+    """Count the restore, tell the shared tier what of its continuation was used, and
+    record the last uses of the local blocks, state, end record or partial child."""
+    end, part, cont, n_blocks = plan.end, plan.part, plan.cont, plan.n_blocks
+    exact = end is not None and covered == len(plan.toks)
     ns.bank.counters.count(
         restores=1,
-        queried_tokens=len(toks),
+        queried_tokens=len(plan.toks),
         hit_tokens=covered,
         hits=1 if covered else 0,
         misses=0 if covered else 1,
@@ -254,64 +368,49 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         partial_hits=1 if part is not None else 0,
         partial_tokens=part.shared if part is not None else 0,
     )
+    remote = ns.bank.remote
     end_remote = end is not None and cont is not None and cont.end is not None
     if cont is not None and remote is not None:  # counts it, writes it locally later
-        remote.restored(ns, cont, n_blocks, state is not None, end=end_remote)
+        remote.restored(ns, cont, n_blocks, state, end=end_remote)
+    access = ns.bank.access
     if n_blocks:
         # Last uses stay in memory; written at most every access_flush_interval.
         # Blocks from the shared tier are not local yet: their local write records them;
         # a queued store's blocks (leased past the stored chain) are recorded by its write.
-        local = min(n_blocks, len(matched) if cont is None else cont.start)
-        state_at = (
-            [hashes[n_blocks - 1]]
-            if state is not None and local == n_blocks and end is None
-            else []
-        )
-        ns.bank.access.touch(hashes[:local], state_at)
+        local = min(n_blocks, len(plan.matched) if cont is None else cont.start)
+        at_state = state and local == n_blocks and end is None
+        access.touch(plan.hashes[:local], [plan.hashes[n_blocks - 1]] if at_state else [])
     if end is not None and not end_remote:  # a remote one: its local write records it
-        ns.bank.access.touch((), ends=[end.header.parent])
+        access.touch((), ends=[end.header.parent])
     if part is not None and part.fetched is None:  # a local child was used (block or ends)
         child = part.child
-        ns.bank.access.touch(*(([child.name],) if child.is_block else ((), (), [child.parent])))
-    if covered and ns.bank.access.due():
+        access.touch(*(([child.name],) if child.is_block else ((), (), [child.parent])))
+    if covered and access.due():
         ns.bank.flush(wait=False)
-    if not covered:
-        _clocked(ns, started, looked_up, allocated, filled)
-        return None
-    n = n_blocks * bs
-    finishing = time.perf_counter()  # the copies put off until now count as the fill
-    if end is not None:
-        kv = end_layers(ns.spec, end, assembler, in_memory, room=room_for > 0)
-    elif part is not None and part_arrays is not None:
-        kv = partial_layers(ns.spec, part, part_arrays, assembler, in_memory, room=room_for > 0)
-    elif assembler is not None:
-        kv = assembler.layers(n_blocks, room=room_for > 0)
-        if leases is not None and not capacity:
-            # Exact arrays: the first update copies them anyway, so keep them too.
-            leases.put(hashes[:n_blocks], flat_attention(kv))
-    else:
-        kv = group_layers(ns.spec, [a[..., :n, :] for a in in_memory], None)
-    if state is not None and leases is not None and not state_leased and end is None:
-        # A boundary's state (an end record's is at its own position, not leased).
-        leases.put_state(hashes[n_blocks - 1], state)
-    if state is not None:
-        kv = merge_layers(kv, group_layers(ns.spec, None, state))
-    # Evaluated here: an unevaluated view (bf16, a trimmed slice) is bound to this
-    # thread's MLX stream, and runtimes may restore on one thread and prefill on
-    # another. Views share their buffers, so this copies nothing, except a lease's
-    # blocks joined to an end record's tail (`end_layers`): part of the fill.
-    logits = end.payload.logits if exact and end is not None else None
-    hidden = end.payload.hidden if exact and end is not None else None
-    mx.eval(kv, [a for a in (logits, hidden) if a is not None])
-    filled += time.perf_counter() - finishing
-    timings = _clocked(ns, started, looked_up, allocated, filled)
-    return Hit(
-        tokens=covered,
-        layers=kv,
-        blocks=hashes[:n_blocks],
-        logits=logits,
-        hidden=hidden,
-        end=end is not None,
-        partial=part.shared if part is not None else 0,
-        timings=timings,
-    )
+
+
+def _layers(
+    ns: Restorable,
+    plan: _Plan,
+    assembler: Assembler | None,
+    in_memory: list[mx.array],
+    part_arrays: list[np.ndarray] | None,
+    room_for: int,
+    capacity: int,
+) -> list[tuple[Any, ...] | None]:
+    """The restored attention layers: the blocks, with an end record's or a partial
+    block's tail after them; exact arrays of blocks read are leased too."""
+    room = room_for > 0
+    if plan.end is not None:
+        return end_layers(ns.spec, plan.end, assembler, in_memory, room=room)
+    if plan.part is not None and part_arrays is not None:
+        return partial_layers(ns.spec, plan.part, part_arrays, assembler, in_memory, room=room)
+    n_blocks = plan.n_blocks
+    if assembler is None:
+        n = n_blocks * ns.block_size
+        return group_layers(ns.spec, [a[..., :n, :] for a in in_memory], None)
+    kv = assembler.layers(n_blocks, room=room)
+    if ns.bank.leases is not None and not capacity:
+        # Exact arrays: the first update copies them anyway, so keep them too.
+        ns.bank.leases.put(plan.hashes[:n_blocks], flat_attention(kv))
+    return kv
