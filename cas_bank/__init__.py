@@ -20,10 +20,11 @@ from cas_bank.errors import (
     NotABankError,
 )
 from cas_bank.index.timings import RestoreTimings, RestoreTotals
-from cas_bank.namespace import Namespace, StoreReport
+from cas_bank.namespace import Namespace
 from cas_bank.restoring import Hit
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 from cas_bank.stats import BankStats
+from cas_bank.storing import StoreReport
 
 __all__ = [
     "ArraySpec",

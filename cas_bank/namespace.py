@@ -1,39 +1,36 @@
 """`Namespace`: one model's view of a bank: store, match, restore.
 
-The store path (blocks, states, end records) is here; the restore path is in
-`cas_bank.restoring` (`Namespace.restore` calls it).
+A store's steps are in `cas_bank.storing` and a restore's in `cas_bank.restoring`
+(`Namespace.store` and `Namespace.restore` call them); background stores, end
+records and lookups are here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
-from cas_bank import restoring
-from cas_bank.blocks import codec
+from cas_bank import restoring, storing
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
 from cas_bank.index.ends import find_end, prepare_end, write_end
 from cas_bank.index.layout import (
-    BlockCutter,
     boundary_states,
     check_layers,
-    encode_state,
     group_layers,
 )
 from cas_bank.index.partial import find_partial
 from cas_bank.index.payloads import PayloadReader
-from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.index.states import plan_boundaries
 from cas_bank.index.writer import PendingStore
 from cas_bank.restoring import Hit
 from cas_bank.spec import ModelSpec
+from cas_bank.storing import StoreReport as StoreReport  # re-exported: its old home
 
 log = logging.getLogger("cas_bank")
 
@@ -41,43 +38,8 @@ if TYPE_CHECKING:
     from cas_bank.index.owner import Owner
 
 
-@dataclass(frozen=True, slots=True)
-class StoreReport:
-    """What one `Namespace.store` did."""
-
-    tokens: int  # tokens offered
-    blocks: int  # full blocks among them
-    blocks_written: int
-    blocks_existing: int
-    states_written: int
-    states_existing: int
-    bytes_written: int
-    chain: list[BlockHash] = field(repr=False)
-
-
 T = TypeVar("T")
 _NOTHING_STORED = StoreReport(0, 0, 0, 0, 0, 0, 0, chain=[])
-
-
-def _stored_part(
-    current: Sequence[Header | None],
-    written: Mapping[int, Header],
-    states: Mapping[int, Any],
-    block_size: int,
-) -> tuple[int, list[int]]:
-    """After a store: how many leading blocks of its chain are stored (`current` read
-    under the write lock, `written` by the store), and the offered state boundaries
-    among them whose state is stored."""
-    kept = 0
-    while kept < len(current) and (current[kept] is not None or kept in written):
-        kept += 1
-    stored: list[int] = []
-    for b in states:
-        i = b // block_size - 1
-        header = written.get(i) or (current[i] if i < kept else None)
-        if i < kept and header is not None and header.has_state:
-            stored.append(b)
-    return kept, stored
 
 
 def _skipping_full(store: Callable[[], T], skip: bool, nothing: T) -> Callable[[], T]:
@@ -122,135 +84,9 @@ class Namespace:
 
         Blocks already present are not written again. Everything new goes in one
         atomic batch. Bad input raises `InvalidInputError` before anything is written.
+        (The steps: `cas_bank.storing`.)
         """
-        if self.bank.read_only:
-            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
-        toks = as_token_array(tokens)
-        n = len(toks)
-        arrays = check_layers(self.spec, layers, n)
-        checked_states = boundary_states(self.spec, states, n, self.block_size)
-        hashes = self.chain(toks)
-        bank = self.bank
-        compression, check = bank.config.compression, bank.payload_check
-
-        suspects = bank.suspects
-        existing = read_headers(bank.store, hashes)
-        missing = [i for i, h in enumerate(existing) if h is None or suspects.block(hashes[i])]
-        deferred = self._admit(hashes, existing, missing)
-        if deferred:
-            missing = missing[: len(missing) - deferred]
-        payloads: dict[int, bytes] = {}
-        if missing:
-            cutter = BlockCutter(self.spec, arrays, self.block_size)
-            payloads = {i: cutter.payload(i, compression, check) for i in missing}
-        state_payloads: dict[int, bytes] = {}
-        admitted = set(missing)
-        for b, st in checked_states.items():
-            i = b // self.block_size - 1
-            h = existing[i]
-            if h is None and i not in admitted:
-                continue  # its block is not written now (admission): nor is the state
-            if h is None or not h.has_state or suspects.state(hashes[i]):
-                state_payloads[i] = encode_state(st, compression, check)
-
-        with bank.transaction() as tx:
-            # Another thread may have written some of these since the first look.
-            damaged: set[int] = set()  # header records present but unreadable
-            current = (
-                read_headers(tx.store, hashes, damaged)
-                if (payloads or state_payloads)
-                else existing
-            )
-            # Eviction may have removed a block seen at the first look: cut it again,
-            # or the new blocks below it would leave a hole in the chain.
-            # Blocks beyond the last one written now wait (admission): no hole below it.
-            frontier = max([*payloads, *state_payloads], default=-1)
-            lost = [
-                i
-                for i, h in enumerate(current)
-                if h is None and i not in payloads and i <= frontier
-            ]
-            if lost and (payloads or state_payloads):
-                cutter = BlockCutter(self.spec, arrays, self.block_size)
-                payloads.update({i: cutter.payload(i, compression, check) for i in lost})
-            headers: dict[int, Header] = {}
-            block_writes: list[int] = []  # positions whose block payload is written
-            state_writes: list[int] = []  # positions whose state is written
-            bytes_written = 0
-            for i, payload in payloads.items():
-                old = current[i]
-                if old is not None and not suspects.block(hashes[i]):
-                    continue
-                parent = self.root if i == 0 else hashes[i - 1]
-                lo = i * self.block_size
-                header = Header(
-                    chain_hash=hashes[i],
-                    parent=parent,
-                    index=i,
-                    root=self.root,
-                    payload_digest=codec.embedded_digest(payload),
-                    payload_size=len(payload),
-                    tokens=toks[lo : lo + self.block_size].tobytes(),
-                    state_digest=old.state_digest if old else None,
-                    state_size=old.state_size if old else 0,
-                )
-                headers[i] = header
-                block_writes.append(i)
-                tx.put(Family.BLOCKS, hashes[i], payload)
-                bytes_written += len(payload)
-                deltas, extra = block_rewrite(tx.store, hashes[i], old, i in damaged, len(payload))
-                tx.add(**deltas)
-                tx.extend(extra)
-            for i, payload in state_payloads.items():
-                base = headers.get(i) or current[i]
-                assert base is not None, "a state's block is stored with it or before it"
-                if base.has_state and not suspects.state(hashes[i]):
-                    continue
-                headers[i] = base.with_state(codec.embedded_digest(payload), len(payload))
-                state_writes.append(i)
-                tx.put(Family.STATES, hashes[i], payload)
-                bytes_written += len(payload)
-                tx.add(**state_write_delta(base, len(payload)))
-            tx.extend((Family.HEADERS, hashes[i], h.encode()) for i, h in headers.items())
-            written, states_written = len(block_writes), len(state_writes)
-            tx.add(
-                stores=1,
-                logical_tokens=len(hashes) * self.block_size,
-                blocks_written=written,
-                blocks_deduplicated=len(hashes) - written,
-                states_written=states_written,
-                bytes_written=bytes_written,
-                blocks_deferred=deferred,
-            )
-            # The stored part of the chain was used now, its stored states offered too
-            # (a block admission left out has no last use: it does not exist).
-            kept, kept_states = _stored_part(current, headers, checked_states, self.block_size)
-            tx.touch(hashes[:kept], [hashes[b // self.block_size - 1] for b in kept_states])
-            tx.clear_suspect(
-                blocks=[hashes[i] for i in block_writes], states=[hashes[i] for i in state_writes]
-            )
-        if bank.remote is not None:  # committed: queue it, the request never waits on the network
-            bank.remote.publish(
-                self.root,
-                [(headers[i], payloads[i]) for i in block_writes],
-                [(hashes[i], state_payloads[i]) for i in state_writes],
-            )
-        if bank.leases is not None:
-            # The chain is in memory already: a restore of it hands these out (the cache
-            # copies its buffer on its next update: see index.lease).
-            flat = [a for layer in arrays for a in layer]
-            self._lease_stored(hashes, kept, flat, {b: checked_states[b] for b in kept_states})
-
-        return StoreReport(
-            tokens=n,
-            blocks=len(hashes),
-            blocks_written=written,
-            blocks_existing=len(hashes) - written,
-            states_written=states_written,
-            states_existing=len(checked_states) - states_written,
-            bytes_written=bytes_written,
-            chain=hashes,
-        )
+        return storing.store(self, tokens, layers, states)
 
     def _lease_stored(
         self,
@@ -419,25 +255,6 @@ class Namespace:
             lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
         )
         return lambda: writer.submit(job, lambda nbytes: nbytes)
-
-    def _admit(self, hashes: Sequence[bytes], existing: Sequence[Any], missing: list[int]) -> int:
-        """How many of the trailing `missing` blocks this store leaves out (BankConfig.admit
-        and admit_min_tokens); the chain stays prefix-closed: only a tail is left out."""
-        config = self.bank.config
-        if not missing:
-            return 0
-        if len(hashes) * self.block_size < config.admit_min_tokens:
-            return len(missing)
-        if config.admit != "second_use":
-            return 0
-        seen = self.bank.seen
-        keep = 0
-        for i in missing:
-            if hashes[i] not in seen:
-                break
-            keep += 1
-        seen.update(hashes[i] for i in missing)
-        return len(missing) - keep
 
     # -- lookup --------------------------------------------------------------------
     def matched(self, tokens: Any) -> list[Header]:

@@ -70,8 +70,9 @@ from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array
 from cas_bank.errors import BankFullError, InvalidInputError
 from cas_bank.index.writer import PendingStore
-from cas_bank.namespace import Namespace, StoreReport
+from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
+from cas_bank.storing import StoreReport
 
 from .cache_io import (
     cache_layers,

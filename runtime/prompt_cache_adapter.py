@@ -77,7 +77,7 @@ from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.writer import PendingStore
-from cas_bank.namespace import StoreReport
+from cas_bank.storing import StoreReport
 
 from .cache_io import snapshot_states
 from .model_spec import check_cache_class
