@@ -37,19 +37,40 @@ def top_functions(profile: list[dict[str, Any]], n: int = 4) -> str:
     return "; ".join(f"{r['function']} {r['own_share']:.0%}" for r in profile[:n])
 
 
-def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of issue 7 against the measured figures: one row per place measured."""
-    rows: list[dict[str, Any]] = []
+class _Rows(list[dict[str, Any]]):
+    """The targets' rows, one per target and place measured."""
 
-    def add(target: str, measured: str, met: bool, where: str, why: str = "") -> None:
-        rows.append(
+    def add(self, target: str, measured: str, met: bool, where: str, why: str = "") -> None:
+        self.append(
             {"target": target, "measured": measured, "met": bool(met), "where": where, "why": why}
         )
 
+
+def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target against the measured figures: one row per place measured (a part
+    that did not run adds none)."""
+    rows = _Rows()
+    for section in (
+        _tiny_restores,
+        _tiny_ttft,
+        _medium_floors,
+        _medium_against_file,
+        _fleet,
+        _remote,
+        _scale,
+        _overheads,
+    ):
+        section(r, rows)
+    return list(rows)
+
+
+def _tiny_restores(r: dict[str, Any], rows: _Rows) -> None:
+    """The tiny models' restores (TTFT part) against the machine's reads and copies, and
+    against the file."""
     for c in r.get("ttft", {}).get("cases", []):
         where = f"{c['model']}, {c['tokens']} tokens"
         f = c["fractions"]
-        add(
+        rows.add(
             "restore from RocksDB >= 0.5x raw read + memcpy",
             f"{f['rocksdb_restore_of_ceiling']:.2f}x "
             f"({ms(c['restore_s']['cas_bank_rocksdb'])} ms vs "
@@ -58,7 +79,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c.get("profile_rocks", [])),
         )
-        add(
+        rows.add(
             "hot-tier restore >= 0.5x memcpy",
             f"{f['hot_restore_of_memcpy']:.2f}x ({ms(c['restore_s']['cas_bank_hot'])} ms vs "
             f"{ms(c['ceilings']['memcpy_s'])} ms)",
@@ -66,7 +87,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c.get("profile", [])),
         )
-        add(
+        rows.add(
             "restore faster than loading the mlx-lm file",
             f"file load / restore = {f['file_load_over_rocksdb_restore']:.2f} "
             f"({ms(c['restore_s']['mlx_lm_file'])} vs "
@@ -75,29 +96,37 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c.get("profile_rocks", [])),
         )
+
+
+def _tiny_ttft(r: dict[str, Any], rows: _Rows) -> None:
+    """The tiny models' time to first token, reopened and hot, against the file's."""
     for c in r.get("ttft", {}).get("cases", []):
         where = f"{c['model']}, {c['tokens']} tokens (real prefill of the rest)"
         t = c["ttft_s"]
         if not all(k in t for k in ("mlx_lm_file", "cas_bank_rocksdb", "cas_bank_hot")):
             continue
-        add(
+        rows.add(
             "TTFT from a reopened bank >= 1.0x the file's",
             f"{t['mlx_lm_file'] / t['cas_bank_rocksdb']:.2f}x "
             f"({ms(t['mlx_lm_file'])} vs {ms(t['cas_bank_rocksdb'])} ms)",
             t["mlx_lm_file"] / t["cas_bank_rocksdb"] >= 1.0,
             where,
         )
-        add(
+        rows.add(
             "TTFT hot >= 1.3x the file's",
             f"{t['mlx_lm_file'] / t['cas_bank_hot']:.2f}x "
             f"({ms(t['mlx_lm_file'])} vs {ms(t['cas_bank_hot'])} ms)",
             t["mlx_lm_file"] / t["cas_bank_hot"] >= 1.3,
             where,
         )
+
+
+def _medium_floors(r: dict[str, Any], rows: _Rows) -> None:
+    """The medium layouts' restores against their floors (the verified read, memcpy)."""
     for c in r.get("restore", {}).get("cases", []):
         where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
         f = c["fractions"]
-        add(
+        rows.add(
             "restore from a reopened bank >= 0.8x the verified-read floor",
             f"{f['rocksdb_restore_of_ceiling']:.2f}x ({ms(c['rocksdb_restore_s'])} ms vs "
             f"{ms(c['verified_floor_s'])} ms)",
@@ -105,7 +134,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c["profile_rocks"]),
         )
-        add(
+        rows.add(
             "hot-tier restore >= 0.5x memcpy",
             f"{f['hot_restore_of_memcpy']:.2f}x ({ms(c['hot_restore_s'])} ms vs "
             f"{ms(c['memcpy_s'])} ms)",
@@ -113,13 +142,18 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c["profile"]),
         )
+
+
+def _medium_against_file(r: dict[str, Any], rows: _Rows) -> None:
+    """The medium layouts against mlx-lm's file: reopened, hot with room, handed out,
+    `store_later`'s cost, and time to first token."""
     for c in r.get("restore", {}).get("cases", []):
         if "ttft_s" not in c:
             continue
         where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
         f, t = c["fractions"], c["ttft_s"]
         b3 = f.get("file_load_over_blake3_floor")
-        add(
+        rows.add(
             "restore from a reopened bank >= 1.0x mlx-lm's file load (every payload checked)",
             f"{f['file_load_over_rocksdb_restore']:.2f}x ({ms(c['file_load_s'])} vs "
             f"{ms(c['rocksdb_restore_s'])} ms; the verified-read floor allows "
@@ -130,7 +164,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             where,
             top_functions(c["profile_rocks"]),
         )
-        add(
+        rows.add(
             "hot restore with room (PrefixCache.restore) >= 2x mlx-lm's file load",
             f"{f['file_load_over_hot_restore']:.2f}x ({ms(c['file_load_s'])} vs "
             f"{ms(c['hot_restore_s'])} ms; one copy of the prefix on both cores, its floor, "
@@ -145,7 +179,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         # The lease handed out as it is, exact-size arrays like the file's; a runtime's
         # restore (room for its prompt) copies it once more, reported beside it.
         handout = f.get("file_load_over_hot_handout", f["file_load_over_hot_restore"])
-        add(
+        rows.add(
             "hot restore handed out >= 2x mlx-lm's file load",
             f"{handout:.2f}x ({ms(c['file_load_s'])} vs "
             f"{ms(c.get('hot_handout_s', c['hot_restore_s']))} ms, the lease handed out; "
@@ -155,7 +189,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             top_functions(c["profile"]),
         )
         if "store_later_caller_s" in c:
-            add(
+            rows.add(
                 "store_later costs the caller <= 2x a memcpy of the new bytes",
                 f"{f['store_later_caller_over_memcpy']:.2f}x "
                 f"({ms(c['store_later_caller_s'])} ms vs {ms(c['memcpy_s'])} ms; written "
@@ -163,14 +197,14 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                 f["store_later_caller_over_memcpy"] <= 2.0,
                 where,
             )
-        add(
+        rows.add(
             "TTFT from a reopened bank >= 1.0x the file's",
             f"{f['file_ttft_over_reopened_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['reopened'])} ms)",
             f["file_ttft_over_reopened_ttft"] >= 1.0,
             where,
         )
         best = f.get("file_ttft_over_forward_and_copy", f["file_ttft_over_forward"])
-        add(
+        rows.add(
             "TTFT hot >= 1.3x the file's (where TTFT hot best allows it)",
             f"{f['file_ttft_over_hot_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['hot'])} ms; "
             f"the forward pass alone allows {f['file_ttft_over_forward']:.2f}x"
@@ -189,10 +223,14 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             f["file_ttft_over_hot_ttft"] >= 1.3,
             where,
         )
+
+
+def _fleet(r: dict[str, Any], rows: _Rows) -> None:
+    """The fleet's bytes on disk."""
     fl = r.get("fleet")
     if fl:
         b = fl["bytes"]
-        add(
+        rows.add(
             "fleet bytes on disk <= 1.1x lower bound",
             f"{b['ratio_to_lower_bound']:.3f}x ({mb(b['cas_bank_dir'])} MB vs "
             f"{mb(b['lower_bound'])} MB; "
@@ -200,41 +238,49 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             b["ratio_to_lower_bound"] <= 1.1,
             f"{fl['settings']['agents']} agents x {fl['settings']['turns']} turns",
         )
+
+
+def _remote(r: dict[str, Any], rows: _Rows) -> None:
+    """The shared tier: hits across hosts, restores, bytes, the cluster down."""
     rt = r.get("remote")
     if rt:
         where = f"{rt['settings']['hosts']} hosts, {rt['settings']['model']}"
         rs, b, d = rt["restore"], rt["cluster_bytes"], rt["cluster_down"]
         alone, shared = rt["fleet"]["hosts_alone"], rt["fleet"]["hosts_sharing_cluster"]
-        add(
+        rows.add(
             "cross-host hit rate with the cluster > hosts alone",
             f"{shared['hit_rate']:.1%} vs {alone['hit_rate']:.1%}",
             shared["hit_rate"] > alone["hit_rate"] and shared["rejected"] == 0,
             where,
         )
-        add(
+        rows.add(
             "restore from the cluster faster than cold prefill",
             f"{ms(rs['cluster_s'])} vs {ms(rs['cold_prefill_s'])} ms "
             f"(local {ms(rs['local_s'])} ms)",
             rs["cluster_s"] < rs["cold_prefill_s"],
             f"{rs['tokens']} tokens, {where}",
         )
-        add(
+        rows.add(
             "cluster bytes <= 1.05x lower bound",
             f"{b['ratio_to_lower_bound']:.3f}x",
             b["ratio_to_lower_bound"] <= 1.05,
             where,
         )
-        add(
+        rows.add(
             "cluster down: one read time-out, then <= 10 ms added (median)",
             f"+{ms(d['added_first_s'])} ms first, +{ms(d['added_later_s'])} ms later",
             d["added_first_s"] <= d["remote_timeout_setting_s"] + 0.1
             and d["added_later_s"] <= 0.010,
             where,
         )
+
+
+def _scale(r: dict[str, Any], rows: _Rows) -> None:
+    """Lookups and the reopen at scale."""
     sc = r.get("scale")
     if sc:
         lk = sc["lookup"]
-        add(
+        rows.add(
             "lookup of a 32k-token prompt <= 1 ms p50",
             f"{ms(lk['hit']['p50_s'])} ms p50, {ms(lk['hit']['p99_s'])} ms p99",
             lk["hit"]["p50_s"] <= 1e-3,
@@ -242,23 +288,27 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             f"{sc['big_blocks']} blocks in the bank",
             top_functions(lk.get("profile", [])),
         )
-        add(
+        rows.add(
             "lookup of a 32k-token prompt <= 1 ms p50",
             f"{ms(lk['bs64']['hit']['p50_s'])} ms p50, {ms(lk['bs64']['hit']['p99_s'])} ms p99",
             lk["bs64"]["hit"]["p50_s"] <= 1e-3,
             f"{lk['tokens']} tokens, block_size 64 ({lk['bs64']['blocks']} blocks)",
         )
         ro = sc["reopen"]
-        add(
+        rows.add(
             "reopen at 1M blocks <= 2x at 1k",
             f"{ro['ratio']:.2f}x ({ms(ro['big_s'])} vs {ms(ro['small_s'])} ms)",
             ro["ratio"] <= 2.0,
             f"{sc['big_blocks']} vs {sc['small_blocks']} blocks",
             top_functions(ro.get("profile", [])),
         )
+
+
+def _overheads(r: dict[str, Any], rows: _Rows) -> None:
+    """What storing adds: to a cold prefill, and before the first token in the server."""
     ov = r.get("store_overhead")
     if ov:
-        add(
+        rows.add(
             "store path adds <= 10% to a cold prefill (medium model)",
             f"{ov['added']:+.1%} A/B ({ov['with_bank_s']:.2f} vs {ov['without_bank_s']:.2f} s); "
             f"store alone {ov['store_share']:.2%} of the forward",
@@ -268,7 +318,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     ss = r.get("server_store")
     if ss:
         bg, inline = ss["modes"]["background"], ss["modes"]["inline"]
-        add(
+        rows.add(
             "the first token does not wait for a store (server, background writer)",
             f"{bg['store_on_path_s'] * 1e3:.1f} ms of store before the first token, inline "
             f"{inline['store_on_path_s'] * 1e3:.1f} ms; TTFT {bg['ttft_over_off']:.3f}x "
@@ -276,4 +326,3 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
             bg["store_on_path_s"] <= 0.1 * inline["store_on_path_s"],
             f"{ss['settings']['model']}, {ss['settings']['tokens']} tokens",
         )
-    return rows
