@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import as_token_array, chain_hashes
-from cas_bank.blocks.store import Family
+from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import find_end
@@ -234,55 +234,12 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         parent = matched[-1].chain_hash if matched else root
         index = index or HeaderIndex.load(store)
         divergence = _divergence(index.children_of(parent), toks[k * bs : (k + 1) * bs], k, bs)
-
-    corrupt: list[CorruptRecord] = []
-    good = k
-    for i, h in enumerate(matched):
-        why = _check(bank, Family.BLOCKS, h.chain_hash, h.payload_digest)
-        if why is not None:
-            corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "payload", why))
-            good = i
-            break
-
-    state_at, without, usable = None, [], good
-    stateless: dict[int, bytes] = {}  # boundary -> chain hash, of boundaries without a state
+    corrupt, good = _payloads_checked(bank, matched)
+    states = _States(usable=good)
     if hybrid:
-        usable = 0
-        for i in range(good - 1, -1, -1):
-            h = matched[i]
-            if not h.has_state:
-                without.append(h.end)
-                stateless[h.end] = h.chain_hash
-                continue
-            assert h.state_digest is not None
-            why = _check(bank, Family.STATES, h.chain_hash, h.state_digest)
-            if why is None:
-                state_at, usable = h.end, i + 1
-                break
-            corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "state", why))
-            without.append(h.end)
-        without.sort()
-    states_evicted: list[StateEviction] = []
-    if stateless:
-        ends = sorted(stateless)
-        for end, r in zip(
-            ends, lookup(store, [record_key(stateless[e], True) for e in ends]), strict=True
-        ):
-            if r is not None:
-                states_evicted.append(StateEviction(end, r.time, r.reason))
-
+        states = _states_checked(bank, matched, good, corrupt)
     blocks_evicted = bank.counters.values()["blocks_evicted"]
-    fate: Missing | None = None
-    at, by, memory_horizon = None, None, None
-    if missing is not None:
-        record = lookup(store, [record_key(hashes[k])])[0]
-        reach = horizon(store, blocks_evicted)
-        memory_horizon = reach.time
-        if record is not None:
-            fate, at, by = "evicted", record.time, record.reason
-        else:
-            fate = "never_stored" if reach.complete else "not_recorded"
-
+    fate = _fate(store, hashes[k], blocks_evicted) if missing is not None else _Fate()
     # An end record under the deepest matched block (as a restore looks for one): used
     # when no payload on the way is corrupt (a restore then stops before it).
     try:
@@ -291,13 +248,11 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         found = None
     end_tokens = found[0].n_tokens if found is not None else None
     end_logits = found is not None and found[0].has_logits
-
     partial = _partial(bank, root, hashes, toks, k, hybrid, corrupt, end_tokens)
-
     stop: StopReason = "complete"
     if corrupt:
         stop = "corrupt"
-    elif hybrid and usable < good:
+    elif hybrid and states.usable < good:
         stop = "no_state"
     elif divergence is not None:
         stop = "diverged"
@@ -310,21 +265,21 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         tail_tokens=len(toks) - len(hashes) * bs,
         matched_blocks=k,
         restorable_tokens=max(
-            usable * bs, end_tokens or 0, k * bs + partial.shared if partial.used else 0
+            states.usable * bs, end_tokens or 0, k * bs + partial.shared if partial.used else 0
         ),
         stop=stop,
         hybrid=hybrid,
         divergence=divergence,
         missing_block=missing,
-        state_at=state_at,
-        boundaries_without_state=without,
+        state_at=states.state_at,
+        boundaries_without_state=states.without,
         corrupt=corrupt,
         blocks_evicted=blocks_evicted,
-        missing=fate,
-        evicted_at=at,
-        evicted_by=by,
-        memory_horizon=memory_horizon,
-        states_evicted=states_evicted,
+        missing=fate.fate,
+        evicted_at=fate.at,
+        evicted_by=fate.by,
+        memory_horizon=fate.horizon,
+        states_evicted=_states_evicted(store, states.stateless),
         end_record_tokens=end_tokens,
         end_record_logits=end_logits,
         partial_child=partial.child,
@@ -333,6 +288,80 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         partial_used=partial.used,
         partial_refused=partial.refused,
     )
+
+
+def _payloads_checked(bank: Bank, matched: list[Header]) -> tuple[list[CorruptRecord], int]:
+    """The first matched block whose payload fails its check (as a restore stops
+    there), and how many blocks before it are good."""
+    for i, h in enumerate(matched):
+        why = _check(bank, Family.BLOCKS, h.chain_hash, h.payload_digest)
+        if why is not None:
+            return [CorruptRecord(i, h.chain_hash.hex(), "payload", why)], i
+    return [], len(matched)
+
+
+@dataclass(slots=True)
+class _States:
+    """A hybrid chain's states: the deepest good one (`state_at`, the blocks a restore
+    can use up to it), the boundaries without one, and their chain hashes."""
+
+    usable: int
+    state_at: int | None = None
+    without: list[int] = field(default_factory=list)
+    stateless: dict[int, bytes] = field(default_factory=dict)  # boundary -> chain hash
+
+
+def _states_checked(
+    bank: Bank, matched: list[Header], good: int, corrupt: list[CorruptRecord]
+) -> _States:
+    """From the last good block back: the deepest boundary whose state checks out;
+    corrupt states are added to `corrupt`."""
+    out = _States(usable=0)
+    for i in range(good - 1, -1, -1):
+        h = matched[i]
+        if not h.has_state:
+            out.without.append(h.end)
+            out.stateless[h.end] = h.chain_hash
+            continue
+        assert h.state_digest is not None
+        why = _check(bank, Family.STATES, h.chain_hash, h.state_digest)
+        if why is None:
+            out.state_at, out.usable = h.end, i + 1
+            break
+        corrupt.append(CorruptRecord(i, h.chain_hash.hex(), "state", why))
+        out.without.append(h.end)
+    out.without.sort()
+    return out
+
+
+def _states_evicted(store: BlockStore, stateless: dict[int, bytes]) -> list[StateEviction]:
+    """Which of the boundaries without a state had one that was evicted (and when)."""
+    ends = sorted(stateless)
+    records = lookup(store, [record_key(stateless[e], True) for e in ends]) if ends else []
+    return [
+        StateEviction(end, r.time, r.reason)
+        for end, r in zip(ends, records, strict=True)
+        if r is not None
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Fate:
+    """What became of the first missing block: evicted (when, by what), never stored,
+    or not known (eviction records reach back to `horizon` only)."""
+
+    fate: Missing | None = None
+    at: float | None = None
+    by: Reason | None = None
+    horizon: float | None = None
+
+
+def _fate(store: BlockStore, block: bytes, blocks_evicted: int) -> _Fate:
+    record = lookup(store, [record_key(block)])[0]
+    reach = horizon(store, blocks_evicted)
+    if record is not None:
+        return _Fate("evicted", record.time, record.reason, reach.time)
+    return _Fate("never_stored" if reach.complete else "not_recorded", None, None, reach.time)
 
 
 @dataclass(frozen=True, slots=True)
