@@ -286,28 +286,70 @@ class PrefixCache:
         raises `PrefillCancelled` (a server stops a request nobody waits for).
         """
         toks = self.tokens(tokens)
-        n = len(toks)
-        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-            raise InvalidInputError(f"start must be an int, got {start!r}")
-        start = int(start)
-        if not 0 <= start < n:
-            raise InvalidInputError(
-                f"start={start} must leave at least one of the {n} tokens to prefill"
-            )
-        check_cache(self.spec, cache, start)
-        if start == 0:
-            tag_cache(cache, self.spec)  # empty: what it will hold comes from this model
-        else:
-            vouch_for(self.spec, cache, this_model)
+        start = self._prefill_start(toks, cache, start, this_model)
         boundaries = (
             self.namespace.plan_states(toks, start, hints=hints) if self.spec.is_hybrid else []
         )
-        ends = chunk_ends(n, start, self.chunk_size, boundaries)
-
+        ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
         t0 = time.perf_counter()
+        states, logits, pos = self._forward(toks, cache, start, ends, boundaries, cancelled)
+        total = len(toks)
+        if pos < total:  # cancelled: what went through the model is stored, no end record
+            toks, end = toks[:pos], False
+            ends = ends[: ends.index(pos) + 1]
+        last = logits[0, -1]
+        mx.eval(last)
+        t1 = time.perf_counter()
+        storing = store and not self.bank.read_only
+        report = self._store_prefill(toks, cache, states, last, end) if storing else None
+        self.last_prefill = PrefillReport(
+            start=start,
+            tokens=len(toks),
+            chunk_ends=ends,
+            captured=sorted(states),
+            forward_s=t1 - t0,
+            store_s=time.perf_counter() - t1 if storing else 0.0,
+            stored=report,
+        )
+        if len(toks) < total:
+            raise PrefillCancelled(len(toks), total)
+        return last
+
+    def _prefill_start(
+        self, toks: np.ndarray, cache: list[Any], start: Any, this_model: bool
+    ) -> int:
+        """`start` checked against the tokens and the cache (which is tagged as this
+        model's when empty, or vouched for); InvalidInputError names a bad one."""
+        n = len(toks)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise InvalidInputError(f"start must be an int, got {start!r}")
+        at = int(start)
+        if not 0 <= at < n:
+            raise InvalidInputError(
+                f"start={at} must leave at least one of the {n} tokens to prefill"
+            )
+        check_cache(self.spec, cache, at)
+        if at == 0:
+            tag_cache(cache, self.spec)  # empty: what it will hold comes from this model
+        else:
+            vouch_for(self.spec, cache, this_model)
+        return at
+
+    def _forward(
+        self,
+        toks: np.ndarray,
+        cache: list[Any],
+        start: int,
+        ends: Sequence[int],
+        boundaries: Sequence[int],
+        cancelled: Callable[[], bool] | None,
+    ) -> tuple[dict[int, list[Any]], mx.array, int]:
+        """The forward passes, one chunk to each of `ends`: the states snapshotted at
+        `boundaries`, the last chunk's logits, and where it stopped (before the end
+        when `cancelled` said so)."""
         states: dict[int, list[Any]] = {}
         logits: mx.array | None = None
-        pos = start
+        pos, n = start, len(toks)
         for stop in ends:
             logits = self.model(mx.array(toks[pos:stop])[None], cache=cache)
             if stop in boundaries:
@@ -318,45 +360,36 @@ class PrefixCache:
             if pos < n and cancelled is not None and cancelled():
                 break
         assert logits is not None
-        total = n
-        if pos < n:  # cancelled: what went through the model is stored, no end record
-            toks, n, end = toks[:pos], pos, False
-            ends = ends[: ends.index(pos) + 1]
-        last = logits[0, -1]
-        mx.eval(last)
-        t1 = time.perf_counter()
+        return states, logits, pos
 
+    def _store_prefill(
+        self,
+        toks: np.ndarray,
+        cache: list[Any],
+        states: dict[int, list[Any]],
+        last: mx.array,
+        end: bool,
+    ) -> StoreReport | None:
+        """Store what a prefill computed: queued for the background writer, or inline
+        (then its report); with `end`, the end record with the logits `last` too."""
+        if self.background:
+            # The end record is copied before anything is queued: the writer then
+            # works while this thread goes on to the first token.
+            queue_end = self._end_later(toks, cache, last) if end else None
+            self.last_pending = self.store_later(toks, cache, states)
+            if queue_end is not None:
+                self.last_end_pending = queue_end()
+            return None
         report = None
-        if store and not self.bank.read_only:
-            if self.background:
-                # The end record is copied before anything is queued: the writer then
-                # works while this thread goes on to the first token.
-                queue_end = self._end_later(toks, cache, last) if end else None
-                self.last_pending = self.store_later(toks, cache, states)
-                if queue_end is not None:
-                    self.last_end_pending = queue_end()
-            else:
-                try:
-                    report = self._store_inline(toks, cache, states)
-                    if end:
-                        self.store_end(toks, cache, logits=last)
-                except BankFullError as e:
-                    if not self.skip_store_when_full:
-                        raise
-                    log.warning("cas_bank: prefill not stored: %s", e)
-        t2 = time.perf_counter()
-        self.last_prefill = PrefillReport(
-            start=start,
-            tokens=n,
-            chunk_ends=ends,
-            captured=sorted(states),
-            forward_s=t1 - t0,
-            store_s=t2 - t1 if store and not self.bank.read_only else 0.0,
-            stored=report,
-        )
-        if n < total:
-            raise PrefillCancelled(n, total)
-        return last
+        try:
+            report = self._store_inline(toks, cache, states)
+            if end:
+                self.store_end(toks, cache, logits=last)
+        except BankFullError as e:
+            if not self.skip_store_when_full:
+                raise
+            log.warning("cas_bank: prefill not stored: %s", e)
+        return report
 
     # -- store ---------------------------------------------------------------------
     def recorder(self, cache: Sequence[Any]) -> StateRecorder:
