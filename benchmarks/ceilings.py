@@ -141,6 +141,38 @@ def memcpy_samples(nbytes: int, repeats: int = 7, *, threads: int = 1) -> list[f
         return sample(lambda: list(pool.map(lambda p: np.copyto(*p), parts)), repeats)
 
 
+def layout_copy_samples(
+    sources: Sequence[np.ndarray], capacity: int, repeats: int = 7, *, sets: int = 4
+) -> list[float]:
+    """A hot restore's copy alone: each of `sources` (`[..., tokens, dim]`) copied into
+    the first tokens of a destination with room for `capacity` tokens, the arrays
+    shared between two threads as the restore shares them (`np.copyto` releases the
+    GIL). The destinations are `sets` sets taken in turn: resident (touched
+    beforehand) but not in cache, as a restore's fresh arrays are, where `memcpy_samples`
+    copies into one warm buffer again and again."""
+    shapes = [(*a.shape[:-2], capacity, a.shape[-1]) for a in sources]
+    dests = [
+        [np.ones(shape, dtype=a.dtype) for shape, a in zip(shapes, sources, strict=True)]
+        for _ in range(sets)
+    ]
+    rounds = itertools.count()
+
+    def copy() -> None:
+        views = dests[next(rounds) % sets]
+        arrays = itertools.count()
+
+        def work() -> None:
+            while (j := next(arrays)) < len(sources):
+                np.copyto(views[j][..., : sources[j].shape[-2], :], sources[j])
+
+        other = helper.submit(work)
+        work()
+        other.result()
+
+    with ThreadPoolExecutor(1) as helper:
+        return sample(copy, repeats)
+
+
 def blake3_samples(nbytes: int, chunk: int = MiB, repeats: int = 5) -> list[float]:
     """Digests of `nbytes` in `chunk`-sized payloads, one thread, the bank's mode."""
     data = np.random.default_rng(1).integers(0, 255, max(chunk, 1), dtype=np.uint8).tobytes()

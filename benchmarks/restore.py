@@ -44,6 +44,7 @@ from benchmarks.ceilings import (
     blake3_floor_samples,
     dir_bytes,
     file_read_samples,
+    layout_copy_samples,
     median,
     memcpy_samples,
     profile_top,
@@ -53,7 +54,7 @@ from benchmarks.ceilings import (
 )
 from benchmarks.ttft import eval_cache, kv_bytes
 from cas_bank import Bank, BankConfig
-from cas_bank.arrays import dtype_named, keep_freed_memory
+from cas_bank.arrays import dtype_named, keep_freed_memory, to_numpy
 from cas_bank.blocks.store import Family
 from cas_bank.spares import SPARES, keep_spare_destinations
 
@@ -212,6 +213,7 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
                 times[f"{way}{suffix}"].append(fn(after))
     hot_hits = (hot_bank.stats().hot_hits - before) / (2 * len(then) * s.repeats)
     profile_hot = profile_top(lambda: eval_cache(hpc.restore(prompt)[0]), 2, 6)
+    copy_floor_t = _hot_copy_floor(hpc, prompt, length, s)
     hot_bank.close()
     with Bank.open(path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
         pc = PrefixCache(bank, lm)
@@ -271,6 +273,9 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
         "floor_bytes": sum(f.stat().st_size for f in on_disk),
         "memcpy_s": median(mem_t),
         "memcpy_2_threads_s": median(mem2_t),
+        # A hot restore's copy alone: the prefix's arrays into resident arrays with room,
+        # not in cache (`layout_copy_samples`): the floor of a restore that copies.
+        "hot_copy_floor_s": median(copy_floor_t),
         "forward_s": median(forward_t),
         "bytes_on_disk": {"mlx_lm_file": file.stat().st_size, "cas_bank": dir_bytes(path)},
         "fractions": {
@@ -321,6 +326,24 @@ def _store_later_samples(
                 raise RuntimeError("store_later wrote fewer blocks than the prompt holds")
         shutil.rmtree(base / str(r))
     return out
+
+
+def _hot_copy_floor(
+    pc: PrefixCache, prompt: np.ndarray, length: int, s: RestoreSettings
+) -> list[float]:
+    """`layout_copy_samples` of the attention arrays a hot restore with room copies:
+    `length` tokens of each, into arrays of the capacity that restore allocates."""
+    restored, _ = pc.restore(prompt)
+    eval_cache(restored)
+    sources = [
+        np.ascontiguousarray(to_numpy(a)[..., :length, :])
+        for entry in restored
+        if getattr(entry, "keys", None) is not None
+        for a in (entry.keys, entry.values)
+    ]
+    capacity = int(restored[pc.spec.attention_layers[0]].keys.shape[-2])
+    del restored
+    return layout_copy_samples(sources, capacity, max(7, s.repeats))
 
 
 def _payload_file(bank: Path, family: Family, key: bytes) -> Path | None:
