@@ -266,3 +266,12 @@ def test_a_host_fetches_the_partial_block_it_lacks(cluster: Any, tmp_path: Path)
     finally:
         a.close()
         b.close()
+
+
+def test_free_ports_are_never_handed_out_twice() -> None:
+    # Two nodes spawned a moment apart once got the same port from the kernel (and then
+    # the same node directory): the port picker remembers what it gave.
+    from cas_bank.remote.servers import free_port_pair
+
+    seen = [p for _ in range(300) for p in free_port_pair()]
+    assert len(seen) == len(set(seen))

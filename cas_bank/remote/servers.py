@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,13 +120,24 @@ def make_tls_files(directory: str | Path, *, days: int = 2) -> TLSFiles:
     )
 
 
+# Ports handed out lately in this process. The kernel may give a port that was just
+# bound and closed to the next caller again, and two nodes spawned a moment apart then
+# share a port (and a node directory named for it): seen once in a full CI run.
+_RECENT_PORTS: deque[int] = deque(maxlen=1024)
+
+
 def free_port_pair() -> tuple[int, int]:
-    """A free TCP port for clients and another for the cluster bus."""
-    socks = [socket.socket(), socket.socket()]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return socks[0].getsockname()[1], socks[1].getsockname()[1]
-    finally:
-        for s in socks:
-            s.close()
+    """A free TCP port for clients and another for the cluster bus, neither handed out
+    lately by this process."""
+    while True:
+        socks = [socket.socket(), socket.socket()]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            a, b = socks[0].getsockname()[1], socks[1].getsockname()[1]
+        finally:
+            for s in socks:
+                s.close()
+        if a != b and a not in _RECENT_PORTS and b not in _RECENT_PORTS:
+            _RECENT_PORTS.extend((a, b))
+            return a, b
