@@ -275,3 +275,27 @@ def test_free_ports_are_never_handed_out_twice() -> None:
 
     seen = [p for _ in range(300) for p in free_port_pair()]
     assert len(seen) == len(set(seen))
+
+
+def test_a_node_whose_port_was_taken_is_spawned_again(monkeypatch: Any) -> None:
+    # A port picked free may be taken before the node binds it (by a connection of
+    # another process): the node exits, and the cluster spawns it on new ports.
+    import socket
+
+    from cas_bank.remote import local_cluster
+    from cas_bank.remote.servers import free_port_pair
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    handed = iter([(port, free_port_pair()[1])])
+    monkeypatch.setattr(
+        local_cluster, "free_port_pair", lambda: next(handed, None) or free_port_pair()
+    )
+    try:
+        with local_cluster.LocalCluster(1) as c:
+            assert c.nodes[0].port != port
+            assert c.all_keys() == []  # it answers
+    finally:
+        taken.close()

@@ -68,6 +68,15 @@ __all__ = [
 ]
 
 
+# What a node's log says when its port was taken by someone else after it was picked
+# (another process's connection, or a node spawned beside it).
+_PORT_TAKEN = ("Address already in use", "already used by a different Cluster node")
+
+
+class _PortTaken(RuntimeError):
+    """A node exited because its port was taken before it could bind it."""
+
+
 @dataclass
 class Node:
     port: int
@@ -135,11 +144,11 @@ class LocalCluster:
             for m in range(self._masters):
                 for _ in range(self.replicas):
                     self.nodes.append(self._spawn(binary, replica_of=m))
-            if self.rtt:
-                self._start_proxy()
             deadline = time.monotonic() + timeout
-            for node in self.nodes:
-                self._wait_ready(node, deadline)
+            for i in range(len(self.nodes)):
+                self._wait_ready_or_respawn(binary, i, deadline)
+            if self.rtt:  # after the nodes: a respawned one has new ports
+                self._start_proxy()
             if self.cluster:
                 self._form(deadline)
         except BaseException:
@@ -249,6 +258,17 @@ class LocalCluster:
             **self.client_tls(),
         )
 
+    def _wait_ready_or_respawn(self, binary: Path, i: int, deadline: float) -> None:
+        """`_wait_ready` of node `i`, spawned again on new ports (up to twice) where it
+        exited because its port was taken between picking it and binding it."""
+        for _ in range(2):
+            try:
+                self._wait_ready(self.nodes[i], deadline)
+                return
+            except _PortTaken:
+                self.nodes[i] = self._spawn(binary, replica_of=self.nodes[i].replica_of)
+        self._wait_ready(self.nodes[i], deadline)
+
     def _wait_ready(self, node: Node, deadline: float) -> None:
         import valkey
 
@@ -256,6 +276,8 @@ class LocalCluster:
             if not node.alive:
                 log = self.dir / str(node.port) / "valkey.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                if any(m in tail for m in _PORT_TAKEN):
+                    raise _PortTaken(node.port)
                 raise RuntimeError(f"valkey-server on port {node.port} exited: {tail.strip()}")
             try:
                 with self._client(node, 0.5) as c:
