@@ -282,3 +282,31 @@ def test_another_databases_meta_family_is_not_a_banks(tmp_path: Path) -> None:
         Bank.open(tmp_path / "db")
     assert _snapshot(tmp_path) == before
     assert sorted(Rdict.list_cf(str(tmp_path / "db"))) == ["default", "meta"]
+
+
+@pytest.mark.parametrize("mode", ["read_write", "read_only"])
+def test_a_bank_whose_manifest_lost_its_meta_family_is_damaged_not_foreign(
+    mode: str, tmp_path: Path
+) -> None:
+    """A truncated MANIFEST lists the families created before the cut, in an order
+    RocksDB picks: one that names only a bank's families, without `meta`, is a damaged
+    bank (salvage takes it), never another program's database."""
+    from cas_bank import BankDamagedError
+
+    options = Options(raw_mode=True)
+    options.create_missing_column_families(True)
+    db = Rdict(str(tmp_path / "db"), options=options)
+    for name in ("headers", "blocks"):
+        db.create_column_family(name, Options(raw_mode=True))
+    db.close()
+    before = _snapshot(tmp_path)
+    with pytest.raises(BankDamagedError, match=r"damaged: its MANIFEST .*salvage") as e:
+        Bank.open(tmp_path / "db", mode=mode)  # type: ignore[arg-type]
+    assert not isinstance(e.value, NotABankError)
+    assert _snapshot(tmp_path) == before
+    # One family no bank has: another program's.
+    db = Rdict(str(tmp_path / "db"), options=options)
+    db.create_column_family("theirs", Options(raw_mode=True))
+    db.close()
+    with pytest.raises(NotABankError, match="not a cas_bank bank"):
+        Bank.open(tmp_path / "db", mode=mode)  # type: ignore[arg-type]

@@ -23,10 +23,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from cas_bank.errors import NotABankError
+from cas_bank.blocks.store import Family
+from cas_bank.errors import BankDamagedError, NotABankError
 
 MARKER_FAMILY = "meta"
 """The column family every bank has and another program's database lacks."""
+BANK_FAMILIES = frozenset(f.value for f in Family)
+"""Every column family a bank has."""
 FORMAT_KEY = b"format_version"
 """The key in `meta` every bank writes at its first open (`bank.py`'s `_KEY_FORMAT`)."""
 
@@ -69,9 +72,22 @@ def _listing(path: Path) -> list[str]:
 
 
 def check_families(path: Path, names: Iterable[str]) -> None:
-    """Refuse a RocksDB database whose column families are not a bank's."""
+    """Refuse a RocksDB database whose column families are not a bank's.
+
+    Without `meta`, a database holding nothing but a bank's other families is a bank
+    whose MANIFEST lost the records that made some of them (a truncated MANIFEST
+    lists those written before the cut, in the order RocksDB created them, which
+    varies): damaged, `BankDamagedError`, which `cas-bank salvage` takes. Any other
+    name, or none of a bank's, is another program's database (`NotABankError`)."""
     names = sorted(names)
     if MARKER_FAMILY not in names:
+        ours = set(names) - {"default"}
+        if ours and ours <= BANK_FAMILIES:
+            raise BankDamagedError(
+                f"bank at {path} is damaged: its MANIFEST lists only some of a bank's "
+                f"column families ({names}, no {MARKER_FAMILY!r}). Nothing was changed; "
+                f"`cas-bank salvage {path} NEW_DIR` copies what still verifies into a new bank"
+            )
         raise NotABankError(
             f"{path} holds a RocksDB database that is not a cas_bank bank (column "
             f"families {names}); it was not opened. Use an empty directory"
