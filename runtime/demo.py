@@ -207,6 +207,7 @@ def run_demo(
         report.restart_s = time.perf_counter() - t0
         try:
             play(server, "after restart", turns)
+            server.engine.bank.flush()  # the last request's store may still be queued
             stats = server.engine.bank.stats()
             report.bank_stored_bytes = stats.payload_bytes + stats.state_bytes
         finally:
