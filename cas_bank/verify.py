@@ -24,89 +24,34 @@ bad end records and those under the blocks it removed. Like diskcache's
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
-from cas_bank.index.children import INDEXED_KEY, expected_entries, is_indexed
-from cas_bank.index.ends import EndHeader, split_record
-from cas_bank.index.records import (
-    END_SUFFIX,
-    STATE_SUFFIX,
-    block_deletes,
-    end_access_key,
-    state_deletes,
-)
+from cas_bank.index.ends import EndHeader
+from cas_bank.index.records import block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
 from cas_bank.spec import ModelSpec
+from cas_bank.verify_problems import Problem, ProblemKind, VerifyReport
+from cas_bank.verify_records import (
+    INDEX_KINDS,
+    drop_use,
+    fix_children,
+    fix_ends,
+    scan_access,
+    scan_children,
+    scan_ends,
+)
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
-    from cas_bank.index.txn import Transaction
 
-ProblemKind = Literal[
-    "bad_header",  # the header record does not decode
-    "hash_mismatch",  # the chain hash does not recompute from parent and tokens
-    "bad_link",  # the parent link is inconsistent (index, namespace, root)
-    "dangling",  # the parent block is not stored
-    "unknown_namespace",  # block 0 of a namespace that is not recorded (or unreadable)
-    "payload_missing",
-    "payload_corrupt",
-    "state_missing",
-    "state_corrupt",
-    "unreachable",  # intact, but below a bad block: no lookup can reach it
-    "orphan_payload",  # a payload no header claims
-    "orphan_state",  # a state no header announces
-    "bad_namespace",  # a namespace record that does not parse
-    "bad_end",  # an end record that does not parse, or not under its own name
-    "corrupt_end",  # an end record whose payload fails its digest
-    "dangling_end",  # an end record whose parent block is not stored (or is bad)
-    "bad_access",  # the last-use records cannot all be read (a damaged file)
-    "orphan_access",  # a last use of a block, state or end records that is not stored
-    "bad_child",  # a children-index entry naming no stored block or end record
-    "unindexed",  # a stored block or end record missing from the children index
-]
+__all__ = ["Problem", "ProblemKind", "VerifyReport", "read_record", "verify"]
 
 _STATE_ONLY = frozenset({"state_missing", "state_corrupt"})
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    kind: ProblemKind
-    chain_hash: bytes  # the block (or record key) concerned
-    detail: str
-    index: int | None = None  # block index, where the header is readable
-    root: bytes | None = None  # namespace root, where the header is readable
-
-
-@dataclass(slots=True)
-class VerifyReport:
-    """What `verify` checked and found (and, with `fix`, removed)."""
-
-    blocks_checked: int = 0
-    states_checked: int = 0
-    ends_checked: int = 0
-    bytes_checked: int = 0
-    problems: list[Problem] = field(default_factory=list)
-    fixed: bool = False
-    removed_blocks: list[bytes] = field(default_factory=list)
-    removed_states: list[bytes] = field(default_factory=list)  # states dropped, blocks kept
-    removed_orphans: int = 0
-    removed_ends: int = 0
-    # Records missing from the children index of a bank made before it (not problems:
-    # they only miss partial-block reuse; `fix` indexes them), and entries `fix` wrote.
-    unindexed: int = 0
-    indexed: int = 0
-    # Stored-content counters that disagree with what was found: name -> (counter, found).
-    counter_drift: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 def verify(
@@ -144,19 +89,19 @@ def verify(
     # In chain order, so a reader can follow each chain down to where it breaks.
     found.sort(key=lambda p: (p.root or b"", p.index or 0, p.kind, p.chain_hash))
     parsed: dict[bytes, EndHeader] = {}
-    ends = _scan_ends(bank, index, specs, bad | unreachable, report, parsed)
-    uses = _scan_access(bank, index)
+    ends = scan_ends(bank, index, specs, bad | unreachable, report, parsed)
+    uses = scan_access(bank, index)
     report.problems += found + orphans + [p for p, _ in ends] + uses
-    report.problems += _scan_children(bank, index, parsed, report)
+    report.problems += scan_children(bank, index, parsed, report)
     if fix and report.problems:
         orphans += [p for p in uses if p.kind == "orphan_access"]
         _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
-        _fix_ends(bank, index, bad | unreachable, ends, report)
+        fix_ends(bank, index, bad | unreachable, ends, report)
         index = HeaderIndex.load(bank.store)
         for key in [k for k in parsed if bank.store.get(Family.ENDS, k) is None]:
             del parsed[key]
-    if fix and (report.unindexed or any(p.kind in _INDEX_KINDS for p in report.problems)):
-        _fix_children(bank, index, parsed, report)
+    if fix and (report.unindexed or any(p.kind in INDEX_KINDS for p in report.problems)):
+        fix_children(bank, index, parsed, report)
     if fix and bank.files is not None:
         with bank.write_lock:  # payload files a crash left without their records
             report.removed_orphans += bank.files.sweep()
@@ -277,188 +222,6 @@ def _scan(
     return orphans
 
 
-def _scan_ends(
-    bank: Bank,
-    index: HeaderIndex,
-    specs: dict[bytes, ModelSpec],
-    bad: set[bytes],
-    report: VerifyReport,
-    parsed: dict[bytes, EndHeader],
-) -> list[tuple[Problem, int]]:
-    """Every end record, checked; the bad ones with their sizes (one pass). A walk that
-    RocksDB ends at a damaged file is reported (with no key: `--fix` cannot name what
-    lies beyond it; `cas-bank salvage` copies what still verifies) after the records
-    it did read are checked."""
-    out: list[tuple[Problem, int]] = []
-    records: list[tuple[bytes, bytes]] = []
-
-    def damaged(e: CorruptDataError) -> None:
-        after = f" after {records[-1][0].hex()[:16]}" if records else ""
-        why = (
-            f"end records unreadable{after}: {_cause(e)}; --fix cannot name the records past "
-            "the damage: `cas-bank salvage` copies every one that still verifies"
-        )
-        out.append((Problem("bad_end", b"", why), 0))
-
-    records.extend(bank.store.readable(Family.ENDS, damaged=damaged))
-    for key, value in records:
-        report.ends_checked += 1
-        report.bytes_checked += len(value)
-        try:
-            end, payload = split_record(key, value)
-        except CorruptDataError as e:
-            out.append((Problem("bad_end", key, str(e)), len(value)))
-            continue
-        parsed[key] = end
-        parent = index.headers.get(end.parent)
-        base = end.n_tokens - end.tail_len
-        if base == 0:
-            linked = end.parent == end.root and end.root in specs
-        else:
-            linked = (
-                parent is not None
-                and end.parent not in bad
-                and parent.root == end.root
-                and parent.end == base
-            )
-        if not linked:
-            what = f"parent {end.parent.hex()[:16]} is not an intact stored block ending at {base}"
-            out.append((Problem("dangling_end", key, what, root=end.root), len(value)))
-        elif not codec.verify(payload, end.payload_digest):
-            out.append((Problem("corrupt_end", key, "digest mismatch", root=end.root), len(value)))
-    return out
-
-
-_INDEX_KINDS = frozenset({"bad_child", "unindexed"})
-
-
-def _scan_children(
-    bank: Bank, index: HeaderIndex, ends: dict[bytes, EndHeader], report: VerifyReport
-) -> list[Problem]:
-    """The children index (`index.children`) against the headers and end records: an
-    entry naming nothing stored is bad; a record without its entry is unindexed (a
-    problem where the bank says every record is indexed; else counted, see
-    `VerifyReport.unindexed`)."""
-    want = expected_entries(index.headers.values(), ends.items())
-    out: list[Problem] = []
-    try:
-        have = dict(bank.store.iterate(Family.CHILDREN))
-    except CorruptDataError as e:
-        return [Problem("bad_child", b"", f"children index unreadable: {_cause(e)}")]
-    for key, value in have.items():
-        if want.get(key) != value:
-            out.append(Problem("bad_child", key, "names no stored block or end record"))
-    missing = [k for k in want if k not in have]
-    if is_indexed(bank.store):
-        out += [Problem("unindexed", want[k][1:], "not in the children index") for k in missing]
-    else:
-        report.unindexed = len(missing)
-    return out
-
-
-def _fix_children(
-    bank: Bank, index: HeaderIndex, ends: dict[bytes, EndHeader], report: VerifyReport
-) -> None:
-    """Write the children index of what is stored now, and the mark that it is whole."""
-    want = expected_entries(index.headers.values(), ends.items())
-    with bank.transaction(budget=False) as tx:
-        have = dict(tx.store.readable(Family.CHILDREN))
-        for key in have.keys() - want.keys():
-            tx.delete(Family.CHILDREN, key)
-        for key, value in want.items():
-            if have.get(key) != value:
-                tx.put(Family.CHILDREN, key, value)
-                report.indexed += 1
-        tx.put(Family.META, INDEXED_KEY, b"1")
-    report.fixed = True
-
-
-def _cause(e: CorruptDataError) -> str:
-    """A read error's message without its advice to run verify (this is verify)."""
-    return str(e).partition("; run `")[0]
-
-
-def _scan_access(bank: Bank, index: HeaderIndex) -> list[Problem]:
-    """The last-use records, walked once: one of a block, a state or the end records
-    under a parent that is not stored is reported (`--fix` deletes it), and so is a
-    damaged file among them. The bank works without them (a use it cannot read is
-    unknown: eviction takes such a block as unused), and --fix cannot name what it
-    cannot read: `cas-bank salvage` writes a bank without the damage."""
-    out: list[Problem] = []
-    parents = {key[:32] for key, _ in bank.store.readable(Family.ENDS, values=False)}
-
-    def damaged(e: CorruptDataError) -> None:
-        why = (
-            f"last-use records unreadable: {_cause(e)}; restores and stores go on without "
-            "them, `cas-bank salvage` writes a bank without the damage"
-        )
-        out.append(Problem("bad_access", b"", why))
-
-    for key, _ in bank.store.readable(Family.ACCESS, values=False, damaged=damaged):
-        what = _unused_access(index, parents, key)
-        if what is not None:
-            out.append(Problem("orphan_access", key, what))
-    return out
-
-
-def _drop_use(tx: Transaction, key: bytes) -> None:
-    """Delete the last-use record `key`, and any use of it not written yet."""
-    tx.delete(Family.ACCESS, key)
-    name, suffix = key[:32], key[32:]
-    if suffix == STATE_SUFFIX:
-        tx.forget(states=[name])
-    elif suffix == END_SUFFIX:
-        tx.forget(ends=[name])
-    elif not suffix:
-        tx.forget(blocks=[name])
-
-
-def _unused_access(index: HeaderIndex, parents: set[bytes], key: bytes) -> str | None:
-    """Why the last-use record `key` belongs to nothing stored, or None if it does
-    (keys: `index.records.access_key` and `end_access_key`)."""
-    name, suffix = key[:32], key[32:]
-    if name in index.unreadable:
-        return None  # its block is reported (bad_header) and goes with it
-    header = index.headers.get(name)
-    if suffix == b"" and header is None:
-        return "last use of a block that is not stored"
-    if suffix == STATE_SUFFIX and (header is None or not header.has_state):
-        return "last use of a state that is not stored"
-    if suffix == END_SUFFIX and name not in parents:
-        return "last use of end records none of which is stored"
-    if suffix not in (b"", STATE_SUFFIX, END_SUFFIX) or len(name) != 32:
-        return "not a last-use key"
-    return None
-
-
-def _fix_ends(
-    bank: Bank,
-    index: HeaderIndex,
-    removed: set[bytes],
-    bad: list[tuple[Problem, int]],
-    report: VerifyReport,
-) -> None:
-    """Delete the bad end records, and those under blocks `_fix` removed."""
-    doomed = {p.chain_hash: size for p, size in bad if p.chain_hash}
-    keys: list[bytes] = []
-    for key, value in bank.store.readable(Family.ENDS):  # a damaged file: those before it
-        if key[:32] in removed:
-            doomed[key] = len(value)
-        keys.append(key)
-    if not doomed:
-        return
-    parents = {k[:32] for k in keys if k not in doomed}  # of the end records that stay
-    with bank.transaction(budget=False) as tx:
-        for key in doomed:
-            tx.delete(Family.ENDS, key)
-        for parent in {k[:32] for k in doomed} - parents:  # their last use goes with them
-            tx.delete(Family.ACCESS, end_access_key(parent))
-        tx.add(ends=-len(doomed), end_bytes=-sum(doomed.values()))
-        tx.forget(ends={k[:32] for k in doomed})
-    report.removed_ends += len(doomed)
-    report.fixed = True
-
-
 def _count(report: VerifyReport, family: Family, size: int | None) -> None:
     if family is Family.BLOCKS:
         report.blocks_checked += 1
@@ -500,7 +263,7 @@ def _found(bank: Bank, index: HeaderIndex) -> dict[str, int]:
 
 def _found_ends(bank: Bank) -> dict[str, int]:
     """The end-record counters as the records tell them; none where RocksDB cannot
-    walk them all (a damaged file, reported by `_scan_ends`)."""
+    walk them all (a damaged file, reported by `scan_ends`)."""
     try:
         sizes = [len(v) for _, v in bank.store.iterate(Family.ENDS)]
     except CorruptDataError:
@@ -560,7 +323,7 @@ def _fix(
         orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
         for p in orphans:
             if p.kind == "orphan_access":  # no counter counts last uses
-                _drop_use(tx, p.chain_hash)
+                drop_use(tx, p.chain_hash)
                 report.removed_orphans += 1
                 continue
             family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
