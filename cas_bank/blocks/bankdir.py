@@ -11,7 +11,9 @@ them refuses the same things with the same one line, and changes nothing:
 - another program's RocksDB database: no `meta` family (every bank has one from its
   first open), a `meta` with records but no format record (`damage`'s look, before
   the writer's open adds a bank's families), or one RocksDB cannot open with a bank's
-  options (a comparator other than the bytewise one a bank uses).
+  options (a comparator other than the bytewise one a bank uses). Without `meta` but
+  with nothing but a bank's families, it is a bank whose MANIFEST was cut
+  (`check_families`): damaged, not foreign.
 
 A reader finding no directory, or an empty one, raises `FileNotFoundError("no bank
 at ...")`: a writer creates its bank there instead.
