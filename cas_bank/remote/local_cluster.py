@@ -277,7 +277,7 @@ class LocalCluster:
                 log = self.dir / str(node.port) / "valkey.log"
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 if any(m in tail for m in _PORT_TAKEN):
-                    raise _PortTaken(node.port)
+                    raise _PortTaken(f"valkey-server on port {node.port} exited: port taken")
                 raise RuntimeError(f"valkey-server on port {node.port} exited: {tail.strip()}")
             try:
                 with self._client(node, 0.5) as c:
