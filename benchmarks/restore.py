@@ -29,7 +29,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -125,14 +125,59 @@ def _first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
     mx.eval(pc.model(mx.array([[token]]), cache=cache))
 
 
+@dataclass
+class _Case:
+    """One model and length, stored: the bank at `path` (closed), the file mlx-lm saved,
+    and the hot bank (the process that stored it, kept open, on a copy of the bank)."""
+
+    name: str
+    length: int
+    lm: Any
+    prompt: np.ndarray
+    path: Path
+    file: Path
+    keys: list[bytes]
+    hybrid: bool
+    nbytes: int
+    store_s: float
+    hot_bank: Bank
+    hpc: PrefixCache
+    later: list[tuple[float, float]]
+
+    @property
+    def last(self) -> int:
+        return int(self.prompt[-1])
+
+
 def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[str, Any]:
     """File load, reopened-bank restore and hot restore of `length` tokens of `name`'s
     cache, interleaved (one of each per round, medians), alone, with the first
     prefill token (time to first token) and with the first cache update alone."""
+    case = _prepare(name, length, s, workdir)
+    lm = case.lm
+    m, hot_hits = _timed(_ways(case, s), case, s)
+    profile_hot = profile_top(lambda: eval_cache(case.hpc.restore(case.prompt)[0]), 2, 6)
+    copy_floor_t = _hot_copy_floor(case.hpc, case.prompt, length, s)
+    case.hot_bank.close()
+    with Bank.open(case.path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
+        pc = PrefixCache(bank, lm)
+        profile_rocks = profile_top(lambda: eval_cache(pc.restore(case.prompt)[0]), 2, 6)
+    floors = _floors(case, s)
+    floors["hot_copy_floor_s"] = median(copy_floor_t)
+    forward_t = _forward_samples(case.path, lm, case.prompt, s)
+    stages = _reopened_stages(case.path, lm, case.prompt, s)
+    return _result(case, m, hot_hits, floors, median(forward_t), stages) | {
+        "profile_rocks": profile_rocks,
+        "profile": profile_hot,
+    }
+
+
+def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> _Case:
+    """`name`'s synthetic cache of `length` tokens stored in a bank and saved by mlx-lm,
+    the hot bank holding its lease, and the background store's samples."""
     lm = build_model(name)
     rng = np.random.default_rng(length)
     prompt = rng.integers(0, 256, length + 1).astype(np.uint32)
-    last = int(prompt[-1])
     path = workdir / f"bank-{name}-{length}"
     file = workdir / f"{name}-{length}.safetensors"
     with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
@@ -145,26 +190,6 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
         save_prompt_cache(str(file), cache)
         keys = pc.namespace.chain(prompt[:-1])
         hybrid = pc.spec.is_hybrid
-
-    def file_way(then: str | None) -> float:
-        t0 = time.perf_counter()
-        loaded = load_prompt_cache(str(file))
-        eval_cache(loaded)
-        _then(pc, loaded, last, then)
-        return time.perf_counter() - t0
-
-    def reopened_way(then: str | None) -> float:
-        with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
-            rpc = PrefixCache(bank, lm)
-            t0 = time.perf_counter()
-            restored, n = rpc.restore(prompt)
-            eval_cache(restored)
-            _then(rpc, restored, last, then)
-            took = time.perf_counter() - t0
-            if n != length:
-                raise RuntimeError(f"{name}: restored {n} of {length} tokens")
-            return took
-
     # The hot bank: the process that stored the prefix (its lease), kept open, on a
     # copy of the bank (the reopened way needs the directory's lock in turn).
     hot_path = workdir / f"bank-{name}-{length}-hot"
@@ -178,7 +203,35 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
     later = _store_later_samples(
         workdir / f"later-{name}-{length}", lm, prompt[:-1], cache, states, s
     )
-    del cache, states
+    return _Case(
+        name, length, lm, prompt, path, file, list(keys), hybrid, nbytes, store_s,
+        hot_bank, hpc, later,
+    )  # fmt: skip
+
+
+def _ways(case: _Case, s: RestoreSettings) -> dict[str, Callable[[str | None], float]]:
+    """The four ways to a cache of the prefix, each timed with what follows it (`_then`):
+    mlx-lm's file, a reopened bank, the hot bank with room, its lease handed out."""
+    prompt, length, hpc, last = case.prompt, case.length, case.hpc, case.last
+
+    def file_way(then: str | None) -> float:
+        t0 = time.perf_counter()
+        loaded = load_prompt_cache(str(case.file))
+        eval_cache(loaded)
+        _then(hpc, loaded, last, then)
+        return time.perf_counter() - t0
+
+    def reopened_way(then: str | None) -> float:
+        with Bank.open(case.path, BankConfig(block_size=s.block_size)) as bank:
+            rpc = PrefixCache(bank, case.lm)
+            t0 = time.perf_counter()
+            restored, n = rpc.restore(prompt)
+            eval_cache(restored)
+            _then(rpc, restored, last, then)
+            took = time.perf_counter() - t0
+            if n != length:
+                raise RuntimeError(f"{case.name}: restored {n} of {length} tokens")
+            return took
 
     def hot_way(then: str | None) -> float:
         t0 = time.perf_counter()
@@ -193,104 +246,135 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
         t0 = time.perf_counter()
         hit = hpc.namespace.restore(prompt[:-1])
         if hit is None or hit.tokens != length:
-            raise RuntimeError(f"{name}: the lease handed out {hit and hit.tokens} tokens")
+            raise RuntimeError(f"{case.name}: the lease handed out {hit and hit.tokens} tokens")
         restored = hpc.new_cache()
         fill_cache(hpc.spec, restored, hit.layers, hit.tokens)
         eval_cache(restored)
         _then(hpc, restored, last, then)
         return time.perf_counter() - t0
 
-    ways = {"file": file_way, "reopened": reopened_way, "hot": hot_way, "handout": handout_way}
-    then = {"": None, "_ttft": "token", "_update": "update"}
-    times: dict[str, list[float]] = {f"{w}{t}": [] for w in ways for t in then}
-    before = hot_bank.stats().hot_hits
+    return {"file": file_way, "reopened": reopened_way, "hot": hot_way, "handout": handout_way}
+
+
+_WAYS = ("file", "reopened", "hot", "handout")
+_THEN = {"": None, "_ttft": "token", "_update": "update"}
+
+
+def _timed(
+    ways: dict[str, Callable[[str | None], float]], case: _Case, s: RestoreSettings
+) -> tuple[dict[str, float], float]:
+    """Medians of every way with every follow-up (`"hot_ttft"`...), one of each per
+    round, and the hot tier's hits per hot request."""
+    times: dict[str, list[float]] = {f"{w}{t}": [] for w in ways for t in _THEN}
+    before = case.hot_bank.stats().hot_hits
     for _ in range(s.repeats):
         for way, fn in ways.items():
-            for suffix, after in then.items():
+            for suffix, after in _THEN.items():
                 # As in a runtime, where a forward pass at least follows each restore:
                 # the spares the last restore asked for are made before the next one.
                 SPARES.settle()
                 times[f"{way}{suffix}"].append(fn(after))
-    hot_hits = (hot_bank.stats().hot_hits - before) / (2 * len(then) * s.repeats)
-    profile_hot = profile_top(lambda: eval_cache(hpc.restore(prompt)[0]), 2, 6)
-    copy_floor_t = _hot_copy_floor(hpc, prompt, length, s)
-    hot_bank.close()
-    with Bank.open(path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
-        pc = PrefixCache(bank, lm)
-        profile_rocks = profile_top(lambda: eval_cache(pc.restore(prompt)[0]), 2, 6)
+    hot_hits = (case.hot_bank.stats().hot_hits - before) / (2 * len(_THEN) * s.repeats)
+    return {k: median(v) for k, v in times.items()}, hot_hits
 
-    nb = length // s.block_size
+
+def _floors(case: _Case, s: RestoreSettings) -> dict[str, Any]:
+    """The machine's floors on the case's bytes: memcpy (one and two threads), the
+    plain and the verified read of its payload files (RocksDB's own read where they are
+    kept there), and the same files checked by blake3."""
+    nb = case.length // s.block_size
+    path, keys = case.path, case.keys
     files = [_payload_file(path, Family.BLOCKS, k) for k in keys[:nb]]
-    if hybrid:
+    if case.hybrid:
         files.append(_payload_file(path, Family.STATES, keys[nb - 1]))
     on_disk = [f for f in files if f is not None]  # small payloads stay in RocksDB
-    mem_t = memcpy_samples(nbytes, max(7, s.repeats))
-    mem2_t = memcpy_samples(nbytes, max(7, s.repeats), threads=2)
+    mem_t = memcpy_samples(case.nbytes, max(7, s.repeats))
+    mem2_t = memcpy_samples(case.nbytes, max(7, s.repeats), threads=2)
     if len(on_disk) == len(files):
         copy_t = file_read_samples(on_disk, s.repeats, verified=False)
         floor_t = file_read_samples(on_disk, s.repeats, verified=True)
-        blake3_floor_t = blake3_floor_samples(on_disk, workdir / "blake3-floor", s.repeats)
+        blake3_floor_t = blake3_floor_samples(on_disk, path.parent / "blake3-floor", s.repeats)
     else:  # payloads below the file tier's size (the smoke test's): RocksDB's own read
         keys_by_family = {Family.BLOCKS: list(keys[:nb])}
-        if hybrid:
+        if case.hybrid:
             keys_by_family[Family.STATES] = [keys[nb - 1]]
         copy_t = raw_read_samples(path, keys_by_family, s.repeats)[0]
         floor_t = [c + median(mem_t) for c in copy_t]
         blake3_floor_t = floor_t
-    forward_t = _forward_samples(path, lm, prompt, s)
-    stages = _reopened_stages(path, lm, prompt, s)
-    m = {k: median(v) for k, v in times.items()}
-    rocks, hot, load, handout = m["reopened"], m["hot"], m["file"], m["handout"]
-    ceiling = median(floor_t)
     return {
-        "model": name,
-        "tokens": length,
-        "restored": length,
-        "kv_bytes": nbytes,
+        "file_copy_s": median(copy_t),
+        "verified_floor_s": median(floor_t),
+        "blake3_floor_s": median(blake3_floor_t),  # the same files checked by blake3
+        "floor_bytes": sum(f.stat().st_size for f in on_disk),
+        "memcpy_s": median(mem_t),
+        "memcpy_2_threads_s": median(mem2_t),
+    }
+
+
+def _result(
+    case: _Case,
+    m: dict[str, float],
+    hot_hits: float,
+    floors: dict[str, Any],
+    forward: float,
+    stages: dict[str, float],
+) -> dict[str, Any]:
+    """The case's figures as the report and the targets read them."""
+    rocks, hot, load, handout = m["reopened"], m["hot"], m["file"], m["handout"]
+    ceiling, mem, mem2 = (
+        floors["verified_floor_s"],
+        floors["memcpy_s"],
+        floors["memcpy_2_threads_s"],
+    )
+    later = case.later
+    return {
+        "model": case.name,
+        "tokens": case.length,
+        "restored": case.length,
+        "kv_bytes": case.nbytes,
         "hot_hits_per_request": hot_hits,
-        "store_s": store_s,
+        "store_s": case.store_s,
         "store_later_caller_s": median([c for c, _ in later]),
         "store_later_flush_s": median([f for _, f in later]),
         "file_load_s": load,
         "rocksdb_restore_s": rocks,
         "hot_restore_s": hot,
         "hot_handout_s": handout,
-        "ttft_s": {
-            "file": m["file_ttft"],
-            "reopened": m["reopened_ttft"],
-            "hot": m["hot_ttft"],
-            "handout": m["handout_ttft"],
-        },
+        "ttft_s": {way: m[f"{way}_ttft"] for way in _WAYS},
         # The restore (or load) and the first cache update alone (no model): what the
         # first prefill chunk copies, without the forward pass that hides it in TTFT.
-        "first_update_s": {way: m[f"{way}_update"] for way in ways},
-        "file_copy_s": median(copy_t),
+        "first_update_s": {
+            way: m[f"{way}_update"] for way in ("file", "reopened", "hot", "handout")
+        },
+        "file_copy_s": floors["file_copy_s"],
         "verified_floor_s": ceiling,
-        "blake3_floor_s": median(blake3_floor_t),  # the same files checked by blake3
+        "blake3_floor_s": floors["blake3_floor_s"],
         # Where a reopened restore's time goes (`Hit.timings`, medians): beside the
         # floor, which pays neither the index, nor the allocation, nor Python.
         "reopened_stages_s": stages,
-        "floor_bytes": sum(f.stat().st_size for f in on_disk),
-        "memcpy_s": median(mem_t),
-        "memcpy_2_threads_s": median(mem2_t),
+        "floor_bytes": floors["floor_bytes"],
+        "memcpy_s": mem,
+        "memcpy_2_threads_s": mem2,
         # A hot restore's copy alone: the prefix's arrays into resident arrays with room,
         # not in cache (`layout_copy_samples`): the floor of a restore that copies.
-        "hot_copy_floor_s": median(copy_floor_t),
-        "forward_s": median(forward_t),
-        "bytes_on_disk": {"mlx_lm_file": file.stat().st_size, "cas_bank": dir_bytes(path)},
+        "hot_copy_floor_s": floors["hot_copy_floor_s"],
+        "forward_s": forward,
+        "bytes_on_disk": {
+            "mlx_lm_file": case.file.stat().st_size,
+            "cas_bank": dir_bytes(case.path),
+        },
         "fractions": {
             "rocksdb_restore_of_ceiling": speed_fraction(rocks, ceiling),
             # The best a verified restore can do against the file: the file / the floor.
             "file_load_over_floor": load / ceiling,
-            "file_load_over_blake3_floor": load / median(blake3_floor_t),
-            "file_ttft_over_forward": m["file_ttft"] / median(forward_t),
+            "file_load_over_blake3_floor": load / floors["blake3_floor_s"],
+            "file_ttft_over_forward": m["file_ttft"] / forward,
             # A hot restore with room copies the prefix once (the bank keeps its own):
             # the most it can reach is the file's TTFT over that forward and one copy.
-            "file_ttft_over_forward_and_copy": m["file_ttft"]
-            / (median(forward_t) + median(mem2_t)),
-            "hot_restore_of_memcpy": speed_fraction(hot, median(mem_t)),
+            "file_ttft_over_forward_and_copy": m["file_ttft"] / (forward + mem2),
+            "hot_restore_of_memcpy": speed_fraction(hot, mem),
             # What a background store costs the caller's thread, in memcpys of its bytes.
-            "store_later_caller_over_memcpy": median([c for c, _ in later]) / median(mem_t),
+            "store_later_caller_over_memcpy": median([c for c, _ in later]) / mem,
             "file_load_over_rocksdb_restore": load / rocks,
             "file_load_over_hot_restore": load / hot,
             "file_load_over_hot_handout": load / handout,
@@ -299,12 +383,10 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
             "file_ttft_over_handout_ttft": m["file_ttft"] / m["handout_ttft"],
         },
         "gbps": {
-            "file_load": nbytes / load / 1e9,
-            "rocksdb_restore": nbytes / rocks / 1e9,
-            "hot_restore": nbytes / hot / 1e9,
+            "file_load": case.nbytes / load / 1e9,
+            "rocksdb_restore": case.nbytes / rocks / 1e9,
+            "hot_restore": case.nbytes / hot / 1e9,
         },
-        "profile_rocks": profile_rocks,
-        "profile": profile_hot,
     }
 
 
