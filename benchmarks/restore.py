@@ -327,6 +327,7 @@ def _result(
         floors["memcpy_2_threads_s"],
     )
     later = case.later
+    caller = median([c for c, _ in later])
     return {
         "model": case.name,
         "tokens": case.length,
@@ -334,7 +335,7 @@ def _result(
         "kv_bytes": case.nbytes,
         "hot_hits_per_request": hot_hits,
         "store_s": case.store_s,
-        "store_later_caller_s": median([c for c, _ in later]),
+        "store_later_caller_s": caller,
         "store_later_flush_s": median([f for _, f in later]),
         "file_load_s": load,
         "rocksdb_restore_s": rocks,
@@ -343,21 +344,14 @@ def _result(
         "ttft_s": {way: m[f"{way}_ttft"] for way in _WAYS},
         # The restore (or load) and the first cache update alone (no model): what the
         # first prefill chunk copies, without the forward pass that hides it in TTFT.
-        "first_update_s": {
-            way: m[f"{way}_update"] for way in ("file", "reopened", "hot", "handout")
-        },
-        "file_copy_s": floors["file_copy_s"],
-        "verified_floor_s": ceiling,
-        "blake3_floor_s": floors["blake3_floor_s"],
+        "first_update_s": {way: m[f"{way}_update"] for way in _WAYS},
+        # The floors (`_floors`) and a hot restore's copy alone: the prefix's arrays
+        # into resident arrays with room, not in cache (`layout_copy_samples`): the
+        # floor of a restore that copies.
+        **floors,
         # Where a reopened restore's time goes (`Hit.timings`, medians): beside the
         # floor, which pays neither the index, nor the allocation, nor Python.
         "reopened_stages_s": stages,
-        "floor_bytes": floors["floor_bytes"],
-        "memcpy_s": mem,
-        "memcpy_2_threads_s": mem2,
-        # A hot restore's copy alone: the prefix's arrays into resident arrays with room,
-        # not in cache (`layout_copy_samples`): the floor of a restore that copies.
-        "hot_copy_floor_s": floors["hot_copy_floor_s"],
         "forward_s": forward,
         "bytes_on_disk": {
             "mlx_lm_file": case.file.stat().st_size,
@@ -374,7 +368,7 @@ def _result(
             "file_ttft_over_forward_and_copy": m["file_ttft"] / (forward + mem2),
             "hot_restore_of_memcpy": speed_fraction(hot, mem),
             # What a background store costs the caller's thread, in memcpys of its bytes.
-            "store_later_caller_over_memcpy": median([c for c, _ in later]) / mem,
+            "store_later_caller_over_memcpy": caller / mem,
             "file_load_over_rocksdb_restore": load / rocks,
             "file_load_over_hot_restore": load / hot,
             "file_load_over_hot_handout": load / handout,

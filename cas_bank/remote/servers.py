@@ -138,6 +138,6 @@ def free_port_pair() -> tuple[int, int]:
         finally:
             for s in socks:
                 s.close()
-        if a != b and a not in _RECENT_PORTS and b not in _RECENT_PORTS:
+        if a not in _RECENT_PORTS and b not in _RECENT_PORTS:  # a != b: bound together
             _RECENT_PORTS.extend((a, b))
             return a, b
