@@ -177,6 +177,7 @@ class Destination:
         *,
         overwritten: bool = False,
         ready: dict[int, mx.array] | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> list[Destination]:
         """One destination per (shape, dtype); `ready`: evaluated arrays nobody else
         holds, by index, used as they are (spares: `cas_bank.spares`).
@@ -190,11 +191,13 @@ class Destination:
         allocator hand memory back and fault it in again on every restore. Up to
         `_BATCH_EVAL_BYTES`, one `mx.eval` allocates them all: there the scheduling of
         an `mx.eval` per array costs more than its zero fill. The measurements behind
-        both: docs/design.md, "Where each figure is measured".
+        both: docs/design.md, "Where each figure is measured". `sizes`: the bytes of
+        each of `wanted`, where the caller has them.
         """
         if not cpu_fillable():  # no MLX memory a CPU pointer can fill: stage in numpy
             return [cls(shape, dtype) for shape, dtype in wanted]
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
+        if sizes is None:
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in wanted]
         storages: list[mx.array | None] = [(ready or {}).get(i) for i in range(len(wanted))]
         big = (
             [i for i, n in enumerate(sizes) if n >= _UNFILLED_FROM and storages[i] is None]

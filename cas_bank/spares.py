@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import queue
@@ -81,7 +82,7 @@ class Spares:
         out: dict[int, mx.array] = {}
         with self._lock:
             for i, w in enumerate(wanted):
-                free = self._pool.get(w) if _size(w) >= from_bytes else None
+                free = self._pool.get(w) if from_bytes <= 0 or _size(w) >= from_bytes else None
                 if free:
                     out[i] = free.pop()
                     self.bytes -= _size(w)
@@ -143,7 +144,9 @@ class Spares:
             self.bytes -= len(free) * _size(w)
 
 
+@functools.lru_cache(maxsize=1024)
 def _size(w: Wanted) -> int:
+    """Bytes of an array of `w` (a restore asks for each of its 24-48 arrays)."""
     return math.prod(w[0]) * w[1].itemsize
 
 

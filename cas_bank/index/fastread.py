@@ -29,14 +29,16 @@ slow way or stops the restore there.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
@@ -94,6 +96,42 @@ def _buffer(size: int) -> bytearray:
     return buf
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What a plain payload of some block arrays looks like: its descriptors (padded)
+    and body size, where each array sits in it (offset, count, dtype, shape), its
+    lead up to the digest, its whole size, and each array's rows a block."""
+
+    desc: bytes
+    body_len: int
+    parts: tuple[tuple[int, int, np.dtype[np.generic], tuple[int, ...]], ...]
+    lead_prefix: bytes
+    file_len: int
+    rows: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]) -> _Layout:
+    """`_Layout` of block arrays of `shapes` and `dtypes`: the same few each restore of
+    a model asks for, made once (a restore of 48 arrays spent ~0.1 ms making it)."""
+    desc, body_len = _expected_head(shapes, dtypes)
+    parts = []
+    at = _LEAD.size + len(desc)
+    for shape, d in zip(shapes, dtypes, strict=True):
+        n = math.prod(shape)
+        parts.append((at, n, d.storage, shape))
+        at += n * d.itemsize
+    lead_prefix = _LEAD.pack(b"CASB", 1, 0, len(parts), body_len, body_len, bytes(32))
+    return _Layout(
+        desc,
+        body_len,
+        tuple(parts),
+        lead_prefix[:_DIGEST_AT],
+        _LEAD.size + len(desc) + body_len,
+        tuple(s[-2] if len(s) >= 2 else 0 for s in shapes),
+    )
+
+
 class BlockFiles:
     """Reads block payload files into the writable views `dests` (each [..., T, D]).
 
@@ -111,21 +149,13 @@ class BlockFiles:
     ) -> None:
         if block_size is not None and any(s[-2] != block_size for s in shapes):
             raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
-        self.desc, self.body_len = expected_head(shapes, dtypes)
+        layout = _layout(tuple(map(tuple, shapes)), tuple(dtypes))
+        self.desc, self.body_len = layout.desc, layout.body_len
+        self._parts = layout.parts
+        self._lead_prefix = layout.lead_prefix
+        self._file_len = layout.file_len
         self._dests = list(dests)
-        # Where each array of a block sits in the payload body, and its shape.
-        self._parts: list[tuple[int, int, np.dtype[np.generic], tuple[int, ...]]] = []
-        at = _LEAD.size + len(self.desc)
-        for shape, d in zip(shapes, dtypes, strict=True):
-            n = math.prod(shape)
-            self._parts.append((at, n, d.storage, tuple(shape)))
-            at += n * d.itemsize
-        self._segments = _row_runs(self._dests, [s[-2] if len(s) >= 2 else 0 for s in shapes])
-        # A plain payload's lead up to its digest, and its whole size.
-        self._lead_prefix = _LEAD.pack(
-            b"CASB", 1, 0, len(self._parts), self.body_len, self.body_len, bytes(32)
-        )[:_DIGEST_AT]
-        self._file_len = _LEAD.size + len(self.desc) + self.body_len
+        self._segments = _row_runs(self._dests, layout.rows)
 
     @property
     def native(self) -> bool:
@@ -265,23 +295,53 @@ def _row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
     this way.
 
     A view [..., T, D] whose last axis is contiguous and whose token axis steps one
-    row at a time holds each leading index's block rows as one contiguous run.
+    row at a time holds each leading index's block rows as one contiguous run. The
+    triples at address 0 depend only on the views' shapes and strides (`_runs_template`,
+    made once); each restore adds its arrays' addresses.
     """
     if _read_into is None or not dests:
         return None
+    key = tuple(
+        (d.shape, d.strides, d.itemsize, d.ndim >= 2 and bool(d.flags.writeable)) for d in dests
+    )
+    made = _runs_template(key, tuple(rows))
+    if made is None:
+        return None
+    template, counts = made
+    addresses = np.fromiter(map(_address, dests), dtype=np.int64, count=len(dests))
+    triples = template.copy()
+    triples[:, 0] += np.repeat(addresses, counts)
+    return triples.tobytes()
+
+
+def _address(view: np.ndarray) -> int:
+    """Where `view`'s first element is: through the buffer protocol where it is one
+    contiguous writable buffer (~0.7 us, against ~3.5 us for `__array_interface__`,
+    which builds a dict: 0.1 ms over a hybrid model's 36 state arrays)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, view)))
+    except (TypeError, ValueError, BufferError):
+        return int(view.__array_interface__["data"][0])
+
+
+@functools.lru_cache(maxsize=256)
+def _runs_template(
+    views: tuple[tuple[tuple[int, ...], tuple[int, ...], int, bool], ...], rows: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_row_runs`' triples of views of these (shape, strides, itemsize, writable) at
+    address 0, and how many belong to each view; None if one cannot be addressed."""
     runs: list[np.ndarray] = []
-    for dest, r in zip(dests, rows, strict=True):
-        if dest.ndim < 2 or not dest.flags.writeable:
+    for (shape, strides, item, writable), r in zip(views, rows, strict=True):
+        if not writable:
             return None
-        item = dest.itemsize
-        row = dest.shape[-1] * item
-        if dest.strides[-1] != item or dest.strides[-2] != row:
+        row = shape[-1] * item
+        if strides[-1] != item or strides[-2] != row:
             return None
-        pattern = _runs_pattern(dest.shape[:-2], dest.strides[:-2], r * row)
-        triples = pattern.copy()
-        triples[:, 0] += dest.__array_interface__["data"][0]
-        runs.append(triples)
-    return np.concatenate(runs).tobytes()
+        runs.append(_runs_pattern(shape[:-2], strides[:-2], r * row))
+    template = np.concatenate(runs)
+    template.flags.writeable = False
+    counts = np.array([len(p) for p in runs], dtype=np.int64)
+    return template, counts
 
 
 @functools.lru_cache(maxsize=256)
