@@ -25,9 +25,11 @@ from conftest import (
 
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
+from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.testing import StoreConformance
 
@@ -241,6 +243,52 @@ def test_overwrite_replaces_raw_and_decoded() -> None:
     hot.put_batch([(Family.BLOCKS, key, new)])
     assert hot.lookup(Family.BLOCKS, key, codec.embedded_digest(old)) == new  # raw: re-verify
     assert hot.get(Family.BLOCKS, key) == new
+
+
+def _header(index: int, state: bool = False) -> Header:
+    return Header(
+        chain_hash=BlockHash(bytes([index + 1]) * 32),
+        parent=bytes(32),
+        index=index,
+        root=bytes(32),
+        payload_digest=bytes([7]) * 32,
+        payload_size=100,
+        tokens=bytes(4 * BLOCK_SIZE),
+        state_digest=bytes([9]) * 32 if state else None,
+        state_size=10 if state else 0,
+    )
+
+
+def test_parsed_headers_are_kept_and_never_outlive_their_value() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    h = _header(0)
+    hot.put_batch([(Family.HEADERS, h.chain_hash, h.encode())])
+    before = hot.used_bytes
+    first = read_headers(hot, [h.chain_hash])[0]
+    assert first == h and hot.used_bytes > before  # charged against the bound
+    assert read_headers(hot, [h.chain_hash])[0] is first  # not decoded again
+    # A write of the key (a state added) replaces the value: the old parse is gone.
+    with_state = h.with_state(bytes([9]) * 32, 10)
+    hot.put_batch([(Family.HEADERS, h.chain_hash, with_state.encode())])
+    again = read_headers(hot, [h.chain_hash])[0]
+    assert again == with_state and again is not first and again is not None and again.has_state
+    hot.put_batch([(Family.HEADERS, h.chain_hash, None)])
+    assert read_headers(hot, [h.chain_hash]) == [None]
+    # A store that keeps no values remembers nothing: each read decodes.
+    plain = MemoryStore()
+    plain.put_batch([(Family.HEADERS, h.chain_hash, h.encode())])
+    assert plain.parsed(Family.HEADERS, [h.chain_hash], [h.encode()]) == [None]
+    assert read_headers(plain, [h.chain_hash])[0] == h
+
+
+def test_a_damaged_header_is_never_kept_parsed() -> None:
+    hot = HotStore(MemoryStore(), MiB)
+    h = _header(0)
+    hot.put_batch([(Family.HEADERS, h.chain_hash, h.encode()[:20])])  # truncated
+    damaged: set[int] = set()
+    assert read_headers(hot, [h.chain_hash], damaged) == [None] and damaged == {0}
+    damaged.clear()
+    assert read_headers(hot, [h.chain_hash], damaged) == [None] and damaged == {0}
 
 
 def test_decoded_view_needs_the_expected_digest() -> None:

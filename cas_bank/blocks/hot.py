@@ -13,7 +13,10 @@ Two levels per entry:
 - a decoded, digest-checked view of a payload (`lookup` / `keep_decoded`), so a hot
   hit skips both the read and the blake3 check. The views alias the immutable raw
   `bytes`, so they cost no memory beyond it (a compressed payload's inflated body
-  is counted on top).
+  is counted on top); and a parsed header (`parsed` / `keep_parsed`): a hot restore
+  of a 16k-token chain decoded 256 headers, 0.75 ms of Python, on every restore.
+  Both are tied to the raw value they came from (the same object): a write of the
+  key replaces that object, and what was made of the old one is never returned.
 
 Coherence: every write goes through `put_batch`, which drops the cached entries of
 its keys, updates the inner store, and then caches the values it put. A read that
@@ -54,6 +57,7 @@ class _Entry:
     decoded: Decoded | None = None
     digest: bytes | None = None  # the digest `decoded` was verified against
     absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
+    parsed: object | None = None  # what `keep_parsed` made of `raw` (a decoded header)
 
 
 class HotStore(BlockStore):
@@ -115,6 +119,38 @@ class HotStore(BlockStore):
             self._bytes += extra
             self._use((family, key), entry)
         self.budget.balance()
+
+    def parsed(
+        self, family: Family, keys: Sequence[bytes], raws: Sequence[bytes | None]
+    ) -> list[object | None]:
+        out: list[object | None] = [None] * len(keys)
+        with self._lock:
+            for i, (key, raw) in enumerate(zip(keys, raws, strict=True)):
+                entry = self._entries.get((family, key)) if raw is not None else None
+                if entry is not None and entry.raw is raw:
+                    out[i] = entry.parsed
+        return out
+
+    def keep_parsed(
+        self,
+        family: Family,
+        keys: Sequence[bytes],
+        raws: Sequence[bytes | None],
+        parsed: Sequence[object | None],
+    ) -> None:
+        grown = 0
+        with self._lock:
+            for key, raw, made in zip(keys, raws, parsed, strict=True):
+                entry = self._entries.get((family, key)) if raw is not None else None
+                if entry is None or entry.raw is not raw or made is None or entry.parsed:
+                    continue
+                entry.parsed = made
+                # Charged as a second copy of the value (a header's fields are slices of it).
+                entry.size += len(raw) + _ENTRY_OVERHEAD
+                grown += len(raw) + _ENTRY_OVERHEAD
+            self._bytes += grown
+        if grown:
+            self.budget.balance()
 
     # -- BlockStore ----------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:

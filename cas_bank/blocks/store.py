@@ -169,6 +169,25 @@ class BlockStore(ABC):
             if damaged is not None:
                 damaged(e)
 
+    def parsed(
+        self, family: Family, keys: Sequence[bytes], raws: Sequence[bytes | None]
+    ) -> list[object | None]:
+        """What `keep_parsed` remembered of each (key, raw): the object parsed from that
+        very value (`raw` the same object `get_many` returned), else None. A store
+        that keeps values in memory (`blocks.hot`) remembers; the rest do not."""
+        return [None] * len(keys)
+
+    def keep_parsed(
+        self,
+        family: Family,
+        keys: Sequence[bytes],
+        raws: Sequence[bytes | None],
+        parsed: Sequence[object | None],
+    ) -> None:
+        """Remember `parsed[i]` (immutable, made from `raws[i]`) beside the value of
+        `keys[i]`, as long as that value is the one kept; a no-op by default."""
+        return None
+
     def refresh(self) -> None:
         """Catch up with the writer (secondary opens); a no-op elsewhere."""
         return None

@@ -100,20 +100,29 @@ def read_headers(
     """Headers of `hashes` in one multi-get; None where absent or unreadable.
 
     `damaged`, when given, receives the positions of records present but unreadable.
+    A header decoded before from the very value the store returns is not decoded
+    again (`BlockStore.parsed`: the hot tier keeps it).
     """
+    keys = list(hashes)
+    raws = store.get_many(Family.HEADERS, keys)
+    known = store.parsed(Family.HEADERS, keys, raws)
     out: list[Header | None] = []
-    for i, (h, raw) in enumerate(
-        zip(hashes, store.get_many(Family.HEADERS, list(hashes)), strict=True)
-    ):
+    made = False
+    for i, (h, raw, header) in enumerate(zip(keys, raws, known, strict=True)):
         if raw is None:
             out.append(None)
-            continue
-        try:
-            out.append(Header.decode(h, raw))
-        except CorruptDataError:
-            out.append(None)
-            if damaged is not None:
-                damaged.add(i)
+        elif isinstance(header, Header):
+            out.append(header)
+        else:
+            try:
+                out.append(Header.decode(h, raw))
+                made = True
+            except CorruptDataError:
+                out.append(None)
+                if damaged is not None:
+                    damaged.add(i)
+    if made:
+        store.keep_parsed(Family.HEADERS, keys, raws, out)
     return out
 
 
