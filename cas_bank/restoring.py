@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, longest_chain
@@ -259,7 +260,7 @@ def _add_partial(ns: Restorable, plan: _Plan) -> None:
     plan.part = part
 
 
-def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, list[mx.array], int]:
+def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, HeldArrays, int]:
     """The one probe of memory: how many of the chain's blocks a lease holds and their
     arrays (a chain queued for the background writer counts too, attention-only), and
     the tokens the destination arrays hold (`room_for` rounded up to `ROOM_STEP`)."""
@@ -268,7 +269,7 @@ def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, list
     hybrid = ns.spec.is_hybrid
     queued = ns.bank.writer is not None and not hybrid and plan.cont is None
     probed = plan.hashes if queued else plan.hashes[: plan.n_blocks]
-    leased, in_memory = leases.probe(probed) if leases and probed else (0, [])
+    leased, in_memory = leases.probe(probed) if leases and probed else (0, HeldArrays(()))
     if plan.end is not None and leased > plan.end.blocks:  # the chain goes deeper
         plan.end, plan.n_blocks = None, restore_blocks(plan.matched, hybrid)
     if plan.part is not None and leased > plan.part.blocks:

@@ -13,7 +13,7 @@ import pytest
 from conftest import kv_prefix_bits, layers_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.arrays import DTYPES, UNFILLED_FROM
+from cas_bank.arrays import DTYPES, UNFILLED_FROM, to_numpy
 from cas_bank.spares import SPARES, Spares, keep_spare_destinations
 
 F16 = DTYPES["float16"]
@@ -37,7 +37,7 @@ def test_spares_are_taken_once_each_and_refilled_off_the_path(spares: Spares) ->
     assert (spares.made, spares.bytes) == (2, 2 << 20)
     got = spares.take([SMALL, BIG, BIG, BIG], UNFILLED_FROM)
     assert sorted(got) == [1, 2]  # two made, the third BIG and the small one not
-    a, b = got[1], got[2]
+    a, b = got[1].finish(), got[2].finish()
     assert a.shape == b.shape == BIG[0] and a.dtype == b.dtype == mx.float16
     np.asarray(a)[...] = 1  # two buffers: writing one leaves the other as it was
     np.asarray(b)[...] = 2
@@ -60,10 +60,15 @@ def test_spares_keep_within_their_bound(spares: Spares) -> None:
     assert list(spares.take([other], UNFILLED_FROM)) == [0]
 
 
-def test_restores_with_spares_are_bit_exact_and_share_no_buffer(bank_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])  # bf16: a view of the bits
+def test_restores_with_spares_are_bit_exact_and_share_no_buffer(
+    bank_path: Path, dtype: str
+) -> None:
+    """The second restore's arrays all come from the pool, made on the spares' thread
+    (a bf16 destination is a view of uint16 bits, evaluated there)."""
     spec = ModelSpec(
         name="spared",
-        layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=256, dtype="float16") for _ in "ab"),
+        layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=256, dtype=dtype) for _ in "ab"),
         weights_digest="w-spared",
     )
     tokens = [int(t) for t in np.arange(256) % 97]
@@ -83,7 +88,7 @@ def test_restores_with_spares_are_bit_exact_and_share_no_buffer(bank_path: Path)
             for hit in (first, second):
                 cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
                 assert layers_bits(cut, spec) == want
-            np.asarray(first.layers[0][0])[...] = 0  # the first's memory, not the second's
+            to_numpy(first.layers[0][0])[...] = 0  # the first's memory, not the second's
             assert (
                 layers_bits(
                     [tuple(a[..., :256, :] for a in layer) for layer in second.layers], spec

@@ -22,6 +22,7 @@ import numpy as np
 from cas_bank.arrays import (
     Destination,
     DType,
+    HeldArrays,
     cpu_fillable,
     dtype_named,
     dtype_of,
@@ -304,7 +305,8 @@ class Assembler:
         """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
         out: one copy per array (on two threads, by `_copy_later`)."""
         n = n_blocks * self.block_size
-        views = [to_numpy(a)[..., :n, :] for a in arrays]
+        whole = arrays.numpy_views() if isinstance(arrays, HeldArrays) else map(to_numpy, arrays)
+        views = [v[..., :n, :] for v in whole]
         self._later.append((0, views))
         self._later_bytes += sum(int(v.nbytes) for v in views)
 

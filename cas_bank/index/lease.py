@@ -31,13 +31,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.budget import MemoryBudget
 
 
 @dataclass(slots=True)
 class _Entry:
     hashes: list[bytes]  # empty for a state
-    arrays: list[mx.array]  # flat attention arrays, each holding len(hashes) blocks
+    arrays: HeldArrays  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
     tick: int = 0  # the budget's clock at its last use (blocks.budget)
 
@@ -88,7 +89,7 @@ class Leases:
             if held is not None and held[1] == len(hashes) - 1 and held[0] in self._entries:
                 self._use(held[0])  # already leased: just used
                 return
-            self._insert(last, _Entry([bytes(h) for h in hashes], kept, nbytes))
+            self._insert(last, _Entry([bytes(h) for h in hashes], HeldArrays(kept), nbytes))
         self.budget.balance()
 
     def put_chain(
@@ -103,20 +104,21 @@ class Leases:
         for boundary, state in states.items():
             self.put_state(hashes[boundary // self.block_size - 1], state)
 
-    def probe(self, hashes: Sequence[bytes]) -> tuple[int, list[mx.array]]:
+    def probe(self, hashes: Sequence[bytes]) -> tuple[int, HeldArrays]:
         """(k, arrays): the leased arrays of the deepest block k-1 of the chain `hashes`
-        that an entry holds; (0, []) if none. The arrays are the bank's own and may
+        that an entry holds; (0, no arrays) if none. The arrays are the bank's own and may
         hold more than k blocks: a caller slices them to its tokens before it hands
         anything out (a new object: the cache must never hold the bank's), as every
         restore path does anyway; slicing and evaluating 24-48 of them here cost a hot
-        restore ~0.1 ms for views a copy never used.
+        restore ~0.1 ms for views a copy never used. A copy takes their numpy views
+        (`HeldArrays.numpy_views`), made once per entry.
 
         A binary search: the blocks an entry holds are a prefix of every chain that
         reaches them, so "block i is held" only turns false going deeper.
         """
         with self._lock:
             if not self._blocks or not hashes:
-                return 0, []
+                return 0, HeldArrays(())
             lo, hi = 0, len(hashes)  # blocks below lo are held; from hi on, not
             if hashes[-1] in self._blocks:
                 lo = hi
@@ -127,12 +129,12 @@ class Leases:
                 else:
                     hi = mid
             if lo == 0:
-                return 0, []
+                return 0, HeldArrays(())
             last, index = self._blocks[hashes[lo - 1]]
             entry = self._entries[last]
             self._use(last)
         assert index == lo - 1, "a chain hash names its position"
-        return lo, list(entry.arrays)
+        return lo, entry.arrays
 
     def put_state(self, chain_hash: bytes, arrays: Sequence[mx.array]) -> None:
         """Keep the recurrent state (flat arrays) at the end of block `chain_hash`."""
@@ -144,7 +146,7 @@ class Leases:
         if not self.budget.fits(nbytes):
             return
         with self._lock:
-            self._insert(_state_key(chain_hash), _Entry([], kept, nbytes))
+            self._insert(_state_key(chain_hash), _Entry([], HeldArrays(kept), nbytes))
         self.budget.balance()
 
     def has_state(self, chain_hash: bytes) -> bool:
