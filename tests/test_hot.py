@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import (
     BLOCK_SIZE,
@@ -22,8 +23,11 @@ from conftest import (
     random_state,
     state_bits,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig
+from cas_bank.arrays import DTYPES
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
@@ -215,10 +219,6 @@ def test_bank_hot_tier_respects_hot_bytes(bank_path: Path) -> None:
 
 # -- coherence --------------------------------------------------------------------
 def _payload(seed: int) -> bytes:
-    import numpy as np
-
-    from cas_bank.arrays import DTYPES
-
     return codec.encode([np.full((2, 4), seed, dtype=np.float32)], [DTYPES["float32"]])
 
 
@@ -348,3 +348,46 @@ def test_hot_hits_count_payloads_served_from_memory(bank_path: Path, hot_bytes: 
         for _ in range(3):
             ns.restore(tokens)
         assert bank.stats().hot_hits == (6 if hot_bytes else 0)
+
+
+_b32 = st.binary(min_size=32, max_size=32)
+
+
+@given(
+    chain=_b32,
+    parent=_b32,
+    index=st.integers(0, 2**32 - 1),
+    root=_b32,
+    digest=_b32,
+    size=st.integers(0, 2**64 - 1),
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    state=st.one_of(st.none(), st.tuples(_b32, st.integers(0, 2**64 - 1))),
+)
+@settings(max_examples=200, deadline=None)
+def test_any_header_decodes_to_what_was_encoded(
+    chain: bytes,
+    parent: bytes,
+    index: int,
+    root: bytes,
+    digest: bytes,
+    size: int,
+    tokens: list[int],
+    state: tuple[bytes, int] | None,
+) -> None:
+    """Every field comes back in its place (the decoder builds a header positionally),
+    and the copy kept beside a hot value is the same header."""
+    h = Header(
+        chain_hash=BlockHash(chain),
+        parent=parent,
+        index=index,
+        root=root,
+        payload_digest=digest,
+        payload_size=size,
+        tokens=np.array(tokens, dtype="<u4").tobytes(),
+        state_digest=state[0] if state else None,
+        state_size=state[1] if state else 0,
+    )
+    assert Header.decode(chain, h.encode()) == h
+    hot = HotStore(MemoryStore(), MiB)
+    hot.put_batch([(Family.HEADERS, chain, h.encode())])
+    assert read_headers(hot, [chain]) == [h] == read_headers(hot, [chain])

@@ -81,16 +81,18 @@ class Header:
         tokens = data[_FIXED.size :]
         if len(tokens) != 4 * n:
             raise CorruptDataError(f"header of {chain_hash.hex()} has a bad token list")
+        # Positional, in field order: keywords made this 1.1 us slower a header (a
+        # reopened 16k-token restore decodes 256 of them).
         return cls(
-            chain_hash=BlockHash(chain_hash),
-            parent=parent,
-            index=index,
-            root=root,
-            payload_digest=pd,
-            payload_size=size,
-            tokens=tokens,
-            state_digest=sd if flags & FLAG_STATE else None,
-            state_size=state_size,
+            BlockHash(chain_hash),
+            parent,
+            index,
+            root,
+            pd,
+            size,
+            tokens,
+            sd if flags & FLAG_STATE else None,
+            state_size,
         )
 
 
