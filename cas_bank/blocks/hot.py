@@ -172,18 +172,36 @@ class HotStore(BlockStore):
         if not missing:
             return out
         got = self.inner.get_many(family, [keys[i] for i in missing])
+        for i, value in zip(missing, got, strict=True):
+            out[i] = value
         with self._lock:
             # A write since our look may have replaced or deleted what we just read.
-            fresh = generation == self._generation and not self._writing
-            negative = family in NEGATIVE_FAMILIES
-            for i, value in zip(missing, got, strict=True):
-                out[i] = value
-                if fresh and value is not None:
-                    self._insert(family, bytes(keys[i]), value)
-                elif fresh and negative:
-                    self._insert(family, bytes(keys[i]), b"", absent=True)
+            if generation == self._generation and not self._writing:
+                self._insert_read(family, [keys[i] for i in missing], got)
         self.budget.balance()
         return out
+
+    def _insert_read(
+        self, family: Family, keys: Sequence[bytes], values: Sequence[bytes | None]
+    ) -> None:
+        """Cache what a read below found (absences too, for NEGATIVE_FAMILIES); under
+        the lock. `_insert`'s steps, inline: a reopened 16k-token restore caches 256
+        headers here, and a method call per step cost ~3 us a key (0.8 ms)."""
+        negative = family in NEGATIVE_FAMILIES
+        entries, fits, tick = self._entries, self.budget.fits, self.budget.tick
+        for key, value in zip(keys, values, strict=True):
+            if value is None and not negative:
+                continue
+            raw = b"" if value is None else value if type(value) is bytes else bytes(value)
+            k = (family, bytes(key))
+            size = len(raw) + len(k[1]) + _ENTRY_OVERHEAD
+            if not fits(size):
+                continue
+            old = entries.pop(k, None)
+            if old is not None:
+                self._bytes -= old.size
+            entries[k] = _Entry(raw, size, tick(), absent=value is None)
+            self._bytes += size
 
     def put_batch(self, writes: Sequence[Write]) -> None:
         cached = [w for w in writes if w[0] in CACHED_FAMILIES]
