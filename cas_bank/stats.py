@@ -137,6 +137,11 @@ class BankStats(BaseModel):
         """Fraction of queried tokens that were restored."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of stored payloads, states and end records together."""
+        return self.payload_bytes + self.state_bytes + self.end_bytes
+
 
 class Counters:
     """Thread-safe counters and the values last persisted.

@@ -60,167 +60,145 @@ def render(metrics: Iterable[Metric]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (metric name, help, the `BankStats` field it reports): the bank's counters, then its
+# sizes. Names are a contract (dashboards read them); add, never rename.
+_BANK_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "prefix_queried_tokens_total",
+        "Prompt tokens looked up in the prefix cache.",
+        "queried_tokens",
+    ),
+    ("prefix_hit_tokens_total", "Prompt tokens restored from the prefix cache.", "hit_tokens"),
+    ("prefix_restores_total", "Prefix-cache lookups.", "restores"),
+    ("prefix_hits_total", "Lookups that restored at least one block.", "hits"),
+    ("prefix_misses_total", "Lookups that restored nothing.", "misses"),
+    ("blocks_written_total", "KV blocks written to the bank.", "blocks_written"),
+    (
+        "bytes_written_total",
+        "Payload and state bytes written to the bank (the SSD's share of the work).",
+        "bytes_written",
+    ),
+    (
+        "blocks_deduplicated_total",
+        "KV blocks offered that were already stored.",
+        "blocks_deduplicated",
+    ),
+    ("states_written_total", "Recurrent (GDN) states written to the bank.", "states_written"),
+    (
+        "corrupt_reads_total",
+        "Payloads that failed verification and were served as misses.",
+        "corrupt_reads",
+    ),
+    (
+        "hot_hits_total",
+        "Payloads served from the in-process hot tier (no RocksDB read).",
+        "hot_hits",
+    ),
+    ("blocks_evicted_total", "KV blocks evicted to keep the budget.", "blocks_evicted"),
+    (
+        "states_evicted_total",
+        "Recurrent states evicted (on their own or with their block).",
+        "states_evicted",
+    ),
+    ("bytes_evicted_total", "Payload, state and end-record bytes evicted.", "bytes_evicted"),
+    ("ends_written_total", "End records (a prompt's exact end) written.", "ends_written"),
+    ("ends_evicted_total", "End records evicted.", "ends_evicted"),
+    (
+        "prefix_exact_hits_total",
+        "Restores of a whole prompt from its end record (no prefill).",
+        "exact_hits",
+    ),
+    (
+        "prefix_end_hits_total",
+        "Restores that resumed from an end record short of the prompt's end.",
+        "end_hits",
+    ),
+    (
+        "prefix_partial_hits_total",
+        "Restores that took the first tokens of a stored block (a partial block).",
+        "partial_hits",
+    ),
+    (
+        "prefix_partial_tokens_total",
+        "Tokens restored from partial blocks (counted in the hit tokens too).",
+        "partial_tokens",
+    ),
+    ("remote_hits_total", "Restores that took blocks from the shared tier.", "remote_hits"),
+    ("remote_hit_blocks_total", "KV blocks restored from the shared tier.", "remote_hit_blocks"),
+    (
+        "remote_hit_tokens_total",
+        "Prompt tokens restored from the shared tier.",
+        "remote_hit_tokens",
+    ),
+    ("remote_fetched_bytes_total", "Bytes read from the shared tier.", "remote_bytes_fetched"),
+    (
+        "remote_publishes_total",
+        "Blocks and states written to the shared tier.",
+        "remote_publishes",
+    ),
+    (
+        "remote_published_bytes_total",
+        "Bytes written to the shared tier.",
+        "remote_published_bytes",
+    ),
+    (
+        "remote_dropped_total",
+        "Publishes dropped because the publish queue was full.",
+        "remote_dropped",
+    ),
+    ("remote_errors_total", "Failed calls to a shared-tier node.", "remote_errors"),
+    ("remote_timeouts_total", "Calls to a shared-tier node that timed out.", "remote_timeouts"),
+    (
+        "remote_skipped_total",
+        "Calls not made while a node's circuit breaker was open.",
+        "remote_skipped",
+    ),
+    (
+        "remote_rejected_total",
+        "Shared-tier entries whose MAC, digest or chain link failed (served as misses).",
+        "remote_rejected",
+    ),
+)
+_BANK_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("blocks", "KV blocks stored.", "blocks"),
+    ("states", "Recurrent states stored.", "states"),
+    ("payload_bytes", "Bytes of stored KV block payloads.", "payload_bytes"),
+    ("state_bytes", "Bytes of stored recurrent states.", "state_bytes"),
+    ("ends", "End records stored.", "ends"),
+    ("end_bytes", "Bytes of stored end records.", "end_bytes"),
+    (
+        "stored_bytes",
+        "Bytes of stored payloads, states and end records together.",
+        "stored_bytes",
+    ),
+    ("block_size_tokens", "Tokens per block.", "block_size"),
+    (
+        "hot_tier_bytes",
+        "Bytes the in-process hot tier holds (raw and decoded payloads, headers).",
+        "hot_tier_bytes",
+    ),
+    (
+        "leased_bytes",
+        "Bytes of MLX arrays leased in memory (chains stored or restored here).",
+        "leased_bytes",
+    ),
+    (
+        "hot_budget_bytes",
+        "The bound the hot tier and the leases share (BankConfig.hot_bytes).",
+        "hot_bytes",
+    ),
+    (
+        "prefix_hit_ratio",
+        "Restored tokens per queried token since the bank was created.",
+        "hit_rate",
+    ),
+)
+
+
 def bank_metrics(stats: BankStats) -> list[Metric]:
     """The prefix-cache counters and sizes of a bank."""
-    counters = [
-        (
-            "prefix_queried_tokens_total",
-            "Prompt tokens looked up in the prefix cache.",
-            stats.queried_tokens,
-        ),
-        (
-            "prefix_hit_tokens_total",
-            "Prompt tokens restored from the prefix cache.",
-            stats.hit_tokens,
-        ),
-        ("prefix_restores_total", "Prefix-cache lookups.", stats.restores),
-        ("prefix_hits_total", "Lookups that restored at least one block.", stats.hits),
-        ("prefix_misses_total", "Lookups that restored nothing.", stats.misses),
-        ("blocks_written_total", "KV blocks written to the bank.", stats.blocks_written),
-        (
-            "bytes_written_total",
-            "Payload and state bytes written to the bank (the SSD's share of the work).",
-            stats.bytes_written,
-        ),
-        (
-            "blocks_deduplicated_total",
-            "KV blocks offered that were already stored.",
-            stats.blocks_deduplicated,
-        ),
-        (
-            "states_written_total",
-            "Recurrent (GDN) states written to the bank.",
-            stats.states_written,
-        ),
-        (
-            "corrupt_reads_total",
-            "Payloads that failed verification and were served as misses.",
-            stats.corrupt_reads,
-        ),
-        (
-            "hot_hits_total",
-            "Payloads served from the in-process hot tier (no RocksDB read).",
-            stats.hot_hits,
-        ),
-        ("blocks_evicted_total", "KV blocks evicted to keep the budget.", stats.blocks_evicted),
-        (
-            "states_evicted_total",
-            "Recurrent states evicted (on their own or with their block).",
-            stats.states_evicted,
-        ),
-        (
-            "bytes_evicted_total",
-            "Payload, state and end-record bytes evicted.",
-            stats.bytes_evicted,
-        ),
-        ("ends_written_total", "End records (a prompt's exact end) written.", stats.ends_written),
-        ("ends_evicted_total", "End records evicted.", stats.ends_evicted),
-        (
-            "prefix_exact_hits_total",
-            "Restores of a whole prompt from its end record (no prefill).",
-            stats.exact_hits,
-        ),
-        (
-            "prefix_end_hits_total",
-            "Restores that resumed from an end record short of the prompt's end.",
-            stats.end_hits,
-        ),
-        (
-            "prefix_partial_hits_total",
-            "Restores that took the first tokens of a stored block (a partial block).",
-            stats.partial_hits,
-        ),
-        (
-            "prefix_partial_tokens_total",
-            "Tokens restored from partial blocks (counted in the hit tokens too).",
-            stats.partial_tokens,
-        ),
-    ]
-    gauges = [
-        ("blocks", "KV blocks stored.", stats.blocks),
-        ("states", "Recurrent states stored.", stats.states),
-        ("payload_bytes", "Bytes of stored KV block payloads.", stats.payload_bytes),
-        ("state_bytes", "Bytes of stored recurrent states.", stats.state_bytes),
-        ("ends", "End records stored.", stats.ends),
-        ("end_bytes", "Bytes of stored end records.", stats.end_bytes),
-        (
-            "stored_bytes",
-            "Bytes of stored payloads, states and end records together.",
-            stats.payload_bytes + stats.state_bytes + stats.end_bytes,
-        ),
-        ("block_size_tokens", "Tokens per block.", stats.block_size),
-        (
-            "hot_tier_bytes",
-            "Bytes the in-process hot tier holds (raw and decoded payloads, headers).",
-            stats.hot_tier_bytes,
-        ),
-        (
-            "leased_bytes",
-            "Bytes of MLX arrays leased in memory (chains stored or restored here).",
-            stats.leased_bytes,
-        ),
-        (
-            "hot_budget_bytes",
-            "The bound the hot tier and the leases share (BankConfig.hot_bytes).",
-            stats.hot_bytes,
-        ),
-        (
-            "prefix_hit_ratio",
-            "Restored tokens per queried token since the bank was created.",
-            stats.hit_rate,
-        ),
-    ]
-    counters += [
-        ("remote_hits_total", "Restores that took blocks from the shared tier.", stats.remote_hits),
-        (
-            "remote_hit_blocks_total",
-            "KV blocks restored from the shared tier.",
-            stats.remote_hit_blocks,
-        ),
-        (
-            "remote_hit_tokens_total",
-            "Prompt tokens restored from the shared tier.",
-            stats.remote_hit_tokens,
-        ),
-        (
-            "remote_fetched_bytes_total",
-            "Bytes read from the shared tier.",
-            stats.remote_bytes_fetched,
-        ),
-        (
-            "remote_publishes_total",
-            "Blocks and states written to the shared tier.",
-            stats.remote_publishes,
-        ),
-        (
-            "remote_published_bytes_total",
-            "Bytes written to the shared tier.",
-            stats.remote_published_bytes,
-        ),
-        (
-            "remote_dropped_total",
-            "Publishes dropped because the publish queue was full.",
-            stats.remote_dropped,
-        ),
-        ("remote_errors_total", "Failed calls to a shared-tier node.", stats.remote_errors),
-        (
-            "remote_timeouts_total",
-            "Calls to a shared-tier node that timed out.",
-            stats.remote_timeouts,
-        ),
-        (
-            "remote_skipped_total",
-            "Calls not made while a node's circuit breaker was open.",
-            stats.remote_skipped,
-        ),
-        (
-            "remote_rejected_total",
-            "Shared-tier entries whose MAC, digest or chain link failed (served as misses).",
-            stats.remote_rejected,
-        ),
-    ]
-    out = [Metric.single(n, h, "counter", v) for n, h, v in counters]
-    out += [Metric.single(n, h, "gauge", v) for n, h, v in gauges]
+    out = [Metric.single(n, h, "counter", getattr(stats, f)) for n, h, f in _BANK_COUNTERS]
+    out += [Metric.single(n, h, "gauge", getattr(stats, f)) for n, h, f in _BANK_GAUGES]
     if stats.disk_bytes is not None:
         out.append(
             Metric.single(
