@@ -97,7 +97,14 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
 
     app = FastAPI(title="cas_bank", lifespan=lifespan)
     requests = RequestCounter()
-    started = int(time.time())
+    _add_error_handling(app, requests)
+    _add_status_routes(app, engine, requests)
+    _add_generation_routes(app, engine)
+    return app
+
+
+def _add_error_handling(app: FastAPI, requests: RequestCounter) -> None:
+    """Every request counted by route and status; every error an OpenAI-style body."""
 
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Any) -> Any:
@@ -131,16 +138,10 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
         err = ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 
-    def check_model(name: str) -> None:
-        if name != engine.model_id:
-            raise ApiError(
-                404,
-                f"model {name!r} is not served here; this server serves {engine.model_id!r}",
-                type="invalid_request_error",
-                code="model_not_found",
-                param="model",
-            )
 
+def _add_status_routes(app: FastAPI, engine: Engine, requests: RequestCounter) -> None:
+    """`/health`, `/v1/models` and `/metrics`."""
+    started = int(time.time())
     tier = TierProbe(engine.bank.remote) if engine.bank.remote is not None else None
 
     async def tier_health() -> TierHealth | None:
@@ -190,6 +191,20 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             ]
         )
         return PlainTextResponse(body, media_type=CONTENT_TYPE)
+
+
+def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
+    """`/v1/chat/completions`, `/v1/completions` and `/v1/explain`."""
+
+    def check_model(name: str) -> None:
+        if name != engine.model_id:
+            raise ApiError(
+                404,
+                f"model {name!r} is not served here; this server serves {engine.model_id!r}",
+                type="invalid_request_error",
+                code="model_not_found",
+                param="model",
+            )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(
@@ -247,8 +262,6 @@ def create_app(engine: Engine, *, close_engine: bool = False) -> FastAPI:
             return JSONResponse(await asyncio.to_thread(explain_request, engine, body))
         except Exception as e:
             raise api_error(e) from e
-
-    return app
 
 
 async def _result_unless_gone(run: EngineRun, request: Request) -> GenerationResult:
