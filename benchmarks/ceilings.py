@@ -42,10 +42,12 @@ import numpy as np
 import xxhash
 from rocksdict import Rdict, WriteBatch, WriteOptions
 
+from cas_bank.arrays import address_of
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 from cas_bank.blocks.rocks import _db_options, _family_options
 from cas_bank.blocks.store import Family
+from cas_bank.index import rowcopy
 
 MiB = 1 << 20
 GB = 1e9
@@ -145,9 +147,10 @@ def layout_copy_samples(
     sources: Sequence[np.ndarray], capacity: int, repeats: int = 7, *, sets: int = 4
 ) -> list[float]:
     """A hot restore's copy alone: each of `sources` (`[..., tokens, dim]`) copied into
-    the first tokens of a destination with room for `capacity` tokens, the arrays
-    shared between two threads as the restore shares them (`np.copyto` releases the
-    GIL). The destinations are `sets` sets taken in turn: resident (touched
+    the first tokens of a destination with room for `capacity` tokens, on two threads
+    as the restore copies: by the native streamed copy (`cas_bank.index.rowcopy`)
+    where it is built, else the arrays shared between two threads (`np.copyto`
+    releases the GIL). The destinations are `sets` sets taken in turn: resident (touched
     beforehand) but not in cache, as a restore's fresh arrays are, where `memcpy_samples`
     copies into one warm buffer again and again."""
     shapes = [(*a.shape[:-2], capacity, a.shape[-1]) for a in sources]
@@ -156,9 +159,17 @@ def layout_copy_samples(
         for _ in range(sets)
     ]
     rounds = itertools.count()
+    rows = sources[0].shape[-2] if sources else 0
+    from_addresses = np.array([address_of(a) for a in sources], dtype=np.int64)
+    to_addresses = [np.array([address_of(d) for d in ds], dtype=np.int64) for ds in dests]
 
     def copy() -> None:
-        views = dests[next(rounds) % sets]
+        at = next(rounds) % sets
+        views = dests[at]
+        if rowcopy.copy_prefix(
+            views, to_addresses[at], sources, from_addresses, rows, two_threads=True
+        ):
+            return
         arrays = itertools.count()
 
         def work() -> None:

@@ -365,7 +365,9 @@ def _result(
             "file_ttft_over_forward": m["file_ttft"] / forward,
             # A hot restore with room copies the prefix once (the bank keeps its own):
             # the most it can reach is the file's TTFT over that forward and one copy.
-            "file_ttft_over_forward_and_copy": m["file_ttft"] / (forward + mem2),
+            # The prefix's copy at its best: the restore's own (streamed) or a memcpy.
+            "file_ttft_over_forward_and_copy": m["file_ttft"]
+            / (forward + min(mem2, floors.get("hot_copy_floor_s", mem2))),
             "hot_restore_of_memcpy": speed_fraction(hot, mem),
             # What a background store costs the caller's thread, in memcpys of its bytes.
             "store_later_caller_over_memcpy": caller / mem,

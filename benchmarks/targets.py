@@ -171,7 +171,8 @@ def _medium_against_file(r: dict[str, Any], rows: _Rows) -> None:
             f"warm buffer {ms(c.get('memcpy_2_threads_s'))} ms: "
             f"{c['file_load_s'] / c['memcpy_2_threads_s']:.2f}x"
             + (
-                f", into resident arrays not in cache, its floor, "
+                f", into resident arrays not in cache as the restore copies (streamed "
+                f"where the native helper is built), its floor, "
                 f"{ms(c['hot_copy_floor_s'])} ms: {c['file_load_s'] / c['hot_copy_floor_s']:.2f}x"
                 if c.get("hot_copy_floor_s")
                 else ""

@@ -7,6 +7,8 @@ disk.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import json
 import math
@@ -80,17 +82,39 @@ def to_numpy(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
+@functools.lru_cache(maxsize=256)
+def lead_offsets(lead: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """Byte offsets (int64, read only) of every leading index of a view whose leading
+    axes have these sizes and strides, in C order: where each [T, D] slice starts."""
+    offsets = np.zeros(1, dtype=np.int64)
+    for n, stride in zip(lead, strides, strict=True):
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * stride).ravel()
+    offsets.flags.writeable = False
+    return offsets
+
+
+def address_of(view: np.ndarray) -> int:
+    """Where `view`'s first element is: through the buffer protocol where it is one
+    contiguous writable buffer (~0.7 us, against ~3.5 us for `__array_interface__`,
+    which builds a dict: 0.1 ms over a hybrid model's 36 state arrays)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(cast(Any, view)))
+    except (TypeError, ValueError, BufferError):
+        return int(view.__array_interface__["data"][0])
+
+
 class HeldArrays(list[mx.array]):
     """Evaluated MLX arrays that nobody updates in place (a lease's), which keep their
     numpy views (`to_numpy`) once asked for: a restore that copies from them asks again
     and again, and making the views cost ~10 us an array (a bf16 one is an MLX view
     evaluated first): 0.5 ms of a 56-array hot restore."""
 
-    __slots__ = ("_views",)
+    __slots__ = ("_addresses", "_views")
 
     def __init__(self, arrays: Sequence[mx.array]) -> None:
         super().__init__(arrays)
         self._views: list[np.ndarray] | None = None
+        self._addresses: np.ndarray | None = None
 
     def numpy_views(self) -> list[np.ndarray]:
         """`to_numpy` of each array, made once (read only: the arrays are held, not
@@ -102,6 +126,16 @@ class HeldArrays(list[mx.array]):
                 v.flags.writeable = False
             self._views = views
         return views
+
+    def addresses(self) -> np.ndarray:
+        """Where each numpy view's first element is (int64), found once."""
+        found = self._addresses
+        if found is None:
+            found = np.array(
+                [v.__array_interface__["data"][0] for v in self.numpy_views()], dtype=np.int64
+            )
+            self._addresses = found
+        return found
 
 
 def from_numpy(a: np.ndarray, dtype: DType) -> mx.array:

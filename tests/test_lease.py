@@ -15,7 +15,7 @@ from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
 from cas_bank import restoring
-from cas_bank.index import layout
+from cas_bank.index import layout, rowcopy
 
 BLOCK = 16
 
@@ -116,14 +116,29 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
         assert all(any(np.shares_memory(k, a) for a in leased) for k in keys)
 
 
-def test_a_lease_copied_on_two_threads_arrives_whole() -> None:
-    """The room copy of a large lease runs on this thread and a helper, each taking the
-    next array (forced here for a tiny model's): every array arrives, once, whole."""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
+    """The room copy of a large lease runs on this thread and a helper (forced here for
+    a tiny model's), by the native streamed copy (`index.rowcopy`) where it is built,
+    else by numpy a whole array at a time: every array arrives, once, whole."""
+    if native and not rowcopy.available():
+        pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
         mp.setattr(layout, "_TWO_THREADS_FROM", 0)
+        if not native:
+            mp.setattr(rowcopy, "_copy_runs", None)
+        copied: list[bool] = []
+        real = rowcopy.copy_prefix
+
+        def spy(*args: Any, **kwargs: Any) -> bool:
+            copied.append(real(*args, **kwargs))
+            return copied[-1]
+
+        mp.setattr(rowcopy, "copy_prefix", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK
+        assert copied == ([True] if native else [])
         got = [np.asarray(a) for c in cache for a in (c.keys, c.values)]
         assert len(got) == len(leased)
         for g, a in zip(got, leased, strict=True):

@@ -23,6 +23,7 @@ from cas_bank.arrays import (
     Destination,
     DType,
     HeldArrays,
+    address_of,
     cpu_fillable,
     dtype_named,
     dtype_of,
@@ -32,6 +33,7 @@ from cas_bank.arrays import (
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index import rowcopy
 from cas_bank.index.fastread import BlockFiles
 from cas_bank.index.helpers import together
 from cas_bank.spares import SPARES
@@ -261,6 +263,7 @@ class Assembler:
         self.direct = all(d.fillable for d in self.dests)
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
+        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (index.rowcopy)
 
     def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
         """Check `block` against the spec (`CorruptDataError` if it does not fit) and
@@ -286,6 +289,9 @@ class Assembler:
                 np.copyto(view[..., start : start + src.shape[-2], :], src)
 
     def _copy_later(self, n_blocks: int) -> None:
+        if self._lease is not None:
+            self._copy_lease(*self._lease)
+            self._lease = None
         end = n_blocks * self.block_size
         blocks = [b for b in self._later if b[0] < end]
         n = len(self._views)
@@ -301,10 +307,28 @@ class Assembler:
 
         together(copy_arrays)
 
+    def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
+        """A lease's first `rows` rows into place by the native copy (streamed stores,
+        `index.rowcopy`), or by numpy where it cannot."""
+        sources = arrays.numpy_views()
+        nbytes = sum(int(v[..., :rows, :].nbytes) for v in sources)
+        addresses = np.fromiter(map(address_of, self._views), np.int64, len(self._views))
+        two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
+        if rowcopy.copy_prefix(
+            self._views, addresses, sources, arrays.addresses(), rows, two_threads=two
+        ):
+            return
+        self._later.append((0, [v[..., :rows, :] for v in sources]))
+        self._later_bytes += nbytes
+
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
         """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
-        out: one copy per array (on two threads, by `_copy_later`)."""
+        out: one copy per array (on two threads, by `_copy_later`), a lease's by the
+        native copy where it is built."""
         n = n_blocks * self.block_size
+        if isinstance(arrays, HeldArrays) and rowcopy.available() and self._lease is None:
+            self._lease = (arrays, n)
+            return
         whole = arrays.numpy_views() if isinstance(arrays, HeldArrays) else map(to_numpy, arrays)
         views = [v[..., :n, :] for v in whole]
         self._later.append((0, views))

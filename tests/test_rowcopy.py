@@ -1,0 +1,82 @@
+"""The native copy of a lease into a restore's destination arrays (`index.rowcopy`):
+byte for byte what numpy copies, on one thread or two, and a clear refusal of what it
+cannot address (the caller then copies with numpy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cas_bank.arrays import address_of
+from cas_bank.index import rowcopy
+from cas_bank.native import fill_module
+
+pytestmark = pytest.mark.skipif(not rowcopy.available(), reason="native helper not loaded")
+
+
+def _addresses(views: list[np.ndarray]) -> np.ndarray:
+    return np.array([address_of(v) for v in views], dtype=np.int64)
+
+
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    tokens=st.integers(1, 300),
+    room=st.integers(0, 300),
+    dim=st.integers(1, 96),
+    dtype=st.sampled_from(["uint8", "uint16", "float32"]),
+    arrays=st.integers(1, 5),
+    two=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_copy_prefix_is_numpys_copy(
+    lead: list[int],
+    tokens: int,
+    room: int,
+    dim: int,
+    dtype: str,
+    arrays: int,
+    two: bool,
+    seed: int,
+) -> None:
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, tokens + 1))
+    sources = [rng.integers(0, 200, (*lead, tokens, dim)).astype(dtype) for _ in range(arrays)]
+    dests = [np.full((*lead, tokens + room, dim), 7, dtype=dtype) for _ in range(arrays)]
+    want = [d.copy() for d in dests]
+    for w, s in zip(want, sources, strict=True):
+        w[..., :rows, :] = s[..., :rows, :]
+    assert rowcopy.copy_prefix(
+        dests, _addresses(dests), sources, _addresses(sources), rows, two_threads=two
+    )
+    for got, w in zip(dests, want, strict=True):
+        assert np.array_equal(got, w)  # the rows copied, and nothing past them written
+
+
+def test_views_it_cannot_address_are_left_to_numpy() -> None:
+    src = np.arange(2 * 8 * 4, dtype=np.float32).reshape(2, 8, 4)
+    dest = np.zeros((2, 16, 4), dtype=np.float32)
+    strided = np.zeros((2, 16, 8), dtype=np.float32)[..., ::2]  # rows not contiguous
+    before = dest.copy()
+    for d, s in [(strided, src), (dest, src.transpose(0, 2, 1).copy().transpose(0, 2, 1))]:
+        assert not rowcopy.copy_prefix(
+            [d], _addresses([dest]), [s], _addresses([src]), 8, two_threads=False
+        )
+    assert np.array_equal(dest, before)
+    short = np.zeros((2, 4, 4), dtype=np.float32)  # fewer rows than asked for
+    assert not rowcopy.copy_prefix(
+        [short], _addresses([short]), [src], _addresses([src]), 8, two_threads=False
+    )
+
+
+def test_copy_runs_refuses_malformed_runs() -> None:
+    assert fill_module is not None
+    counter = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="triples"):
+        fill_module.copy_runs(b"\0" * 20, counter)
+    with pytest.raises(ValueError, match="negative"):
+        fill_module.copy_runs(np.array([0, 0, -1], dtype=np.int64).tobytes(), counter)
+    with pytest.raises(ValueError, match="counter"):
+        fill_module.copy_runs(b"", np.zeros(2, dtype=np.int64))
