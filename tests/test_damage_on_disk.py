@@ -108,7 +108,12 @@ def test_truncated_manifest_is_refused_and_nothing_is_deleted(built: Path, tmp_p
     with pytest.raises(CasBankError, match="MANIFEST"):
         Bank.open(path, mode="read_only")
     fixed = cas_bank("verify", path, "--fix")
-    assert fixed.returncode == 1 and "does not open cleanly" in fixed.stderr
+    # Refused either way, naming salvage: "does not open cleanly", or, where the cut
+    # took the `meta` family's record (RocksDB creates the families in an order that
+    # varies from build to build), "its MANIFEST lists only some of a bank's families".
+    assert fixed.returncode == 1 and "Nothing was changed" in fixed.stderr, fixed.stderr
+    assert "salvage" in fixed.stderr
+    assert "does not open cleanly" in fixed.stderr or "lists only some" in fixed.stderr
     scratch = tmp_path / "tmp"  # the tool's private directories go here
     scratch.mkdir()
     stats = subprocess.run(
