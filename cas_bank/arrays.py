@@ -131,9 +131,8 @@ class HeldArrays(list[mx.array]):
         """Where each numpy view's first element is (int64), found once."""
         found = self._addresses
         if found is None:
-            found = np.array(
-                [v.__array_interface__["data"][0] for v in self.numpy_views()], dtype=np.int64
-            )
+            views = self.numpy_views()
+            found = np.fromiter(map(address_of, views), dtype=np.int64, count=len(views))
             self._addresses = found
         return found
 

@@ -311,7 +311,7 @@ class Assembler:
         """A lease's first `rows` rows into place by the native copy (streamed stores,
         `index.rowcopy`), or by numpy where it cannot."""
         sources = arrays.numpy_views()
-        nbytes = sum(int(v[..., :rows, :].nbytes) for v in sources)
+        nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice per array
         addresses = np.fromiter(map(address_of, self._views), np.int64, len(self._views))
         two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
         if rowcopy.copy_prefix(
