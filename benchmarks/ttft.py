@@ -155,22 +155,36 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
     if length % s.block_size:
         raise ValueError(f"length {length} is not a multiple of block_size {s.block_size}")
     case = Case(model=lm.name, tokens=length + 1)
-    model = lm.model
     prompt = np.random.default_rng(length).integers(0, 256, length + 1).astype(np.uint32)
     workdir.mkdir(parents=True, exist_ok=True)
+    ref = _cold_way(case, lm, prompt, s)
+    _file_way(case, lm, prompt, s, workdir, ref)
+    path = workdir / f"bank-{lm.name}-{length}"
+    keys, hybrid = _storing_prefill(case, lm, prompt, s, path)
+    _bank_ways(case, lm, prompt, s, path, ref)
+    _ceilings(case, s, path, keys, hybrid)
+    return case
 
-    # (a) cold prefill.
+
+def _cold_way(case: Case, lm: LoadedModel, prompt: np.ndarray, s: TTFTSettings) -> mx.array:
+    """(a) cold prefill; its last logits are the reference every other way matches."""
     cold_t: list[float] = []
     ref = None
     for _ in range(s.cold_repeats):
         t0 = time.perf_counter()
-        ref = cold_prefill(model, prompt)
+        ref = cold_prefill(lm.model, prompt)
         cold_t.append(time.perf_counter() - t0)
     assert ref is not None
     case.ttft_s["cold"] = median(cold_t)
     case.restored["cold"] = 0
+    return ref
 
-    # (b) mlx-lm's per-session file of the first `length` tokens.
+
+def _file_way(
+    case: Case, lm: LoadedModel, prompt: np.ndarray, s: TTFTSettings, workdir: Path, ref: mx.array
+) -> None:
+    """(b) mlx-lm's per-session file of the first `length` tokens."""
+    model, length = lm.model, len(prompt) - 1
     file = workdir / f"{lm.name}-{length}.safetensors"
     cache = make_prompt_cache(model)
     cold_prefill(model, prompt[:-1], cache)
@@ -193,8 +207,12 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
     case.restored["mlx_lm_file"] = length
     case.logits_max_diff["mlx_lm_file"] = float(mx.max(mx.abs(logits - ref)))
 
-    # The storing prefill: what a first request costs with the bank (and what storing adds).
-    path = workdir / f"bank-{lm.name}-{length}"
+
+def _storing_prefill(
+    case: Case, lm: LoadedModel, prompt: np.ndarray, s: TTFTSettings, path: Path
+) -> tuple[list[bytes], bool]:
+    """The storing prefill: what a first request costs with the bank (and what storing
+    adds). Returns the prompt's chain and whether the model is hybrid."""
     with _bank(path, s) as bank:
         pc = _pc(bank, lm)
         cache, n = pc.restore(prompt)
@@ -208,11 +226,16 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
             "forward_s": rep.forward_s,
             "store_s": rep.store_s,
         }
-        keys = pc.namespace.chain(prompt[:-1])
+        keys = list(pc.namespace.chain(prompt[:-1]))
         hybrid = pc.spec.is_hybrid
     case.bytes_on_disk["cas_bank_rocksdb"] = dir_bytes(path)
+    return keys, hybrid
 
-    # (c) restore from RocksDB after a reopen; (d) the same again, from the hot tier.
+
+def _bank_ways(
+    case: Case, lm: LoadedModel, prompt: np.ndarray, s: TTFTSettings, path: Path, ref: mx.array
+) -> None:
+    """(c) restore from RocksDB after a reopen; (d) the same again, from the hot tier."""
     rocks_r, rocks_t, hot_r, hot_t = [], [], [], []
     for _ in range(s.repeats):
         with _bank(path, s) as bank:
@@ -244,7 +267,10 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
         case.restore_s[way] = median(rs)
         case.ttft_s[way] = median(ts)
 
-    # Ceilings on the same bytes: raw get of the restored blocks (+ the one state), memcpy.
+
+def _ceilings(case: Case, s: TTFTSettings, path: Path, keys: list[bytes], hybrid: bool) -> None:
+    """Ceilings on the same bytes: raw get of the restored blocks (+ the one state),
+    memcpy; and the case's fractions of them."""
     nb = case.restored["cas_bank_rocksdb"] // s.block_size
     read_keys = {Family.BLOCKS: list(keys[:nb])}
     if hybrid and nb:
@@ -268,7 +294,6 @@ def measure_case(lm: LoadedModel, length: int, s: TTFTSettings, workdir: Path) -
         / case.restore_s["cas_bank_rocksdb"],
         "store_share_of_prefill": case.store["store_s"] / case.store["forward_s"],
     }
-    return case
 
 
 def check(case: Case, atol: float) -> list[str]:
