@@ -192,7 +192,16 @@ class Destination:
     Only valid for an array nobody else holds yet; `finish()` is what to hand out.
     """
 
-    __slots__ = ("_dtype", "_storage", "array", "view")
+    __slots__ = ("_address", "_dtype", "_storage", "array", "view")
+    _address: int | None
+
+    @property
+    def address(self) -> int:
+        """Where `view`'s first element is (`address_of`), found once."""
+        found = self._address
+        if found is None:
+            found = self._address = address_of(self.view)
+        return found
 
     @property
     def direct(self) -> bool:
@@ -204,6 +213,7 @@ class Destination:
         self, shape: tuple[int, ...], dtype: DType, storage: mx.array | None = None
     ) -> None:
         self._dtype = dtype
+        self._address = None
         self._storage: mx.array | None = None
         self.array: mx.array | None = None
         if storage is None and not cpu_fillable():
@@ -229,6 +239,7 @@ class Destination:
         made = cls(shape, dtype, storage)
         if made.array is not None and made.array is not storage:
             mx.eval(made.array)
+        _ = made.address  # found here, off the restore's path
         return made
 
     @property

@@ -250,3 +250,25 @@ def test_one_batch_reads_files_of_different_layouts_into_their_own_arrays(tmp_pa
         for i, arrays in enumerate(blocks):
             for dest, a in zip(dests, arrays, strict=True):
                 assert dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
+
+
+@given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=3),
+    rows=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=4),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
+def test_row_runs_made_once_from_shapes_are_those_found_from_the_views(
+    lead: list[int], rows: list[tuple[int, int]], dtype: str
+) -> None:
+    """`contiguous_row_runs` (made once per set of shapes, by the Assembler) placed at
+    the views' addresses gives the segments `_row_runs` finds from the views themselves."""
+    d = DTYPES[dtype]
+    shapes = [(*lead, blocks * 4, dim) for blocks, dim in rows]
+    views = [np.zeros(shape, dtype=d.storage) for shape in shapes]
+    runs = fastread.contiguous_row_runs(shapes, [d.itemsize] * len(shapes), [4] * len(shapes))
+    assert runs is not None
+    addresses = np.array([v.__array_interface__["data"][0] for v in views], dtype=np.int64)
+    assert fastread._placed(runs, addresses) == fastread._row_runs(views, [4] * len(views))
+    block = [(*lead, 4, dim) for _, dim in rows]
+    given_runs = BlockFiles(views, block, [d] * len(views), runs=runs, addresses=addresses)
+    assert given_runs._segments == BlockFiles(views, block, [d] * len(views))._segments

@@ -14,7 +14,7 @@ from conftest import kv_prefix_bits, layers_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, UNFILLED_FROM, to_numpy
-from cas_bank.spares import SPARES, Spares, keep_spare_destinations
+from cas_bank.spares import SPARES, Spares, keep_spare_destinations, spare_set
 
 F16 = DTYPES["float16"]
 BIG = ((1, 4, 256, 512), F16)  # 1 MiB: kept unfilled, so spared
@@ -158,3 +158,26 @@ def test_refills_beside_mlx_clear_cache_on_another_thread_do_not_deadlock() -> N
     )
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.split()[-1]) > 16  # refills ran, more than one set
+
+
+def test_a_grouped_set_takes_and_refills_as_its_list_does(spares: Spares) -> None:
+    """`spare_set` (made once per set of shapes, as a restore's Assembler keeps it)
+    asks the pool the same as the list it groups: the same indices come back."""
+    other = ((1, 4, 512, 256), F16)
+    wanted = [BIG, SMALL, other, BIG, other, BIG]
+    grouped = spare_set(wanted, UNFILLED_FROM)
+    assert grouped.flat == (BIG, other, BIG, other, BIG)
+    assert [ix for _, ix, _ in grouped.groups] == [(0, 3, 5), (2, 4)]
+    assert grouped.nbytes == 5 << 20
+    spares.enable(16 << 20)
+    spares.refill(grouped)
+    spares.settle()
+    assert spares.made == 5 and spares.bytes == 5 << 20
+    got = spares.take([SMALL, BIG, other, BIG], UNFILLED_FROM)
+    assert sorted(got) == [1, 2, 3]
+    assert sorted(spares.take(grouped)) == [0, 2]  # one of each left
+    spares.refill(grouped)  # up to three BIG and two other
+    spares.settle()
+    assert spares.made == 10
+    assert sorted(spares.take(grouped)) == [0, 2, 3, 4, 5]
+    assert spares.bytes == 0

@@ -48,6 +48,8 @@ from cas_bank.native import fill_module
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
+# Native row runs at address 0 (int64 triples) and how many belong to each view.
+RowRuns: TypeAlias = tuple[np.ndarray, np.ndarray]
 
 # The C helper (setup.py); None when not built or CAS_BANK_PURE_PYTHON=1 turned it
 # off: the Python path below (cas_bank.native says which).
@@ -145,7 +147,13 @@ class BlockFiles:
         shapes: Sequence[tuple[int, ...]],
         dtypes: Sequence[DType],
         block_size: int | None = None,
+        *,
+        runs: RowRuns | None = None,
+        addresses: np.ndarray | None = None,
     ) -> None:
+        """`runs` and `addresses`: where the caller has them, `dests`' row runs at
+        address 0 (`contiguous_row_runs` of their shapes: the caller vouches that each
+        view is C-contiguous and writable) and each view's address (int64)."""
         if block_size is not None and any(s[-2] != block_size for s in shapes):
             raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
         layout = _layout(tuple(map(tuple, shapes)), tuple(dtypes))
@@ -154,7 +162,10 @@ class BlockFiles:
         self._lead_prefix = layout.lead_prefix
         self._file_len = layout.file_len
         self._dests = list(dests)
-        self._segments = _row_runs(self._dests, layout.rows)
+        if runs is not None and addresses is not None:
+            self._segments = _placed(runs, addresses) if _read_into is not None else None
+        else:
+            self._segments = _row_runs(self._dests, layout.rows)
 
     @property
     def native(self) -> bool:
@@ -306,17 +317,44 @@ def _row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
     made = _runs_template(key, tuple(rows))
     if made is None:
         return None
-    template, counts = made
-    addresses = np.fromiter(map(address_of, dests), dtype=np.int64, count=len(dests))
+    return _placed(made, np.fromiter(map(address_of, dests), dtype=np.int64, count=len(dests)))
+
+
+def _placed(runs: RowRuns, addresses: np.ndarray) -> bytes:
+    """`runs` (a template at address 0, and how many triples each view has) moved to
+    each view's address: the native reader's segments."""
+    template, counts = runs
     triples = template.copy()
     triples[:, 0] += np.repeat(addresses, counts)
     return triples.tobytes()
 
 
+def contiguous_row_runs(
+    shapes: Sequence[tuple[int, ...]], itemsizes: Sequence[int], rows: Sequence[int]
+) -> RowRuns | None:
+    """`_row_runs`' template (at address 0) for C-contiguous writable views of
+    `shapes` and `itemsizes`, a block of view j being `rows[j]` rows: what a caller
+    whose views are always such makes once (`layout.Assembler`)."""
+    key = tuple(
+        (tuple(shape), _c_strides(shape, item), item, True)
+        for shape, item in zip(shapes, itemsizes, strict=True)
+    )
+    return _runs_template(key, tuple(rows))
+
+
+def _c_strides(shape: Sequence[int], item: int) -> tuple[int, ...]:
+    """The strides of a C-contiguous array of `shape` and `item` bytes an element."""
+    out, step = [], item
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
 @functools.lru_cache(maxsize=256)
 def _runs_template(
     views: tuple[tuple[tuple[int, ...], tuple[int, ...], int, bool], ...], rows: tuple[int, ...]
-) -> tuple[np.ndarray, np.ndarray] | None:
+) -> RowRuns | None:
     """`_row_runs`' triples of views of these (shape, strides, itemsize, writable) at
     address 0, and how many belong to each view; None if one cannot be addressed."""
     runs: list[np.ndarray] = []

@@ -23,7 +23,6 @@ from cas_bank.arrays import (
     Destination,
     DType,
     HeldArrays,
-    address_of,
     cpu_fillable,
     dtype_named,
     dtype_of,
@@ -34,9 +33,9 @@ from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index import rowcopy
-from cas_bank.index.fastread import BlockFiles
+from cas_bank.index.fastread import BlockFiles, RowRuns, contiguous_row_runs
 from cas_bank.index.helpers import together
-from cas_bank.spares import SPARES
+from cas_bank.spares import SPARES, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
@@ -168,24 +167,27 @@ class _Shapes:
     sizes: tuple[int, ...]  # bytes of each of `wanted`
     block_shapes: tuple[tuple[int, ...], ...]
     fits: tuple[tuple[tuple[int, ...], np.dtype[np.generic]], ...]  # a block's (shape, dtype)
+    spares: SpareSet  # `wanted` grouped for the spares' pool
+    row_runs: RowRuns | None  # the attention destinations' block rows (`BlockFiles`)
 
 
-_SHAPES: OrderedDict[tuple[int, int, int, bool], tuple[ModelSpec, _Shapes]] = OrderedDict()
+_SHAPES: OrderedDict[tuple[str, int, int, bool], _Shapes] = OrderedDict()
 _SHAPES_KEPT = 64
 _shapes_lock = threading.Lock()
 
 
 def _shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
-    """`_Shapes` of `spec` (kept by the spec's identity, most recent 64)."""
-    key = (id(spec), block_size, capacity, state)
+    """`_Shapes` of `spec` (kept by its fingerprint, which fixes its layers: a bank
+    reopened, with a spec of its own, finds them too; most recent 64)."""
+    key = (spec.fingerprint, block_size, capacity, state)
     with _shapes_lock:
         found = _SHAPES.get(key)
-        if found is not None and found[0] is spec:
+        if found is not None:
             _SHAPES.move_to_end(key)
-            return found[1]
+            return found
     made = _make_shapes(spec, block_size, capacity, state)
     with _shapes_lock:
-        _SHAPES[key] = (spec, made)  # the spec kept alive: its id is not reused meanwhile
+        _SHAPES[key] = made
         while len(_SHAPES) > _SHAPES_KEPT:
             _SHAPES.popitem(last=False)
     return made
@@ -202,6 +204,11 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         *zip(state_shapes, state_dtypes, strict=True),
     )
     block_shapes = tuple(s.with_tokens(block_size) for s in specs)
+    row_runs = contiguous_row_runs(
+        [shape for shape, _ in wanted[: len(specs)]],
+        [d.itemsize for d in dtypes],
+        [block_size] * len(specs),
+    )
     return _Shapes(
         capacity,
         specs,
@@ -212,6 +219,8 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         tuple(math.prod(shape) * d.itemsize for shape, d in wanted),
         block_shapes,
         tuple((shape, d.storage) for shape, d in zip(block_shapes, dtypes, strict=True)),
+        spare_set(wanted),
+        row_runs,
     )
 
 
@@ -247,7 +256,8 @@ class Assembler:
         # a serving process keeps ready (`cas_bank.spares`).
         # Staged destinations (`arrays.cpu_fillable`: MLX CUDA) take no MLX memory.
         self._spared = cpu_fillable()
-        ready = SPARES.take(self._wanted, 0) if self._spared else {}  # all: each byte written
+        self._spare_set = shapes.spares
+        ready = SPARES.take(self._spare_set) if self._spared else {}  # all: each byte written
         everything = Destination.allocate(
             self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
         )
@@ -255,6 +265,8 @@ class Assembler:
         self.dests = everything[:n_arrays]
         self._state_dests = everything[n_arrays:]
         self._views = [d.view for d in self.dests]
+        self._row_runs = shapes.row_runs
+        self._addresses: np.ndarray | None = None
         # What each array of a block must be, checked before its copy.
         self.block_shapes = shapes.block_shapes
         self._fits = shapes.fits
@@ -312,10 +324,9 @@ class Assembler:
         `index.rowcopy`), or by numpy where it cannot."""
         sources = arrays.numpy_views()
         nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice per array
-        addresses = np.fromiter(map(address_of, self._views), np.int64, len(self._views))
         two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
         if rowcopy.copy_prefix(
-            self._views, addresses, sources, arrays.addresses(), rows, two_threads=two
+            self._views, self.addresses(), sources, arrays.addresses(), rows, two_threads=two
         ):
             return
         self._later.append((0, [v[..., :rows, :] for v in sources]))
@@ -336,7 +347,22 @@ class Assembler:
 
     def block_files(self) -> BlockFiles:
         """A reader of block payload files into these arrays (`direct` only)."""
-        return BlockFiles(self._views, self.block_shapes, self.dtypes, self.block_size)
+        return BlockFiles(
+            self._views,
+            self.block_shapes,
+            self.dtypes,
+            self.block_size,
+            runs=self._row_runs,
+            addresses=self.addresses(),
+        )
+
+    def addresses(self) -> np.ndarray:
+        """Each destination view's address (int64), found once (spares found theirs
+        ahead): the native reader's and the lease copy's."""
+        if self._addresses is None:
+            dests = self.dests
+            self._addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        return self._addresses
 
     def state_files(self) -> BlockFiles | None:
         """A reader of a state payload file into this restore's state arrays (block 0 of
@@ -368,7 +394,7 @@ class Assembler:
         n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
         if self._spared:
-            SPARES.refill(self._wanted, 0)  # the next restore's, made off its path
+            SPARES.refill(self._spare_set)  # the next restore's, made off its path
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)
