@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
@@ -109,12 +109,15 @@ class HeldArrays(list[mx.array]):
     and again, and making the views cost ~10 us an array (a bf16 one is an MLX view
     evaluated first): 0.5 ms of a 56-array hot restore."""
 
-    __slots__ = ("_addresses", "_views")
+    __slots__ = ("_addresses", "_views", "memo")
 
     def __init__(self, arrays: Sequence[mx.array]) -> None:
         super().__init__(arrays)
         self._views: list[np.ndarray] | None = None
         self._addresses: np.ndarray | None = None
+        # What a caller derives from these arrays alone and asks for again (the plan of
+        # a copy out of them: `index.layout.Assembler`), by its key.
+        self.memo: dict[Hashable, Any] = {}
 
     def numpy_views(self) -> list[np.ndarray]:
         """`to_numpy` of each array, made once (read only: the arrays are held, not

@@ -128,13 +128,13 @@ def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
         if not native:
             mp.setattr(rowcopy, "_copy_runs", None)
         copied: list[bool] = []
-        real = rowcopy.copy_prefix
+        real = rowcopy.copy_planned
 
-        def spy(*args: Any, **kwargs: Any) -> bool:
-            copied.append(real(*args, **kwargs))
-            return copied[-1]
+        def spy(*args: Any, **kwargs: Any) -> None:
+            real(*args, **kwargs)
+            copied.append(True)
 
-        mp.setattr(rowcopy, "copy_prefix", spy)
+        mp.setattr(rowcopy, "copy_planned", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK
@@ -144,6 +144,33 @@ def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
         for g, a in zip(got, leased, strict=True):
             assert not np.shares_memory(g, a)
             assert np.array_equal(g[..., :n, :], a[..., :n, :])
+
+
+def test_a_lease_keeps_its_copy_plan_across_restores() -> None:
+    """The native copy's plan of a lease into destinations of one capacity is made once
+    (`Assembler._lease_plan`, kept by the lease): the next restores with room only place
+    it at their own arrays, each bit-exact and in memory of its own."""
+    if not rowcopy.available():
+        pytest.skip("native helper not loaded")
+    with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
+        planned: list[int] = []
+        real = rowcopy.plan_copy
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            planned.append(args[3])
+            return real(*args, **kwargs)
+
+        mp.setattr(rowcopy, "plan_copy", spy)
+        leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
+        caches = [pc.restore(tokens)[0] for _ in range(3)]
+        assert planned == [4 * BLOCK]  # one plan, for the first restore
+        for cache in caches:
+            got = [np.asarray(a) for c in cache for a in (c.keys, c.values)]
+            for g, a in zip(got, leased, strict=True):
+                assert not np.shares_memory(g, a)
+                assert g[..., : 4 * BLOCK, :].tobytes() == a[..., : 4 * BLOCK, :].tobytes()
+        firsts = [np.asarray(c.keys) for c in caches[0]]
+        assert not any(np.shares_memory(f, np.asarray(c.keys)) for f in firsts for c in caches[1])
 
 
 def test_a_restore_from_disk_has_room_and_leases_nothing() -> None:

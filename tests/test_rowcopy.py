@@ -80,3 +80,19 @@ def test_copy_runs_refuses_malformed_runs() -> None:
         fill_module.copy_runs(np.array([0, 0, -1], dtype=np.int64).tobytes(), counter)
     with pytest.raises(ValueError, match="counter"):
         fill_module.copy_runs(b"", np.zeros(2, dtype=np.int64))
+
+
+def test_one_plan_copies_into_any_destinations_of_its_shapes() -> None:
+    """A plan (`plan_copy`, kept by a lease) placed at new destinations' addresses each
+    time copies into those, and only those."""
+    rng = np.random.default_rng(3)
+    sources = [rng.integers(0, 200, (2, 40, 16)).astype(np.uint16) for _ in range(3)]
+    first = [np.zeros((2, 64, 16), dtype=np.uint16) for _ in sources]
+    plan = rowcopy.plan_copy(first, sources, _addresses(sources), 33)
+    assert plan is not None
+    for two in (False, True):
+        dests = [np.full((2, 64, 16), 9, dtype=np.uint16) for _ in sources]
+        rowcopy.copy_planned(plan, _addresses(dests), two_threads=two)
+        for d, s in zip(dests, sources, strict=True):
+            assert np.array_equal(d[:, :33], s[:, :33]) and (d[:, 33:] == 9).all()
+    assert all((f == 0).all() for f in first)  # the views it was planned with: untouched

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,57 @@ def available() -> bool:
     return _copy_runs is not None
 
 
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """The runs of one copy from some sources to destinations of some shapes: each run's
+    (destination offset, source address, length), the source addresses already placed,
+    and which destination each run writes (`index`). A lease keeps its plans (one per
+    shape of destination): a restore only adds its destinations' addresses."""
+
+    runs: np.ndarray
+    index: np.ndarray
+
+
+def plan_copy(
+    dests: Sequence[np.ndarray], sources: Sequence[np.ndarray], source_addresses: np.ndarray,
+    rows: int,
+) -> CopyPlan | None:  # fmt: skip
+    """The plan of copying rows [0, rows) of each of `sources` ([..., T, D]) into rows
+    [0, rows) of the destination beside it, from the sources' addresses (each view's
+    first element, int64); None when the helper is missing or a view's rows are not
+    one contiguous run per leading index (the caller copies with numpy then)."""
+    if _copy_runs is None or not dests:
+        return None
+    key = tuple(
+        ((d.shape, d.strides, d.itemsize), (s.shape, s.strides, s.itemsize))
+        for d, s in zip(dests, sources, strict=True)
+    )
+    made = _template(key, rows)
+    if made is None:
+        return None
+    template, counts = made
+    index = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
+    runs = template.copy()
+    runs[:, 1] += source_addresses[index]
+    runs.flags.writeable = False
+    return CopyPlan(runs, index)
+
+
+def copy_planned(plan: CopyPlan, dest_addresses: np.ndarray, *, two_threads: bool) -> None:
+    """Copy as `plan` says into the destinations at `dest_addresses` (int64, one per
+    destination, in the plan's order)."""
+    assert _copy_runs is not None  # a plan is made only where the helper is
+    runs = plan.runs.copy()
+    runs[:, 0] += dest_addresses[plan.index]
+    packed = runs.tobytes()
+    counter = np.zeros(1, dtype=np.int64)
+    copy_runs = _copy_runs
+    if two_threads:
+        together(lambda: copy_runs(packed, counter))
+    else:
+        copy_runs(packed, counter)
+
+
 def copy_prefix(
     dests: Sequence[np.ndarray],
     dest_addresses: np.ndarray,
@@ -48,27 +100,13 @@ def copy_prefix(
     """Copy rows [0, rows) of each of `sources` ([..., T, D]) into rows [0, rows) of the
     destination beside it; the addresses are each view's first element (int64). False,
     copying nothing, when the helper is missing or a view's rows are not one contiguous
-    run per leading index: the caller copies with numpy then."""
-    if _copy_runs is None or not dests:
+    run per leading index: the caller copies with numpy then. (`plan_copy` and
+    `copy_planned` in one: a caller that copies from the same sources again keeps the
+    plan.)"""
+    plan = plan_copy(dests, sources, source_addresses, rows)
+    if plan is None:
         return False
-    key = tuple(
-        ((d.shape, d.strides, d.itemsize), (s.shape, s.strides, s.itemsize))
-        for d, s in zip(dests, sources, strict=True)
-    )
-    made = _template(key, rows)
-    if made is None:
-        return False
-    template, counts = made
-    runs = template.copy()
-    runs[:, 0] += np.repeat(dest_addresses, counts)
-    runs[:, 1] += np.repeat(source_addresses, counts)
-    packed = runs.tobytes()
-    counter = np.zeros(1, dtype=np.int64)
-    copy_runs = _copy_runs
-    if two_threads:
-        together(lambda: copy_runs(packed, counter))
-    else:
-        copy_runs(packed, counter)
+    copy_planned(plan, dest_addresses, two_threads=two_threads)
     return True
 
 
