@@ -151,8 +151,9 @@ class ModelSpec(BaseModel):
     def recurrent_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind == "recurrent"]
 
-    @property
+    @cached_property
     def is_hybrid(self) -> bool:
+        """Whether any layer is recurrent (asked several times a restore: found once)."""
         return bool(self.recurrent_layers)
 
     @property

@@ -90,13 +90,13 @@ def test_an_interrupt_still_waits_for_the_helper() -> None:
 def test_together_runs_alone_once_threads_can_no_longer_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """At interpreter shutdown the pool takes no new work: `fn` runs on the caller."""
+    """At interpreter shutdown no thread starts (nor does the pool take work): `fn`
+    runs on the caller."""
 
-    class Closed:
-        def submit(self, fn: object) -> None:
-            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+    def closed() -> None:
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(helpers, "helper_pool", Closed)
+    monkeypatch.setattr(helpers, "partner", closed)
     assert _pieces_done(20) == list(range(20))
 
 
@@ -143,7 +143,7 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's exit code
-        ok = not helpers._tids and helpers._pool is None
+        ok = not helpers._tids and helpers._pool is None and helpers._partner is None
         ok = ok and _pieces_done(50) == list(range(50))
         ok = ok and not set(helpers._tids) & set(parent_tids)
         os.write(write, b"1" if ok else b"0")
@@ -154,3 +154,26 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     finally:
         os.close(read)
         os.waitpid(pid, 0)
+
+
+def test_two_callers_at_once_each_get_all_their_pieces_done() -> None:
+    """Two threads in `together` at once share one partner: each call's pieces are
+    all done, once, whichever thread took them (a call whose half the partner had not
+    begun by the time its caller ran out of pieces is given up, not waited for)."""
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def caller(k: int) -> None:
+        try:
+            for round_ in range(200):
+                results[k * 1000 + round_] = _pieces_done(37)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert len(results) == 400 and all(v == list(range(37)) for v in results.values())

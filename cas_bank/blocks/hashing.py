@@ -39,6 +39,7 @@ PAYLOAD_CONTEXT = "cas_bank 2026-11-29 payload v1"
 END_CONTEXT = "cas_bank 2026-12-01 prompt end v1"
 
 _MAX_TOKEN = (1 << 32) - 1
+_TOKEN_DTYPE = np.dtype("<u4")
 
 
 def as_token_array(tokens: Any) -> np.ndarray:
@@ -46,7 +47,11 @@ def as_token_array(tokens: Any) -> np.ndarray:
 
     Accepts a sequence of ints, a numpy array or an MLX array of integers (a leading
     batch axis of 1 is allowed). Rejects floats, bools, negatives and ids >= 2**32.
+    An array that is one already (a restore passes its tokens down three calls) comes
+    back as it is: every uint32 is an id in range.
     """
+    if type(tokens) is np.ndarray and tokens.dtype == _TOKEN_DTYPE and tokens.ndim == 1:
+        return tokens
     if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray):
         try:
             tokens = np.asarray(tokens)  # an MLX array (zero-copy)
