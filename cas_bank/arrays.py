@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import io
+import itertools
 import json
 import math
 import os
@@ -103,16 +104,20 @@ def address_of(view: np.ndarray) -> int:
         return int(view.__array_interface__["data"][0])
 
 
+_HELD_SERIALS = itertools.count()
+
+
 class HeldArrays(list[mx.array]):
     """Evaluated MLX arrays that nobody updates in place (a lease's), which keep their
     numpy views (`to_numpy`) once asked for: a restore that copies from them asks again
     and again, and making the views cost ~10 us an array (a bf16 one is an MLX view
     evaluated first): 0.5 ms of a 56-array hot restore."""
 
-    __slots__ = ("_addresses", "_views", "memo")
+    __slots__ = ("_addresses", "_views", "memo", "serial")
 
     def __init__(self, arrays: Sequence[mx.array]) -> None:
         super().__init__(arrays)
+        self.serial = next(_HELD_SERIALS)  # these arrays' own number, never reused
         self._views: list[np.ndarray] | None = None
         self._addresses: np.ndarray | None = None
         # What a caller derives from these arrays alone and asks for again (the plan of

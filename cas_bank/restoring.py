@@ -174,6 +174,8 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     logits = end.payload.logits if exact and end is not None else None
     hidden = end.payload.hidden if exact and end is not None else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
+    if filling.assembler is not None:
+        filling.assembler.handed_out()
     filled += time.perf_counter() - finishing
     timings = _clocked(ns, started, looked_up, allocated, filled)
     return Hit(
@@ -283,7 +285,7 @@ def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, Held
 
 
 def _fill(
-    ns: Restorable, plan: _Plan, leased: int, in_memory: list[mx.array], capacity: int
+    ns: Restorable, plan: _Plan, leased: int, in_memory: HeldArrays, capacity: int
 ) -> _Filled:
     """The planned blocks into destination arrays of `capacity` tokens: leased ones
     copied, the rest read and verified (with the boundary state a hybrid restore ends
@@ -299,7 +301,7 @@ def _fill(
     if full and not roomy:
         return _Filled(good=n_blocks, hot_hits=n_blocks)
     if full:
-        assembler = Assembler(ns.spec, n_blocks, bs, capacity)
+        assembler = Assembler(ns.spec, n_blocks, bs, capacity, lease=in_memory)
         allocated = time.perf_counter()
         assembler.put_arrays(in_memory, leased)
         return _Filled(assembler, n_blocks, n_blocks, None, allocated)

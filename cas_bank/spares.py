@@ -35,7 +35,7 @@ import math
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from cas_bank.arrays import Destination, DType, zeroed
@@ -55,7 +55,10 @@ class Spares:
         self.made = 0  # arrays the background thread made
         self._lock = threading.Lock()
         self._pool: OrderedDict[Wanted, list[Destination]] = OrderedDict()
-        self._wants: queue.Queue[Sequence[Wanted]] = queue.Queue(maxsize=1)
+        self._filled: OrderedDict[Hashable, list[Destination]] = OrderedDict()
+        self._filled_bytes: dict[Hashable, int] = {}
+        self.filled_taken = 0  # sets handed out filled (`take_filled`)
+        self._wants: queue.Queue[_Job] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
 
     def enable(self, max_bytes: int) -> None:
@@ -97,15 +100,39 @@ class Spares:
                     self.taken += 1
         return out
 
-    def refill(self, wanted: Sequence[Wanted] | SpareSet, from_bytes: int = 0) -> None:
+    def take_filled(self, key: Hashable) -> list[Destination] | None:
+        """The set made ahead and filled under `key` (`refill`'s `filled`), once; None
+        if there is none (not asked for, not made yet, or dropped for room)."""
+        if self.max_bytes <= 0:
+            return None
+        with self._lock:
+            got = self._filled.pop(key, None)
+            if got is not None:
+                self.bytes -= self._filled_bytes.pop(key)
+                self.filled_taken += 1
+        return got
+
+    def refill(
+        self,
+        wanted: Sequence[Wanted] | SpareSet,
+        from_bytes: int = 0,
+        *,
+        filled: Filled | None = None,
+    ) -> None:
         """Have the background thread make spares of `wanted` (its entries of at least
         `from_bytes` bytes) for the next restore: called after a restore handed its
-        arrays out, so the making never competes with a restore's own reads."""
+        arrays out, so the making never competes with a restore's own reads. With
+        `filled`, also a set of its own that its `fill` writes (`take_filled`)."""
         grouped = wanted if isinstance(wanted, SpareSet) else spare_set(wanted, from_bytes)
-        if self.max_bytes <= 0 or not grouped.flat or grouped.nbytes > self.max_bytes:
+        if self.max_bytes <= 0:
+            return
+        plain = grouped.flat if grouped.flat and grouped.nbytes <= self.max_bytes else ()
+        if filled is not None and filled.nbytes > self.max_bytes // 2:
+            filled = None  # a set made ahead never takes more than half the bound
+        if not plain and filled is None:
             return
         with contextlib.suppress(queue.Full):  # one pending: it is made first
-            self._wants.put_nowait(grouped.flat)
+            self._wants.put_nowait(_Job(plain, filled))
 
     def settle(self) -> None:
         """Wait until every refill asked for is made (tests, benchmarks)."""
@@ -121,13 +148,43 @@ class Spares:
 
     def _run(self) -> None:
         while True:
-            wanted = self._wants.get()
+            job = self._wants.get()
             try:
-                self._make(wanted)
+                if job.plain:
+                    self._make(job.plain)
+                if job.filled is not None:
+                    self._make_filled(job.filled)
             except Exception:  # the thread lives on: a later take() never waits for ever
                 log.exception("cas_bank: making spare arrays failed")
             finally:
                 self._wants.task_done()
+
+    def _make_filled(self, filled: Filled) -> None:
+        """A set of `filled.wanted`, written by `filled.fill`, kept under its key (the
+        most recent `_FILLED_KEPT` such sets, within the bound)."""
+        with self._lock:
+            if filled.key in self._filled:
+                self._filled.move_to_end(filled.key)
+                return
+        wanted = list(filled.wanted)
+        made = [
+            Destination.made_ahead(shape, dtype, array)
+            for (shape, dtype), array in zip(wanted, zeroed(wanted), strict=True)
+        ]
+        filled.fill(made)
+        with self._lock:
+            self._filled[filled.key] = made
+            self._filled_bytes[filled.key] = filled.nbytes
+            self.bytes += filled.nbytes
+            self.made += len(made)
+            while len(self._filled) > _FILLED_KEPT:
+                self._drop_filled()
+            self._trim()
+
+    def _drop_filled(self) -> None:
+        """Drop the oldest filled set (lock held)."""
+        key, _ = self._filled.popitem(last=False)
+        self.bytes -= self._filled_bytes.pop(key)
 
     def _make(self, wanted: Sequence[Wanted]) -> None:
         """Top the pool up to `wanted`'s counts of each (shape, dtype), in one load."""
@@ -149,10 +206,36 @@ class Spares:
             self._trim()
 
     def _trim(self) -> None:
-        """Drop the least recently wanted shapes while over the bound (lock held)."""
+        """Drop filled sets, oldest first, then the least recently wanted shapes, while
+        over the bound (lock held)."""
+        while self.bytes > self.max_bytes and self._filled:
+            self._drop_filled()
         while self.bytes > self.max_bytes and self._pool:
             w, free = self._pool.popitem(last=False)
             self.bytes -= len(free) * _size(w)
+
+
+_FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
+
+
+@dataclass(frozen=True, slots=True)
+class Filled:
+    """A set of destinations to make ahead and fill (`Spares.refill`): `wanted`, made
+    on the spares' thread, then written there by `fill` (it must not call into MLX's
+    loads of Python streams: see the module docstring); taken by `key`."""
+
+    key: Hashable
+    wanted: tuple[Wanted, ...]
+    fill: Callable[[list[Destination]], None]
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What one refill asks the spares' thread for."""
+
+    plain: Sequence[Wanted]
+    filled: Filled | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ share a buffer. Real MLX arrays and a real bank."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from conftest import kv_prefix_bits, layers_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, UNFILLED_FROM, to_numpy
-from cas_bank.spares import SPARES, Spares, keep_spare_destinations, spare_set
+from cas_bank.spares import SPARES, Filled, Spares, keep_spare_destinations, spare_set
 
 F16 = DTYPES["float16"]
 BIG = ((1, 4, 256, 512), F16)  # 1 MiB: kept unfilled, so spared
@@ -181,3 +182,111 @@ def test_a_grouped_set_takes_and_refills_as_its_list_does(spares: Spares) -> Non
     assert spares.made == 10
     assert sorted(spares.take(grouped)) == [0, 2, 3, 4, 5]
     assert spares.bytes == 0
+
+
+def _hot_spec(dtype: str = "bfloat16") -> ModelSpec:
+    return ModelSpec(
+        name="ahead",
+        layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=256, dtype=dtype) for _ in "abc"),
+        weights_digest="w-ahead",
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_lease_restored_again_is_copied_ahead_bit_exact(bank_path: Path, dtype: str) -> None:
+    """From a lease's second restore with room, the spares' thread copies it ahead:
+    the third restore takes that copy whole (no copy on its path), bit-exact, in memory
+    of its own (not the lease's, not the restore's before it); a restore of other rows
+    (a prefix of the lease) finds none made for it and copies as before."""
+    spec = _hot_spec(dtype)
+    tokens = [int(t) for t in np.arange(256) % 89]
+    layers = prefix_layers(spec, tokens)
+    want = kv_prefix_bits(layers, spec, 256)
+    keep_spare_destinations(256 << 20)
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+            ns = bank.namespace(spec)
+            ns.store(tokens, layers)
+            hits = []
+            for round_ in range(4):
+                SPARES.settle()
+                before = SPARES.filled_taken
+                hits.append(ns.restore(tokens, room_for=300))
+                # Rounds 0 and 1 copy on the path; round 1 asks for the copy ahead.
+                assert SPARES.filled_taken == before + (1 if round_ >= 2 else 0)
+            leased = [to_numpy(a) for e in bank.leases._entries.values() for a in e.arrays]
+            for hit in hits:
+                assert hit is not None and hit.tokens == 256
+                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
+                assert layers_bits(cut, spec) == want
+                mine = [to_numpy(a) for layer in hit.layers for a in layer]
+                assert not any(np.shares_memory(m, x) for m in mine for x in leased)
+            for a, b in itertools.combinations(hits, 2):
+                assert not any(
+                    np.shares_memory(to_numpy(x), to_numpy(y))
+                    for x in (a.layers[0][0], a.layers[2][1])
+                    for y in (b.layers[0][0], b.layers[2][1])
+                )
+            SPARES.settle()
+            before = SPARES.filled_taken
+            shorter = ns.restore(tokens[:192], room_for=300)  # 3 blocks: other rows
+            assert shorter is not None and SPARES.filled_taken == before
+            cut = [tuple(a[..., :192, :] for a in layer) for layer in shorter.layers]
+            assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 192)
+    finally:
+        SPARES.enable(0)
+    assert SPARES.bytes == 0
+
+
+def test_a_lease_restored_once_is_not_copied_ahead_and_a_gone_one_is_not_used(
+    bank_path: Path,
+) -> None:
+    """One restore with room asks for no copy ahead; once a lease is dropped (cleared
+    here, as eviction does) the copy made of it is never handed out: the restore
+    reads the blocks from the bank instead, bit-exact."""
+    spec = _hot_spec()
+    tokens = [int(t) for t in np.arange(256) % 83]
+    layers = prefix_layers(spec, tokens)
+    keep_spare_destinations(256 << 20)
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+            ns = bank.namespace(spec)
+            ns.store(tokens, layers)
+            made = SPARES.made
+            ns.restore(tokens, room_for=300)
+            SPARES.settle()
+            made_once = SPARES.made - made  # plain spares only
+            ns.restore(tokens, room_for=300)
+            SPARES.settle()
+            assert SPARES.made - made > made_once  # the copy ahead made too
+            assert bank.leases is not None
+            bank.leases.clear()
+            before = SPARES.filled_taken
+            hit = ns.restore(tokens, room_for=300)
+            assert hit is not None and SPARES.filled_taken == before
+            cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
+            assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 256)
+    finally:
+        SPARES.enable(0)
+
+
+def test_filled_sets_keep_within_their_bound(spares: Spares) -> None:
+    """A set to fill over half the bound is not made; at most two are kept, the
+    oldest dropped first; each is taken once, by its key."""
+    spares.enable(8 << 20)
+    fills: list[str] = []
+
+    def filled(key: str, nbytes: int = 1 << 20) -> Filled:
+        return Filled(key, (BIG,), lambda dests: fills.append(key), nbytes)
+
+    spares.refill([], UNFILLED_FROM, filled=filled("huge", 5 << 20))
+    spares.settle()
+    assert fills == [] and spares.take_filled("huge") is None
+    for key in ("a", "b", "c"):
+        spares.refill([], UNFILLED_FROM, filled=filled(key))
+        spares.settle()
+    assert fills == ["a", "b", "c"] and spares.bytes == 2 << 20
+    assert spares.take_filled("a") is None  # dropped for "c"
+    got = spares.take_filled("b")
+    assert got is not None and got[0].finish().shape == BIG[0]
+    assert spares.take_filled("b") is None and spares.bytes == 1 << 20

@@ -32,10 +32,10 @@ from cas_bank.arrays import (
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index import rowcopy
+from cas_bank.index import leasecopy, rowcopy
 from cas_bank.index.fastread import BlockFiles, RowRuns, contiguous_row_runs
 from cas_bank.index.helpers import together
-from cas_bank.spares import SPARES, SpareSet, spare_set
+from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
@@ -175,7 +175,6 @@ class _Shapes:
 _SHAPES: OrderedDict[tuple[str, int, int, bool], _Shapes] = OrderedDict()
 _SHAPES_KEPT = 64
 _SERIALS = itertools.count()
-_PLANS_KEPT = 8  # copy plans a lease keeps (one per capacity it is restored with)
 _shapes_lock = threading.Lock()
 
 
@@ -244,10 +243,13 @@ class Assembler:
         capacity: int = 0,
         *,
         state: bool = False,
+        lease: HeldArrays | None = None,
     ) -> None:
         """Arrays for `n_blocks` blocks, with room for `capacity` tokens if that is more
         (the cache's later tokens then land in place: no copy of the restored ones),
-        and (`state`) for a recurrent state read from its payload file."""
+        and (`state`) for a recurrent state read from its payload file. `lease`: the
+        arrays all `n_blocks` blocks come from (`put_arrays`), when they do: their copy
+        may be made already (`index.leasecopy`)."""
         self.spec = spec
         self.block_size = block_size
         shapes = _shapes(spec, block_size, max(n_blocks * block_size, capacity), state)
@@ -261,16 +263,22 @@ class Assembler:
         # Staged destinations (`arrays.cpu_fillable`: MLX CUDA) take no MLX memory.
         self._spared = cpu_fillable()
         self._spare_set = shapes.spares
-        ready = SPARES.take(self._spare_set) if self._spared else {}  # all: each byte written
-        everything = Destination.allocate(
-            self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
-        )
+        self._serial = shapes.serial
         n_arrays = len(self.specs)
+        # A lease's copy made ahead (`index.leasecopy`), else spares, else new arrays.
+        self._from_lease = lease if self._spared and not state and rowcopy.available() else None
+        ahead = self._copied_ahead(n_blocks * block_size)
+        if ahead is not None:
+            everything = ahead
+        else:
+            ready = SPARES.take(self._spare_set) if self._spared else {}  # each byte written
+            everything = Destination.allocate(
+                self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
+            )
         self.dests = everything[:n_arrays]
         self._state_dests = everything[n_arrays:]
         self._views = [d.view for d in self.dests]
         self._row_runs = shapes.row_runs
-        self._serial = shapes.serial
         self._addresses: np.ndarray | None = None
         # What each array of a block must be, checked before its copy.
         self.block_shapes = shapes.block_shapes
@@ -281,6 +289,15 @@ class Assembler:
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
         self._lease: tuple[HeldArrays, int] | None = None  # copied natively (index.rowcopy)
+        self._ahead_rows = 0 if ahead is None else n_blocks * block_size  # rows made already
+        self._handed: int | None = None  # the blocks `layers` handed out
+
+    def _copied_ahead(self, rows: int) -> list[Destination] | None:
+        """The lease's first `rows` rows in destinations made ahead, if they are."""
+        lease = self._from_lease
+        if lease is None or not rows:
+            return None
+        return leasecopy.take_ahead(lease, self._serial, rows)
 
     def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
         """Check `block` against the spec (`CorruptDataError` if it does not fit) and
@@ -326,9 +343,10 @@ class Assembler:
 
     def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
         """A lease's first `rows` rows into place by the native copy (streamed stores,
-        `index.rowcopy`), or by numpy where it cannot."""
+        `index.rowcopy`, planned once per lease: `index.leasecopy`), or by numpy where
+        it cannot."""
         sources = arrays.numpy_views()
-        plan, nbytes = self._lease_plan(arrays, rows)
+        plan, nbytes = leasecopy.plan(arrays, self._serial, self._views, rows)
         if plan is not None:
             two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
             rowcopy.copy_planned(plan, self.addresses(), two_threads=two)
@@ -336,28 +354,13 @@ class Assembler:
         self._later.append((0, [v[..., :rows, :] for v in sources]))
         self._later_bytes += nbytes
 
-    def _lease_plan(self, arrays: HeldArrays, rows: int) -> tuple[rowcopy.CopyPlan | None, int]:
-        """The native copy's plan of a lease's first `rows` rows into destinations of
-        these shapes, and the bytes it copies: kept by the lease (its arrays and their
-        addresses do not change; these destinations' shapes and strides are fixed by
-        `_Shapes`, whose serial keys it), made once of the few shapes it is restored
-        into (a 24-array plan cost a restore ~0.1 ms)."""
-        key = ("rowcopy", self._serial, rows)
-        found: tuple[rowcopy.CopyPlan | None, int] | None = arrays.memo.get(key)
-        if found is None:
-            sources = arrays.numpy_views()
-            nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice each
-            plan = rowcopy.plan_copy(self._views, sources, arrays.addresses(), rows)
-            if len(arrays.memo) >= _PLANS_KEPT:
-                arrays.memo.clear()
-            found = arrays.memo[key] = (plan, nbytes)
-        return found
-
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
         """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
         out: one copy per array (on two threads, by `_copy_later`), a lease's by the
         native copy where it is built."""
         n = n_blocks * self.block_size
+        if arrays is self._from_lease and n <= self._ahead_rows:
+            return  # copied ahead: these destinations hold them already
         if isinstance(arrays, HeldArrays) and rowcopy.available() and self._lease is None:
             self._lease = (arrays, n)
             return
@@ -365,6 +368,23 @@ class Assembler:
         views = [v[..., :n, :] for v in whole]
         self._later.append((0, views))
         self._later_bytes += sum(int(v.nbytes) for v in views)
+
+    def handed_out(self) -> None:
+        """Have the next restore's arrays made off its path (`cas_bank.spares`), once
+        this one's are handed out (evaluated: the spares' thread then makes them beside
+        the caller's forward pass, not beside this restore's last steps)."""
+        if self._spared and self._handed is not None:
+            SPARES.refill(self._spare_set, filled=self._ask_ahead(self._handed))
+            self._handed = None
+
+    def _ask_ahead(self, n_blocks: int) -> Filled | None:
+        """The copy of this restore's lease to make ahead for the next (`leasecopy`)."""
+        lease = self._from_lease
+        if lease is None:
+            return None
+        attention = self._wanted[: len(self.specs)]
+        rows = n_blocks * self.block_size
+        return leasecopy.ask_ahead(lease, self._serial, rows, attention, self._views)
 
     def block_files(self) -> BlockFiles:
         """A reader of block payload files into these arrays (`direct` only)."""
@@ -414,8 +434,7 @@ class Assembler:
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size if tokens is None else tokens
         arrays = [d.finish() for d in self.dests]
-        if self._spared:
-            SPARES.refill(self._spare_set)  # the next restore's, made off its path
+        self._handed = n_blocks
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)

@@ -1,0 +1,87 @@
+"""A lease copied into a restore's arrays with room: planned once, and copied ahead.
+
+A hot restore with room (`index.layout.Assembler`) copies the leased prefix into arrays
+its cache owns: mlx-lm writes the next tokens in place after it, so two caches never
+share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 prefix,
+25 MB: ~1.4 ms of ~2.2). Two things keep the rest of it small:
+
+- The native copy's plan (`index.rowcopy.plan_copy`: one run per leading index, the
+  lease's addresses placed) depends only on the lease and the destinations' shapes,
+  so the lease keeps it (`HeldArrays.memo`), one per destination shapes and rows.
+- A lease restored with room a second time is likely restored again (a system prompt
+  many agents share): after such a restore, the spares' thread (`cas_bank.spares`)
+  makes the next restore's arrays and copies the prefix into them, off the path, as
+  it makes plain spares. The next restore of the same lease, shapes and rows takes
+  them whole (`take_ahead`) and copies nothing. The arrays are the spares' (within
+  their bound; the two most recent leases only), a copy of arrays nobody updates in
+  place, so they hold exactly what the lease holds; taken once, never shared. A lease
+  restored once (a conversation's history, restored for its next turn) is never
+  copied ahead: that copy would be bandwidth spent for nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cas_bank.arrays import Destination, DType, HeldArrays
+from cas_bank.index import rowcopy
+from cas_bank.spares import SPARES, Filled
+
+_PLANS_KEPT = 8  # plans a lease keeps (one per destination shapes it is restored into)
+_AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is made ahead
+
+Wanted = tuple[tuple[int, ...], DType]
+
+
+def plan(
+    arrays: HeldArrays, serial: int, views: Sequence[np.ndarray], rows: int
+) -> tuple[rowcopy.CopyPlan | None, int]:
+    """The native copy's plan of `arrays`' first `rows` rows into destinations like
+    `views` (their shapes and strides fixed by the `_Shapes` whose `serial` this is),
+    and the bytes it copies; kept by the lease (a 24-array plan cost a restore ~0.1 ms).
+    No plan (None) where the native copy cannot address the views."""
+    key = ("plan", serial, rows)
+    found: tuple[rowcopy.CopyPlan | None, int] | None = arrays.memo.get(key)
+    if found is None:
+        sources = arrays.numpy_views()
+        nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice each
+        made = rowcopy.plan_copy(views, sources, arrays.addresses(), rows)
+        if len(arrays.memo) >= 2 * _PLANS_KEPT:
+            arrays.memo.clear()
+        found = arrays.memo[key] = (made, nbytes)
+    return found
+
+
+def take_ahead(arrays: HeldArrays, serial: int, rows: int) -> list[Destination] | None:
+    """Destinations holding `arrays`' first `rows` rows, copied ahead after an earlier
+    restore (`ask_ahead`); None if there are none."""
+    return SPARES.take_filled(("lease", arrays.serial, serial, rows))
+
+
+def ask_ahead(
+    arrays: HeldArrays,
+    serial: int,
+    rows: int,
+    wanted: Sequence[Wanted],
+    views: Sequence[np.ndarray],
+) -> Filled | None:
+    """What to have the spares' thread make after this restore of `arrays` into
+    destinations of `wanted` (shapes, dtypes: `views` are this restore's own): from
+    the lease's second restore with room into these shapes, its copy made ahead.
+    None before then, or where the native copy is not there."""
+    uses_key = ("uses", serial, rows)
+    uses = arrays.memo.get(uses_key, 0) + 1
+    arrays.memo[uses_key] = uses
+    copy, _ = plan(arrays, serial, views, rows)
+    if copy is None or uses < _AHEAD_FROM_USE:
+        return None
+
+    def fill(dests: list[Destination]) -> None:
+        assert arrays  # held until copied: the plan holds their addresses, not them
+        addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        rowcopy.copy_planned(copy, addresses, two_threads=False)
+
+    nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in wanted)
+    return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)
