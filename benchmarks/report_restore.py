@@ -183,14 +183,18 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
         "best` = file TTFT / that forward is the most any restore can reach, so the hot "
         "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
         "forward pass on this CPU's reference BLAS dwarfs every load). Hot is a "
-        "runtime's restore (`PrefixCache.restore`: room for its prompt), which copies "
-        "the leased prefix once, on both cores, into buffers the cache owns (the bank "
-        "keeps its own for the next agent, and the cache must write after the prefix); "
+        "runtime's restore (`PrefixCache.restore`: room for its prompt), which takes "
+        "the leased prefix in buffers the cache owns (the bank keeps its own for the "
+        "next agent, and the cache must write after the prefix): a lease restored "
+        "again is copied into them ahead, by the spares' thread after the restore "
+        "before (`index.leasecopy`); `on path` is the same restore with that copy on its "
+        "path, once, on both cores (copies ahead off: a lease's first two restores); "
         "`handout` is the lease handed out as it is (`Namespace.restore` without room: "
         "exact-size arrays like the file's, no copy), whose first prefill token then "
         "copies it on one core (mlx-lm's concatenation). `TTFT hot best` = file TTFT / "
         "(that forward + a copy of the prefix on both cores): the most a hot restore "
-        "that keeps the bank's copy can reach. `+ first update`: the restore (or load) "
+        "that copies on its path can reach (one copied ahead: `TTFT best`). "
+        "`+ first update`: the restore (or load) "
         "and the first cache update alone, one token appended to every attention layer "
         "without the model: the copy a cache without room makes there, which the "
         "forward pass hides in TTFT on this CPU.",
@@ -207,18 +211,21 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
                 str(c["tokens"]),
                 _mb(c["kv_bytes"]),
                 f"{_ms(c['file_load_s'])} / {_ms(c['rocksdb_restore_s'])} / "
-                f"{_ms(c['hot_restore_s'])} / {_ms(c.get('hot_handout_s'))}",
+                f"{_ms(c['hot_restore_s'])} / {_ms(c.get('hot_on_path_s'))} / "
+                f"{_ms(c.get('hot_handout_s'))}",
                 f"{f['file_load_over_rocksdb_restore']:.2f}x",
                 f"{f['file_load_over_floor']:.2f}x",
                 _floors(c),
                 f"{f['rocksdb_restore_of_ceiling']:.2f}",
                 _stages(c),
                 f"{f['file_load_over_hot_restore']:.2f}x",
+                _x(f.get("file_load_over_hot_on_path")),
                 _x(f.get("file_load_over_hot_handout")),
                 f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])} / "
-                f"{_ms(t.get('handout'))}",
+                f"{_ms(t.get('on_path'))} / {_ms(t.get('handout'))}",
                 f"{f['file_ttft_over_reopened_ttft']:.2f}x",
                 f"{f['file_ttft_over_hot_ttft']:.2f}x",
+                _x(f.get("file_ttft_over_on_path_ttft")),
                 f"{f['file_ttft_over_forward']:.2f}x",
                 _x(f.get("file_ttft_over_forward_and_copy")),
                 " / ".join(_ms(u) for u in c["first_update_s"].values())
@@ -231,20 +238,22 @@ def _against_file(rs: dict[str, Any]) -> list[str]:
             "model",
             "tokens",
             "MB",
-            "restore ms: file / reopened / hot / handout",
+            "restore ms: file / reopened / hot / on path / handout",
             "reopened",
             "best",
             "floor ms: XXH3 / blake3",
             "of floor",
             "reopened parts ms: lookup / alloc / read (floor)",
             "hot",
+            "on path",
             "handout",
-            "TTFT ms: file / reopened / hot / handout",
+            "TTFT ms: file / reopened / hot / on path / handout",
             "TTFT reopened",
             "TTFT hot",
+            "TTFT on path",
             "TTFT best",
             "TTFT hot best",
-            "+ first update ms: file / reopened / hot / handout",
+            "+ first update ms: file / reopened / hot / on path / handout",
         ],
         rows,
     )

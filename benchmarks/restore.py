@@ -9,7 +9,10 @@ random arrays of the right shapes and dtypes:
 
 - mlx-lm file: `save_prompt_cache` of the cache, then `load_prompt_cache` + evaluation;
 - cas_bank from RocksDB after a reopen: `PrefixCache.restore` + evaluation;
-- cas_bank from the hot tier: the same again in the same process;
+- cas_bank from the hot tier: the same again in the same process, the lease copied
+  ahead by the spares' thread after the restore before (`index.leasecopy`), and
+  with the copy on the restore's path (copies ahead off), as a lease's first two
+  restores go;
 
 beside the floors on the same bytes: the bank's payload files read on both cores as a
 plain copy (what the file load does) and verified by the native reader (one copy and
@@ -240,6 +243,16 @@ def _ways(case: _Case, s: RestoreSettings) -> dict[str, Callable[[str | None], f
         _then(hpc, restored, last, then)
         return time.perf_counter() - t0
 
+    def on_path_way(then: str | None) -> float:
+        """The hot way with the lease copied on the restore's path: copies ahead off
+        (`keep_spare_destinations(copy_ahead=False)`), as a lease's first two restores
+        with room go, and every restore of a runtime that turns them off."""
+        ahead, SPARES.copy_ahead = SPARES.copy_ahead, False
+        try:
+            return hot_way(then)
+        finally:
+            SPARES.copy_ahead = ahead
+
     def handout_way(then: str | None) -> float:
         """The lease handed out as it is (no room asked for): no copy, so the first
         prefill token copies the prefix (mlx-lm's concatenation) to write after it."""
@@ -253,10 +266,17 @@ def _ways(case: _Case, s: RestoreSettings) -> dict[str, Callable[[str | None], f
         _then(hpc, restored, last, then)
         return time.perf_counter() - t0
 
-    return {"file": file_way, "reopened": reopened_way, "hot": hot_way, "handout": handout_way}
+    return {
+        "file": file_way,
+        "reopened": reopened_way,
+        "hot": hot_way,
+        "on_path": on_path_way,
+        "handout": handout_way,
+    }
 
 
-_WAYS = ("file", "reopened", "hot", "handout")
+_WAYS = ("file", "reopened", "hot", "on_path", "handout")
+_HOT_WAYS = ("hot", "handout", "on_path")  # the ways restoring from the hot bank
 _THEN = {"": None, "_ttft": "token", "_update": "update"}
 
 
@@ -274,7 +294,8 @@ def _timed(
                 # the spares the last restore asked for are made before the next one.
                 SPARES.settle()
                 times[f"{way}{suffix}"].append(fn(after))
-    hot_hits = (case.hot_bank.stats().hot_hits - before) / (2 * len(_THEN) * s.repeats)
+    hot_ways = sum(1 for way in ways if way in _HOT_WAYS)
+    hot_hits = (case.hot_bank.stats().hot_hits - before) / (hot_ways * len(_THEN) * s.repeats)
     return {k: median(v) for k, v in times.items()}, hot_hits
 
 
@@ -339,7 +360,8 @@ def _result(
         "store_later_flush_s": median([f for _, f in later]),
         "file_load_s": load,
         "rocksdb_restore_s": rocks,
-        "hot_restore_s": hot,
+        "hot_restore_s": hot,  # a lease restored again: copied ahead (index.leasecopy)
+        "hot_on_path_s": m["on_path"],  # the same with the copy on the restore's path
         "hot_handout_s": handout,
         "ttft_s": {way: m[f"{way}_ttft"] for way in _WAYS},
         # The restore (or load) and the first cache update alone (no model): what the
@@ -373,6 +395,8 @@ def _result(
             "store_later_caller_over_memcpy": caller / mem,
             "file_load_over_rocksdb_restore": load / rocks,
             "file_load_over_hot_restore": load / hot,
+            "file_load_over_hot_on_path": load / m["on_path"],
+            "file_ttft_over_on_path_ttft": m["file_ttft"] / m["on_path_ttft"],
             "file_load_over_hot_handout": load / handout,
             "file_ttft_over_reopened_ttft": m["file_ttft"] / m["reopened_ttft"],
             "file_ttft_over_hot_ttft": m["file_ttft"] / m["hot_ttft"],

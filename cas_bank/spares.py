@@ -50,6 +50,7 @@ class Spares:
 
     def __init__(self) -> None:
         self.max_bytes = 0
+        self.copy_ahead = True  # leases restored again are copied ahead (`index.leasecopy`)
         self.bytes = 0
         self.taken = 0  # arrays handed out from the pool
         self.made = 0  # arrays the background thread made
@@ -270,10 +271,14 @@ def _size(w: Wanted) -> int:
 SPARES = Spares()
 
 
-def keep_spare_destinations(max_bytes: int = 1 << 30) -> None:
+def keep_spare_destinations(max_bytes: int = 1 << 30, *, copy_ahead: bool = True) -> None:
     """Keep up to `max_bytes` of spare restore destinations in this process (0: none):
     see the module docstring. Process-wide: a runtime calls it (`cas-bank serve`,
-    `cas-bank mlx-lm-server`, the benchmarks), never the library on its own."""
+    `cas-bank mlx-lm-server`, the benchmarks), never the library on its own.
+    `copy_ahead`: a lease restored with room again is copied into the next restore's
+    spares ahead of it (`cas_bank.index.leasecopy`); False keeps that copy on the
+    restore's path (no copy beside the caller's forward pass)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    SPARES.copy_ahead = bool(copy_ahead)
     SPARES.enable(max_bytes)

@@ -290,3 +290,27 @@ def test_filled_sets_keep_within_their_bound(spares: Spares) -> None:
     got = spares.take_filled("b")
     assert got is not None and got[0].finish().shape == BIG[0]
     assert spares.take_filled("b") is None and spares.bytes == 1 << 20
+
+
+def test_copies_ahead_turned_off_keep_the_copy_on_the_path(bank_path: Path) -> None:
+    """`keep_spare_destinations(copy_ahead=False)`: no restore takes a copy made ahead,
+    however often a lease is restored, and each is bit-exact."""
+    spec = _hot_spec()
+    tokens = [int(t) for t in np.arange(256) % 79]
+    layers = prefix_layers(spec, tokens)
+    keep_spare_destinations(256 << 20, copy_ahead=False)
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+            ns = bank.namespace(spec)
+            ns.store(tokens, layers)
+            before = SPARES.filled_taken
+            for _ in range(4):
+                SPARES.settle()
+                hit = ns.restore(tokens, room_for=300)
+                assert hit is not None
+                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
+                assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 256)
+            assert SPARES.filled_taken == before and not SPARES._filled
+    finally:
+        keep_spare_destinations(0)
+    assert SPARES.copy_ahead  # back to the default with the next call

@@ -56,7 +56,10 @@ def plan(
 
 def take_ahead(arrays: HeldArrays, serial: int, rows: int) -> list[Destination] | None:
     """Destinations holding `arrays`' first `rows` rows, copied ahead after an earlier
-    restore (`ask_ahead`); None if there are none."""
+    restore (`ask_ahead`); None if there are none (or copies ahead are off:
+    `keep_spare_destinations(copy_ahead=False)`)."""
+    if not SPARES.copy_ahead:
+        return None
     return SPARES.take_filled(("lease", arrays.serial, serial, rows))
 
 
@@ -75,7 +78,7 @@ def ask_ahead(
     uses = arrays.memo.get(uses_key, 0) + 1
     arrays.memo[uses_key] = uses
     copy, _ = plan(arrays, serial, views, rows)
-    if copy is None or uses < _AHEAD_FROM_USE:
+    if copy is None or uses < _AHEAD_FROM_USE or not SPARES.copy_ahead:
         return None
 
     def fill(dests: list[Destination]) -> None:
