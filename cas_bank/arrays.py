@@ -121,7 +121,7 @@ class HeldArrays(list[mx.array]):
         self._views: list[np.ndarray] | None = None
         self._addresses: np.ndarray | None = None
         # What a caller derives from these arrays alone and asks for again (the plan of
-        # a copy out of them: `index.layout.Assembler`), by its key.
+        # a copy out of them: `index.assembler.Assembler`), by its key.
         self.memo: dict[Hashable, Any] = {}
 
     def numpy_views(self) -> list[np.ndarray]:

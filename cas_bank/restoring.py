@@ -4,7 +4,7 @@ The walk: chain hashes of the prompt's full blocks -> `longest_chain` (`stored_p
 by binary search, then one multi-get of its headers) -> the shared tier's continuation
 (if any) -> an end record under the deepest matched block (`index.ends`) ->
 `restore_blocks` (hybrid: deepest boundary with a state) -> one probe of the leases ->
-`index.payloads` reads and verifies each payload -> `index.layout.Assembler` copies it
+`index.payloads` reads and verifies each payload -> `index.assembler.Assembler` copies it
 once into fresh MLX arrays (payload files straight into them, a hybrid boundary state
 in a file with them) -> `Hit`.
 docs/design.md, "Restore path", says why each step is there.
@@ -22,9 +22,10 @@ import numpy as np
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
+from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
-from cas_bank.index.layout import Assembler, flat_attention, group_layers, merge_layers
+from cas_bank.index.layout import flat_attention, group_layers, merge_layers
 from cas_bank.index.partial import (
     PartialPlan,
     find_partial,

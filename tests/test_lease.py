@@ -15,7 +15,7 @@ from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
 from cas_bank import restoring
-from cas_bank.index import layout, rowcopy
+from cas_bank.index import assembler, rowcopy
 
 BLOCK = 16
 
@@ -124,7 +124,7 @@ def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
     if native and not rowcopy.available():
         pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(layout, "_TWO_THREADS_FROM", 0)
+        mp.setattr(assembler, "_TWO_THREADS_FROM", 0)
         if not native:
             mp.setattr(rowcopy, "_copy_runs", None)
         copied: list[bool] = []

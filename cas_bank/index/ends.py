@@ -33,7 +33,8 @@ from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.layout import Assembler, check_layers, check_state, group_layers
+from cas_bank.index.assembler import Assembler
+from cas_bank.index.layout import check_layers, check_state, group_layers
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -334,7 +334,7 @@ def contiguous_row_runs(
 ) -> RowRuns | None:
     """`_row_runs`' template (at address 0) for C-contiguous writable views of
     `shapes` and `itemsizes`, a block of view j being `rows[j]` rows: what a caller
-    whose views are always such makes once (`layout.Assembler`)."""
+    whose views are always such makes once (`assembler.Assembler`)."""
     key = tuple(
         (tuple(shape), _c_strides(shape, item), item, True)
         for shape, item in zip(shapes, itemsizes, strict=True)

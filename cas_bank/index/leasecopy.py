@@ -1,6 +1,6 @@
 """A lease copied into a restore's arrays with room: planned once, and copied ahead.
 
-A hot restore with room (`index.layout.Assembler`) copies the leased prefix into arrays
+A hot restore with room (`index.assembler.Assembler`) copies the leased prefix into arrays
 its cache owns: mlx-lm writes the next tokens in place after it, so two caches never
 share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 prefix,
 25 MB: ~1.4 ms of ~2.2). Two things keep the rest of it small:

@@ -26,10 +26,11 @@ from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.hashing import BlockHash, hash_block
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
+from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.children import KIND_BLOCK, Child, nearest_child, shared_tokens
 from cas_bank.index.ends import EndHeader, decode_end, split_record
-from cas_bank.index.layout import Assembler, group_layers
+from cas_bank.index.layout import group_layers
 
 if TYPE_CHECKING:
     from cas_bank.blocks.codec import Decoded

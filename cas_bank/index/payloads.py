@@ -19,9 +19,10 @@ from cas_bank.blocks.files import FileTier, stub_of
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
+from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.fastread import BlockFiles, Job, read_files
-from cas_bank.index.layout import Assembler, decode_state
+from cas_bank.index.layout import decode_state
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -1,0 +1,324 @@
+"""A restore's destination arrays, assembled: decoded blocks, payload files and a lease
+copied into fresh MLX arrays (`Assembler`), with room for the prompt's later tokens.
+
+What an `Assembler` of one spec, block size and capacity allocates and checks is made
+once (`_Shapes`). Its arrays come from a lease's copy made ahead
+(`index.leasecopy`), else from the spares a serving process keeps (`cas_bank.spares`),
+else fresh and unfilled (`arrays.Destination.allocate`); blocks are copied in as they
+are decoded, payload files read straight into them (`index.fastread`), a lease by the
+native row copy (`index.rowcopy`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from cas_bank.arrays import Destination, DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
+from cas_bank.blocks.codec import Decoded
+from cas_bank.errors import CorruptDataError
+from cas_bank.index import leasecopy, rowcopy
+from cas_bank.index.fastread import BlockFiles, RowRuns, contiguous_row_runs
+from cas_bank.index.helpers import together
+from cas_bank.index.layout import group_layers
+from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
+from cas_bank.spec import ArraySpec, ModelSpec
+
+_TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
+
+
+@dataclass(frozen=True, slots=True)
+class _Shapes:
+    """What an `Assembler` of one spec, block size, capacity and state allocates and
+    checks: the same few each restore of a model asks for (capacities are rounded up
+    to mlx-lm's step), made once. Rebuilding these lists per restore cost ~0.1 ms of a
+    hybrid model's 48 arrays."""
+
+    capacity: int
+    specs: tuple[ArraySpec, ...]
+    dtypes: tuple[DType, ...]
+    state_shapes: tuple[tuple[int, ...], ...]
+    state_dtypes: tuple[DType, ...]
+    wanted: tuple[tuple[tuple[int, ...], DType], ...]  # attention arrays, then states
+    sizes: tuple[int, ...]  # bytes of each of `wanted`
+    block_shapes: tuple[tuple[int, ...], ...]
+    fits: tuple[tuple[tuple[int, ...], np.dtype[np.generic]], ...]  # a block's (shape, dtype)
+    spares: SpareSet  # `wanted` grouped for the spares' pool
+    row_runs: RowRuns | None  # the attention destinations' block rows (`BlockFiles`)
+    serial: int  # this instance's own number (never reused): a key for what it fixes
+
+
+_SHAPES: OrderedDict[tuple[str, int, int, bool], _Shapes] = OrderedDict()
+_SHAPES_KEPT = 64
+_SERIALS = itertools.count()
+_shapes_lock = threading.Lock()
+
+
+def _shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
+    """`_Shapes` of `spec` (kept by its fingerprint, which fixes its layers: a bank
+    reopened, with a spec of its own, finds them too; most recent 64)."""
+    key = (spec.fingerprint, block_size, capacity, state)
+    with _shapes_lock:
+        found = _SHAPES.get(key)
+        if found is not None:
+            _SHAPES.move_to_end(key)
+            return found
+    made = _make_shapes(spec, block_size, capacity, state)
+    with _shapes_lock:
+        _SHAPES[key] = made
+        while len(_SHAPES) > _SHAPES_KEPT:
+            _SHAPES.popitem(last=False)
+    return made
+
+
+def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
+    specs = tuple(s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays)
+    dtypes = tuple(dtype_named(s.dtype) for s in specs)
+    state_specs = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    state_shapes = tuple(s.shape for s in state_specs) if state else ()
+    state_dtypes = tuple(dtype_named(s.dtype) for s in state_specs) if state else ()
+    wanted = (
+        *((s.with_tokens(capacity), d) for s, d in zip(specs, dtypes, strict=True)),
+        *zip(state_shapes, state_dtypes, strict=True),
+    )
+    block_shapes = tuple(s.with_tokens(block_size) for s in specs)
+    row_runs = contiguous_row_runs(
+        [shape for shape, _ in wanted[: len(specs)]],
+        [d.itemsize for d in dtypes],
+        [block_size] * len(specs),
+    )
+    return _Shapes(
+        capacity,
+        specs,
+        dtypes,
+        state_shapes,
+        state_dtypes,
+        wanted,
+        tuple(math.prod(shape) * d.itemsize for shape, d in wanted),
+        block_shapes,
+        tuple((shape, d.storage) for shape, d in zip(block_shapes, dtypes, strict=True)),
+        spare_set(wanted),
+        row_runs,
+        next(_SERIALS),
+    )
+
+
+class Assembler:
+    """Copies decoded blocks straight into fresh MLX arrays (one copy per block).
+
+    A block put `later` (one already in memory, from the hot tier) is copied when the
+    arrays are handed out, on two threads when there is enough to copy: one core
+    alone does not reach the memory bandwidth, and `np.copyto` releases the GIL.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        n_blocks: int,
+        block_size: int,
+        capacity: int = 0,
+        *,
+        state: bool = False,
+        lease: HeldArrays | None = None,
+    ) -> None:
+        """Arrays for `n_blocks` blocks, with room for `capacity` tokens if that is more
+        (the cache's later tokens then land in place: no copy of the restored ones),
+        and (`state`) for a recurrent state read from its payload file. `lease`: the
+        arrays all `n_blocks` blocks come from (`put_arrays`), when they do: their copy
+        may be made already (`index.leasecopy`)."""
+        self.spec = spec
+        self.block_size = block_size
+        shapes = _shapes(spec, block_size, max(n_blocks * block_size, capacity), state)
+        self.capacity = shapes.capacity
+        self.specs, self.dtypes = shapes.specs, shapes.dtypes
+        self.state_shapes, self.state_dtypes = shapes.state_shapes, shapes.state_dtypes
+        self._wanted = shapes.wanted
+        # Every token a restore hands out is written by a block, every state byte by its
+        # payload: no zero fill needed. One allocation for all of them, less the spares
+        # a serving process keeps ready (`cas_bank.spares`).
+        # Staged destinations (`arrays.cpu_fillable`: MLX CUDA) take no MLX memory.
+        self._spared = cpu_fillable()
+        self._spare_set = shapes.spares
+        self._serial = shapes.serial
+        n_arrays = len(self.specs)
+        # A lease's copy made ahead (`index.leasecopy`), else spares, else new arrays.
+        self._from_lease = lease if self._spared and not state and rowcopy.available() else None
+        ahead = self._copied_ahead(n_blocks * block_size)
+        if ahead is not None:
+            everything = ahead
+        else:
+            ready = SPARES.take(self._spare_set) if self._spared else {}  # each byte written
+            everything = Destination.allocate(
+                self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
+            )
+        self.dests = everything[:n_arrays]
+        self._state_dests = everything[n_arrays:]
+        self._views = [d.view for d in self.dests]
+        self._row_runs = shapes.row_runs
+        self._addresses: np.ndarray | None = None
+        # What each array of a block must be, checked before its copy.
+        self.block_shapes = shapes.block_shapes
+        self._fits = shapes.fits
+        # Whether payload files may be read into the views: MLX's own memory, or the
+        # staging buffers of a device a CPU pointer cannot fill (`arrays.cpu_fillable`).
+        self.direct = all(d.fillable for d in self.dests)
+        self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
+        self._later_bytes = 0
+        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (index.rowcopy)
+        self._ahead_rows = 0 if ahead is None else n_blocks * block_size  # rows made already
+        self._handed: int | None = None  # the blocks `layers` handed out
+
+    def _copied_ahead(self, rows: int) -> list[Destination] | None:
+        """The lease's first `rows` rows in destinations made ahead, if they are."""
+        lease = self._from_lease
+        if lease is None or not rows:
+            return None
+        return leasecopy.take_ahead(lease, self._serial, rows)
+
+    def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
+        """Check `block` against the spec (`CorruptDataError` if it does not fit) and
+        copy it in as block `index`, now or (`later`) when `layers` is called."""
+        arrays = block.arrays
+        if len(arrays) != len(self._views):
+            raise CorruptDataError(f"block holds {len(arrays)} arrays, expected {len(self._views)}")
+        for src, (shape, dtype) in zip(arrays, self._fits, strict=True):
+            if src.shape != shape or src.dtype != dtype:
+                raise CorruptDataError(f"block array of shape {src.shape} does not fit the spec")
+        start = index * self.block_size
+        if later:
+            self._later.append((start, arrays))
+            self._later_bytes += sum(a.nbytes for a in arrays)
+        else:
+            self._copy([(start, arrays)], 0, len(self._views))
+
+    def _copy(self, runs: list[tuple[int, list[np.ndarray]]], lo: int, hi: int) -> None:
+        """Copy arrays lo..hi-1 of each (first token, arrays) of `runs` into place."""
+        views = self._views[lo:hi]
+        for start, arrays in runs:
+            for src, view in zip(arrays[lo:hi], views, strict=True):
+                np.copyto(view[..., start : start + src.shape[-2], :], src)
+
+    def _copy_later(self, n_blocks: int) -> None:
+        if self._lease is not None:
+            self._copy_lease(*self._lease)
+            self._lease = None
+        end = n_blocks * self.block_size
+        blocks = [b for b in self._later if b[0] < end]
+        n = len(self._views)
+        self._later, later_bytes, self._later_bytes = [], self._later_bytes, 0
+        if later_bytes < _TWO_THREADS_FROM or n < 2:
+            self._copy(blocks, 0, n)
+            return
+        arrays = itertools.count()  # shared: each thread takes the next array to copy
+
+        def copy_arrays() -> None:
+            while (j := next(arrays)) < n:
+                self._copy(blocks, j, j + 1)
+
+        together(copy_arrays)
+
+    def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
+        """A lease's first `rows` rows into place by the native copy (streamed stores,
+        `index.rowcopy`, planned once per lease: `index.leasecopy`), or by numpy where
+        it cannot."""
+        sources = arrays.numpy_views()
+        plan, nbytes = leasecopy.plan(arrays, self._serial, self._views, rows)
+        if plan is not None:
+            two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
+            rowcopy.copy_planned(plan, self.addresses(), two_threads=two)
+            return
+        self._later.append((0, [v[..., :rows, :] for v in sources]))
+        self._later_bytes += nbytes
+
+    def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
+        """Copy blocks 0..n_blocks-1 from MLX arrays (a lease) into place, when handed
+        out: one copy per array (on two threads, by `_copy_later`), a lease's by the
+        native copy where it is built."""
+        n = n_blocks * self.block_size
+        if arrays is self._from_lease and n <= self._ahead_rows:
+            return  # copied ahead: these destinations hold them already
+        if isinstance(arrays, HeldArrays) and rowcopy.available() and self._lease is None:
+            self._lease = (arrays, n)
+            return
+        whole = arrays.numpy_views() if isinstance(arrays, HeldArrays) else map(to_numpy, arrays)
+        views = [v[..., :n, :] for v in whole]
+        self._later.append((0, views))
+        self._later_bytes += sum(int(v.nbytes) for v in views)
+
+    def handed_out(self) -> None:
+        """Have the next restore's arrays made off its path (`cas_bank.spares`), once
+        this one's are handed out (evaluated: the spares' thread then makes them beside
+        the caller's forward pass, not beside this restore's last steps)."""
+        if self._spared and self._handed is not None:
+            SPARES.refill(self._spare_set, filled=self._ask_ahead(self._handed))
+            self._handed = None
+
+    def _ask_ahead(self, n_blocks: int) -> Filled | None:
+        """The copy of this restore's lease to make ahead for the next (`leasecopy`)."""
+        lease = self._from_lease
+        if lease is None:
+            return None
+        attention = self._wanted[: len(self.specs)]
+        rows = n_blocks * self.block_size
+        return leasecopy.ask_ahead(lease, self._serial, rows, attention, self._views)
+
+    def block_files(self) -> BlockFiles:
+        """A reader of block payload files into these arrays (`direct` only)."""
+        return BlockFiles(
+            self._views,
+            self.block_shapes,
+            self.dtypes,
+            self.block_size,
+            runs=self._row_runs,
+            addresses=self.addresses(),
+        )
+
+    def addresses(self) -> np.ndarray:
+        """Each destination view's address (int64), found once (spares found theirs
+        ahead): the native reader's and the lease copy's."""
+        if self._addresses is None:
+            dests = self.dests
+            self._addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        return self._addresses
+
+    def state_files(self) -> BlockFiles | None:
+        """A reader of a state payload file into this restore's state arrays (block 0 of
+        arrays of the state's shapes); None if they were not allocated or are not
+        CPU memory a read may fill."""
+        if not self._state_dests or not all(d.fillable for d in self._state_dests):
+            return None
+        return BlockFiles([d.view for d in self._state_dests], self.state_shapes, self.state_dtypes)
+
+    def state_arrays(self) -> list[mx.array]:
+        """The state arrays (call once `state_files` read a payload and it verified)."""
+        return [d.finish() for d in self._state_dests]
+
+    def put_tail(self, start: int, arrays: Sequence[np.ndarray]) -> None:
+        """Copy an end record's tail (`index.ends`, checked against the spec by its
+        decoder) in at token `start`; the capacity must hold it."""
+        for src, view in zip(arrays, self._views, strict=True):
+            t = src.shape[-2]
+            np.copyto(view[..., start : start + t, :], src)
+
+    def layers(
+        self, n_blocks: int, *, room: bool = False, tokens: int | None = None
+    ) -> list[tuple[Any, ...] | None]:
+        """Per-layer arrays holding the first `n_blocks` blocks, aligned with spec.layers:
+        exactly that many tokens (or `tokens`, when a tail was put after them), or
+        (`room`) the whole capacity, whose first tokens are the blocks and the rest
+        undefined."""
+        self._copy_later(n_blocks)
+        n = n_blocks * self.block_size if tokens is None else tokens
+        arrays = [d.finish() for d in self.dests]
+        self._handed = n_blocks
+        if arrays and arrays[0].shape[-2] != n and not (room and n):
+            arrays = [a[..., :n, :] for a in arrays]
+        return group_layers(self.spec, arrays, None)
