@@ -44,21 +44,22 @@ from cas_bank.runtime.cache_io import fill_cache
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from benchmarks.ceilings import (
-    blake3_floor_samples,
     dir_bytes,
-    file_read_samples,
-    layout_copy_samples,
     median,
-    memcpy_samples,
     profile_top,
-    raw_read_samples,
-    sample,
     speed_fraction,
+)
+from benchmarks.restore_floors import (
+    case_floors,
+    first_token,
+    forward_samples,
+    hot_copy_floor,
+    reopened_stages,
+    store_later_samples,
 )
 from benchmarks.ttft import eval_cache, kv_bytes
 from cas_bank import Bank, BankConfig
-from cas_bank.arrays import dtype_named, keep_freed_memory, to_numpy
-from cas_bank.blocks.store import Family
+from cas_bank.arrays import dtype_named, keep_freed_memory
 from cas_bank.spares import SPARES, keep_spare_destinations
 
 
@@ -118,18 +119,13 @@ def _first_update(cache: list[Any]) -> None:
 def _then(pc: PrefixCache, cache: list[Any], token: int, then: str | None) -> None:
     """After a restore (or load): nothing, the first prefill token, or the first update."""
     if then == "token":
-        _first_token(pc, cache, token)
+        first_token(pc, cache, token)
     elif then == "update":
         _first_update(cache)
 
 
-def _first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
-    """The first prefill chunk after a restore: one token through the model, evaluated."""
-    mx.eval(pc.model(mx.array([[token]]), cache=cache))
-
-
 @dataclass
-class _Case:
+class RestoreCase:
     """One model and length, stored: the bank at `path` (closed), the file mlx-lm saved,
     and the hot bank (the process that stored it, kept open, on a copy of the bank)."""
 
@@ -160,22 +156,22 @@ def measure(name: str, length: int, s: RestoreSettings, workdir: Path) -> dict[s
     lm = case.lm
     m, hot_hits = _timed(_ways(case, s), case, s)
     profile_hot = profile_top(lambda: eval_cache(case.hpc.restore(case.prompt)[0]), 2, 6)
-    copy_floor_t = _hot_copy_floor(case.hpc, case.prompt, length, s)
+    copy_floor_t = hot_copy_floor(case.hpc, case.prompt, length, s)
     case.hot_bank.close()
     with Bank.open(case.path, BankConfig(block_size=s.block_size, hot_bytes=0)) as bank:
         pc = PrefixCache(bank, lm)
         profile_rocks = profile_top(lambda: eval_cache(pc.restore(case.prompt)[0]), 2, 6)
-    floors = _floors(case, s)
+    floors = case_floors(case, s)
     floors["hot_copy_floor_s"] = median(copy_floor_t)
-    forward_t = _forward_samples(case.path, lm, case.prompt, s)
-    stages = _reopened_stages(case.path, lm, case.prompt, s)
+    forward_t = forward_samples(case.path, lm, case.prompt, s)
+    stages = reopened_stages(case.path, lm, case.prompt, s)
     return _result(case, m, hot_hits, floors, median(forward_t), stages) | {
         "profile_rocks": profile_rocks,
         "profile": profile_hot,
     }
 
 
-def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> _Case:
+def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> RestoreCase:
     """`name`'s synthetic cache of `length` tokens stored in a bank and saved by mlx-lm,
     the hot bank holding its lease, and the background store's samples."""
     lm = build_model(name)
@@ -203,16 +199,16 @@ def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> _Case
     hot_bank = Bank.open(hot_path, BankConfig(block_size=s.block_size, hot_bytes=hot_bytes))
     hpc = PrefixCache(hot_bank, lm)
     hpc.store(prompt[:-1], cache, states)
-    later = _store_later_samples(
+    later = store_later_samples(
         workdir / f"later-{name}-{length}", lm, prompt[:-1], cache, states, s
     )
-    return _Case(
+    return RestoreCase(
         name, length, lm, prompt, path, file, list(keys), hybrid, nbytes, store_s,
         hot_bank, hpc, later,
     )  # fmt: skip
 
 
-def _ways(case: _Case, s: RestoreSettings) -> dict[str, Callable[[str | None], float]]:
+def _ways(case: RestoreCase, s: RestoreSettings) -> dict[str, Callable[[str | None], float]]:
     """The four ways to a cache of the prefix, each timed with what follows it (`_then`):
     mlx-lm's file, a reopened bank, the hot bank with room, its lease handed out."""
     prompt, length, hpc, last = case.prompt, case.length, case.hpc, case.last
@@ -281,7 +277,7 @@ _THEN = {"": None, "_ttft": "token", "_update": "update"}
 
 
 def _timed(
-    ways: dict[str, Callable[[str | None], float]], case: _Case, s: RestoreSettings
+    ways: dict[str, Callable[[str | None], float]], case: RestoreCase, s: RestoreSettings
 ) -> tuple[dict[str, float], float]:
     """Medians of every way with every follow-up (`"hot_ttft"`...), one of each per
     round, and the hot tier's hits per hot request."""
@@ -299,41 +295,8 @@ def _timed(
     return {k: median(v) for k, v in times.items()}, hot_hits
 
 
-def _floors(case: _Case, s: RestoreSettings) -> dict[str, Any]:
-    """The machine's floors on the case's bytes: memcpy (one and two threads), the
-    plain and the verified read of its payload files (RocksDB's own read where they are
-    kept there), and the same files checked by blake3."""
-    nb = case.length // s.block_size
-    path, keys = case.path, case.keys
-    files = [_payload_file(path, Family.BLOCKS, k) for k in keys[:nb]]
-    if case.hybrid:
-        files.append(_payload_file(path, Family.STATES, keys[nb - 1]))
-    on_disk = [f for f in files if f is not None]  # small payloads stay in RocksDB
-    mem_t = memcpy_samples(case.nbytes, max(7, s.repeats))
-    mem2_t = memcpy_samples(case.nbytes, max(7, s.repeats), threads=2)
-    if len(on_disk) == len(files):
-        copy_t = file_read_samples(on_disk, s.repeats, verified=False)
-        floor_t = file_read_samples(on_disk, s.repeats, verified=True)
-        blake3_floor_t = blake3_floor_samples(on_disk, path.parent / "blake3-floor", s.repeats)
-    else:  # payloads below the file tier's size (the smoke test's): RocksDB's own read
-        keys_by_family = {Family.BLOCKS: list(keys[:nb])}
-        if case.hybrid:
-            keys_by_family[Family.STATES] = [keys[nb - 1]]
-        copy_t = raw_read_samples(path, keys_by_family, s.repeats)[0]
-        floor_t = [c + median(mem_t) for c in copy_t]
-        blake3_floor_t = floor_t
-    return {
-        "file_copy_s": median(copy_t),
-        "verified_floor_s": median(floor_t),
-        "blake3_floor_s": median(blake3_floor_t),  # the same files checked by blake3
-        "floor_bytes": sum(f.stat().st_size for f in on_disk),
-        "memcpy_s": median(mem_t),
-        "memcpy_2_threads_s": median(mem2_t),
-    }
-
-
 def _result(
-    case: _Case,
+    case: RestoreCase,
     m: dict[str, float],
     hot_hits: float,
     floors: dict[str, Any],
@@ -367,9 +330,9 @@ def _result(
         # The restore (or load) and the first cache update alone (no model): what the
         # first prefill chunk copies, without the forward pass that hides it in TTFT.
         "first_update_s": {way: m[f"{way}_update"] for way in _WAYS},
-        # The floors (`_floors`) and a hot restore's copy alone: the prefix's arrays
-        # into resident arrays with room, not in cache (`layout_copy_samples`): the
-        # floor of a restore that copies.
+        # The floors (`restore_floors.case_floors`) and a hot restore's copy alone: the
+        # prefix's arrays into resident arrays with room, not in cache
+        # (`layout_copy_samples`): the floor of a restore that copies.
         **floors,
         # Where a reopened restore's time goes (`Hit.timings`, medians): beside the
         # floor, which pays neither the index, nor the allocation, nor Python.
@@ -408,85 +371,6 @@ def _result(
             "hot_restore": case.nbytes / hot / 1e9,
         },
     }
-
-
-def _store_later_samples(
-    base: Path, lm: Any, tokens: np.ndarray, cache: list[Any], states: Any, s: RestoreSettings
-) -> list[tuple[float, float]]:
-    """(caller's seconds, seconds until flushed) of `store_later` of every block new, into
-    an empty bank with a background writer, one bank per repeat (the open untimed)."""
-    out = []
-    for r in range(max(3, s.repeats // 2)):
-        with Bank.open(base / str(r), BankConfig(block_size=s.block_size, write_behind=4)) as bank:
-            pc = PrefixCache(bank, lm)
-            t0 = time.perf_counter()
-            pending = pc.store_later(tokens, cache, states)
-            caller = time.perf_counter() - t0
-            bank.flush()
-            out.append((caller, time.perf_counter() - t0))
-            if pending.result().blocks_written != len(tokens) // s.block_size:
-                raise RuntimeError("store_later wrote fewer blocks than the prompt holds")
-        shutil.rmtree(base / str(r))
-    return out
-
-
-def _hot_copy_floor(
-    pc: PrefixCache, prompt: np.ndarray, length: int, s: RestoreSettings
-) -> list[float]:
-    """`layout_copy_samples` of the attention arrays a hot restore with room copies:
-    `length` tokens of each, into arrays of the capacity that restore allocates."""
-    restored, _ = pc.restore(prompt)
-    eval_cache(restored)
-    sources = [
-        np.ascontiguousarray(to_numpy(a)[..., :length, :])
-        for entry in restored
-        if getattr(entry, "keys", None) is not None
-        for a in (entry.keys, entry.values)
-    ]
-    capacity = int(restored[pc.spec.attention_layers[0]].keys.shape[-2])
-    del restored
-    return layout_copy_samples(sources, capacity, max(7, s.repeats))
-
-
-def _payload_file(bank: Path, family: Family, key: bytes) -> Path | None:
-    """The payload file of `key` in the bank's file tier, or None (kept in RocksDB)."""
-    found = sorted((bank / "payloads" / family.value).glob(f"{key.hex()}.*"))
-    return found[0] if found else None
-
-
-def _reopened_stages(
-    path: Path, lm: Any, prompt: np.ndarray, s: RestoreSettings
-) -> dict[str, float]:
-    """Medians of a reopened restore's own timings (`Hit.timings`: lookup, allocate,
-    fill, total), each restore right after opening the bank as the reopened way does,
-    with the room a runtime asks for."""
-    got: dict[str, list[float]] = {"lookup": [], "allocate": [], "fill": [], "total": []}
-    for _ in range(s.repeats):
-        with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
-            ns = PrefixCache(bank, lm).namespace
-            hit = ns.restore(prompt[:-1], room_for=len(prompt))
-            if hit is None or hit.timings is None:
-                raise RuntimeError(f"{path}: a reopened restore found nothing")
-            for part, seconds in got.items():
-                seconds.append(getattr(hit.timings, f"{part}_s"))
-            del hit
-    return {k: median(v) for k, v in got.items()}
-
-
-def _forward_samples(path: Path, lm: Any, prompt: np.ndarray, s: RestoreSettings) -> list[float]:
-    """The first prefill token alone, on a restored cache with room (restore untimed)."""
-    last = int(prompt[-1])
-    with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
-        pc = PrefixCache(bank, lm)
-        caches: list[list[Any]] = []
-
-        def restore() -> None:
-            caches.clear()
-            restored, _ = pc.restore(prompt)
-            eval_cache(restored)
-            caches.append(restored)
-
-        return sample(lambda: _first_token(pc, caches[0], last), s.repeats, setup=restore)
 
 
 def run(workdir: Path, s: RestoreSettings) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .model_spec import spec_for_model
     from .models import LoadedModel, build_model, load_model, save_model
-    from .prefix_cache import PrefillCancelled, PrefillReport, PrefixCache
+    from .prefill import PrefillCancelled, PrefillReport
+    from .prefix_cache import PrefixCache
     from .prompt_cache_adapter import BankPromptCache
     from .state_recorder import StateRecorder
 
@@ -26,8 +27,8 @@ _HOMES = {
     "build_model": "models",
     "load_model": "models",
     "save_model": "models",
-    "PrefillCancelled": "prefix_cache",
-    "PrefillReport": "prefix_cache",
+    "PrefillCancelled": "prefill",
+    "PrefillReport": "prefill",
     "PrefixCache": "prefix_cache",
     "StateRecorder": "state_recorder",
 }

@@ -56,7 +56,8 @@ from .generation import (
 )
 from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
 from .prefetch import Prefetcher
-from .prefix_cache import DEFAULT_CHUNK_SIZE, PrefillCancelled, PrefixCache
+from .prefill import DEFAULT_CHUNK_SIZE, PrefillCancelled
+from .prefix_cache import PrefixCache
 from .tokenizer import chat_tokens, eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")

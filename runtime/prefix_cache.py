@@ -59,7 +59,6 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -84,44 +83,16 @@ from .cache_io import (
 )
 from .model_spec import new_cache, probe_model, unwrap
 from .models import LoadedModel
+from .prefill import (
+    DEFAULT_CHUNK_SIZE,
+    PrefillCancelled,
+    PrefillReport,
+    chunk_ends,
+    forward_chunks,
+)
 from .state_recorder import StateRecorder
 
-DEFAULT_CHUNK_SIZE = 512
-
 log = logging.getLogger("cas_bank")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillReport:
-    """What the last `prefill` did (`PrefixCache.last_prefill`)."""
-
-    start: int
-    tokens: int
-    chunk_ends: list[int]  # absolute end of every forward pass, ascending
-    captured: list[int]  # boundaries whose states were captured
-    forward_s: float  # wall time of the forward passes (evaluated)
-    store_s: float  # wall time of the store (0 when not stored)
-    stored: StoreReport | None = field(default=None, repr=False)
-
-
-class PrefillCancelled(Exception):
-    """`prefill` stopped early because its `cancelled` callback said so. `tokens`: how
-    many went through the model; their full blocks (and captured states) are stored."""
-
-    def __init__(self, tokens: int, total: int) -> None:
-        super().__init__(f"prefill cancelled after {tokens} of {total} tokens")
-        self.tokens = tokens
-        self.total = total
-
-
-def chunk_ends(n_tokens: int, start: int, chunk_size: int, boundaries: Sequence[int]) -> list[int]:
-    """Ends of the forward passes over tokens[start:n_tokens]: the multiples of
-    `chunk_size` (counted from token 0, so a restored prefill keeps the grid of the
-    prefill that stored it), the capture boundaries, and the end."""
-    ends = set(range((start // chunk_size + 1) * chunk_size, n_tokens, chunk_size))
-    ends.update(b for b in boundaries if start < b < n_tokens)
-    ends.add(n_tokens)
-    return sorted(ends)
 
 
 class PrefixCache:
@@ -292,7 +263,9 @@ class PrefixCache:
         )
         ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
         t0 = time.perf_counter()
-        states, logits, pos = self._forward(toks, cache, start, ends, boundaries, cancelled)
+        states, logits, pos = forward_chunks(
+            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
+        )
         total = len(toks)
         if pos < total:  # cancelled: what went through the model is stored, no end record
             toks, end = toks[:pos], False
@@ -334,33 +307,6 @@ class PrefixCache:
         else:
             vouch_for(self.spec, cache, this_model)
         return at
-
-    def _forward(
-        self,
-        toks: np.ndarray,
-        cache: list[Any],
-        start: int,
-        ends: Sequence[int],
-        boundaries: Sequence[int],
-        cancelled: Callable[[], bool] | None,
-    ) -> tuple[dict[int, list[Any]], mx.array, int]:
-        """The forward passes, one chunk to each of `ends`: the states snapshotted at
-        `boundaries`, the last chunk's logits, and where it stopped (before the end
-        when `cancelled` said so)."""
-        states: dict[int, list[Any]] = {}
-        logits: mx.array | None = None
-        pos, n = start, len(toks)
-        for stop in ends:
-            logits = self.model(mx.array(toks[pos:stop])[None], cache=cache)
-            if stop in boundaries:
-                states[stop] = snapshot_states(self.spec, cache)  # evaluates the chunk
-            else:
-                mx.eval([c.state for c in cache])
-            pos = stop
-            if pos < n and cancelled is not None and cancelled():
-                break
-        assert logits is not None
-        return states, logits, pos
 
     def _store_prefill(
         self,

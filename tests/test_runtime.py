@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache, StateRecorder, load_model, save_model, spec_for_model
 from cas_bank.runtime.models import model_config
-from cas_bank.runtime.prefix_cache import chunk_ends
+from cas_bank.runtime.prefill import chunk_ends
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes

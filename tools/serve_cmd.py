@@ -42,7 +42,7 @@ from .remote_args import add_remote_arguments, remote_settings
 DEFAULT_BANK_DIR = Path.home() / ".cache" / "cas_bank" / "bank"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-DEFAULT_PREFILL_STEP = 512  # runtime.prefix_cache.DEFAULT_CHUNK_SIZE
+DEFAULT_PREFILL_STEP = 512  # runtime.prefill.DEFAULT_CHUNK_SIZE
 DEMO_AGENTS = 4
 DEMO_TURNS = 3
 DEMO_MAX_TOKENS = 32

@@ -1,0 +1,82 @@
+"""A prefill's forward passes (`PrefixCache.prefill`): where its chunks end, the passes
+themselves with the states they capture, and what it reports (or raises when cancelled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from cas_bank.spec import ModelSpec
+from cas_bank.storing import StoreReport
+
+from .cache_io import snapshot_states
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReport:
+    """What the last `prefill` did (`PrefixCache.last_prefill`)."""
+
+    start: int
+    tokens: int
+    chunk_ends: list[int]  # absolute end of every forward pass, ascending
+    captured: list[int]  # boundaries whose states were captured
+    forward_s: float  # wall time of the forward passes (evaluated)
+    store_s: float  # wall time of the store (0 when not stored)
+    stored: StoreReport | None = field(default=None, repr=False)
+
+
+class PrefillCancelled(Exception):
+    """`prefill` stopped early because its `cancelled` callback said so. `tokens`: how
+    many went through the model; their full blocks (and captured states) are stored."""
+
+    def __init__(self, tokens: int, total: int) -> None:
+        super().__init__(f"prefill cancelled after {tokens} of {total} tokens")
+        self.tokens = tokens
+        self.total = total
+
+
+def chunk_ends(n_tokens: int, start: int, chunk_size: int, boundaries: Sequence[int]) -> list[int]:
+    """Ends of the forward passes over tokens[start:n_tokens]: the multiples of
+    `chunk_size` (counted from token 0, so a restored prefill keeps the grid of the
+    prefill that stored it), the capture boundaries, and the end."""
+    ends = set(range((start // chunk_size + 1) * chunk_size, n_tokens, chunk_size))
+    ends.update(b for b in boundaries if start < b < n_tokens)
+    ends.add(n_tokens)
+    return sorted(ends)
+
+
+def forward_chunks(
+    model: nn.Module,
+    spec: ModelSpec,
+    toks: np.ndarray,
+    cache: list[Any],
+    start: int,
+    ends: Sequence[int],
+    boundaries: Sequence[int],
+    cancelled: Callable[[], bool] | None,
+) -> tuple[dict[int, list[Any]], mx.array, int]:
+    """The forward passes of `model` over `toks[start:]` into `cache`, one chunk to each
+    of `ends`: the states snapshotted at `boundaries`, the last chunk's logits, and
+    where it stopped (before the end when `cancelled` said so)."""
+    states: dict[int, list[Any]] = {}
+    logits: mx.array | None = None
+    pos, n = start, len(toks)
+    for stop in ends:
+        logits = model(mx.array(toks[pos:stop])[None], cache=cache)
+        if stop in boundaries:
+            states[stop] = snapshot_states(spec, cache)  # evaluates the chunk
+        else:
+            mx.eval([c.state for c in cache])
+        pos = stop
+        if pos < n and cancelled is not None and cancelled():
+            break
+    assert logits is not None
+    return states, logits, pos
