@@ -20,6 +20,12 @@ server (tests/test_spares.py). The fill costs the background thread a pass over 
 memory; it leaves the pages resident, so the restore that takes them does not fault
 them in.
 
+A set may also be asked for filled (`Filled`: a lease restored again, copied ahead by
+`index.leasecopy`): the thread makes it as it makes spares, then writes it (the
+lease's rows, by the native copy), and the next restore of that lease takes it whole
+by its key (`take_filled`). At most two such sets are kept, each at most half the
+bound, and they are dropped before plain spares.
+
 Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
 the least recently wanted shapes first. The memory is held (resident once reused),
 as the freed caches' memory is under `keep_freed_memory`.

@@ -49,9 +49,11 @@ class CopyPlan:
 
 
 def plan_copy(
-    dests: Sequence[np.ndarray], sources: Sequence[np.ndarray], source_addresses: np.ndarray,
+    dests: Sequence[np.ndarray],
+    sources: Sequence[np.ndarray],
+    source_addresses: np.ndarray,
     rows: int,
-) -> CopyPlan | None:  # fmt: skip
+) -> CopyPlan | None:
     """The plan of copying rows [0, rows) of each of `sources` ([..., T, D]) into rows
     [0, rows) of the destination beside it, from the sources' addresses (each view's
     first element, int64); None when the helper is missing or a view's rows are not
