@@ -111,9 +111,9 @@ class _Ticket:
 class _Partner:
     """One daemon thread that runs the other half of each `together` call: a ticket a
     call, handed over through a queue and plain locks. An executor's future, its
-    condition variables and `wait` cost a call ~80 us with the caches cold, as a
-    forward pass leaves them (~18 us warm), against ~8 us warm this way: a fixed cost
-    of every restore that reads files or copies a lease."""
+    condition variables and `wait` cost a call ~83 us with the caches cold, as a
+    forward pass leaves them (~18 us warm), against ~49 (~4 warm) this way: a fixed
+    cost of every restore that reads files or copies a lease."""
 
     def __init__(self) -> None:
         self._queue: collections.deque[_Ticket] = collections.deque()
@@ -193,8 +193,8 @@ def together(fn: Callable[[], object]) -> None:
     """Run `fn` on this thread and on a helper at once; return when both are done.
 
     `fn` must take its work from a source both share (a counter, an iterator) until
-    none is left: this thread never waits for work the helper has not begun (a helper
-    that has not started by then is cancelled), only for the piece it is on.
+    none is left: this thread never waits for work the helper has not begun (a half
+    the partner has not started by then is given up), only for the piece it is on.
     Re-raises what either raised, this thread's first; on an error or an interrupt
     here it still waits for the helper, which works on the same memory.
     """
