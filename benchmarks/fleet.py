@@ -42,7 +42,7 @@ from mlx_lm.models.cache import save_prompt_cache
 
 from benchmarks.ceilings import dir_bytes, median, percentile
 from benchmarks.ttft import PREFILL_STEP, trimmed
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank, BankConfig, BankStats, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -56,96 +56,132 @@ class FleetSettings:
     admit: str = "always"  # BankConfig.admit
 
 
+@dataclass
+class _Served:
+    """What serving the fleet left: each request's figures, the bytes of every turn's
+    session files, the wall time, and the model's spec."""
+
+    requests: list[dict[str, Any]]
+    saved_bytes_all_turns: int
+    serve_s: float
+    spec: ModelSpec
+
+
 def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
     """Serve every agent's every turn; return bytes, hit rate and TTFT figures."""
     if s.agents < 1 or s.turns < 1 or s.system_tokens < 1 or s.distinct_tokens < 1:
         raise ValueError(f"agents, turns and token counts must be >= 1: {s}")
     workdir.mkdir(parents=True, exist_ok=True)
+    files = workdir / "sessions"
+    files.mkdir()
+    bank_path = workdir / "bank"
+    served = _serve(bank_path, files, s)
+    with Bank.open(bank_path, mode="read_only") as bank:
+        stats = bank.stats()  # after the close: memtables flushed, sizes final
+    return {
+        "settings": asdict(s),
+        "requests": len(served.requests),
+        "serve_s": served.serve_s,
+        "distinct_tokens": _distinct(s),
+        "aligned": s.system_tokens % s.block_size == 0 and s.distinct_tokens % s.block_size == 0,
+        "bytes": _bytes(bank_path, files, s, served, stats),
+        "bytes_written": stats.bytes_written,
+        "blocks_deferred": stats.blocks_deferred,
+        **_latencies(served.requests),
+        "bank_hit_rate": stats.hit_rate,
+        "per_request": served.requests,
+    }
+
+
+def _serve(bank_path: Path, files: Path, s: FleetSettings) -> _Served:
+    """Every agent's every turn in one bank: restore, prefill (which stores), and the
+    session file mlx-lm would save instead."""
     lm = build_model(s.model)
     rng = np.random.default_rng(2024)
     vocab = 256  # byte-level ids: valid for every embedded model
     system = rng.integers(0, vocab, s.system_tokens).astype(np.uint32)
     history = [system.copy() for _ in range(s.agents)]
-    files = workdir / "sessions"
-    files.mkdir()
-    bank_path = workdir / "bank"
-
     requests: list[dict[str, Any]] = []
-    saved_bytes_all_turns = 0
+    saved = 0
     t_start = time.perf_counter()
     config = BankConfig(block_size=s.block_size, admit=s.admit)  # type: ignore[arg-type]
     with Bank.open(bank_path, config) as bank:
         pc = PrefixCache(bank, lm, chunk_size=PREFILL_STEP)
-        spec = pc.spec
         for turn in range(s.turns):
             for a in range(s.agents):
                 prompt = np.concatenate(
                     [history[a], rng.integers(0, vocab, s.distinct_tokens).astype(np.uint32)]
                 )
-                t0 = time.perf_counter()
-                cache, n = pc.restore(prompt)
-                t1 = time.perf_counter()
-                pc.prefill(prompt, cache, start=n)
-                t2 = time.perf_counter()
-                rep = pc.last_prefill
-                assert rep is not None
-                requests.append(
-                    {
-                        "turn": turn,
-                        "agent": a,
-                        "tokens": len(prompt),
-                        "restored": n,
-                        "ttft_s": t2 - t0,
-                        "restore_s": t1 - t0,
-                        "forward_s": rep.forward_s,
-                        "store_s": rep.store_s,
-                    }
-                )
+                figures, cache = _request(pc, prompt)
+                requests.append({"turn": turn, "agent": a} | figures)
                 history[a] = prompt
                 f = files / f"agent-{a}.safetensors"
                 save_prompt_cache(str(f), trimmed(cache))
-                saved_bytes_all_turns += f.stat().st_size
-    serve_s = time.perf_counter() - t_start
-    with Bank.open(bank_path, mode="read_only") as bank:
-        stats = bank.stats()  # after the close: memtables flushed, sizes final
+                saved += f.stat().st_size
+        spec = pc.spec
+    return _Served(requests, saved, time.perf_counter() - t_start, spec)
 
-    distinct = s.system_tokens + s.agents * s.turns * s.distinct_tokens
-    bs = s.block_size
+
+def _request(pc: PrefixCache, prompt: np.ndarray) -> tuple[dict[str, Any], list[Any]]:
+    """One request: restore, prefill the rest (storing it); its figures and its cache."""
+    t0 = time.perf_counter()
+    cache, n = pc.restore(prompt)
+    t1 = time.perf_counter()
+    pc.prefill(prompt, cache, start=n)
+    t2 = time.perf_counter()
+    rep = pc.last_prefill
+    assert rep is not None
+    figures = {
+        "tokens": len(prompt),
+        "restored": n,
+        "ttft_s": t2 - t0,
+        "restore_s": t1 - t0,
+        "forward_s": rep.forward_s,
+        "store_s": rep.store_s,
+    }
+    return figures, cache
+
+
+def _distinct(s: FleetSettings) -> int:
+    """Tokens the fleet's prompts hold once each: the system prompt and every new turn."""
+    return s.system_tokens + s.agents * s.turns * s.distinct_tokens
+
+
+def _bytes(
+    bank_path: Path, files: Path, s: FleetSettings, served: _Served, stats: BankStats
+) -> dict[str, Any]:
+    """The bank's bytes against their lower bound and against mlx-lm's session files."""
     # cas_bank keeps full blocks only: the distinct tokens it can hold are those below
     # each prompt's last block boundary (all of them when the sizes are block-aligned).
-    kv_lower = distinct * spec.token_bytes
-    state_lower = stats.states * spec.state_bytes
+    kv_lower = _distinct(s) * served.spec.token_bytes
+    state_lower = stats.states * served.spec.state_bytes
     lower = kv_lower + state_lower
     bank_bytes = dir_bytes(bank_path)
     session_bytes = dir_bytes(files)
+    return {
+        "cas_bank_dir": bank_bytes,
+        "cas_bank_tables_and_blobs": stats.disk_bytes,
+        "payload_bytes": stats.payload_bytes,
+        "state_bytes": stats.state_bytes,
+        "states_kept": stats.states,
+        "lower_bound": lower,
+        "lower_bound_kv": kv_lower,
+        "lower_bound_states": state_lower,
+        "ratio_to_lower_bound": bank_bytes / lower,
+        "session_files_latest": session_bytes,
+        "session_files_all_turns": served.saved_bytes_all_turns,
+        "session_over_cas_bank": session_bytes / bank_bytes,
+    }
+
+
+def _latencies(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The requests' hit rate, TTFT percentiles and the median of each part."""
     ttft = [r["ttft_s"] for r in requests]
     warm = [r["ttft_s"] for r in requests if r["restored"] > 0]
     queried = sum(r["tokens"] for r in requests)
     hit = sum(r["restored"] for r in requests)
     return {
-        "settings": asdict(s),
-        "requests": len(requests),
-        "serve_s": serve_s,
-        "distinct_tokens": distinct,
-        "aligned": s.system_tokens % bs == 0 and s.distinct_tokens % bs == 0,
-        "bytes": {
-            "cas_bank_dir": bank_bytes,
-            "cas_bank_tables_and_blobs": stats.disk_bytes,
-            "payload_bytes": stats.payload_bytes,
-            "state_bytes": stats.state_bytes,
-            "states_kept": stats.states,
-            "lower_bound": lower,
-            "lower_bound_kv": kv_lower,
-            "lower_bound_states": state_lower,
-            "ratio_to_lower_bound": bank_bytes / lower,
-            "session_files_latest": session_bytes,
-            "session_files_all_turns": saved_bytes_all_turns,
-            "session_over_cas_bank": session_bytes / bank_bytes,
-        },
-        "bytes_written": stats.bytes_written,
-        "blocks_deferred": stats.blocks_deferred,
         "hit_rate": hit / queried,
-        "bank_hit_rate": stats.hit_rate,
         "ttft": {
             "p50_s": median(ttft),
             "p99_s": percentile(ttft, 99),
@@ -159,7 +195,6 @@ def run(workdir: Path, s: FleetSettings) -> dict[str, Any]:
             "forward": median([r["forward_s"] for r in requests]),
             "store": median([r["store_s"] for r in requests]),
         },
-        "per_request": requests,
     }
 
 
