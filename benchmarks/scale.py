@@ -185,9 +185,36 @@ def run(workdir: Path, s: ScaleSettings) -> dict[str, Any]:
     small_built = build(small, s.small_blocks, s, seed=2)
     phases = {"build": time.perf_counter() - t0}
     prompt: np.ndarray = built["prompt"]
-
-    # Store throughput against a raw write of the same records in the same batch sizes.
     t0 = time.perf_counter()
+    store = _store_figures(workdir, big, built, s)
+    phases["store_ceiling"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    reopen = _reopen_figures(big, small, s)
+    phases["reopen"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lookup = _lookup_figures(big, prompt, s)
+    phases["lookup"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lookup["bs64"] = _lookup_bs64(side, prompt, s)
+    phases["lookup_bs64"] = time.perf_counter() - t0
+    return {
+        "settings": asdict(s),
+        "build_s": build_s,
+        "big_blocks": built["stored_blocks"],
+        "small_blocks": small_built["stored_blocks"],
+        "big_disk_bytes": built["disk_bytes"],
+        "big_dir_bytes": built["dir_bytes"],
+        "phases_s": phases,
+        "store": store,
+        "reopen": reopen,
+        "lookup": lookup,
+    }
+
+
+def _store_figures(
+    workdir: Path, big: Path, built: dict[str, Any], s: ScaleSettings
+) -> dict[str, Any]:
+    """Store throughput against a raw write of the same records in the same batch sizes."""
     secs, blocks = built["seconds"], built["blocks"]
     per_batch = [b / t for b, t in zip(blocks, secs, strict=True) if t > 0]
     n_ceiling = min(len(blocks), s.ceiling_batches) * max(1, s.batch_tokens // s.block_size)
@@ -198,13 +225,22 @@ def run(workdir: Path, s: ScaleSettings) -> dict[str, Any]:
     batches = [hdr[i : i + bsz] + pay[i : i + bsz] for i in range(0, len(hdr), bsz)]
     raw_secs = raw_put_samples(workdir / "raw-put", batches)
     del records, pay, batches
-    phases["store_ceiling"] = time.perf_counter() - t0
     raw_bps = len(hdr) / sum(raw_secs)
     store_bps = sum(blocks) / sum(secs)
+    return {
+        "blocks_per_s": store_bps,
+        "batch_p50_blocks_per_s": median(per_batch),
+        "first_batches_blocks_per_s": sum(blocks[:8]) / sum(secs[:8]),
+        "last_batches_blocks_per_s": sum(blocks[-8:]) / sum(secs[-8:]),
+        "raw_put_blocks_per_s": raw_bps,
+        "fraction_of_raw": store_bps / raw_bps,
+        "ceiling_blocks": len(hdr),
+    }
 
-    # Reopen: the bank and raw rocksdict, big and small.
-    t0 = time.perf_counter()
-    # Interleaved, one open of each at a time, so that the machine's drift hits both alike.
+
+def _reopen_figures(big: Path, small: Path, s: ScaleSettings) -> dict[str, Any]:
+    """Reopening the bank and raw rocksdict, big and small, interleaved: one open of
+    each at a time, so that the machine's drift hits both alike."""
     opens: dict[str, list[float]] = {"big_s": [], "small_s": [], "raw_big_s": [], "raw_small_s": []}
     for _ in range(s.reopens):
         opens["big_s"] += _open_samples(big, 1, s.block_size)
@@ -215,10 +251,11 @@ def run(workdir: Path, s: ScaleSettings) -> dict[str, Any]:
     reopen["ratio"] = reopen["big_s"] / reopen["small_s"]
     reopen["fraction_of_raw"] = reopen["raw_big_s"] / reopen["big_s"]
     reopen["profile"] = profile_top(lambda: Bank.open(big, _config(s.block_size)).close(), 3, 6)
-    phases["reopen"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    return reopen
 
-    # Lookup of the 32k prompt, held whole by the big bank; and of one it lacks.
+
+def _lookup_figures(big: Path, prompt: np.ndarray, s: ScaleSettings) -> dict[str, Any]:
+    """Lookup of the 32k prompt, held whole by the big bank, and of one it lacks."""
     miss_prompt = np.random.default_rng(99).integers(0, 1 << 31, len(prompt), dtype=np.uint32)
     with Bank.open(big, _config(s.block_size)) as bank:
         ns = bank.namespace(SPEC)
@@ -228,54 +265,32 @@ def run(workdir: Path, s: ScaleSettings) -> dict[str, Any]:
         root = ns.root
         profile = profile_top(lambda: ns.match(prompt), repeats=20, top=8)
     ceiling = _raw_lookup_ceiling(big, root, prompt, s.block_size, s.lookups)
+    return {
+        "tokens": len(prompt),
+        "block_size": s.block_size,
+        "blocks": len(prompt) // s.block_size,
+        "matched_tokens": matched,
+        "hit": hit,
+        "miss": miss,
+        "ceiling_p50_s": median(ceiling),
+        "fraction_of_ceiling": median(ceiling) / hit["p50_s"],
+        "profile": profile,
+    }
 
-    phases["lookup"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    # The same lookup at the default block size (a small side bank holding the prompt).
-    side_s = ScaleSettings(**{**asdict(s), "block_size": 64})
+
+def _lookup_bs64(side: Path, prompt: np.ndarray, s: ScaleSettings) -> dict[str, Any]:
+    """The same lookup at the default block size (a small side bank holding the prompt)."""
     with Bank.open(side, _config(64)) as bank:
         ns64 = bank.namespace(SPEC)
         ns64.store(prompt, _kv(len(prompt), np.random.default_rng(3)))
         hit64 = _lookup(ns64, prompt, s.lookups)
         root64 = ns64.root
-    ceiling64 = _raw_lookup_ceiling(side, root64, prompt, side_s.block_size, s.lookups)
-    phases["lookup_bs64"] = time.perf_counter() - t0
-
+    ceiling64 = _raw_lookup_ceiling(side, root64, prompt, 64, s.lookups)
     return {
-        "settings": asdict(s),
-        "build_s": build_s,
-        "big_blocks": built["stored_blocks"],
-        "small_blocks": small_built["stored_blocks"],
-        "big_disk_bytes": built["disk_bytes"],
-        "big_dir_bytes": built["dir_bytes"],
-        "phases_s": phases,
-        "store": {
-            "blocks_per_s": store_bps,
-            "batch_p50_blocks_per_s": median(per_batch),
-            "first_batches_blocks_per_s": sum(blocks[:8]) / sum(secs[:8]),
-            "last_batches_blocks_per_s": sum(blocks[-8:]) / sum(secs[-8:]),
-            "raw_put_blocks_per_s": raw_bps,
-            "fraction_of_raw": store_bps / raw_bps,
-            "ceiling_blocks": len(hdr),
-        },
-        "reopen": reopen,
-        "lookup": {
-            "tokens": len(prompt),
-            "block_size": s.block_size,
-            "blocks": len(prompt) // s.block_size,
-            "matched_tokens": matched,
-            "hit": hit,
-            "miss": miss,
-            "ceiling_p50_s": median(ceiling),
-            "fraction_of_ceiling": median(ceiling) / hit["p50_s"],
-            "profile": profile,
-            "bs64": {
-                "blocks": len(prompt) // 64,
-                "hit": hit64,
-                "ceiling_p50_s": median(ceiling64),
-                "fraction_of_ceiling": median(ceiling64) / hit64["p50_s"],
-            },
-        },
+        "blocks": len(prompt) // 64,
+        "hit": hit64,
+        "ceiling_p50_s": median(ceiling64),
+        "fraction_of_ceiling": median(ceiling64) / hit64["p50_s"],
     }
 
 
