@@ -41,6 +41,7 @@ from cas_bank.bank import Bank
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankFullError, InvalidInputError
 
+from . import prompts
 from .decoding import Sampler, TextStream
 from .generation import (
     EngineBusyError,
@@ -58,7 +59,7 @@ from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_con
 from .prefetch import Prefetcher
 from .prefill import DEFAULT_CHUNK_SIZE, PrefillCancelled
 from .prefix_cache import PrefixCache
-from .tokenizer import chat_tokens, eos_token_ids
+from .tokenizer import eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")
 
@@ -198,47 +199,17 @@ class Engine:
     # -- requests ------------------------------------------------------------------
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids for a conversation, through the model's chat template."""
-        if not messages:
-            raise RequestError("messages must not be empty", param="messages")
-        try:
-            return chat_tokens(self.loaded.tokenizer, messages)
-        except (ValueError, TypeError, KeyError) as e:
-            raise RequestError(f"cannot render the messages: {e}", param="messages") from e
+        return prompts.chat_prompt(self.loaded.tokenizer, messages)
 
     def branch_hints(
         self, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int]
     ) -> tuple[int, ...]:
-        """Where later prompts likely leave this one: the end of its leading system
-        messages (the prompt a fleet of agents shares), as a token position."""
-        head = 0
-        while head < len(messages) and messages[head].get("role") in ("system", "developer"):
-            head += 1
-        if head == 0 or head == len(messages):
-            return ()
-        try:
-            rendered = chat_tokens(self.loaded.tokenizer, messages[:head])
-        except Exception:  # some templates refuse a conversation without a user turn
-            log.debug("no branch hint: the template cannot render the system messages alone")
-            return ()
-        shared = 0  # templates may append a generation prompt: keep the common prefix
-        for a, b in zip(rendered, prompt, strict=False):
-            if a != b:
-                break
-            shared += 1
-        return (shared,) if shared else ()
+        """Where later prompts likely leave this one (`prompts.branch_hints`)."""
+        return prompts.branch_hints(self.loaded.tokenizer, messages, prompt)
 
     def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Prompt ids for a completion: text through the tokenizer, or ids as given."""
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in JSON)
-                raise RequestError(
-                    f"the prompt is not valid Unicode text: {e.reason} at character {e.start}",
-                    param="prompt",
-                ) from e
-            return [int(t) for t in self.loaded.tokenizer.encode(prompt)]
-        return [int(t) for t in prompt]
+        return prompts.text_prompt(self.loaded.tokenizer, prompt)
 
     def check(self, request: GenerationRequest) -> GenerationRequest:
         """The request as it will run (max_tokens resolved), or a `RequestError`."""
