@@ -173,11 +173,7 @@ class Spares:
             if filled.key in self._filled:
                 self._filled.move_to_end(filled.key)
                 return
-        wanted = list(filled.wanted)
-        made = [
-            Destination.made_ahead(shape, dtype, array)
-            for (shape, dtype), array in zip(wanted, zeroed(wanted), strict=True)
-        ]
+        made = _made_ahead(filled.wanted)
         filled.fill(made)
         with self._lock:
             self._filled[filled.key] = made
@@ -200,10 +196,7 @@ class Spares:
             for w in wanted:
                 counts[w] = counts.get(w, 0) + 1
             missing = [w for w, n in counts.items() for _ in range(n - len(self._pool.get(w, ())))]
-        made = [
-            Destination.made_ahead(shape, dtype, array)
-            for (shape, dtype), array in zip(missing, zeroed(missing), strict=True)
-        ]
+        made = _made_ahead(missing)
         with self._lock:
             for w, dest in zip(missing, made, strict=True):
                 self._pool.setdefault(w, []).append(dest)
@@ -223,6 +216,15 @@ class Spares:
 
 
 _FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
+
+
+def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
+    """Destinations of `wanted`, zero-filled (`arrays.zeroed`: the spares' thread never
+    uses MLX's load of a stream), made ahead of the restore that takes them."""
+    return [
+        Destination.made_ahead(shape, dtype, array)
+        for (shape, dtype), array in zip(wanted, zeroed(wanted), strict=True)
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class _Shapes:
     state_dtypes: tuple[DType, ...]
     wanted: tuple[tuple[tuple[int, ...], DType], ...]  # attention arrays, then states
     sizes: tuple[int, ...]  # bytes of each of `wanted`
+    attention_bytes: int  # bytes of the attention arrays of `wanted` (a lease's copy)
     block_shapes: tuple[tuple[int, ...], ...]
     fits: tuple[tuple[tuple[int, ...], np.dtype[np.generic]], ...]  # a block's (shape, dtype)
     spares: SpareSet  # `wanted` grouped for the spares' pool
@@ -95,6 +96,7 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         [d.itemsize for d in dtypes],
         [block_size] * len(specs),
     )
+    sizes = tuple(math.prod(shape) * d.itemsize for shape, d in wanted)
     return _Shapes(
         capacity,
         specs,
@@ -102,7 +104,8 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         state_shapes,
         state_dtypes,
         wanted,
-        tuple(math.prod(shape) * d.itemsize for shape, d in wanted),
+        sizes,
+        sum(sizes[: len(specs)]),
         block_shapes,
         tuple((shape, d.storage) for shape, d in zip(block_shapes, dtypes, strict=True)),
         spare_set(wanted),
@@ -148,6 +151,7 @@ class Assembler:
         self._spared = cpu_fillable()
         self._spare_set = shapes.spares
         self._serial = shapes.serial
+        self._attention_bytes = shapes.attention_bytes
         n_arrays = len(self.specs)
         # A lease's copy made ahead (`index.leasecopy`), else spares, else new arrays.
         self._from_lease = lease if self._spared and not state and rowcopy.available() else None
@@ -229,13 +233,12 @@ class Assembler:
         """A lease's first `rows` rows into place by the native copy (streamed stores,
         `index.rowcopy`, planned once per lease: `index.leasecopy`), or by numpy where
         it cannot."""
-        sources = arrays.numpy_views()
         plan, nbytes = leasecopy.plan(arrays, self._serial, self._views, rows)
         if plan is not None:
-            two = nbytes >= _TWO_THREADS_FROM and len(sources) > 1
+            two = nbytes >= _TWO_THREADS_FROM and len(arrays) > 1
             rowcopy.copy_planned(plan, self.addresses(), two_threads=two)
             return
-        self._later.append((0, [v[..., :rows, :] for v in sources]))
+        self._later.append((0, [v[..., :rows, :] for v in arrays.numpy_views()]))
         self._later_bytes += nbytes
 
     def put_arrays(self, arrays: Sequence[mx.array], n_blocks: int) -> None:
@@ -268,7 +271,9 @@ class Assembler:
             return None
         attention = self._wanted[: len(self.specs)]
         rows = n_blocks * self.block_size
-        return leasecopy.ask_ahead(lease, self._serial, rows, attention, self._views)
+        return leasecopy.ask_ahead(
+            lease, self._serial, rows, attention, self._attention_bytes, self._views
+        )
 
     def block_files(self) -> BlockFiles:
         """A reader of block payload files into these arrays (`direct` only)."""

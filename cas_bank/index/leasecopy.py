@@ -25,14 +25,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cas_bank.arrays import Destination, DType, HeldArrays
+from cas_bank.arrays import Destination, HeldArrays
 from cas_bank.index import rowcopy
-from cas_bank.spares import SPARES, Filled
+from cas_bank.spares import SPARES, Filled, Wanted
 
 _PLANS_KEPT = 8  # plans a lease keeps (one per destination shapes it is restored into)
 _AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is made ahead
-
-Wanted = tuple[tuple[int, ...], DType]
 
 
 def plan(
@@ -68,17 +66,20 @@ def ask_ahead(
     serial: int,
     rows: int,
     wanted: Sequence[Wanted],
+    nbytes: int,
     views: Sequence[np.ndarray],
 ) -> Filled | None:
     """What to have the spares' thread make after this restore of `arrays` into
-    destinations of `wanted` (shapes, dtypes: `views` are this restore's own): from
-    the lease's second restore with room into these shapes, its copy made ahead.
-    None before then, or where the native copy is not there."""
+    destinations of `wanted` (shapes, dtypes; `nbytes` in all: `views` are this
+    restore's own): from the lease's second restore with room into these shapes, its
+    copy made ahead. None before then, or where the native copy is not there."""
     uses_key = ("uses", serial, rows)
     uses = arrays.memo.get(uses_key, 0) + 1
     arrays.memo[uses_key] = uses
+    if uses < _AHEAD_FROM_USE or not SPARES.copy_ahead:
+        return None
     copy, _ = plan(arrays, serial, views, rows)
-    if copy is None or uses < _AHEAD_FROM_USE or not SPARES.copy_ahead:
+    if copy is None:
         return None
 
     def fill(dests: list[Destination]) -> None:
@@ -86,5 +87,4 @@ def ask_ahead(
         addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
         rowcopy.copy_planned(copy, addresses, two_threads=False)
 
-    nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in wanted)
     return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)
