@@ -162,13 +162,14 @@ def layout_copy_samples(
     rows = sources[0].shape[-2] if sources else 0
     from_addresses = np.array([address_of(a) for a in sources], dtype=np.int64)
     to_addresses = [np.array([address_of(d) for d in ds], dtype=np.int64) for ds in dests]
+    # Planned once, as a lease keeps its plan (`index.leasecopy`): each copy only places it.
+    plan = rowcopy.plan_copy(dests[0], sources, from_addresses, rows) if dests else None
 
     def copy() -> None:
         at = next(rounds) % sets
         views = dests[at]
-        if rowcopy.copy_prefix(
-            views, to_addresses[at], sources, from_addresses, rows, two_threads=True
-        ):
+        if plan is not None:
+            rowcopy.copy_planned(plan, to_addresses[at], two_threads=True)
             return
         arrays = itertools.count()
 

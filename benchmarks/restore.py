@@ -209,8 +209,9 @@ def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> Resto
 
 
 def _ways(case: RestoreCase, s: RestoreSettings) -> dict[str, Callable[[str | None], float]]:
-    """The four ways to a cache of the prefix, each timed with what follows it (`_then`):
-    mlx-lm's file, a reopened bank, the hot bank with room, its lease handed out."""
+    """The five ways to a cache of the prefix, each timed with what follows it (`_then`):
+    mlx-lm's file, a reopened bank, the hot bank with room (copied ahead, and with the
+    copy on the path), its lease handed out."""
     prompt, length, hpc, last = case.prompt, case.length, case.hpc, case.last
 
     def file_way(then: str | None) -> float:
