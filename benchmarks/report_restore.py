@@ -150,111 +150,109 @@ def restore_section(r: dict[str, Any]) -> list[str]:
     return L
 
 
+# The section's head: its title and what each column means.
+_AGAINST_FILE_INTRO = (
+    "",
+    "### Restore against mlx-lm's file",
+    "",
+    "Ratios are file time / cas_bank time (>= 1.0: cas_bank is as fast or faster). "
+    "Reopened: the bank closed and opened again before each request, page cache warm "
+    "as for the file; every payload verified. Hot: the process that stored the prefix "
+    "(its lease). TTFT: the restore (or load) and the first prefill token through the "
+    "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
+    "reopened, >= 2x hot.",
+    "",
+    "Floors, measured in the same run on the same bytes. A reopened restore verifies "
+    "every payload: each byte is copied out of the page cache once (all the file "
+    "load does, on both cores: MLX reads a file on several threads) and checked once "
+    "(XXH3-128 in a format-4 bank, the benchmark's; blake3, ~3.3 GB/s a core, in a "
+    "bank written before: `floor ms` gives both, the second on the same files "
+    "re-digested with blake3). The verified floor is the bank's "
+    "own payload files read that way by the native reader on both cores, with no "
+    "index, allocation or Python between: `best` = file load / verified floor is the "
+    "most a verified restore can reach against the file on this machine, so the "
+    "reopened target of 1.0x is out of reach wherever `best` < 1.0; the target then "
+    "is the floor itself (`of floor`: the restore's speed as a fraction of it). `reopened "
+    "parts` is where a reopened restore's own time goes (`Hit.timings`, medians of "
+    "restores right after opening the bank): the index lookup, allocating its "
+    "destination arrays (fresh, unfilled above 1 MiB an array), and the read (reading, "
+    "verifying and copying the payloads into them, on both cores), beside the floor: "
+    "the same read alone, back to back, which pays no lookup, allocation or Python. "
+    "TTFT's floor is the first token's forward pass on a cache already in memory: `TTFT "
+    "best` = file TTFT / that forward is the most any restore can reach, so the hot "
+    "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
+    "forward pass on this CPU's reference BLAS dwarfs every load). Hot is a "
+    "runtime's restore (`PrefixCache.restore`: room for its prompt), which takes "
+    "the leased prefix in buffers the cache owns (the bank keeps its own for the "
+    "next agent, and the cache must write after the prefix): a lease restored "
+    "again is copied into them ahead, by the spares' thread after the restore "
+    "before (`index.leasecopy`); `on path` is the same restore with that copy on its "
+    "path, once, on both cores (copies ahead off: a lease's first two restores); "
+    "`handout` is the lease handed out as it is (`Namespace.restore` without room: "
+    "exact-size arrays like the file's, no copy), whose first prefill token then "
+    "copies it on one core (mlx-lm's concatenation). `TTFT hot best` = file TTFT / "
+    "(that forward + a copy of the prefix on both cores): the most a hot restore "
+    "that copies on its path can reach (one copied ahead: `TTFT best`). "
+    "`+ first update`: the restore (or load) "
+    "and the first cache update alone, one token appended to every attention layer "
+    "without the model: the copy a cache without room makes there, which the "
+    "forward pass hides in TTFT on this CPU.",
+    "",
+)
+
+_AGAINST_FILE_COLUMNS = (
+    "model",
+    "tokens",
+    "MB",
+    "restore ms: file / reopened / hot / on path / handout",
+    "reopened",
+    "best",
+    "floor ms: XXH3 / blake3",
+    "of floor",
+    "reopened parts ms: lookup / alloc / read (floor)",
+    "hot",
+    "on path",
+    "handout",
+    "TTFT ms: file / reopened / hot / on path / handout",
+    "TTFT reopened",
+    "TTFT hot",
+    "TTFT on path",
+    "TTFT best",
+    "TTFT hot best",
+    "+ first update ms: file / reopened / hot / on path / handout",
+)
+
+
 def _against_file(rs: dict[str, Any]) -> list[str]:
     """Issue 11's table: each way against mlx-lm's own file, at >= 64 MB and below."""
-    L = [
-        "",
-        "### Restore against mlx-lm's file",
-        "",
-        "Ratios are file time / cas_bank time (>= 1.0: cas_bank is as fast or faster). "
-        "Reopened: the bank closed and opened again before each request, page cache warm "
-        "as for the file; every payload verified. Hot: the process that stored the prefix "
-        "(its lease). TTFT: the restore (or load) and the first prefill token through the "
-        "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
-        "reopened, >= 2x hot.",
-        "",
-        "Floors, measured in the same run on the same bytes. A reopened restore verifies "
-        "every payload: each byte is copied out of the page cache once (all the file "
-        "load does, on both cores: MLX reads a file on several threads) and checked once "
-        "(XXH3-128 in a format-4 bank, the benchmark's; blake3, ~3.3 GB/s a core, in a "
-        "bank written before: `floor ms` gives both, the second on the same files "
-        "re-digested with blake3). The verified floor is the bank's "
-        "own payload files read that way by the native reader on both cores, with no "
-        "index, allocation or Python between: `best` = file load / verified floor is the "
-        "most a verified restore can reach against the file on this machine, so the "
-        "reopened target of 1.0x is out of reach wherever `best` < 1.0; the target then "
-        "is the floor itself (`of floor`: the restore's speed as a fraction of it). `reopened "
-        "parts` is where a reopened restore's own time goes (`Hit.timings`, medians of "
-        "restores right after opening the bank): the index lookup, allocating its "
-        "destination arrays (fresh, unfilled above 1 MiB an array), and the read (reading, "
-        "verifying and copying the payloads into them, on both cores), beside the floor: "
-        "the same read alone, back to back, which pays no lookup, allocation or Python. "
-        "TTFT's floor is the first token's forward pass on a cache already in memory: `TTFT "
-        "best` = file TTFT / that forward is the most any restore can reach, so the hot "
-        "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
-        "forward pass on this CPU's reference BLAS dwarfs every load). Hot is a "
-        "runtime's restore (`PrefixCache.restore`: room for its prompt), which takes "
-        "the leased prefix in buffers the cache owns (the bank keeps its own for the "
-        "next agent, and the cache must write after the prefix): a lease restored "
-        "again is copied into them ahead, by the spares' thread after the restore "
-        "before (`index.leasecopy`); `on path` is the same restore with that copy on its "
-        "path, once, on both cores (copies ahead off: a lease's first two restores); "
-        "`handout` is the lease handed out as it is (`Namespace.restore` without room: "
-        "exact-size arrays like the file's, no copy), whose first prefill token then "
-        "copies it on one core (mlx-lm's concatenation). `TTFT hot best` = file TTFT / "
-        "(that forward + a copy of the prefix on both cores): the most a hot restore "
-        "that copies on its path can reach (one copied ahead: `TTFT best`). "
-        "`+ first update`: the restore (or load) "
-        "and the first cache update alone, one token appended to every attention layer "
-        "without the model: the copy a cache without room makes there, which the "
-        "forward pass hides in TTFT on this CPU.",
-        "",
+    rows = [_against_file_row(c) for c in rs["cases"] if c.get("ttft_s") is not None]
+    return [*_AGAINST_FILE_INTRO, *_table(list(_AGAINST_FILE_COLUMNS), rows)]
+
+
+def _against_file_row(c: dict[str, Any]) -> list[str]:
+    """One case's row of `_against_file`'s table."""
+    f, t = c["fractions"], c["ttft_s"]
+    return [
+        c["model"],
+        str(c["tokens"]),
+        _mb(c["kv_bytes"]),
+        f"{_ms(c['file_load_s'])} / {_ms(c['rocksdb_restore_s'])} / "
+        f"{_ms(c['hot_restore_s'])} / {_ms(c.get('hot_on_path_s'))} / "
+        f"{_ms(c.get('hot_handout_s'))}",
+        f"{f['file_load_over_rocksdb_restore']:.2f}x",
+        f"{f['file_load_over_floor']:.2f}x",
+        _floors(c),
+        f"{f['rocksdb_restore_of_ceiling']:.2f}",
+        _stages(c),
+        f"{f['file_load_over_hot_restore']:.2f}x",
+        _x(f.get("file_load_over_hot_on_path")),
+        _x(f.get("file_load_over_hot_handout")),
+        f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])} / "
+        f"{_ms(t.get('on_path'))} / {_ms(t.get('handout'))}",
+        f"{f['file_ttft_over_reopened_ttft']:.2f}x",
+        f"{f['file_ttft_over_hot_ttft']:.2f}x",
+        _x(f.get("file_ttft_over_on_path_ttft")),
+        f"{f['file_ttft_over_forward']:.2f}x",
+        _x(f.get("file_ttft_over_forward_and_copy")),
+        " / ".join(_ms(u) for u in c["first_update_s"].values()) if "first_update_s" in c else "-",
     ]
-    rows = []
-    for c in rs["cases"]:
-        f, t = c["fractions"], c.get("ttft_s")
-        if t is None:
-            continue
-        rows.append(
-            [
-                c["model"],
-                str(c["tokens"]),
-                _mb(c["kv_bytes"]),
-                f"{_ms(c['file_load_s'])} / {_ms(c['rocksdb_restore_s'])} / "
-                f"{_ms(c['hot_restore_s'])} / {_ms(c.get('hot_on_path_s'))} / "
-                f"{_ms(c.get('hot_handout_s'))}",
-                f"{f['file_load_over_rocksdb_restore']:.2f}x",
-                f"{f['file_load_over_floor']:.2f}x",
-                _floors(c),
-                f"{f['rocksdb_restore_of_ceiling']:.2f}",
-                _stages(c),
-                f"{f['file_load_over_hot_restore']:.2f}x",
-                _x(f.get("file_load_over_hot_on_path")),
-                _x(f.get("file_load_over_hot_handout")),
-                f"{_ms(t['file'])} / {_ms(t['reopened'])} / {_ms(t['hot'])} / "
-                f"{_ms(t.get('on_path'))} / {_ms(t.get('handout'))}",
-                f"{f['file_ttft_over_reopened_ttft']:.2f}x",
-                f"{f['file_ttft_over_hot_ttft']:.2f}x",
-                _x(f.get("file_ttft_over_on_path_ttft")),
-                f"{f['file_ttft_over_forward']:.2f}x",
-                _x(f.get("file_ttft_over_forward_and_copy")),
-                " / ".join(_ms(u) for u in c["first_update_s"].values())
-                if "first_update_s" in c
-                else "-",
-            ]
-        )
-    L += _table(
-        [
-            "model",
-            "tokens",
-            "MB",
-            "restore ms: file / reopened / hot / on path / handout",
-            "reopened",
-            "best",
-            "floor ms: XXH3 / blake3",
-            "of floor",
-            "reopened parts ms: lookup / alloc / read (floor)",
-            "hot",
-            "on path",
-            "handout",
-            "TTFT ms: file / reopened / hot / on path / handout",
-            "TTFT reopened",
-            "TTFT hot",
-            "TTFT on path",
-            "TTFT best",
-            "TTFT hot best",
-            "+ first update ms: file / reopened / hot / on path / handout",
-        ],
-        rows,
-    )
-    return L

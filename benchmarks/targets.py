@@ -151,59 +151,10 @@ def _medium_against_file(r: dict[str, Any], rows: _Rows) -> None:
         if "ttft_s" not in c:
             continue
         where = f"{c['model']}, {c['tokens']} tokens, synthetic KV ({mb(c['kv_bytes'])} MB)"
-        f, t = c["fractions"], c["ttft_s"]
-        b3 = f.get("file_load_over_blake3_floor")
-        rows.add(
-            "restore from a reopened bank >= 1.0x mlx-lm's file load (every payload checked)",
-            f"{f['file_load_over_rocksdb_restore']:.2f}x ({ms(c['file_load_s'])} vs "
-            f"{ms(c['rocksdb_restore_s'])} ms; the verified-read floor allows "
-            f"{f['file_load_over_floor']:.2f}x"
-            + (f", with blake3 checks {b3:.2f}x" if b3 is not None else "")
-            + ")",
-            f["file_load_over_rocksdb_restore"] >= 1.0,
-            where,
-            top_functions(c["profile_rocks"]),
-        )
-        on_path = (
-            f"; with the copy on the restore's path (a lease's first two restores) "
-            f"{f['file_load_over_hot_on_path']:.2f}x, {ms(c['hot_on_path_s'])} ms"
-            if "hot_on_path_s" in c
-            else ""
-        )
-        rows.add(
-            "hot restore with room (PrefixCache.restore) >= 2x mlx-lm's file load",
-            f"{f['file_load_over_hot_restore']:.2f}x ({ms(c['file_load_s'])} vs "
-            f"{ms(c['hot_restore_s'])} ms, the lease copied ahead{on_path}; "
-            "one copy of the prefix on both cores into a "
-            f"warm buffer {ms(c.get('memcpy_2_threads_s'))} ms: "
-            f"{c['file_load_s'] / c['memcpy_2_threads_s']:.2f}x"
-            + (
-                f", into resident arrays not in cache as the restore copies (streamed "
-                f"where the native helper is built), its floor, "
-                f"{ms(c['hot_copy_floor_s'])} ms: {c['file_load_s'] / c['hot_copy_floor_s']:.2f}x"
-                if c.get("hot_copy_floor_s")
-                else ""
-            )
-            + ")"
-            if c.get("memcpy_2_threads_s")
-            else f"{f['file_load_over_hot_restore']:.2f}x",
-            f["file_load_over_hot_restore"] >= 2.0,
-            where,
-            top_functions(c["profile"]),
-        )
-        # The lease handed out as it is, exact-size arrays like the file's; a runtime's
-        # restore (room for its prompt) copies it once more, reported beside it.
-        handout = f.get("file_load_over_hot_handout", f["file_load_over_hot_restore"])
-        rows.add(
-            "hot restore handed out >= 2x mlx-lm's file load",
-            f"{handout:.2f}x ({ms(c['file_load_s'])} vs "
-            f"{ms(c.get('hot_handout_s', c['hot_restore_s']))} ms, the lease handed out; "
-            f"with room for the prompt {f['file_load_over_hot_restore']:.2f}x)",
-            handout >= 2.0,
-            where,
-            top_functions(c["profile"]),
-        )
+        _reopened_row(c, where, rows)
+        _hot_rows(c, where, rows)
         if "store_later_caller_s" in c:
+            f = c["fractions"]
             rows.add(
                 "store_later costs the caller <= 2x a memcpy of the new bytes",
                 f"{f['store_later_caller_over_memcpy']:.2f}x "
@@ -212,45 +163,122 @@ def _medium_against_file(r: dict[str, Any], rows: _Rows) -> None:
                 f["store_later_caller_over_memcpy"] <= 2.0,
                 where,
             )
-        rows.add(
-            "TTFT from a reopened bank >= 1.0x the file's",
-            f"{f['file_ttft_over_reopened_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['reopened'])} ms)",
-            f["file_ttft_over_reopened_ttft"] >= 1.0,
-            where,
-        )
-        # Copied ahead, a hot restore copies nothing on its path: the forward pass alone
-        # is its best; with the copy on the path, the forward pass and one copy.
-        ahead = "file_ttft_over_on_path_ttft" in f
-        best = (
-            f["file_ttft_over_forward"]
+        _ttft_rows(c, where, rows)
+
+
+def _reopened_row(c: dict[str, Any], where: str, rows: _Rows) -> None:
+    """A reopened restore against the file, beside what the verified floor allows."""
+    f = c["fractions"]
+    b3 = f.get("file_load_over_blake3_floor")
+    rows.add(
+        "restore from a reopened bank >= 1.0x mlx-lm's file load (every payload checked)",
+        f"{f['file_load_over_rocksdb_restore']:.2f}x ({ms(c['file_load_s'])} vs "
+        f"{ms(c['rocksdb_restore_s'])} ms; the verified-read floor allows "
+        f"{f['file_load_over_floor']:.2f}x"
+        + (f", with blake3 checks {b3:.2f}x" if b3 is not None else "")
+        + ")",
+        f["file_load_over_rocksdb_restore"] >= 1.0,
+        where,
+        top_functions(c["profile_rocks"]),
+    )
+
+
+def _hot_rows(c: dict[str, Any], where: str, rows: _Rows) -> None:
+    """A hot restore with room (copied ahead, and with the copy on its path) against
+    the file beside the copy's floors, and the lease handed out."""
+    f = c["fractions"]
+    rows.add(
+        "hot restore with room (PrefixCache.restore) >= 2x mlx-lm's file load",
+        _hot_measured(c)
+        if c.get("memcpy_2_threads_s")
+        else f"{f['file_load_over_hot_restore']:.2f}x",
+        f["file_load_over_hot_restore"] >= 2.0,
+        where,
+        top_functions(c["profile"]),
+    )
+    # The lease handed out as it is, exact-size arrays like the file's; a runtime's
+    # restore (room for its prompt) copies it once more, reported beside it.
+    handout = f.get("file_load_over_hot_handout", f["file_load_over_hot_restore"])
+    rows.add(
+        "hot restore handed out >= 2x mlx-lm's file load",
+        f"{handout:.2f}x ({ms(c['file_load_s'])} vs "
+        f"{ms(c.get('hot_handout_s', c['hot_restore_s']))} ms, the lease handed out; "
+        f"with room for the prompt {f['file_load_over_hot_restore']:.2f}x)",
+        handout >= 2.0,
+        where,
+        top_functions(c["profile"]),
+    )
+
+
+def _hot_measured(c: dict[str, Any]) -> str:
+    """What a hot restore with room measured, beside the copy on its path and the
+    copy's floors (a warm memcpy, and into resident arrays as the restore copies)."""
+    f = c["fractions"]
+    on_path = (
+        f"; with the copy on the restore's path (a lease's first two restores) "
+        f"{f['file_load_over_hot_on_path']:.2f}x, {ms(c['hot_on_path_s'])} ms"
+        if "hot_on_path_s" in c
+        else ""
+    )
+    floor = (
+        f", into resident arrays not in cache as the restore copies (streamed "
+        f"where the native helper is built), its floor, "
+        f"{ms(c['hot_copy_floor_s'])} ms: {c['file_load_s'] / c['hot_copy_floor_s']:.2f}x"
+        if c.get("hot_copy_floor_s")
+        else ""
+    )
+    return (
+        f"{f['file_load_over_hot_restore']:.2f}x ({ms(c['file_load_s'])} vs "
+        f"{ms(c['hot_restore_s'])} ms, the lease copied ahead{on_path}; "
+        "one copy of the prefix on both cores into a "
+        f"warm buffer {ms(c.get('memcpy_2_threads_s'))} ms: "
+        f"{c['file_load_s'] / c['memcpy_2_threads_s']:.2f}x{floor})"
+    )
+
+
+def _ttft_rows(c: dict[str, Any], where: str, rows: _Rows) -> None:
+    """Time to first token, reopened and hot, against the file's and what the forward
+    pass leaves room for."""
+    f, t = c["fractions"], c["ttft_s"]
+    rows.add(
+        "TTFT from a reopened bank >= 1.0x the file's",
+        f"{f['file_ttft_over_reopened_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['reopened'])} ms)",
+        f["file_ttft_over_reopened_ttft"] >= 1.0,
+        where,
+    )
+    # Copied ahead, a hot restore copies nothing on its path: the forward pass alone
+    # is its best; with the copy on the path, the forward pass and one copy.
+    ahead = "file_ttft_over_on_path_ttft" in f
+    best = (
+        f["file_ttft_over_forward"]
+        if ahead
+        else f.get("file_ttft_over_forward_and_copy", f["file_ttft_over_forward"])
+    )
+    rows.add(
+        "TTFT hot >= 1.3x the file's (where TTFT hot best allows it)",
+        f"{f['file_ttft_over_hot_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['hot'])} ms"
+        + (
+            f", the lease copied ahead; with the copy on the path "
+            f"{f['file_ttft_over_on_path_ttft']:.2f}x, {ms(t['on_path'])} ms"
             if ahead
-            else f.get("file_ttft_over_forward_and_copy", f["file_ttft_over_forward"])
+            else ""
         )
-        rows.add(
-            "TTFT hot >= 1.3x the file's (where TTFT hot best allows it)",
-            f"{f['file_ttft_over_hot_ttft']:.2f}x ({ms(t['file'])} vs {ms(t['hot'])} ms"
-            + (
-                f", the lease copied ahead; with the copy on the path "
-                f"{f['file_ttft_over_on_path_ttft']:.2f}x, {ms(t['on_path'])} ms"
-                if ahead
-                else ""
-            )
-            + f"; the forward pass alone allows {f['file_ttft_over_forward']:.2f}x"
-            + (
-                f", with one copy of the prefix on both cores "
-                f"{f['file_ttft_over_forward_and_copy']:.2f}x"
-                if "file_ttft_over_forward_and_copy" in f
-                else ""
-            )
-            + (
-                "; out of reach here: TTFT hot best < 1.3"
-                if best < 1.3 and f["file_ttft_over_hot_ttft"] < 1.3
-                else ""
-            )
-            + ")",
-            f["file_ttft_over_hot_ttft"] >= 1.3,
-            where,
+        + f"; the forward pass alone allows {f['file_ttft_over_forward']:.2f}x"
+        + (
+            f", with one copy of the prefix on both cores "
+            f"{f['file_ttft_over_forward_and_copy']:.2f}x"
+            if "file_ttft_over_forward_and_copy" in f
+            else ""
         )
+        + (
+            "; out of reach here: TTFT hot best < 1.3"
+            if best < 1.3 and f["file_ttft_over_hot_ttft"] < 1.3
+            else ""
+        )
+        + ")",
+        f["file_ttft_over_hot_ttft"] >= 1.3,
+        where,
+    )
 
 
 def _fleet(r: dict[str, Any], rows: _Rows) -> None:
