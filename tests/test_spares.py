@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import kv_prefix_bits, layers_bits, prefix_layers
+from conftest import kv_prefix_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, UNFILLED_FROM, to_numpy
@@ -87,15 +87,9 @@ def test_restores_with_spares_are_bit_exact_and_share_no_buffer(
             assert SPARES.taken == taken + 4  # every array of the second from the pool
             want = kv_prefix_bits(layers, spec, 256)
             for hit in (first, second):
-                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
-                assert layers_bits(cut, spec) == want
+                assert kv_prefix_bits(hit.layers, spec, 256) == want
             to_numpy(first.layers[0][0])[...] = 0  # the first's memory, not the second's
-            assert (
-                layers_bits(
-                    [tuple(a[..., :256, :] for a in layer) for layer in second.layers], spec
-                )
-                == want
-            )
+            assert kv_prefix_bits(second.layers, spec, 256) == want
     finally:
         SPARES.enable(0)
     assert SPARES.bytes == 0
@@ -217,8 +211,7 @@ def test_a_lease_restored_again_is_copied_ahead_bit_exact(bank_path: Path, dtype
             leased = [to_numpy(a) for e in bank.leases._entries.values() for a in e.arrays]
             for hit in hits:
                 assert hit is not None and hit.tokens == 256
-                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
-                assert layers_bits(cut, spec) == want
+                assert kv_prefix_bits(hit.layers, spec, 256) == want
                 mine = [to_numpy(a) for layer in hit.layers for a in layer]
                 assert not any(np.shares_memory(m, x) for m in mine for x in leased)
             for a, b in itertools.combinations(hits, 2):
@@ -231,8 +224,7 @@ def test_a_lease_restored_again_is_copied_ahead_bit_exact(bank_path: Path, dtype
             before = SPARES.filled_taken
             shorter = ns.restore(tokens[:192], room_for=300)  # 3 blocks: other rows
             assert shorter is not None and SPARES.filled_taken == before
-            cut = [tuple(a[..., :192, :] for a in layer) for layer in shorter.layers]
-            assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 192)
+            assert kv_prefix_bits(shorter.layers, spec, 192) == kv_prefix_bits(layers, spec, 192)
     finally:
         SPARES.enable(0)
     assert SPARES.bytes == 0
@@ -264,8 +256,7 @@ def test_a_lease_restored_once_is_not_copied_ahead_and_a_gone_one_is_not_used(
             before = SPARES.filled_taken
             hit = ns.restore(tokens, room_for=300)
             assert hit is not None and SPARES.filled_taken == before
-            cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
-            assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 256)
+            assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
     finally:
         SPARES.enable(0)
 
@@ -308,8 +299,7 @@ def test_copies_ahead_turned_off_keep_the_copy_on_the_path(bank_path: Path) -> N
                 SPARES.settle()
                 hit = ns.restore(tokens, room_for=300)
                 assert hit is not None
-                cut = [tuple(a[..., :256, :] for a in layer) for layer in hit.layers]
-                assert layers_bits(cut, spec) == kv_prefix_bits(layers, spec, 256)
+                assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
             assert SPARES.filled_taken == before and not SPARES._filled
     finally:
         keep_spare_destinations(0)
