@@ -8,7 +8,6 @@ so every restore is checked bit for bit against the prompt's own KV.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -216,7 +215,7 @@ def test_a_header_with_rewritten_tokens_is_no_partial_block(
         header = Header.decode(second, raw.get(Family.HEADERS, second) or b"")
         ids = header.token_ids()
         ids[2] = other
-        forged = replace(header, tokens=np.array(ids, dtype="<u4").tobytes())
+        forged = header._replace(tokens=np.array(ids, dtype="<u4").tobytes())
         raw.put_batch([(Family.HEADERS, second, forged.encode())])
     prompt = [*tokens[: B + 2], other]
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHECKS
+from conftest import CHECKS, hybrid_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +15,7 @@ from cas_bank.arrays import DTYPES, DType
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import Check
 from cas_bank.index import fastread
+from cas_bank.index.assembler import Assembler
 from cas_bank.index.fastread import BlockFiles
 
 pytestmark = pytest.mark.skipif(
@@ -272,3 +273,14 @@ def test_row_runs_made_once_from_shapes_are_those_found_from_the_views(
     block = [(*lead, 4, dim) for _, dim in rows]
     given_runs = BlockFiles(views, block, [d] * len(views), runs=runs, addresses=addresses)
     assert given_runs._segments == BlockFiles(views, block, [d] * len(views))._segments
+
+
+def test_a_restores_state_reader_places_the_runs_its_shapes_fix() -> None:
+    """An Assembler's reader of a state payload file (its state rows made once per set
+    of shapes) writes where a reader finding them from the state views would."""
+    assembler = Assembler(hybrid_spec(), 2, 4, 16, state=True)
+    reader = assembler.state_files()
+    assert reader is not None
+    views = [d.view for d in assembler._state_dests]
+    found = BlockFiles(views, assembler.state_shapes, assembler.state_dtypes)
+    assert reader._segments == found._segments

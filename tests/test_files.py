@@ -95,17 +95,43 @@ def test_a_missing_file_is_a_counted_miss(bank_path: Path) -> None:
         assert bank.stats().corrupt_reads == 1
 
 
-def test_a_stub_that_names_another_payload_is_a_counted_miss(bank_path: Path, check: str) -> None:
-    """The database's record of block 1 replaced by block 2's (a file that exists and
-    verifies, but is not the payload block 1's header names): the restore stops before it."""
+def test_a_restore_reads_the_file_its_header_names_and_verify_flags_a_wrong_record(
+    bank_path: Path, check: str
+) -> None:
+    """The database's record of block 1 replaced by block 2's: a restore names each
+    payload file by its header (key and digest), so it reads block 1's own file, checked
+    against the header's digest, without the record; `verify` reports the record."""
+    tokens = tokens_of(np.random.default_rng(4), 3 * B)
+    _store(bank_path, tokens, payload_check=check)
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        chain = bank.namespace(SPEC).chain(tokens)
+        want = bank.namespace(SPEC).restore(tokens)
+        assert want is not None
+    with RocksStore(bank_path) as raw:
+        stubs = raw.get_many(Family.BLOCKS, [chain[1], chain[2]])
+        assert all(s is not None and s[:4] == STUB_MAGIC for s in stubs)
+        raw.put_batch([(Family.BLOCKS, chain[1], stubs[1])])
+    with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
+        hit = bank.namespace(SPEC).restore(tokens)
+        assert hit is not None and hit.tokens == 3 * B
+        assert layers_bits(hit.layers, SPEC) == layers_bits(want.layers, SPEC)
+        assert bank.stats().corrupt_reads == 0
+        assert not verify(bank).ok
+
+
+def test_a_missing_file_whose_record_names_another_payload_is_a_counted_miss(
+    bank_path: Path, check: str
+) -> None:
+    """Block 1's file gone and its record naming block 2's payload: the record, read
+    for the file not found, does not match the header: the restore stops before it."""
     tokens = tokens_of(np.random.default_rng(4), 3 * B)
     _store(bank_path, tokens, payload_check=check)
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
         chain = bank.namespace(SPEC).chain(tokens)
     with RocksStore(bank_path) as raw:
         stubs = raw.get_many(Family.BLOCKS, [chain[1], chain[2]])
-        assert all(s is not None and s[:4] == STUB_MAGIC for s in stubs)
         raw.put_batch([(Family.BLOCKS, chain[1], stubs[1])])
+    next(p for p in _files(bank_path) if p.name.startswith(chain[1].hex())).unlink()
     with Bank.open(bank_path, BankConfig(hot_bytes=0)) as bank:
         hit = bank.namespace(SPEC).restore(tokens)
         assert hit is not None and hit.tokens == B

@@ -21,7 +21,7 @@ from cas_bank.index.chain import Header
 
 def header_as(h: Header, payload: bytes, state: bytes | None) -> Header:
     """`h` naming `payload` (and `state`, when it announces one) by their digests."""
-    out = replace(h, payload_digest=codec.embedded_digest(payload))
+    out = h._replace(payload_digest=codec.embedded_digest(payload))
     if state is not None and h.state_digest is not None:
         out = out.with_state(codec.embedded_digest(state), len(state))
     return out

@@ -54,6 +54,7 @@ class _Shapes:
     fits: tuple[tuple[tuple[int, ...], np.dtype[np.generic]], ...]  # a block's (shape, dtype)
     spares: SpareSet  # `wanted` grouped for the spares' pool
     row_runs: RowRuns | None  # the attention destinations' block rows (`BlockFiles`)
+    state_runs: RowRuns | None  # the state destinations' rows, one block of them
     serial: int  # this instance's own number (never reused): a key for what it fixes
 
 
@@ -96,6 +97,13 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         [d.itemsize for d in dtypes],
         [block_size] * len(specs),
     )
+    state_runs = (
+        contiguous_row_runs(
+            state_shapes, [d.itemsize for d in state_dtypes], [s[-2] for s in state_shapes]
+        )
+        if state_shapes and all(len(s) >= 2 for s in state_shapes)
+        else None
+    )
     sizes = tuple(math.prod(shape) * d.itemsize for shape, d in wanted)
     return _Shapes(
         capacity,
@@ -110,6 +118,7 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         tuple((shape, d.storage) for shape, d in zip(block_shapes, dtypes, strict=True)),
         spare_set(wanted),
         row_runs,
+        state_runs,
         next(_SERIALS),
     )
 
@@ -167,6 +176,7 @@ class Assembler:
         self._state_dests = everything[n_arrays:]
         self._views = [d.view for d in self.dests]
         self._row_runs = shapes.row_runs
+        self._state_runs = shapes.state_runs
         self._addresses: np.ndarray | None = None
         # What each array of a block must be, checked before its copy.
         self.block_shapes = shapes.block_shapes
@@ -298,9 +308,17 @@ class Assembler:
         """A reader of a state payload file into this restore's state arrays (block 0 of
         arrays of the state's shapes); None if they were not allocated or are not
         CPU memory a read may fill."""
-        if not self._state_dests or not all(d.fillable for d in self._state_dests):
+        dests = self._state_dests
+        if not dests or not all(d.fillable for d in dests):
             return None
-        return BlockFiles([d.view for d in self._state_dests], self.state_shapes, self.state_dtypes)
+        addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        return BlockFiles(
+            [d.view for d in dests],
+            self.state_shapes,
+            self.state_dtypes,
+            runs=self._state_runs,
+            addresses=addresses,
+        )
 
     def state_arrays(self) -> list[mx.array]:
         """The state arrays (call once `state_files` read a payload and it verified)."""

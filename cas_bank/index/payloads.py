@@ -117,30 +117,20 @@ class PayloadReader:
             return (*self._assemble_each(headers, assembler, first), None)
         keys = [h.chain_hash for h in headers]
         # Only payloads of the tier's size can be files: the others are not read twice.
-        big = [i for i, h in enumerate(headers) if i >= first and h.payload_size >= files.min_bytes]
-        try:
-            raws = files.get_raw(Family.BLOCKS, [keys[i] for i in big])
-        except CorruptDataError:  # RocksDB's own checks, on a payload kept in it
-            return (*self._assemble_each(headers, assembler, first), None)
-        located: dict[int, str] = {}  # stubs naming the header's payload: their files
-        damaged: set[int] = set()  # stubs that do not name the header's payload
-        kept: dict[int, bytes] = {}  # large payloads still in the database (format 1)
-        for i, raw in zip(big, raws, strict=True):
-            if raw is None:
-                continue
-            h = headers[i]
-            name = files.file_of(Family.BLOCKS, keys[i], raw, h.payload_digest, h.payload_size)
-            if name is not None:
-                located[i] = name
-            elif stub_of(raw) is not None:
-                damaged.add(i)
-            else:
-                kept[i] = raw
-        if not located and not damaged:
+        # Each file is named by its header (`FileTier.name`: the key and the digest), so
+        # the payload records are not read first: a header commits in the same batch as
+        # its payload's record, and the file is checked against the header's digest.
+        # The records are read only for the files that are not there (`_unfound`).
+        located = {
+            i: files.name(Family.BLOCKS, keys[i], h.payload_digest)
+            for i, h in enumerate(headers)
+            if i >= first and h.payload_size >= files.min_bytes
+        }
+        if not located:
             return (*self._assemble_each(headers, assembler, first), None)
         items = [
-            (i, located[i], headers[i].payload_size, headers[i].payload_digest)
-            for i in sorted(located)
+            (i, name, headers[i].payload_size, headers[i].payload_digest)
+            for i, name in located.items()
         ]
         blocks = assembler.block_files()
         jobs: list[tuple[BlockFiles, Job]] = [(blocks, item) for item in items]
@@ -153,16 +143,22 @@ class PayloadReader:
             if results[0] is None:
                 along = (state.chain_hash, assembler.state_arrays())
             results = results[1:]
-        failed = dict(zip([it[0] for it in items], results, strict=True))
-        failed.update(dict.fromkeys(damaged, "payload record does not match its header"))
+        failed: dict[int, str | None] = dict(zip(located, results, strict=True))
+        try:
+            kept = self._unfound(headers, keys, failed)
+        except CorruptDataError:  # RocksDB's own checks, on a record kept in it
+            return (*self._assemble_each(headers, assembler, first), along)
+        if kept and len(kept) == len(located):  # no payload is a file (a format-1 bank)
+            return (*self._assemble_each(headers, assembler, first), along)
         hot_hits = 0
         for i, header in enumerate(headers):
             if i < first:
                 continue
-            why = failed[i] if i in located or i in damaged else "not a file"
+            why = failed.get(i, "not a file")
             if why is None:
                 continue
-            if why == "payload file missing" and self._evicted(Family.BLOCKS, keys[i]):
+            missing = why.startswith("payload file missing")  # the native reader adds errno
+            if missing and self._evicted(Family.BLOCKS, keys[i]):
                 return i, hot_hits, along
             if why not in ("not a file", "not a plain payload"):
                 self._corrupt(Family.BLOCKS, keys[i], why)
@@ -187,6 +183,32 @@ class PayloadReader:
                 self._corrupt(Family.BLOCKS, keys[i], str(e))
                 return i, hot_hits, along
         return len(headers), hot_hits, along
+
+    def _unfound(
+        self, headers: Sequence[Header], keys: Sequence[bytes], failed: dict[int, str | None]
+    ) -> dict[int, bytes]:
+        """What the records say of the payload files `read_files` did not find (in
+        `failed`, rewritten in place): a record naming another payload is damage, a
+        payload kept in the database (a format-1 bank's) is returned to be decoded, and
+        a record naming this very file leaves it missing."""
+        files = self.files
+        assert files is not None
+        unfound = [i for i, why in failed.items() if why and why.startswith("payload file missing")]
+        if not unfound:
+            return {}
+        kept: dict[int, bytes] = {}
+        raws = files.get_raw(Family.BLOCKS, [keys[i] for i in unfound])
+        for i, raw in zip(unfound, raws, strict=True):
+            h = headers[i]
+            if raw is None:
+                failed[i] = "not a file"  # read the usual way: evicted, or missing
+            elif stub_of(raw) is None:
+                kept[i], failed[i] = raw, "not a file"
+            elif (
+                files.file_of(Family.BLOCKS, keys[i], raw, h.payload_digest, h.payload_size) is None
+            ):
+                failed[i] = "payload record does not match its header"
+        return kept
 
     def _assemble_each(
         self, headers: Sequence[Header], assembler: Assembler, first: int = 0
@@ -319,15 +341,9 @@ class PayloadReader:
         reader = assembler.state_files()
         if reader is None or not reader.native:
             return None
-        try:
-            raw = files.get_raw(Family.STATES, [header.chain_hash])[0]
-        except CorruptDataError:
-            return None
-        if not raw:
-            return None
-        name = files.file_of(Family.STATES, header.chain_hash, raw, digest, header.state_size)
-        if name is None:
-            return None
+        # Named by its header, its record unread (as a block's: `_assemble_local`); a
+        # state that is not there is read the usual way (`read_state`).
+        name = files.name(Family.STATES, header.chain_hash, digest)
         return reader, (0, name, header.state_size, digest)
 
     def read_state(

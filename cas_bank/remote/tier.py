@@ -25,7 +25,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -224,7 +224,7 @@ class RemoteTier:
                     tx.put(Family.BLOCKS, h, payload)
                     tx.add(blocks=1, payload_bytes=header.payload_size)
                     adopted += 1
-                    new = replace(header, payload_digest=codec.embedded_digest(payload))
+                    new = header._replace(payload_digest=codec.embedded_digest(payload))
                     new = new.with_state(None)
                 elif state is None:
                     continue
