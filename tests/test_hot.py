@@ -277,8 +277,25 @@ def test_parsed_headers_are_kept_and_never_outlive_their_value() -> None:
     # A store that keeps no values remembers nothing: each read decodes.
     plain = MemoryStore()
     plain.put_batch([(Family.HEADERS, h.chain_hash, h.encode())])
-    assert plain.parsed(Family.HEADERS, [h.chain_hash], [h.encode()]) == [None]
+    first_plain = read_headers(plain, [h.chain_hash])[0]
+    assert first_plain == h and read_headers(plain, [h.chain_hash])[0] is not first_plain
     assert read_headers(plain, [h.chain_hash])[0] == h
+
+
+def test_a_header_read_from_below_is_kept_with_its_parse_in_one_pass() -> None:
+    """A header the hot tier did not hold (a reopened bank's): read below, cached and
+    kept parsed by the same read, charged as one cached and parsed by two reads."""
+    h = _header(0)
+    inner = MemoryStore()
+    inner.put_batch([(Family.HEADERS, h.chain_hash, h.encode())])
+    cold = HotStore(inner, MiB)
+    first = read_headers(cold, [h.chain_hash])[0]
+    assert first == h and cold.misses == 1
+    assert read_headers(cold, [h.chain_hash])[0] is first and cold.hits == 1
+    warm = HotStore(MemoryStore(), MiB)
+    warm.put_batch([(Family.HEADERS, h.chain_hash, h.encode())])
+    read_headers(warm, [h.chain_hash])
+    assert cold.used_bytes == warm.used_bytes
 
 
 def test_a_damaged_header_is_never_kept_parsed() -> None:

@@ -13,7 +13,7 @@ Two levels per entry:
 - a decoded, digest-checked view of a payload (`lookup` / `keep_decoded`), so a hot
   hit skips both the read and the blake3 check. The views alias the immutable raw
   `bytes`, so they cost no memory beyond it (a compressed payload's inflated body
-  is counted on top); and a parsed header (`parsed` / `keep_parsed`): a hot restore
+  is counted on top); and a parsed header (`get_parsed`): a hot restore
   of a 16k-token chain decoded 256 headers, 0.75 ms of Python, on every restore.
   Both are tied to the raw value they came from (the same object): a write of the
   key replaces that object, and what was made of the old one is never returned.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cas_bank.blocks.budget import MemoryBudget
@@ -120,38 +120,6 @@ class HotStore(BlockStore):
             self._use((family, key), entry)
         self.budget.balance()
 
-    def parsed(
-        self, family: Family, keys: Sequence[bytes], raws: Sequence[bytes | None]
-    ) -> list[object | None]:
-        out: list[object | None] = [None] * len(keys)
-        with self._lock:
-            for i, (key, raw) in enumerate(zip(keys, raws, strict=True)):
-                entry = self._entries.get((family, key)) if raw is not None else None
-                if entry is not None and entry.raw is raw:
-                    out[i] = entry.parsed
-        return out
-
-    def keep_parsed(
-        self,
-        family: Family,
-        keys: Sequence[bytes],
-        raws: Sequence[bytes | None],
-        parsed: Sequence[object | None],
-    ) -> None:
-        grown = 0
-        with self._lock:
-            for key, raw, made in zip(keys, raws, parsed, strict=True):
-                entry = self._entries.get((family, key)) if raw is not None else None
-                if entry is None or entry.raw is not raw or made is None or entry.parsed:
-                    continue
-                entry.parsed = made
-                # Charged as a second copy of the value (a header's fields are slices of it).
-                entry.size += len(raw) + _ENTRY_OVERHEAD
-                grown += len(raw) + _ENTRY_OVERHEAD
-            self._bytes += grown
-        if grown:
-            self.budget.balance()
-
     # -- BlockStore ----------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if family not in CACHED_FAMILIES:
@@ -181,26 +149,95 @@ class HotStore(BlockStore):
         self.budget.balance()
         return out
 
+    def get_parsed(
+        self,
+        family: Family,
+        keys: Sequence[bytes],
+        parse: Callable[[bytes, bytes], object | None],
+    ) -> tuple[list[bytes | None], list[object | None]]:
+        """`BlockStore.get_parsed` in one pass: a cached value's parse is kept with it
+        (charged as a second copy of the value: a header's fields are slices of it),
+        so a hot restore of a 16k-token chain does not decode its 256 headers again,
+        and a reopened one caches each header read below with its parse."""
+        if family not in CACHED_FAMILIES:
+            return super().get_parsed(family, keys, parse)
+        n = len(keys)
+        raws: list[bytes | None] = [None] * n
+        out: list[object | None] = [None] * n
+        missing: list[int] = []
+        unparsed: list[int] = []  # cached, not parsed yet
+        with self._lock:
+            generation = self._generation
+            for i, key in enumerate(keys):
+                k = (family, key)
+                entry = self._entries.get(k)
+                if entry is None:
+                    missing.append(i)
+                    continue
+                self._use(k, entry)
+                if not entry.absent:
+                    raws[i] = entry.raw
+                    if entry.parsed is None:
+                        unparsed.append(i)
+                    else:
+                        out[i] = entry.parsed
+            self.hits += n - len(missing)
+            self.misses += len(missing)
+        if missing:
+            got = self.inner.get_many(family, [keys[i] for i in missing])
+            for i, value in zip(missing, got, strict=True):
+                raws[i] = value if value is None or type(value) is bytes else bytes(value)
+        for i in (*unparsed, *missing):
+            raw = raws[i]
+            if raw is not None:
+                out[i] = parse(keys[i], raw)
+        with self._lock:
+            if missing and generation == self._generation and not self._writing:
+                at = [keys[i] for i in missing]
+                self._insert_read(family, at, [raws[i] for i in missing], [out[i] for i in missing])
+            for i in unparsed:
+                self._keep_parsed((family, keys[i]), raws[i], out[i])
+        self.budget.balance()
+        return raws, out
+
+    def _keep_parsed(self, k: tuple[Family, bytes], raw: bytes | None, made: object | None) -> None:
+        """Keep `made` (parsed from `raw`) with `k`'s entry, if `raw` is still its value
+        (the same object: a write in between wins). Under the lock."""
+        entry = self._entries.get(k)
+        if entry is None or raw is None or entry.raw is not raw or made is None or entry.parsed:
+            return
+        entry.parsed = made
+        entry.size += len(raw) + _ENTRY_OVERHEAD
+        self._bytes += len(raw) + _ENTRY_OVERHEAD
+
     def _insert_read(
-        self, family: Family, keys: Sequence[bytes], values: Sequence[bytes | None]
+        self,
+        family: Family,
+        keys: Sequence[bytes],
+        values: Sequence[bytes | None],
+        parsed: Sequence[object | None] | None = None,
     ) -> None:
-        """Cache what a read below found (absences too, for NEGATIVE_FAMILIES); under
-        the lock. `_insert`'s steps, inline: a reopened 16k-token restore caches 256
-        headers here, and a method call per step cost ~3 us a key (0.8 ms)."""
+        """Cache what a read below found (absences too, for NEGATIVE_FAMILIES), with
+        what `get_parsed` made of it; under the lock. `_insert`'s steps, inline: a
+        reopened 16k-token restore caches 256 headers here, and a method call per step
+        cost ~3 us a key (0.8 ms)."""
         negative = family in NEGATIVE_FAMILIES
         entries, fits, tick = self._entries, self.budget.fits, self.budget.tick
-        for key, value in zip(keys, values, strict=True):
+        made_of = parsed if parsed is not None else [None] * len(keys)
+        for key, value, made in zip(keys, values, made_of, strict=True):
             if value is None and not negative:
                 continue
             raw = b"" if value is None else value if type(value) is bytes else bytes(value)
             k = (family, bytes(key))
             size = len(raw) + len(k[1]) + _ENTRY_OVERHEAD
+            if made is not None:
+                size += len(raw) + _ENTRY_OVERHEAD  # the parse, as a second copy
             if not fits(size):
                 continue
             old = entries.pop(k, None)
             if old is not None:
                 self._bytes -= old.size
-            entries[k] = _Entry(raw, size, tick(), absent=value is None)
+            entries[k] = _Entry(raw, size, tick(), None, None, value is None, made)
             self._bytes += size
 
     def put_batch(self, writes: Sequence[Write]) -> None:

@@ -169,24 +169,20 @@ class BlockStore(ABC):
             if damaged is not None:
                 damaged(e)
 
-    def parsed(
-        self, family: Family, keys: Sequence[bytes], raws: Sequence[bytes | None]
-    ) -> list[object | None]:
-        """What `keep_parsed` remembered of each (key, raw): the object parsed from that
-        very value (`raw` the same object `get_many` returned), else None. A store
-        that keeps values in memory (`blocks.hot`) remembers; the rest do not."""
-        return [None] * len(keys)
-
-    def keep_parsed(
+    def get_parsed(
         self,
         family: Family,
         keys: Sequence[bytes],
-        raws: Sequence[bytes | None],
-        parsed: Sequence[object | None],
-    ) -> None:
-        """Remember `parsed[i]` (immutable, made from `raws[i]`) beside the value of
-        `keys[i]`, as long as that value is the one kept; a no-op by default."""
-        return None
+        parse: Callable[[bytes, bytes], object | None],
+    ) -> tuple[list[bytes | None], list[object | None]]:
+        """`get_many` of `keys`, and `parse(key, value)` of each value found (None where
+        absent, or where `parse` could not read it and returned None). `parse` must make
+        an immutable object of the value alone: a store that keeps values in memory
+        (`blocks.hot`) keeps it beside the value and parses a value once while it is
+        kept (a write of the key drops both); the rest parse every read."""
+        raws = self.get_many(family, keys)
+        parsed = [None if raw is None else parse(k, raw) for k, raw in zip(keys, raws, strict=True)]
+        return raws, parsed
 
     def refresh(self) -> None:
         """Catch up with the writer (secondary opens); a no-op elsewhere."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 
@@ -113,29 +113,21 @@ def read_headers(
 
     `damaged`, when given, receives the positions of records present but unreadable.
     A header decoded before from the very value the store returns is not decoded
-    again (`BlockStore.parsed`: the hot tier keeps it).
+    again (`BlockStore.get_parsed`: the hot tier keeps it).
     """
-    keys = list(hashes)
-    raws = store.get_many(Family.HEADERS, keys)
-    known = store.parsed(Family.HEADERS, keys, raws)
-    out: list[Header | None] = []
-    made = False
-    for i, (h, raw, header) in enumerate(zip(keys, raws, known, strict=True)):
-        if raw is None:
-            out.append(None)
-        elif isinstance(header, Header):
-            out.append(header)
-        else:
-            try:
-                out.append(Header.decode(h, raw))
-                made = True
-            except CorruptDataError:
-                out.append(None)
-                if damaged is not None:
-                    damaged.add(i)
-    if made:
-        store.keep_parsed(Family.HEADERS, keys, raws, out)
-    return out
+    raws, headers = store.get_parsed(Family.HEADERS, hashes, _decoded)
+    if damaged is not None:
+        pairs = enumerate(zip(raws, headers, strict=True))
+        damaged.update(i for i, (raw, header) in pairs if raw is not None and header is None)
+    return cast(list[Header | None], headers)
+
+
+def _decoded(chain_hash: bytes, raw: bytes) -> Header | None:
+    """`Header.decode`, None where the record is unreadable."""
+    try:
+        return Header.decode(chain_hash, raw)
+    except CorruptDataError:
+        return None
 
 
 def stored_prefix(store: BlockStore, hashes: Sequence[BlockHash]) -> int:
