@@ -159,7 +159,8 @@ int main(int argc, char **argv) {
   CHECK(rc == MISSING, "a missing file gave %d, not MISSING", rc);
 
   /* 4. copy_runs: runs of every length around the streamed loop's edges (under 256
-   * bytes, unaligned heads, a tail short of 64), each where it belongs, nothing else. */
+   * bytes, heads of 1 to 63 bytes before a cache line, a tail short of 64), each where
+   * it belongs, nothing else. */
   {
     enum { N = 9, SPAN = 8192 };
     static uint8_t src[N * SPAN], dst[N * SPAN + 64];
@@ -168,7 +169,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof src; i++) src[i] = (uint8_t)(i * 131 + 7);
     memset(dst, 0xAB, sizeof dst);
     for (int i = 0; i < N; i++) {
-      runs[3 * i] = (int64_t)(intptr_t)(dst + i * SPAN + (i % 16) + 1); /* unaligned */
+      runs[3 * i] = (int64_t)(intptr_t)(dst + i * SPAN + (i * 23) % 63 + 1); /* unaligned */
       runs[3 * i + 1] = (int64_t)(intptr_t)(src + i * SPAN);
       runs[3 * i + 2] = (int64_t)lens[i];
     }
@@ -176,7 +177,7 @@ int main(int argc, char **argv) {
     copy_runs(runs, N, &next);
     for (int i = 0; i < N; i++) {
       const uint8_t *d = dst + i * SPAN, *from = src + i * SPAN;
-      size_t at = (size_t)(i % 16) + 1;
+      size_t at = (size_t)((i * 23) % 63) + 1;
       int bad = 0;
       for (size_t k = 0; k < SPAN && !bad; k++) {
         int inside = k >= at && k < at + lens[i];
