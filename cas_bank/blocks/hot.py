@@ -57,7 +57,7 @@ class _Entry:
     decoded: Decoded | None = None
     digest: bytes | None = None  # the digest `decoded` was verified against
     absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
-    parsed: object | None = None  # what `keep_parsed` made of `raw` (a decoded header)
+    parsed: object | None = None  # what `get_parsed` made of `raw` (a decoded header)
 
 
 class HotStore(BlockStore):
