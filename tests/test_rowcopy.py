@@ -31,7 +31,7 @@ def _addresses(views: list[np.ndarray]) -> np.ndarray:
     seed=st.integers(0, 2**32 - 1),
 )
 @settings(max_examples=60, deadline=None)
-def test_copy_prefix_is_numpys_copy(
+def test_a_planned_copy_is_numpys_copy(
     lead: list[int],
     tokens: int,
     room: int,
@@ -48,9 +48,9 @@ def test_copy_prefix_is_numpys_copy(
     want = [d.copy() for d in dests]
     for w, s in zip(want, sources, strict=True):
         w[..., :rows, :] = s[..., :rows, :]
-    assert rowcopy.copy_prefix(
-        dests, _addresses(dests), sources, _addresses(sources), rows, two_threads=two
-    )
+    plan = rowcopy.plan_copy(dests, sources, _addresses(sources), rows)
+    assert plan is not None
+    rowcopy.copy_planned(plan, _addresses(dests), two_threads=two)
     for got, w in zip(dests, want, strict=True):
         assert np.array_equal(got, w)  # the rows copied, and nothing past them written
 
@@ -61,14 +61,10 @@ def test_views_it_cannot_address_are_left_to_numpy() -> None:
     strided = np.zeros((2, 16, 8), dtype=np.float32)[..., ::2]  # rows not contiguous
     before = dest.copy()
     for d, s in [(strided, src), (dest, src.transpose(0, 2, 1).copy().transpose(0, 2, 1))]:
-        assert not rowcopy.copy_prefix(
-            [d], _addresses([dest]), [s], _addresses([src]), 8, two_threads=False
-        )
+        assert rowcopy.plan_copy([d], [s], _addresses([src]), 8) is None
     assert np.array_equal(dest, before)
     short = np.zeros((2, 4, 4), dtype=np.float32)  # fewer rows than asked for
-    assert not rowcopy.copy_prefix(
-        [short], _addresses([short]), [src], _addresses([src]), 8, two_threads=False
-    )
+    assert rowcopy.plan_copy([short], [src], _addresses([src]), 8) is None
 
 
 def test_copy_runs_refuses_malformed_runs() -> None:

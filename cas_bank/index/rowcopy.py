@@ -90,33 +90,11 @@ def copy_planned(plan: CopyPlan, dest_addresses: np.ndarray, *, two_threads: boo
         copy_runs(packed, counter)
 
 
-def copy_prefix(
-    dests: Sequence[np.ndarray],
-    dest_addresses: np.ndarray,
-    sources: Sequence[np.ndarray],
-    source_addresses: np.ndarray,
-    rows: int,
-    *,
-    two_threads: bool,
-) -> bool:
-    """Copy rows [0, rows) of each of `sources` ([..., T, D]) into rows [0, rows) of the
-    destination beside it; the addresses are each view's first element (int64). False,
-    copying nothing, when the helper is missing or a view's rows are not one contiguous
-    run per leading index: the caller copies with numpy then. (`plan_copy` and
-    `copy_planned` in one: a caller that copies from the same sources again keeps the
-    plan.)"""
-    plan = plan_copy(dests, sources, source_addresses, rows)
-    if plan is None:
-        return False
-    copy_planned(plan, dest_addresses, two_threads=two_threads)
-    return True
-
-
 @functools.lru_cache(maxsize=256)
 def _template(
     views: tuple[tuple[View, View], ...], rows: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """The runs of `copy_prefix` for views of these (shape, strides, itemsize) at
+    """The runs of `plan_copy` for views of these (shape, strides, itemsize) at
     address 0, and how many belong to each pair; None if a pair cannot be copied
     this way."""
     parts: list[np.ndarray] = []
