@@ -124,30 +124,7 @@ class HotStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if family not in CACHED_FAMILIES:
             return self.inner.get_many(family, keys)
-        out: list[bytes | None] = [None] * len(keys)
-        missing: list[int] = []
-        with self._lock:
-            generation = self._generation
-            for i, key in enumerate(keys):
-                entry = self._entries.get((family, key))
-                if entry is None:
-                    missing.append(i)
-                else:
-                    self._use((family, key), entry)
-                    out[i] = None if entry.absent else entry.raw
-            self.hits += len(keys) - len(missing)
-            self.misses += len(missing)
-        if not missing:
-            return out
-        got = self.inner.get_many(family, [keys[i] for i in missing])
-        for i, value in zip(missing, got, strict=True):
-            out[i] = value
-        with self._lock:
-            # A write since our look may have replaced or deleted what we just read.
-            if generation == self._generation and not self._writing:
-                self._insert_read(family, [keys[i] for i in missing], got)
-        self.budget.balance()
-        return out
+        return self._read(family, keys, None)[0]
 
     def get_parsed(
         self,
@@ -161,6 +138,17 @@ class HotStore(BlockStore):
         and a reopened one caches each header read below with its parse."""
         if family not in CACHED_FAMILIES:
             return super().get_parsed(family, keys, parse)
+        return self._read(family, keys, parse)
+
+    def _read(
+        self,
+        family: Family,
+        keys: Sequence[bytes],
+        parse: Callable[[bytes, bytes], object | None] | None,
+    ) -> tuple[list[bytes | None], list[object | None]]:
+        """The values of `keys` of a cached family, from memory where held, else read
+        below and cached (unless a write came in between); with `parse`, each value's
+        parse too, made once and kept with it."""
         n = len(keys)
         raws: list[bytes | None] = [None] * n
         out: list[object | None] = [None] * n
@@ -177,24 +165,30 @@ class HotStore(BlockStore):
                 self._use(k, entry)
                 if not entry.absent:
                     raws[i] = entry.raw
-                    if entry.parsed is None:
-                        unparsed.append(i)
-                    else:
+                    if entry.parsed is not None:
                         out[i] = entry.parsed
+                    elif parse is not None:
+                        unparsed.append(i)
             self.hits += n - len(missing)
             self.misses += len(missing)
+        if not missing and not unparsed:
+            return raws, out
         if missing:
             got = self.inner.get_many(family, [keys[i] for i in missing])
             for i, value in zip(missing, got, strict=True):
                 raws[i] = value if value is None or type(value) is bytes else bytes(value)
-        for i in (*unparsed, *missing):
-            raw = raws[i]
-            if raw is not None:
-                out[i] = parse(keys[i], raw)
+        if parse is not None:
+            for i in (*unparsed, *missing):
+                raw = raws[i]
+                if raw is not None:
+                    out[i] = parse(keys[i], raw)
         with self._lock:
+            # A write since our look may have replaced or deleted what we just read.
             if missing and generation == self._generation and not self._writing:
-                at = [keys[i] for i in missing]
-                self._insert_read(family, at, [raws[i] for i in missing], [out[i] for i in missing])
+                made = [out[i] for i in missing] if parse is not None else None
+                self._insert_read(
+                    family, [keys[i] for i in missing], [raws[i] for i in missing], made
+                )
             for i in unparsed:
                 self._keep_parsed((family, keys[i]), raws[i], out[i])
         self.budget.balance()
