@@ -59,7 +59,8 @@ from benchmarks.restore_floors import (
 )
 from benchmarks.ttft import eval_cache, kv_bytes
 from cas_bank import Bank, BankConfig
-from cas_bank.arrays import dtype_named, keep_freed_memory
+from cas_bank.arrays import dtype_named
+from cas_bank.destinations import keep_freed_memory
 from cas_bank.spares import SPARES, keep_spare_destinations
 
 

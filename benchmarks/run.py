@@ -49,7 +49,7 @@ from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
 from benchmarks.targets import evaluate_targets
-from cas_bank.arrays import keep_freed_memory
+from cas_bank.destinations import keep_freed_memory
 from cas_bank.spares import keep_spare_destinations
 
 HERE = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """Spare destination arrays: a serving process's next restore finds its arrays ready.
 
-A restore's destination arrays are fresh MLX arrays left unfilled (`arrays.unfilled`:
+A restore's destination arrays are fresh MLX arrays left unfilled (`destinations.unfilled`:
 MLX's load of a stream that serves only a header), and making them costs ~50-110 us
 an array (the load evaluates each array through its I/O thread): ~2 ms for the 24-48
 arrays of a medium model, a fifth of a 1k-token restore (docs/design.md, "Restore
@@ -12,8 +12,8 @@ shapes and dtypes, and a background thread makes the next set after it, off the
 restore's path. An array is taken from the pool whole and never given to two
 callers: a spare is an array nobody else holds, as a fresh one is.
 
-The background thread zero-fills its arrays (`arrays.zeroed`), never MLX's load of a
-stream (`arrays.unfilled`): that load calls back into Python from MLX's I/O thread,
+The background thread zero-fills its arrays (`destinations.zeroed`), never MLX's load of a
+stream (`destinations.unfilled`): that load calls back into Python from MLX's I/O thread,
 and with another thread in `mx.clear_cache()` (mlx-lm calls it during prefill; it
 holds the GIL while it waits for every CPU stream) the two deadlock: it hung mlx-lm's
 server (tests/test_spares.py). The fill costs the background thread a pass over the
@@ -44,7 +44,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from cas_bank.arrays import Destination, DType, zeroed
+from cas_bank.arrays import DType
+from cas_bank.destinations import Destination, zeroed
 
 log = logging.getLogger("cas_bank")
 
@@ -219,7 +220,7 @@ _FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
 
 
 def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
-    """Destinations of `wanted`, zero-filled (`arrays.zeroed`: the spares' thread never
+    """Destinations of `wanted`, zero-filled (`destinations.zeroed`: the spares' thread never
     uses MLX's load of a stream), made ahead of the restore that takes them."""
     return [
         Destination.made_ahead(shape, dtype, array)

@@ -28,8 +28,8 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from cas_bank.arrays import keep_freed_memory
 from cas_bank.bank import Bank
+from cas_bank.destinations import keep_freed_memory
 from cas_bank.errors import InvalidInputError
 from cas_bank.remote.health import TierProbe
 from cas_bank.spares import keep_spare_destinations

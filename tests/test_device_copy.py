@@ -15,8 +15,9 @@ from runtime_helpers import random_tokens, temp_bank
 from test_runtime_exact import VARIANTS, check_restored_prefill
 
 from cas_bank import Bank, BankConfig, arrays
-from cas_bank.arrays import FILL_COPY_ENV, Destination, cpu_fillable, mlx_backend
+from cas_bank.arrays import FILL_COPY_ENV, cpu_fillable, mlx_backend
 from cas_bank.blocks.store import Family
+from cas_bank.destinations import Destination
 from cas_bank.index import fastread
 from cas_bank.spares import SPARES, keep_spare_destinations
 
@@ -84,3 +85,14 @@ def test_staged_restores_take_no_spare_mlx_arrays(
             assert (SPARES.taken, SPARES.made) == before and SPARES.bytes == 0
     finally:
         SPARES.enable(0)
+
+
+@pytest.mark.parametrize("name", ["Destination", "UNFILLED_FROM", "keep_freed_memory", "unfilled"])
+def test_destinations_moved_from_arrays_still_import_with_a_warning(name: str) -> None:
+    from cas_bank import destinations
+
+    with pytest.warns(DeprecationWarning, match=f"cas_bank.destinations.{name}"):
+        moved = getattr(arrays, name)
+    assert moved is getattr(destinations, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        _ = arrays.nothing_here  # type: ignore[attr-defined]

@@ -203,7 +203,7 @@ def test_large_payloads_split_across_staging_runs_land_in_their_rows(
 
 
 def test_keep_freed_memory_checks_its_input_and_reports_what_it_did() -> None:
-    from cas_bank.arrays import keep_freed_memory
+    from cas_bank.destinations import keep_freed_memory
     from cas_bank.errors import InvalidInputError
 
     for bad in (0, -1, True, 1.5):

@@ -160,7 +160,7 @@ def test_the_library_runs_without_the_linux_only_calls(tmp_path: Path) -> None:
                 return super().__getitem__(name)
 
         ctypes.CDLL = CDLL
-        from cas_bank.arrays import keep_freed_memory
+        from cas_bank.destinations import keep_freed_memory
         from cas_bank.index import helpers
         assert keep_freed_memory() is False
         assert helpers._current_cpu is None  # no pinning without the calls

@@ -14,7 +14,8 @@ import pytest
 from conftest import kv_prefix_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.arrays import DTYPES, UNFILLED_FROM, to_numpy
+from cas_bank.arrays import DTYPES, to_numpy
+from cas_bank.destinations import UNFILLED_FROM
 from cas_bank.spares import SPARES, Filled, Spares, keep_spare_destinations, spare_set
 
 F16 = DTYPES["float16"]

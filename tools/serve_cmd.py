@@ -151,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cas_bank.runtime.engine import Engine
     from cas_bank.runtime.server import bind, run_server, url_of
 
-    from cas_bank.arrays import keep_freed_memory
+    from cas_bank.destinations import keep_freed_memory
     from cas_bank.spares import keep_spare_destinations
 
     keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)

@@ -4,7 +4,7 @@ copied into fresh MLX arrays (`Assembler`), with room for the prompt's later tok
 What an `Assembler` of one spec, block size and capacity allocates and checks is made
 once (`_Shapes`). Its arrays come from a lease's copy made ahead
 (`index.leasecopy`), else from the spares a serving process keeps (`cas_bank.spares`),
-else fresh and unfilled (`arrays.Destination.allocate`); blocks are copied in as they
+else fresh and unfilled (`destinations.Destination.allocate`); blocks are copied in as they
 are decoded, payload files read straight into them (`index.fastread`), a lease by the
 native row copy (`index.rowcopy`).
 """
@@ -22,8 +22,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import Destination, DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
+from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
+from cas_bank.destinations import Destination
 from cas_bank.errors import CorruptDataError
 from cas_bank.index import leasecopy, rowcopy
 from cas_bank.index.fastread import BlockFiles, RowRuns, contiguous_row_runs

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cas_bank.arrays import Destination, HeldArrays
+from cas_bank.arrays import HeldArrays
+from cas_bank.destinations import Destination
 from cas_bank.index import rowcopy
 from cas_bank.spares import SPARES, Filled, Wanted
 
