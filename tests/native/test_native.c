@@ -117,28 +117,41 @@ int main(int argc, char **argv) {
   CHECK(head_n == head_len, "head.bin is not the head size of case.txt");
 
   int64_t segs[3 * MAX_ARRAYS];
-  uint8_t *dest[MAX_ARRAYS];
-  for (int j = 0; j < n_arrays; j++) {
-    dest[j] = calloc(2, sizes[j]); /* blocks 0 and 1 of this array */
-    segs[3 * j] = (int64_t)(intptr_t)dest[j];
-    segs[3 * j + 1] = (int64_t)sizes[j];
-    segs[3 * j + 2] = (int64_t)sizes[j];
-  }
+  uint8_t *dest[MAX_ARRAYS], *alloc[MAX_ARRAYS];
   char path[4096];
   snprintf(path, sizeof path, "%s/filled.bin", dir);
   spit(path, payload, payload_len);
-  int err = 0;
-  int rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
-  CHECK(rc == OK, "fill of a good payload returned %d (errno %d)", rc, err);
-  size_t off = 0;
-  for (int j = 0; j < n_arrays; j++) {
-    int untouched = 1;
-    for (size_t k = 0; k < sizes[j]; k++) untouched &= dest[j][k] == 0;
-    CHECK(untouched, "block 0 of array %d was written", j);
-    CHECK(memcmp(dest[j] + sizes[j], rows + off, sizes[j]) == 0, "array %d's rows differ", j);
-    off += sizes[j];
+  int err = 0, rc = OK;
+  /* Rows starting 0 to 63 bytes into a cache line (MLX's sit at 24 mod 64): the check
+   * is fed, and the rows copied, in pieces that end on a destination line. */
+  const size_t shifts[6] = {0, 1, 8, 24, 40, 63};
+  for (int s = 0; s < 6; s++) {
+    for (int j = 0; j < n_arrays; j++) {
+      alloc[j] = aligned_alloc(64, (2 * sizes[j] + 127) & ~(size_t)63);
+      memset(alloc[j], 0, (2 * sizes[j] + 127) & ~(size_t)63);
+      dest[j] = alloc[j] + shifts[s]; /* blocks 0 and 1 of this array */
+      segs[3 * j] = (int64_t)(intptr_t)dest[j];
+      segs[3 * j + 1] = (int64_t)sizes[j];
+      segs[3 * j + 2] = (int64_t)sizes[j];
+    }
+    rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+    CHECK(rc == OK, "fill of a good payload (rows %zu into a line) returned %d (errno %d)",
+          shifts[s], rc, err);
+    size_t off = 0;
+    for (int j = 0; j < n_arrays; j++) {
+      int untouched = 1;
+      for (size_t k = 0; k < sizes[j]; k++) untouched &= dest[j][k] == 0;
+      for (uint8_t *k = dest[j] + 2 * sizes[j]; k < alloc[j] + 2 * sizes[j] + 64; k++)
+        untouched &= *k == 0;
+      CHECK(untouched, "around block 1 of array %d was written (shift %zu)", j, shifts[s]);
+      CHECK(memcmp(dest[j] + sizes[j], rows + off, sizes[j]) == 0,
+            "array %d's rows differ (shift %zu)", j, shifts[s]);
+      off += sizes[j];
+    }
+    CHECK(off == rows_len, "rows.bin holds %zu bytes, the arrays %zu", rows_len, off);
+    if (s < 5)
+      for (int j = 0; j < n_arrays; j++) free(alloc[j]);
   }
-  CHECK(off == rows_len, "rows.bin holds %zu bytes, the arrays %zu", rows_len, off);
 
   /* 3. Damage: a flipped byte in the body, then in the descriptors; gone; short. */
   payload[payload_len - 7] ^= 0x10;
