@@ -124,11 +124,13 @@ int main(int argc, char **argv) {
   int err = 0, rc = OK;
   /* Rows starting 0 to 63 bytes into a cache line (MLX's sit at 24 mod 64): the check
    * is fed, and the rows copied, in pieces that end on a destination line. */
-  const size_t shifts[6] = {0, 1, 8, 24, 40, 63};
-  for (int s = 0; s < 6; s++) {
+  const size_t shifts[] = {0, 1, 8, 24, 40, 63};
+  const int n_shifts = (int)(sizeof shifts / sizeof shifts[0]);
+  for (int s = 0; s < n_shifts; s++) {
     for (int j = 0; j < n_arrays; j++) {
-      alloc[j] = aligned_alloc(64, (2 * sizes[j] + 127) & ~(size_t)63);
-      memset(alloc[j], 0, (2 * sizes[j] + 127) & ~(size_t)63);
+      size_t bytes = (2 * sizes[j] + 127) & ~(size_t)63; /* 2 blocks, 64 to spare */
+      alloc[j] = aligned_alloc(64, bytes);
+      memset(alloc[j], 0, bytes);
       dest[j] = alloc[j] + shifts[s]; /* blocks 0 and 1 of this array */
       segs[3 * j] = (int64_t)(intptr_t)dest[j];
       segs[3 * j + 1] = (int64_t)sizes[j];
@@ -149,7 +151,7 @@ int main(int argc, char **argv) {
       off += sizes[j];
     }
     CHECK(off == rows_len, "rows.bin holds %zu bytes, the arrays %zu", rows_len, off);
-    if (s < 5)
+    if (s < n_shifts - 1) /* the last shift's rows stay for the damage cases */
       for (int j = 0; j < n_arrays; j++) free(alloc[j]);
   }
 
