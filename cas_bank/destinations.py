@@ -24,8 +24,7 @@ from cas_bank.errors import InvalidInputError
 _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destination
 # An array below this is zeroed rather than left unfilled: `unfilled` costs ~85-115 us
 # an array (MLX's load call), a zero fill ~7 GB/s (1 MiB: ~150 us) measured here.
-_UNFILLED_FROM = 1 << 20
-UNFILLED_FROM = _UNFILLED_FROM  # for the spares of `cas_bank.spares`
+UNFILLED_FROM = 1 << 20
 
 
 class Destination:
@@ -107,7 +106,7 @@ class Destination:
         arrays nobody else holds, by index, used as they are (spares: `cas_bank.spares`).
 
         `overwritten`: the caller writes every byte it will read back, so the memory
-        of each array from `_UNFILLED_FROM` on need not be zeroed (`unfilled`): a large
+        of each array from `UNFILLED_FROM` on need not be zeroed (`unfilled`): a large
         restore saves its zero-fill pass. The others are zeroed (MLX has no
         uninitialized allocation: `mx.empty` is `mx.zeros`): above
         `_BATCH_EVAL_BYTES` in all, each destination is evaluated on its own: one
@@ -127,7 +126,7 @@ class Destination:
             return [ready[i] for i in range(len(wanted))]
         storages: list[mx.array | None] = [None] * len(wanted)
         big = (
-            [i for i, n in enumerate(sizes) if n >= _UNFILLED_FROM and i not in ready]
+            [i for i, n in enumerate(sizes) if n >= UNFILLED_FROM and i not in ready]
             if overwritten
             else []
         )
