@@ -25,6 +25,7 @@ from . import (
     salvage_cmd,
     serve_cmd,
     show_cmd,
+    tree_cmd,
     verify_cmd,
 )
 from .about import VersionAction
@@ -40,6 +41,7 @@ COMMAND_MODULES: list[ModuleType] = [
     serve_cmd,
     mlx_lm_cmd,
     inspect_cmds,
+    tree_cmd,
     show_cmd,
     explain_cmd,
     verify_cmd,

@@ -276,6 +276,11 @@ def fields(pairs: Sequence[tuple[str, Any]]) -> Table:
     return t
 
 
+def plural(n: int, word: str) -> str:
+    """`n` and `word`, with an s unless `n` is 1 ("1 chain", "3 blocks")."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"

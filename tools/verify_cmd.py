@@ -30,6 +30,7 @@ from .common import (
     fields,
     human_bytes,
     open_writer,
+    plural,
     print_json,
     read_bank,
     short,
@@ -168,9 +169,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     summary = [
         (
             "checked",
-            f"{_plural(report.blocks_checked, 'block')}, "
-            f"{_plural(report.states_checked, 'state')}, "
-            f"{_plural(report.ends_checked, 'end record')}, {human_bytes(report.bytes_checked)}",
+            f"{plural(report.blocks_checked, 'block')}, "
+            f"{plural(report.states_checked, 'state')}, "
+            f"{plural(report.ends_checked, 'end record')}, {human_bytes(report.bytes_checked)}",
         ),
         ("problems", len(report.problems)),
     ]
@@ -178,10 +179,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         summary.append(
             (
                 "removed",
-                f"{_plural(len(report.removed_blocks), 'block')}, "
-                f"{_plural(len(report.removed_states), 'state')}, "
-                f"{_plural(report.removed_orphans, 'unclaimed record')}, "
-                f"{_plural(report.removed_ends, 'end record')}",
+                f"{plural(len(report.removed_blocks), 'block')}, "
+                f"{plural(len(report.removed_states), 'state')}, "
+                f"{plural(report.removed_orphans, 'unclaimed record')}, "
+                f"{plural(report.removed_ends, 'end record')}",
             )
         )
     elif any(p.chain_hash for p in report.problems):
@@ -192,12 +193,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         summary.append(
             (
                 "unindexed",
-                f"{_plural(report.unindexed, 'record')} from before the children index "
+                f"{plural(report.unindexed, 'record')} from before the children index "
                 f"(no partial-block reuse): `cas-bank verify {args.bank} --fix` indexes them",
             )
         )
     if report.indexed:
-        summary.append(("indexed", _plural(report.indexed, "record")))
+        summary.append(("indexed", plural(report.indexed, "record")))
     if looks > 1:
         summary.append(("looks", f"{looks} (a writer was busy; problems shown were seen in all)"))
     for name, (counter, found) in report.counter_drift.items():
@@ -205,7 +206,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out.append(fields(summary))
     emit(*out)
     return status
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
