@@ -124,9 +124,11 @@ def test_helpers_are_kept_off_the_restoring_threads_cpu() -> None:
     try:
         for cpu in (first, second):  # the restoring thread moves: so do the helpers
             os.sched_setaffinity(0, {cpu})
-            helpers.together(lambda: None)
+            helpers.together(lambda: None)  # keeps its partner off this CPU
+            assert os.sched_getaffinity(helpers.partner().tid) == allowed - {cpu}
+            helpers.keep_helpers_off_this_cpu()  # the pool's too (its map callers)
             tids = list(helpers._tids)
-            assert tids
+            assert len(tids) == helpers._THREADS + 1  # the pool's threads and the partner
             for tid in tids:
                 mask = os.sched_getaffinity(tid)
                 assert cpu not in mask and mask == allowed - {cpu}

@@ -43,7 +43,7 @@ import numpy as np
 
 from cas_bank.arrays import DType, address_of, lead_offsets
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
-from cas_bank.index.helpers import helper_pool, together
+from cas_bank.index.helpers import helper_pool, keep_helpers_off_this_cpu, together
 from cas_bank.native import fill_module
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
@@ -292,6 +292,7 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         for k in rest:
             out[k] = jobs[k][0].read(*jobs[k][1])
     else:
+        keep_helpers_off_this_cpu()
         results = helper_pool().map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
         for k, why in zip(rest, results, strict=True):
             out[k] = why
