@@ -85,7 +85,7 @@ def main() -> None:
             Extension(
                 f"cas_bank.{name}",
                 sources=[f"{NATIVE}/{source}.c", *sources],
-                depends=[f"{B3}/blake3.h", f"{B3}/blake3_impl.h"],
+                depends=[f"{B3}/blake3.h", f"{B3}/blake3_impl.h", f"{NATIVE}/pair.h"],
                 define_macros=macros,
                 extra_compile_args=["-O3"],
                 optional=not required,

@@ -3,7 +3,10 @@ put the same verified bytes in the same rows and refuse the same damage."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from cas_bank.blocks.hashing import Check
 from cas_bank.index import fastread
 from cas_bank.index.assembler import Assembler
 from cas_bank.index.fastread import BlockFiles
+from cas_bank.native import fill_module
 
 pytestmark = pytest.mark.skipif(
     fastread._read_into is None, reason="the native reader (cas_bank._fill) is not built"
@@ -284,3 +288,89 @@ def test_a_restores_state_reader_places_the_runs_its_shapes_fix() -> None:
     views = [d.view for d in assembler._state_dests]
     found = BlockFiles(views, assembler.state_shapes, assembler.state_dtypes)
     assert reader._segments == found._segments
+
+
+# -- the native partner thread (cas_bank/_native/pair.h) -------------------------------
+
+
+def _batch(tmp: Path, seed: int, n: int = 6) -> tuple[Any, ...]:
+    """`n` block files of one layout, and what `_read_batch` needs to read and check them."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    block = 16
+    shapes, dtypes = _layout(rng, 2, 2, block, DTYPES["float32"])
+    paths, payloads, blocks = _write(tmp, rng, shapes, dtypes, n)
+    items = [(i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])) for i in range(n)]
+    return shapes, dtypes, block, items, blocks
+
+
+def _read_batch(case: tuple[Any, ...]) -> bool:
+    """One `read_files` of the case's files into fresh rows: whether each landed right."""
+    shapes, dtypes, block, items, blocks = case
+    dests = _dests(shapes, dtypes, len(items), block)
+    reader = BlockFiles(dests, shapes, dtypes, block)
+    if fastread.read_files([(reader, item) for item in items]) != [None] * len(items):
+        return False
+    return all(
+        dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
+        for i, arrays in enumerate(blocks)
+        for dest, a in zip(dests, arrays, strict=True)
+    )
+
+
+def test_two_threads_reading_at_once_each_fill_their_own_rows(tmp_path: Path) -> None:
+    """The partner takes one call at a time: a second caller meanwhile reads alone, and
+    every call's rows come out whole, whoever read them."""
+    cases = [_batch(tmp_path / f"t{k}", k) for k in range(2)]
+    bad: list[int] = []
+
+    def reads(k: int) -> None:
+        bad.extend(k for _ in range(40) if not _read_batch(cases[k]))
+
+    threads = [threading.Thread(target=reads, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_reads_with_a_partner_of_its_own(tmp_path: Path) -> None:
+    """The parent's partner thread is not in a forked child: the child starts its own."""
+    assert fill_module is not None
+    case = _batch(tmp_path, 5)
+    assert _read_batch(case)
+    parent = fill_module.partner_tid()
+    assert parent != 0
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's exit code
+        ok = fill_module.partner_tid() == 0 and _read_batch(case)
+        ok = ok and fill_module.partner_tid() not in (0, parent)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a system that pins threads to CPUs, and two CPUs",
+)
+def test_the_partner_is_kept_off_the_reading_threads_cpu(tmp_path: Path) -> None:
+    assert fill_module is not None
+    case = _batch(tmp_path, 7)
+    allowed = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(allowed)[:2]:  # the reading thread moves: so does the partner
+            os.sched_setaffinity(0, {cpu})
+            assert _read_batch(case)
+            mask = os.sched_getaffinity(fill_module.partner_tid())
+            assert mask and cpu not in mask and mask <= allowed
+    finally:
+        os.sched_setaffinity(0, allowed)

@@ -69,13 +69,11 @@ def test_views_it_cannot_address_are_left_to_numpy() -> None:
 
 def test_copy_runs_refuses_malformed_runs() -> None:
     assert fill_module is not None
-    counter = np.zeros(1, dtype=np.int64)
-    with pytest.raises(ValueError, match="triples"):
-        fill_module.copy_runs(b"\0" * 20, counter)
-    with pytest.raises(ValueError, match="negative"):
-        fill_module.copy_runs(np.array([0, 0, -1], dtype=np.int64).tobytes(), counter)
-    with pytest.raises(ValueError, match="counter"):
-        fill_module.copy_runs(b"", np.zeros(2, dtype=np.int64))
+    for two_threads in (True, False):
+        with pytest.raises(ValueError, match="triples"):
+            fill_module.copy_runs(b"\0" * 20, two_threads)
+        with pytest.raises(ValueError, match="negative"):
+            fill_module.copy_runs(np.array([0, 0, -1], dtype=np.int64).tobytes(), two_threads)
 
 
 def test_one_plan_copies_into_any_destinations_of_its_shapes() -> None:

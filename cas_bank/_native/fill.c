@@ -20,6 +20,10 @@
  * The digest covers the lead before the digest, the descriptors and the body, as
  * blocks.codec computes it.
  *
+ * `read_many` (a restore's files) and `copy_runs` (a lease copied) work on the calling
+ * thread and on this module's partner thread at once (pair.h), both taking files or
+ * runs from a shared counter.
+ *
  * The destination is given as raw addresses (int64 triples: block 0's address, the
  * length, how many bytes further each next block's run starts): the
  * caller (cas_bank.index.fastread) builds them from arrays it owns and keeps alive for
@@ -48,6 +52,7 @@ typedef ptrdiff_t Py_ssize_t;
 #endif
 
 #include "blake3/blake3.h"
+#include "pair.h"
 /* XXH3-128, from the vendored official xxHash sources (BSD-2, cas_bank/_native/xxhash):
  * all inline in this file. On x86-64 its dispatcher picks AVX2 or AVX-512 at run time
  * (SSE2 otherwise); elsewhere the compiler's vectors (NEON on arm64). */
@@ -319,17 +324,61 @@ static void copy_runs(const int64_t *runs, int64_t n, int64_t *next) {
 }
 
 #ifndef CAS_BANK_CORE_ONLY
+/* copy_runs of `runs` on this thread and the partner (pair.h). */
+typedef struct {
+  const int64_t *runs;
+  int64_t n;
+  int64_t next;
+} copy_share_t;
+
+static void copy_share(void *arg) {
+  copy_share_t *c = arg;
+  copy_runs(c->runs, c->n, &c->next);
+}
+
+static void copy_pair(const int64_t *runs, int64_t n) {
+  copy_share_t c = {runs, n, 0};
+  pair_run(copy_share, &c);
+}
+
+/* `fill` of many files on this thread and the partner, each taking the next file from
+ * a shared counter; each file's (code, errno) into `codes`. */
+typedef struct {
+  Py_ssize_t n;
+  const char **path;
+  const uint8_t **head;
+  Py_ssize_t *head_len;
+  const int64_t **seg;
+  Py_ssize_t *seg_n;
+  const int64_t *index;
+  size_t lead;
+  const char *context;
+  int32_t *codes;
+  int64_t next;
+} reads_t;
+
+static void read_share(void *arg) {
+  reads_t *r = arg;
+  for (;;) {
+    int64_t i = __atomic_fetch_add(&r->next, 1, __ATOMIC_RELAXED);
+    if (i >= r->n) break;
+    int err = 0;
+    r->codes[2 * i] = fill(r->path[i], r->head[i], (size_t)r->head_len[i], r->lead, r->seg[i],
+                           r->seg_n[i], r->index[i], r->context, &err);
+    r->codes[2 * i + 1] = err;
+  }
+}
+
 static PyObject *copy_runs_py(PyObject *self, PyObject *args) {
   (void)self;
-  Py_buffer runs, counter;
-  if (!PyArg_ParseTuple(args, "y*w*", &runs, &counter)) return NULL;
+  Py_buffer runs;
+  int two = 1;
+  if (!PyArg_ParseTuple(args, "y*|p", &runs, &two)) return NULL;
   PyObject *out = NULL;
   if (runs.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0 ||
       ((uintptr_t)runs.buf % sizeof(int64_t)) != 0) {
     PyErr_SetString(PyExc_ValueError,
                     "runs must be 8-aligned int64 (destination, source, length) triples");
-  } else if (counter.len != (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)counter.buf % 8) != 0) {
-    PyErr_SetString(PyExc_ValueError, "counter must be 8 aligned writable bytes");
   } else {
     const int64_t *at = runs.buf;
     int64_t n = (int64_t)(runs.len / (Py_ssize_t)(3 * sizeof(int64_t)));
@@ -340,13 +389,17 @@ static PyObject *copy_runs_py(PyObject *self, PyObject *args) {
       }
     }
     Py_BEGIN_ALLOW_THREADS
-    copy_runs(at, n, counter.buf);
+    if (two) {
+      copy_pair(at, n);
+    } else {
+      int64_t next = 0;
+      copy_runs(at, n, &next);
+    }
     Py_END_ALLOW_THREADS
     out = Py_NewRef(Py_None);
   }
 done:
   PyBuffer_Release(&runs);
-  PyBuffer_Release(&counter);
   return out;
 }
 
@@ -378,44 +431,40 @@ static PyObject *read_into(PyObject *self, PyObject *args) {
   return out;
 }
 
-/* read_many: `fill` of many files, the GIL released for all of them. Threads that call
- * it with the same `counter` share the work: each takes the next file from it. */
+/* read_many: `fill` of many files, the GIL released for all of them, on this thread
+ * and the partner (pair.h). */
 static PyObject *read_many(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *paths, *heads, *segments;
-  Py_buffer index, counter, codes;
+  Py_buffer index, codes;
   Py_ssize_t lead;
   const char *context;
-  if (!PyArg_ParseTuple(args, "O!O!y*nO!sw*w*", &PyTuple_Type, &paths, &PyTuple_Type, &heads,
-                        &index, &lead, &PyTuple_Type, &segments, &context, &counter, &codes)) {
+  if (!PyArg_ParseTuple(args, "O!O!y*nO!sw*", &PyTuple_Type, &paths, &PyTuple_Type, &heads,
+                        &index, &lead, &PyTuple_Type, &segments, &context, &codes)) {
     return NULL;
   }
   PyObject *out = NULL;
   Py_ssize_t n = PyTuple_GET_SIZE(paths);
-  const char **path_at = NULL;
-  const uint8_t **head_at = NULL;
-  Py_ssize_t *head_len = NULL;
-  const int64_t **seg_at = NULL;
-  Py_ssize_t *seg_n = NULL;
+  reads_t r = {0};
+  r.n = n;
+  r.lead = (size_t)lead;
+  r.context = context;
   if (PyTuple_GET_SIZE(heads) != n || PyTuple_GET_SIZE(segments) != n ||
       index.len != n * (Py_ssize_t)sizeof(int64_t) ||
-      codes.len != 2 * n * (Py_ssize_t)sizeof(int32_t)) {
+      codes.len != 2 * n * (Py_ssize_t)sizeof(int32_t) || ((uintptr_t)index.buf % 8) != 0 ||
+      ((uintptr_t)codes.buf % 4) != 0) {
     PyErr_SetString(PyExc_ValueError,
                     "read_many needs one head, one segments, one int64 index and two int32 "
-                    "codes a path");
+                    "codes a path (aligned)");
     goto done;
   }
-  if (counter.len != (Py_ssize_t)sizeof(int64_t) || ((uintptr_t)counter.buf % 8) != 0) {
-    PyErr_SetString(PyExc_ValueError, "counter must be 8 aligned writable bytes");
-    goto done;
-  }
-  path_at = PyMem_Calloc((size_t)n + 1, sizeof(char *));
-  head_at = PyMem_Calloc((size_t)n + 1, sizeof(uint8_t *));
-  head_len = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
-  seg_at = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
-  seg_n = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
-  if (path_at == NULL || head_at == NULL || head_len == NULL || seg_at == NULL ||
-      seg_n == NULL) {
+  r.path = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+  r.head = PyMem_Calloc((size_t)n + 1, sizeof(uint8_t *));
+  r.head_len = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+  r.seg = PyMem_Calloc((size_t)n + 1, sizeof(int64_t *));
+  r.seg_n = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+  if (r.path == NULL || r.head == NULL || r.head_len == NULL || r.seg == NULL ||
+      r.seg_n == NULL) {
     PyErr_NoMemory();
     goto done;
   }
@@ -431,45 +480,42 @@ static PyObject *read_many(PyObject *self, PyObject *args) {
                       "segments must be int64 (address, length, step) triples");
       goto done;
     }
-    path_at[i] = PyBytes_AS_STRING(p);
-    head_at[i] = (const uint8_t *)PyBytes_AS_STRING(h);
-    head_len[i] = PyBytes_GET_SIZE(h);
-    seg_at[i] = (const int64_t *)PyBytes_AS_STRING(g);
-    if ((uintptr_t)seg_at[i] % sizeof(int64_t) != 0) {  /* CPython's bytes are 8-aligned */
+    r.path[i] = PyBytes_AS_STRING(p);
+    r.head[i] = (const uint8_t *)PyBytes_AS_STRING(h);
+    r.head_len[i] = PyBytes_GET_SIZE(h);
+    r.seg[i] = (const int64_t *)PyBytes_AS_STRING(g);
+    if ((uintptr_t)r.seg[i] % sizeof(int64_t) != 0) {  /* CPython's bytes are 8-aligned */
       PyErr_SetString(PyExc_ValueError, "segments are not 8-byte aligned");
       goto done;
     }
-    seg_n[i] = PyBytes_GET_SIZE(g) / (Py_ssize_t)(3 * sizeof(int64_t));
-    if (lead < BLAKE3_OUT_LEN || lead > head_len[i]) {
+    r.seg_n[i] = PyBytes_GET_SIZE(g) / (Py_ssize_t)(3 * sizeof(int64_t));
+    if (lead < BLAKE3_OUT_LEN || lead > r.head_len[i]) {
       PyErr_Format(PyExc_ValueError, "lead of %zd bytes does not fit a head of %zd", lead,
-                   head_len[i]);
+                   r.head_len[i]);
       goto done;
     }
   }
+  r.index = index.buf;
+  r.codes = codes.buf;
   Py_BEGIN_ALLOW_THREADS
-  int64_t *next = counter.buf;
-  const int64_t *at = index.buf;
-  int32_t *code = codes.buf;
-  for (;;) {
-    int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-    if (i >= n) break;
-    int err = 0;
-    code[2 * i] = fill(path_at[i], head_at[i], (size_t)head_len[i], (size_t)lead, seg_at[i],
-                       seg_n[i], at[i], context, &err);
-    code[2 * i + 1] = err;
-  }
+  pair_run(read_share, &r);
   Py_END_ALLOW_THREADS
   out = Py_NewRef(Py_None);
 done:
-  PyMem_Free(path_at);
-  PyMem_Free(head_at);
-  PyMem_Free(head_len);
-  PyMem_Free(seg_at);
-  PyMem_Free(seg_n);
+  PyMem_Free(r.path);
+  PyMem_Free(r.head);
+  PyMem_Free(r.head_len);
+  PyMem_Free(r.seg);
+  PyMem_Free(r.seg_n);
   PyBuffer_Release(&index);
-  PyBuffer_Release(&counter);
   PyBuffer_Release(&codes);
   return out;
+}
+
+static PyObject *partner_tid(PyObject *self, PyObject *unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromLong(pair_thread_id());
 }
 
 static PyMethodDef methods[] = {
@@ -482,20 +528,25 @@ static PyMethodDef methods[] = {
      "else blake3 (derive-key context). code: 0 good, 1 missing, 2 size, 3 head, "
      "4 digest, 5 I/O error (errno)."},
     {"read_many", read_many, METH_VARARGS,
-     "read_many(paths, heads, indices, lead, segments, context, counter, codes) -> None: "
+     "read_many(paths, heads, indices, lead, segments, context, codes) -> None: "
      "read_into of each (path, head, segments, index) of the tuples paths, heads and "
-     "segments (bytes) and the int64 indices, taking the next one from the int64 counter (8 aligned writable "
-     "bytes) until none is left: threads given the same counter share the work. Each "
-     "file's (code, errno) goes to codes (int32 pairs, one pair a path)."},
+     "segments (bytes) and the int64 indices, on this thread and the module's partner "
+     "thread at once, each taking the next file until none is left. Each file's "
+     "(code, errno) goes to codes (int32 pairs, one pair a path)."},
     {"copy_runs", copy_runs_py, METH_VARARGS,
-     "copy_runs(runs, counter) -> None: copy each (destination, source, length) of the "
-     "int64 triples of runs (memory the caller holds), taking the next from the int64 "
-     "counter (8 aligned writable bytes) until none is left: threads given the same "
-     "counter share the work. Streaming stores on x86-64."},
+     "copy_runs(runs, two_threads=True) -> None: copy each (destination, source, length) "
+     "of the int64 triples of runs (memory the caller holds), on this thread and (two_"
+     "threads) the module's partner thread at once, each taking the next run until none "
+     "is left. Streaming stores on x86-64."},
+    {"partner_tid", partner_tid, METH_NOARGS,
+     "partner_tid() -> int: the partner thread's id (Linux), 0 before it first ran."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "cas_bank._fill", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fill(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fill(void) {
+  pair_init();
+  return PyModule_Create(&module);
+}
 #endif /* CAS_BANK_CORE_ONLY */

@@ -3,9 +3,10 @@
 A block payload in the file tier (`blocks.files`) is the codec's bytes: a fixed lead,
 the array descriptors, then each attention array's block slice in C order.
 
-With the native helper (`cas_bank._fill`, built with the package): one C call on the
-restoring thread and one on a helper thread (`index.helpers.together`), without the
-GIL, take the blocks from a shared counter; per block it checks the file's head,
+With the native helper (`cas_bank._fill`, built with the package): one C call, without
+the GIL, reads on the restoring thread and on the module's own partner thread
+(cas_bank/_native/pair.h: no Python on its side) at once, both taking the blocks from a
+shared counter; per block it checks the file's head,
 reads the body in runs of 256 KiB into the thread's staging buffer, hashes each run
 while it is in the core's cache and copies it out to the destination rows: one copy
 out of the page cache, one hashing pass, one copy from cache to the rows. The rows of
@@ -43,7 +44,7 @@ import numpy as np
 
 from cas_bank.arrays import DType, address_of, lead_offsets
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
-from cas_bank.index.helpers import helper_pool, keep_helpers_off_this_cpu, together
+from cas_bank.index.helpers import helper_pool, keep_helpers_off_this_cpu
 from cas_bank.native import fill_module
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
@@ -261,8 +262,8 @@ class BlockFiles:
 def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
     """`reader.read(*item)` of every (reader, item), on both cores; results in order.
 
-    With the native reader, one C call on this thread and one on the pool's take the
-    files from a shared counter (no task per file); files it cannot read this way
+    With the native reader, one C call reads on this thread and on its partner thread,
+    both taking the files from a shared counter (no task per file); files it cannot read this way
     (the Python path's, one of another size) are read one by one after them.
     """
     out: list[str | None] = [None] * len(jobs)
@@ -276,11 +277,9 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         heads = tuple(jobs[k][0]._head(jobs[k][1][3]) for k in native)
         segments = tuple(cast(bytes, jobs[k][0]._segments) for k in native)
         indices = np.array([jobs[k][1][0] for k in native], dtype=np.int64).tobytes()
-        counter = np.zeros(1, dtype=np.int64)
         codes = np.zeros(2 * len(native), dtype=np.int32)
-        args = (paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, counter, codes)
-        read_many = _read_many
-        together(lambda: read_many(*args))
+        # On this thread and the native partner (cas_bank/_native/pair.h) at once.
+        _read_many(paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, codes)
         for j, k in enumerate(native):
             reader, item = jobs[k]
             out[k] = reader._failure(int(codes[2 * j]), int(codes[2 * j + 1]), item)

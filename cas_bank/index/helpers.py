@@ -3,7 +3,10 @@
 A restore splits its heavy loops (reading and verifying payload files in
 `index.fastread`, copying a lease in `index.assembler`) between the restoring thread and
 one helper: `together(fn)` runs `fn` on both at once, each taking work from a shared
-source until none is left, so neither waits long for the other.
+source until none is left, so neither waits long for the other. Where the native
+helper is built, its reads and copies have a partner thread of their own instead
+(cas_bank/_native/pair.h: no Python on its side, so no GIL to hand over); these Python
+threads then serve the paths without it (numpy copies, the Python reader).
 
 Where the OS lets a process say which CPUs a thread may use (Linux), the helpers are
 kept off the CPU the restoring thread is on while they work beside it. Without that,

@@ -10,9 +10,9 @@ files: measured here on two threads, 56 arrays of [1, 4, T, 128] bf16, 59 / 235 
 
 The work is a list of (destination, source, length) runs, one per leading index of
 each array (a view [..., T, D] whose rows are contiguous holds each leading index's
-first n rows as one run); two threads take runs from a shared counter
-(`index.helpers.together`). Without the helper (or for views it cannot address
-this way) the caller copies with numpy.
+first n rows as one run); two threads take runs from a shared counter (this one and
+the native partner thread, cas_bank/_native/pair.h). Without the helper (or for views
+it cannot address this way) the caller copies with numpy.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from cas_bank.arrays import lead_offsets
-from cas_bank.index.helpers import together
 from cas_bank.native import fill_module
 
 _copy_runs = getattr(fill_module, "copy_runs", None) if fill_module is not None else None
@@ -81,13 +80,8 @@ def copy_planned(plan: CopyPlan, dest_addresses: np.ndarray, *, two_threads: boo
     assert _copy_runs is not None  # a plan is made only where the helper is
     runs = plan.runs.copy()
     runs[:, 0] += dest_addresses[plan.index]
-    packed = runs.tobytes()
-    counter = np.zeros(1, dtype=np.int64)
-    copy_runs = _copy_runs
-    if two_threads:
-        together(lambda: copy_runs(packed, counter))
-    else:
-        copy_runs(packed, counter)
+    # Two threads: this one and the native partner (cas_bank/_native/pair.h).
+    _copy_runs(runs.tobytes(), two_threads)
 
 
 @functools.lru_cache(maxsize=256)

@@ -54,7 +54,7 @@ def build(target: str, out: Path) -> Path:
     sources, macros = _setup().blake3_build(machine)  # type: ignore[attr-defined]
     flags = [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in macros]
     exe = out / f"test_native-{target}"
-    cmd = [cc, "-std=gnu11", "-O2", "-Wall", "-static", *flags, str(TEST)]
+    cmd = [cc, "-std=gnu11", "-D_GNU_SOURCE", "-O2", "-Wall", "-static", *flags, str(TEST)]
     cmd += [str(ROOT / s) for s in sources] + ["-o", str(exe), "-lpthread"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return exe

@@ -9,7 +9,11 @@
  * 3. the same file with one byte flipped (in the body, then in the head): refused;
  *    a missing file and a short one: their codes;
  * 4. `copy_runs` (a lease into a restore's rows, streamed on x86-64): every byte
- *    where it belongs, none past a run.
+ *    where it belongs, none past a run;
+ * 5. `pair_run` (pair.h: this thread and the partner thread share a counter): every
+ *    piece done exactly once and done when it returns, over many calls (a call the
+ *    partner has not begun is taken back, one it has begun is waited for), and the
+ *    same from a forked child, which starts a partner of its own.
  *
  * Usage: test_native CASE_DIR. Exit status 0 when all pass; each failure is a line.
  */
@@ -18,6 +22,9 @@
 #include "../../cas_bank/_native/fill.c"
 
 #include <stdio.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int failures = 0;
 
@@ -75,6 +82,50 @@ static void spit(const char *path, const uint8_t *buf, size_t len) {
 }
 
 enum { MAX_ARRAYS = 8 };
+
+/* pair_run's work: `n` pieces taken from a shared counter, each marked where done. */
+enum { MAX_PIECES = 512 };
+typedef struct {
+  int64_t next, n;
+  int hits[MAX_PIECES];
+  long by[MAX_PIECES]; /* which thread did it (0: the caller) */
+  long caller;
+} pieces_t;
+
+static void do_pieces(void *arg) {
+  pieces_t *p = arg;
+  long me = (long)syscall(SYS_gettid);
+  for (;;) {
+    int64_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+    if (i >= p->n) break;
+    for (volatile int spin = 0; spin < 200; spin++) {
+    }
+    __atomic_fetch_add(&p->hits[i], 1, __ATOMIC_RELAXED);
+    p->by[i] = me == p->caller ? 0 : me;
+  }
+}
+
+static void check_pairs(const char *where) {
+  static pieces_t p;
+  int shared = 0;
+  for (int call = 0; call < 2000; call++) {
+    memset(&p, 0, sizeof p);
+    p.n = call % MAX_PIECES;
+    p.caller = (long)syscall(SYS_gettid);
+    pair_run(do_pieces, &p);
+    int bad = 0;
+    for (int64_t i = 0; i < p.n; i++) {
+      bad += p.hits[i] != 1;
+      shared |= p.by[i] != 0;
+    }
+    CHECK(!bad, "%s: pair_run call %d did %d of %lld pieces other than once", where, call, bad,
+          (long long)p.n);
+    if (bad) break;
+  }
+  CHECK(pair_thread_id() != 0, "%s: the partner never started", where);
+  /* With two CPUs the partner must have taken some piece (one CPU: it may never). */
+  CHECK(shared || sysconf(_SC_NPROCESSORS_ONLN) < 2, "%s: the partner never took a piece", where);
+}
 
 int main(int argc, char **argv) {
   if (argc != 2) {
@@ -203,6 +254,19 @@ int main(int argc, char **argv) {
     CHECK(next >= N, "copy_runs stopped at run %lld of %d", (long long)next, N);
   }
 
-  if (failures == 0) printf("test_native: chain vectors, fill, damage, copy: all passed\n");
+  /* 5. pair_run: exactly once, over calls of every size. */
+  pair_init();
+  check_pairs("parent");
+  pid_t child = fork();
+  if (child == 0) {
+    check_pairs("forked child");
+    _exit(failures == 0 ? 0 : 1);
+  }
+  int status = 0;
+  CHECK(child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) &&
+            WEXITSTATUS(status) == 0,
+        "pair_run failed in a forked child");
+
+  if (failures == 0) printf("test_native: chain vectors, fill, damage, copy, pair: all passed\n");
   return failures == 0 ? 0 : 1;
 }
