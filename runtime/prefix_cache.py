@@ -66,7 +66,7 @@ import mlx.nn as nn
 import numpy as np
 
 from cas_bank.bank import Bank
-from cas_bank.blocks.hashing import as_token_array
+from cas_bank.blocks.hashing import as_token_array, max_token
 from cas_bank.errors import BankFullError, InvalidInputError
 from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace
@@ -173,7 +173,7 @@ class PrefixCache:
     def tokens(self, tokens: Any) -> np.ndarray:
         """`tokens` as a 1-D int array, checked against the vocabulary."""
         toks = as_token_array(tokens)
-        if toks.size and int(toks.max()) >= self.vocab_size:
+        if max_token(toks) >= self.vocab_size:
             bad = int(toks[np.argmax(toks >= self.vocab_size)])
             raise InvalidInputError(
                 f"token id {bad} is beyond the vocabulary of {self.spec.name!r} "

@@ -204,3 +204,18 @@ def test_native_and_python_chains_agree(root: bytes, tokens: list[int], block_si
     assert chain_hashes(root, tokens, block_size) == want
     if want:
         assert want[0] == hash_block(root, np.array(tokens[:block_size], dtype=np.uint32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=700))
+def test_max_token_is_numpys_max_native_or_not(tokens: list[int]) -> None:
+    """The vocabulary check's maximum (`max_token`): the native loop where it is built
+    and numpy's reduction agree on every array, the empty one giving 0."""
+    arr = hashing.as_token_array(tokens)
+    want = int(arr.max()) if tokens else 0
+    assert hashing.max_token(arr) == want
+    native, hashing._native_max_id = hashing._native_max_id, None
+    try:
+        assert hashing.max_token(arr) == want
+    finally:
+        hashing._native_max_id = native

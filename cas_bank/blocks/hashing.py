@@ -136,6 +136,20 @@ def end_hashes(parent: bytes, tail_tokens: bytes) -> list[BlockHash]:
     return out
 
 
+_native_max_id: Callable[[Any], int] | None = (
+    chain_module.max_id if chain_module is not None else None
+)
+
+
+def max_token(tokens: np.ndarray) -> int:
+    """The largest id of a token array from `as_token_array` (0 if empty): one short
+    native loop where the helper is built (numpy's reduction cost a cold restore's
+    vocabulary check ~50 us at 1k tokens)."""
+    if _native_max_id is not None:
+        return _native_max_id(tokens)
+    return int(tokens.max()) if tokens.size else 0
+
+
 def chain_hashes(root: bytes, tokens: Any, block_size: int) -> list[BlockHash]:
     """Names of every full block of `tokens`, in order (the partial tail has none)."""
     arr = as_token_array(tokens)
