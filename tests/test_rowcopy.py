@@ -90,3 +90,45 @@ def test_one_plan_copies_into_any_destinations_of_its_shapes() -> None:
         for d, s in zip(dests, sources, strict=True):
             assert np.array_equal(d[:, :33], s[:, :33]) and (d[:, 33:] == 9).all()
     assert all((f == 0).all() for f in first)  # the views it was planned with: untouched
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 6), min_size=0, max_size=6),
+    column=st.integers(0, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_place_adds_each_views_address_to_its_runs(
+    counts: list[int], column: int, seed: int
+) -> None:
+    """`_fill.place` (row runs at address 0 moved to each view's address, for the
+    native reader's segments and a lease copy's plan) is numpy's repeat-and-add."""
+    assert fill_module is not None
+    rng = np.random.default_rng(seed)
+    n = sum(counts)
+    triples = rng.integers(0, 2**40, (n, 3), dtype=np.int64)
+    triples.flags.writeable = False  # templates are kept read only
+    per_view = np.array(counts, dtype=np.int64)
+    addresses = rng.integers(0, 2**40, len(counts), dtype=np.int64)
+    before = triples.copy()
+    want = triples.copy()
+    want[:, column] += np.repeat(addresses, per_view)
+    assert fill_module.place(triples, per_view, addresses, column) == want.tobytes()
+    assert np.array_equal(triples, before)  # a copy: the template stays as it was
+
+
+def test_place_refuses_what_does_not_add_up() -> None:
+    assert fill_module is not None
+    triples = np.zeros((4, 3), dtype=np.int64)
+    two = np.zeros(2, dtype=np.int64)
+    cases = [
+        (triples, np.array([1, 2], dtype=np.int64), two, 0, "add up"),  # 3 of 4 runs
+        (triples, np.array([3, 2], dtype=np.int64), two, 0, "add up"),  # 5 of 4
+        (triples, np.array([-1, 5], dtype=np.int64), two, 0, "add up"),
+        (triples, np.array([4], dtype=np.int64), two, 0, "one int64 count and address"),
+        (b"\0" * 20, np.array([0], dtype=np.int64), two[:1], 0, "triples"),
+        (triples, np.array([2, 2], dtype=np.int64), two, 3, "column"),
+    ]
+    for runs, counts, addresses, column, why in cases:
+        with pytest.raises(ValueError, match=why):
+            fill_module.place(runs, counts, addresses, column)

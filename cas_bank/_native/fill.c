@@ -512,6 +512,52 @@ done:
   return out;
 }
 
+/* place(triples, counts, addresses, column): a copy of the int64 triples with
+ * addresses[v] added to element `column` of each of the counts[v] triples of view v, in
+ * order: a template of row runs at address 0 placed at a restore's arrays. One call
+ * where numpy took four (a copy, a repeat, an add, tobytes: ~40 us of a cold restore
+ * for one set of destinations). */
+static PyObject *place(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer triples, counts, addresses;
+  int column;
+  if (!PyArg_ParseTuple(args, "y*y*y*i", &triples, &counts, &addresses, &column)) return NULL;
+  PyObject *out = NULL;
+  const Py_ssize_t triple = 3 * (Py_ssize_t)sizeof(int64_t);
+  if (triples.len % triple != 0 || counts.len % 8 != 0 || addresses.len != counts.len ||
+      ((uintptr_t)triples.buf % 8) != 0 || ((uintptr_t)counts.buf % 8) != 0 ||
+      ((uintptr_t)addresses.buf % 8) != 0 || column < 0 || column > 2) {
+    PyErr_SetString(PyExc_ValueError,
+                    "place needs 8-aligned int64 triples, one int64 count and address a "
+                    "view, and a column of 0-2");
+    goto done;
+  }
+  Py_ssize_t n = triples.len / triple, views = counts.len / 8, total = 0;
+  const int64_t *count = counts.buf, *address = addresses.buf;
+  for (Py_ssize_t v = 0; v < views; v++) {
+    if (count[v] < 0 || count[v] > n - total) {
+      PyErr_SetString(PyExc_ValueError, "the counts do not add up to the triples");
+      goto done;
+    }
+    total += (Py_ssize_t)count[v];
+  }
+  if (total != n) {
+    PyErr_SetString(PyExc_ValueError, "the counts do not add up to the triples");
+    goto done;
+  }
+  out = PyBytes_FromStringAndSize(triples.buf, triples.len);
+  if (out == NULL) goto done;
+  int64_t *at = (int64_t *)PyBytes_AS_STRING(out); /* CPython's bytes are 8-aligned */
+  for (Py_ssize_t v = 0, k = 0; v < views; v++) {
+    for (int64_t j = 0; j < count[v]; j++, k++) at[3 * k + column] += address[v];
+  }
+done:
+  PyBuffer_Release(&triples);
+  PyBuffer_Release(&counts);
+  PyBuffer_Release(&addresses);
+  return out;
+}
+
 static PyObject *partner_tid(PyObject *self, PyObject *unused) {
   (void)self;
   (void)unused;
@@ -538,6 +584,10 @@ static PyMethodDef methods[] = {
      "of the int64 triples of runs (memory the caller holds), on this thread and (two_"
      "threads) the module's partner thread at once, each taking the next run until none "
      "is left. Streaming stores on x86-64."},
+    {"place", place, METH_VARARGS,
+     "place(triples, counts, addresses, column) -> bytes: the int64 triples with "
+     "addresses[v] (int64) added to element column of each of the counts[v] (int64) "
+     "triples of view v, in order."},
     {"partner_tid", partner_tid, METH_NOARGS,
      "partner_tid() -> int: the partner thread's id (Linux), 0 before it first ran."},
     {NULL, NULL, 0, NULL},

@@ -27,7 +27,7 @@ from cas_bank.blocks.codec import Decoded
 from cas_bank.destinations import Destination
 from cas_bank.errors import CorruptDataError
 from cas_bank.index import leasecopy, rowcopy
-from cas_bank.index.fastread import BlockFiles, RowRuns, contiguous_row_runs
+from cas_bank.index.fastread import BlockFiles, Layout, RowRuns, contiguous_row_runs, layout_of
 from cas_bank.index.helpers import together
 from cas_bank.index.layout import group_layers
 from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
@@ -56,6 +56,8 @@ class _Shapes:
     spares: SpareSet  # `wanted` grouped for the spares' pool
     row_runs: RowRuns | None  # the attention destinations' block rows (`BlockFiles`)
     state_runs: RowRuns | None  # the state destinations' rows, one block of them
+    block_layout: Layout  # a block payload's (`BlockFiles`)
+    state_layout: Layout | None  # a state payload's, when the states are allocated
     serial: int  # this instance's own number (never reused): a key for what it fixes
 
 
@@ -120,6 +122,8 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         spare_set(wanted),
         row_runs,
         state_runs,
+        layout_of(block_shapes, dtypes),
+        layout_of(state_shapes, state_dtypes) if state_shapes else None,
         next(_SERIALS),
     )
 
@@ -178,6 +182,7 @@ class Assembler:
         self._views = [d.view for d in self.dests]
         self._row_runs = shapes.row_runs
         self._state_runs = shapes.state_runs
+        self._block_layout, self._state_layout = shapes.block_layout, shapes.state_layout
         self._addresses: np.ndarray | None = None
         # What each array of a block must be, checked before its copy.
         self.block_shapes = shapes.block_shapes
@@ -295,6 +300,7 @@ class Assembler:
             self.block_size,
             runs=self._row_runs,
             addresses=self.addresses(),
+            layout=self._block_layout,
         )
 
     def addresses(self) -> np.ndarray:
@@ -319,6 +325,7 @@ class Assembler:
             self.state_dtypes,
             runs=self._state_runs,
             addresses=addresses,
+            layout=self._state_layout,
         )
 
     def state_arrays(self) -> list[mx.array]:

@@ -99,7 +99,7 @@ def _buffer(size: int) -> bytearray:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
+class Layout:
     """What a plain payload of some block arrays looks like: its descriptors (padded)
     and body size, where each array sits in it (offset, count, dtype, shape), its
     lead up to the digest, its whole size, and each array's rows a block."""
@@ -112,9 +112,16 @@ class _Layout:
     rows: tuple[int, ...]
 
 
+def layout_of(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> Layout:
+    """The `Layout` of plain payloads of block arrays of `shapes` and `dtypes`, for a
+    caller that keeps it (`assembler`: a `BlockFiles` per restore then looks up
+    nothing; ~20 us of a cold restore)."""
+    return _layout(tuple(map(tuple, shapes)), tuple(dtypes))
+
+
 @functools.lru_cache(maxsize=64)
-def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]) -> _Layout:
-    """`_Layout` of block arrays of `shapes` and `dtypes`: the same few each restore of
+def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]) -> Layout:
+    """`Layout` of block arrays of `shapes` and `dtypes`: the same few each restore of
     a model asks for, made once (a restore of 48 arrays spent ~0.1 ms making it)."""
     desc, body_len = _expected_head(shapes, dtypes)
     parts = []
@@ -124,7 +131,7 @@ def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]) -> _
         parts.append((at, n, d.storage, shape))
         at += n * d.itemsize
     lead_prefix = _LEAD.pack(b"CASB", 1, 0, len(parts), body_len, body_len, bytes(32))
-    return _Layout(
+    return Layout(
         desc,
         body_len,
         tuple(parts),
@@ -151,13 +158,17 @@ class BlockFiles:
         *,
         runs: RowRuns | None = None,
         addresses: np.ndarray | None = None,
+        layout: Layout | None = None,
     ) -> None:
         """`runs` and `addresses`: where the caller has them, `dests`' row runs at
         address 0 (`contiguous_row_runs` of their shapes: the caller vouches that each
-        view is C-contiguous and writable) and each view's address (int64)."""
-        if block_size is not None and any(s[-2] != block_size for s in shapes):
-            raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
-        layout = _layout(tuple(map(tuple, shapes)), tuple(dtypes))
+        view is C-contiguous and writable) and each view's address (int64). `layout`:
+        `layout_of(shapes, dtypes)`, where the caller keeps it (its shapes then vouched
+        for as `block_size` rows)."""
+        if layout is None:
+            if block_size is not None and any(s[-2] != block_size for s in shapes):
+                raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
+            layout = _layout(tuple(map(tuple, shapes)), tuple(dtypes))
         self.desc, self.body_len = layout.desc, layout.body_len
         self._parts = layout.parts
         self._lead_prefix = layout.lead_prefix
@@ -322,11 +333,10 @@ def _row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
 
 def _placed(runs: RowRuns, addresses: np.ndarray) -> bytes:
     """`runs` (a template at address 0, and how many triples each view has) moved to
-    each view's address: the native reader's segments."""
+    each view's address (int64): the native reader's segments (`_fill.place`)."""
+    assert _fill is not None  # segments are made only for the native reader
     template, counts = runs
-    triples = template.copy()
-    triples[:, 0] += np.repeat(addresses, counts)
-    return triples.tobytes()
+    return cast(bytes, _fill.place(template, counts, addresses, 0))
 
 
 def contiguous_row_runs(

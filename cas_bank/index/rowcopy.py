@@ -27,6 +27,7 @@ from cas_bank.arrays import lead_offsets
 from cas_bank.native import fill_module
 
 _copy_runs = getattr(fill_module, "copy_runs", None) if fill_module is not None else None
+_place = getattr(fill_module, "place", None) if fill_module is not None else None
 
 View = tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, strides, itemsize)
 
@@ -40,11 +41,11 @@ def available() -> bool:
 class CopyPlan:
     """The runs of one copy from some sources to destinations of some shapes: each run's
     (destination offset, source address, length), the source addresses already placed,
-    and which destination each run writes (`index`). A lease keeps its plans (one per
+    and how many runs write each destination (`counts`). A lease keeps its plans (one per
     shape of destination): a restore only adds its destinations' addresses."""
 
-    runs: np.ndarray
-    index: np.ndarray
+    runs: bytes  # int64 triples
+    counts: np.ndarray  # how many runs write each destination (int64)
 
 
 def plan_copy(
@@ -57,7 +58,7 @@ def plan_copy(
     [0, rows) of the destination beside it, from the sources' addresses (each view's
     first element, int64); None when the helper is missing or a view's rows are not
     one contiguous run per leading index (the caller copies with numpy then)."""
-    if _copy_runs is None or not dests:
+    if _copy_runs is None or _place is None or not dests:
         return None
     key = tuple(
         ((d.shape, d.strides, d.itemsize), (s.shape, s.strides, s.itemsize))
@@ -67,21 +68,15 @@ def plan_copy(
     if made is None:
         return None
     template, counts = made
-    index = np.repeat(np.arange(len(counts), dtype=np.intp), counts)
-    runs = template.copy()
-    runs[:, 1] += source_addresses[index]
-    runs.flags.writeable = False
-    return CopyPlan(runs, index)
+    return CopyPlan(_place(template, counts, source_addresses, 1), counts)
 
 
 def copy_planned(plan: CopyPlan, dest_addresses: np.ndarray, *, two_threads: bool) -> None:
     """Copy as `plan` says into the destinations at `dest_addresses` (int64, one per
     destination, in the plan's order)."""
-    assert _copy_runs is not None  # a plan is made only where the helper is
-    runs = plan.runs.copy()
-    runs[:, 0] += dest_addresses[plan.index]
+    assert _copy_runs is not None and _place is not None  # plans need the helper
     # Two threads: this one and the native partner (cas_bank/_native/pair.h).
-    _copy_runs(runs.tobytes(), two_threads)
+    _copy_runs(_place(plan.runs, plan.counts, dest_addresses, 0), two_threads)
 
 
 @functools.lru_cache(maxsize=256)
