@@ -500,7 +500,9 @@ static PyObject *read_many(PyObject *self, PyObject *args) {
   Py_BEGIN_ALLOW_THREADS
   pair_run(read_share, &r);
   Py_END_ALLOW_THREADS
-  out = Py_NewRef(Py_None);
+  Py_ssize_t failed = 0;
+  for (Py_ssize_t i = 0; i < n; i++) failed += r.codes[2 * i] != 0;
+  out = PyLong_FromSsize_t(failed);
 done:
   PyMem_Free(r.path);
   PyMem_Free(r.head);
@@ -574,11 +576,12 @@ static PyMethodDef methods[] = {
      "else blake3 (derive-key context). code: 0 good, 1 missing, 2 size, 3 head, "
      "4 digest, 5 I/O error (errno)."},
     {"read_many", read_many, METH_VARARGS,
-     "read_many(paths, heads, indices, lead, segments, context, codes) -> None: "
+     "read_many(paths, heads, indices, lead, segments, context, codes) -> int: "
      "read_into of each (path, head, segments, index) of the tuples paths, heads and "
      "segments (bytes) and the int64 indices, on this thread and the module's partner "
      "thread at once, each taking the next file until none is left. Each file's "
-     "(code, errno) goes to codes (int32 pairs, one pair a path)."},
+     "(code, errno) goes to codes (int32 pairs, one pair a path); returns how many "
+     "files failed (a code other than 0)."},
     {"copy_runs", copy_runs_py, METH_VARARGS,
      "copy_runs(runs, two_threads=True) -> None: copy each (destination, source, length) "
      "of the int64 triples of runs (memory the caller holds), on this thread and (two_"
