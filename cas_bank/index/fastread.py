@@ -275,8 +275,8 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
     """`reader.read(*item)` of every (reader, item), on both cores; results in order.
 
     With the native reader, one C call reads on this thread and on its partner thread,
-    both taking the files from a shared counter (no task per file); files it cannot read this way
-    (the Python path's, one of another size) are read one by one after them.
+    both taking the files from a shared counter (no task per file); files it cannot
+    read this way (the Python path's, one of another size) are read one by one after.
     """
     out: list[str | None] = [None] * len(jobs)
     native = [
