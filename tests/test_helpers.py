@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from forking import holds_in_a_forked_child
 
 from cas_bank.index import helpers
 
@@ -142,20 +143,13 @@ def test_a_forked_child_starts_its_own_helpers() -> None:
     helpers.together(lambda: None)
     parent_tids = list(helpers._tids)
     assert parent_tids
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's exit code
+
+    def in_the_child() -> bool:
         ok = not helpers._tids and helpers._pool is None and helpers._partner is None
         ok = ok and _pieces_done(50) == list(range(50))
-        ok = ok and not set(helpers._tids) & set(parent_tids)
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
-    try:
-        assert os.read(read, 1) == b"1"
-    finally:
-        os.close(read)
-        os.waitpid(pid, 0)
+        return ok and not set(helpers._tids) & set(parent_tids)
+
+    assert holds_in_a_forked_child(in_the_child)
 
 
 def test_two_callers_at_once_each_get_all_their_pieces_done() -> None:
