@@ -33,6 +33,7 @@ from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
+from cas_bank.index import chain as chain_py
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.testing import StoreConformance
@@ -408,3 +409,52 @@ def test_any_header_decodes_to_what_was_encoded(
     hot = HotStore(MemoryStore(), MiB)
     hot.put_batch([(Family.HEADERS, chain, h.encode())])
     assert read_headers(hot, [chain]) == [h] == read_headers(hot, [chain])
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70),
+    state=st.booleans(),
+    cut=st.integers(0, 400),
+    junk=st.binary(max_size=8),
+    version=st.integers(0, 255),
+    at=st.integers(0, 400),
+    byte=st.integers(0, 255),
+    numbers=st.tuples(
+        st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)
+    ),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_native_header_decoder_is_the_python_one(
+    tokens: list[int],
+    state: bool,
+    cut: int,
+    junk: bytes,
+    version: int,
+    at: int,
+    byte: int,
+    numbers: tuple[int, int, int],
+) -> None:
+    """`cas_bank._chain.header` (what a lookup decodes with where it is built) gives the
+    very header `Header.decode` does, a `Header`, for any record and any damage to it:
+    truncated, lengthened, another version, any byte changed; None where Python
+    refuses it."""
+    native = chain_py._native_decoded
+    if native is None:
+        pytest.skip("the native helper is not built")
+    index, size, state_size = numbers
+    h = Header(
+        BlockHash(bytes(range(32))), b"p" * 32, index, b"r" * 32, b"d" * 32, size,
+        np.array(tokens, dtype="<u4").tobytes(), b"s" * 32 if state else None, state_size,
+    )  # fmt: skip
+    raw = h.encode()
+    records = [raw, raw[:cut], raw + junk, bytes([version]) + raw[1:]]
+    if at < len(raw):
+        records.append(raw[:at] + bytes([byte]) + raw[at + 1 :])
+    for record in records:
+        want = chain_py._python_decoded(h.chain_hash, record)
+        got = native(h.chain_hash, record)
+        assert got == want
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert type(got) is Header and got.has_state == want.has_state
+            assert got.chain_hash is h.chain_hash
