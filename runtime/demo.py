@@ -44,7 +44,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache, sa
 from rich import box
 from rich.table import Table
 
-from .engine import DEFAULT_MODEL, Engine, resolve_model
+from .engine import Engine
+from .models import DEFAULT_MODEL, resolve_model
 from .server import BackgroundServer
 from .tokenizer import END_OF_MESSAGE_ID, AnyTokenizer, ByteTokenizer, chat_tokens
 

@@ -55,7 +55,10 @@ from .generation import (
     Sink,
     TextDelta,
 )
-from .models import MODEL_NAMES, LoadedModel, build_model, load_model, model_context_length
+
+# DEFAULT_MODEL and resolve_model live in .models now; still importable from here.
+from .models import DEFAULT_MODEL as DEFAULT_MODEL
+from .models import LoadedModel, model_context_length, resolve_model
 from .prefetch import Prefetcher
 from .prefill import DEFAULT_CHUNK_SIZE, PrefillCancelled
 from .prefix_cache import PrefixCache
@@ -63,7 +66,6 @@ from .tokenizer import eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")
 
-DEFAULT_MODEL = "tiny-hybrid"
 DEFAULT_MAX_QUEUE = 64
 STORE_MODES = ("background", "inline", "off")
 
@@ -489,17 +491,3 @@ class Engine:
         with self._lock:
             for name, d in deltas.items():
                 self._counts[name] += d
-
-
-def resolve_model(model: str | Path | None, *, seed: int = 0) -> LoadedModel:
-    """None or an embedded name -> `build_model`; anything else is a local directory."""
-    if model is None:
-        return build_model(DEFAULT_MODEL, seed=seed)
-    if isinstance(model, str) and model in MODEL_NAMES and not Path(model).exists():
-        return build_model(model, seed=seed)
-    if not Path(model).exists():
-        raise InvalidInputError(
-            f"unknown model {str(model)!r}: not an embedded model ({', '.join(MODEL_NAMES)}) "
-            "nor a model directory"
-        )
-    return load_model(model)

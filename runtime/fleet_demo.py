@@ -29,7 +29,8 @@ from rich.table import Table
 from cas_bank.remote.local_cluster import LocalCluster
 
 from .demo import _chat, system_prompt, user_message
-from .engine import DEFAULT_MODEL, Engine
+from .engine import Engine
+from .models import DEFAULT_MODEL
 from .server import BackgroundServer
 
 FLEET_SECRET = "cas-bank demo fleet secret"

@@ -36,6 +36,8 @@ from mlx_lm.utils import _get_classes
 from mlx_lm.utils import load_model as _mlx_lm_load_model
 from mlx_lm.utils import load_tokenizer as _mlx_lm_load_tokenizer
 
+from cas_bank.errors import InvalidInputError
+
 from .tokenizer import AnyTokenizer, ByteTokenizer
 
 if TYPE_CHECKING:
@@ -160,6 +162,7 @@ _CONFIGS: Final[Mapping[str, Mapping[str, Any]]] = MappingProxyType(
 )
 
 MODEL_NAMES: Final[tuple[str, ...]] = tuple(_CONFIGS)
+DEFAULT_MODEL: Final = "tiny-hybrid"  # what the demo and the servers run with no model named
 
 # Bumped when the byte layout hashed by `weights_digest` changes.
 _DIGEST_CONTEXT: Final = "cas_bank 2025 weights digest v1"
@@ -239,6 +242,20 @@ def load_model(path: str | Path) -> LoadedModel:
         tokenizer=tokenizer,
         weights_digest=weights_digest(model),
     )
+
+
+def resolve_model(model: str | Path | None, *, seed: int = 0) -> LoadedModel:
+    """None or an embedded name -> `build_model`; anything else is a local directory."""
+    if model is None:
+        return build_model(DEFAULT_MODEL, seed=seed)
+    if isinstance(model, str) and model in MODEL_NAMES and not Path(model).exists():
+        return build_model(model, seed=seed)
+    if not Path(model).exists():
+        raise InvalidInputError(
+            f"unknown model {str(model)!r}: not an embedded model ({', '.join(MODEL_NAMES)}) "
+            "nor a model directory"
+        )
+    return load_model(model)
 
 
 def save_model(loaded: LoadedModel, path: str | Path) -> Path:
