@@ -255,8 +255,9 @@ def _server_store_section(r: dict[str, Any]) -> list[str]:
         "",
         f"`benchmarks/server_store.py`: three `cas-bank serve` apps of {s['model']} in one "
         f"process, a new {s['tokens']}-token prompt per request (nothing to restore), "
-        f"{s['max_tokens']} tokens streamed, {s['rounds']} request(s) per mode, the modes "
-        "interleaved, the writer drained between requests (`writer s`). `store on path` is "
+        f"{s['max_tokens']} tokens streamed, {s['rounds']} request(s) per mode (medians), the "
+        "modes interleaved in a rotated order each round, the writer drained between requests "
+        "(`writer s`). `store on path` is "
         "the prefill's store as the request paid it (inline: the write; background: the "
         "snapshot and queueing).",
         "",
