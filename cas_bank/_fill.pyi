@@ -4,11 +4,16 @@ def read_into(
 def read_many(
     paths: tuple[bytes, ...],
     heads: tuple[bytes, ...],
-    indices: bytes,
+    indices: object,
     lead: int,
     segments: tuple[bytes, ...],
     context: str,
-    counter: object,
     codes: object,
     /,
-) -> None: ...
+) -> int: ...
+def block_jobs(
+    prefix: bytes, keys: bytes, digests: bytes, lead_prefix: bytes, desc: bytes, /
+) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]: ...
+def copy_runs(runs: bytes, two_threads: bool = True, /) -> None: ...
+def place(triples: bytes, counts: bytes, addresses: bytes, column: int, /) -> bytes: ...
+def partner_tid() -> int: ...

@@ -369,3 +369,115 @@ def test_the_partner_is_kept_off_the_reading_threads_cpu(tmp_path: Path) -> None
             assert mask and cpu not in mask and mask <= allowed
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.binary(min_size=32, max_size=32), st.binary(min_size=32, max_size=32)),
+        max_size=6,
+    ),
+    lead=st.binary(max_size=24),
+    desc=st.binary(max_size=40),
+)
+def test_the_native_names_and_heads_are_the_file_tiers_and_the_readers(
+    tmp_path_factory: pytest.TempPathFactory,
+    pairs: list[tuple[bytes, bytes]],
+    lead: bytes,
+    desc: bytes,
+) -> None:
+    """`block_jobs` names each block's file as `FileTier.name` does and makes the head
+    `BlockFiles._head` expects, for any keys and digest fields."""
+    from cas_bank.blocks.files import FileTier
+    from cas_bank.blocks.rocks import RocksStore
+    from cas_bank.blocks.store import Family
+
+    tmp = tmp_path_factory.mktemp("names")
+    tier = FileTier(RocksStore(tmp / "db"), tmp / "payloads")
+    keys, digests = b"".join(k for k, _ in pairs), b"".join(d for _, d in pairs)
+    paths, heads = fill_module.block_jobs(tier.prefix(Family.BLOCKS), keys, digests, lead, desc)
+    assert [os.fsdecode(p) for p in paths] == [tier.name(Family.BLOCKS, k, d) for k, d in pairs]
+    assert list(heads) == [lead + d + desc for _, d in pairs]
+    with pytest.raises(ValueError, match="32-byte"):
+        fill_module.block_jobs(b"/", keys + b"x", digests + b"x", lead, desc)
+
+
+@pytest.mark.parametrize(
+    "damage", ["none", "flip_body", "missing", "truncate", "other_digest", "compressed_state"]
+)
+def test_plain_blocks_read_by_native_names_are_read_files_own(tmp_path: Path, damage: str) -> None:
+    """`read_plain_blocks` (names and heads made natively, a state job ahead of the
+    blocks) fills the same rows and says the same of every file as `read_files` of the
+    same jobs, whatever one block's file suffered."""
+    from cas_bank.blocks.files import FileTier
+    from cas_bank.blocks.rocks import RocksStore
+    from cas_bank.blocks.store import Family
+
+    rng = np.random.default_rng(3)
+    block, n, first = 8, 5, 1
+    shapes, dtypes = _layout(rng, 2, 2, block, DTYPES["float32"])
+    tier = FileTier(RocksStore(tmp_path / "db"), tmp_path / "payloads")
+    written, payloads, blocks = _write(tmp_path, rng, shapes, dtypes, n)
+    keys = [rng.bytes(32) for _ in range(n)]
+    digests = [codec.embedded_digest(p) for p in payloads]
+    for key, digest, path in zip(keys, digests, written, strict=True):
+        os.replace(path, tier.name(Family.BLOCKS, key, digest))
+    names = [tier.name(Family.BLOCKS, k, d) for k, d in zip(keys, digests, strict=True)]
+    state_shapes, state_dtypes = [(1, 3, 40)], [DTYPES["float32"]]
+    (tmp_path / "state").mkdir()
+    s_paths, s_payloads, s_arrays = _write(tmp_path / "state", rng, state_shapes, state_dtypes, 1)
+    s_item = (0, str(s_paths[0]), len(s_payloads[0]), codec.embedded_digest(s_payloads[0]))
+    hurt = 3
+    if damage == "flip_body":
+        raw = bytearray(payloads[hurt])
+        raw[-5] ^= 4
+        Path(names[hurt]).write_bytes(raw)
+    elif damage == "missing":
+        os.unlink(names[hurt])
+    elif damage == "truncate":
+        Path(names[hurt]).write_bytes(payloads[hurt][:-1])
+    elif damage == "other_digest":
+        digests[hurt] = bytes(32)
+        os.replace(names[hurt], tier.name(Family.BLOCKS, keys[hurt], bytes(32)))
+        names[hurt] = tier.name(Family.BLOCKS, keys[hurt], bytes(32))
+    elif damage == "compressed_state":  # read by itself, ahead of the call
+        packed = codec.encode([s_arrays[0][0] * 0], state_dtypes, compression="lz4")
+        s_paths[0].write_bytes(packed)
+        s_item = (0, str(s_paths[0]), len(packed), codec.embedded_digest(packed))
+    got = {}
+    for way in ("native names", "read_files"):
+        dests = _dests(shapes, dtypes, n, block)
+        state_dests = [
+            np.zeros(s, d.storage) for s, d in zip(state_shapes, state_dtypes, strict=True)
+        ]
+        reader = BlockFiles(dests, shapes, dtypes, block)
+        state_job = (BlockFiles(state_dests, state_shapes, state_dtypes), s_item)
+        if way == "native names":
+            out = fastread.read_plain_blocks(
+                reader,
+                tier.prefix(Family.BLOCKS),
+                b"".join(keys[first:]),
+                b"".join(digests[first:]),
+                first,
+                state_job,
+            )
+        else:
+            jobs = [state_job] + [
+                (reader, (i, names[i], reader.file_len, digests[i])) for i in range(first, n)
+            ]
+            out = fastread.read_files(jobs)
+        assert out is not None
+        got[way] = (out, [d.tobytes() for d in dests], [d.tobytes() for d in state_dests])
+    assert got["native names"] == got["read_files"]
+    results = got["native names"][0]
+    assert len(results) == 1 + n - first
+    bad = [k for k, why in enumerate(results) if why is not None]
+    if damage == "compressed_state":  # not plain: the restore then reads it its own way
+        assert bad == [0] and str(results[0]).startswith("not a plain payload")
+    else:
+        assert bad == ([] if damage == "none" else [1 + hurt - first])
+    if damage == "none":
+        for i in range(first, n):
+            for dest, a in zip(got["native names"][1], blocks[i], strict=True):
+                rows = np.frombuffer(dest, a.dtype).reshape(*a.shape[:-2], n * block, a.shape[-1])
+                assert rows[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()

@@ -63,6 +63,7 @@ class FileTier(BlockStore):
         self.capabilities = inner.capabilities  # files first, then inner's one batch
         self.directory = Path(directory)
         self._dirs = {family: str(self.directory / family.value) for family in Family}
+        self._prefixes = {family: os.fsencode(d) + b"/" for family, d in self._dirs.items()}
         self.min_bytes = min_bytes
         self.durable = durable
         self.read_only = inner.read_only
@@ -86,6 +87,12 @@ class FileTier(BlockStore):
         """`path` as a string: a restore names every block's file, and a `Path` costs it
         more than the read's system calls for a small payload (~8 us, pathlib's parse)."""
         return f"{self._dirs[family]}/{key.hex()}.{digest[:8].hex()}"
+
+    def prefix(self, family: Family) -> bytes:
+        """What every `name` of `family` starts with, as bytes: `name` is this, then
+        the key in hex, a dot and the digest's first 8 bytes in hex (the native reader
+        names a restore's files so: `fastread.read_plain_blocks`)."""
+        return self._prefixes[family]
 
     def payload_file(self, family: Family, key: bytes, stub: bytes) -> tuple[Path, int] | None:
         """The file and size behind a stub read from the inner store, or None."""

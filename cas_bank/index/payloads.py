@@ -9,7 +9,8 @@ logged, never an exception in the runtime's face and never wrong data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.fastread import BlockFiles, Job, read_files
+from cas_bank.index.fastread import BlockFiles, Job, read_files, read_plain_blocks
 from cas_bank.index.layout import decode_state
 from cas_bank.spec import ModelSpec
 
@@ -37,6 +38,11 @@ _Fetched = tuple[codec.Decoded | CorruptDataError | None, bool]
 StateRead = tuple[bytes, list[mx.array]]
 
 log = logging.getLogger("cas_bank")
+
+# A header's fields, taken by C-level maps (a restore's every block, at once).
+_CHAIN_HASH = attrgetter("chain_hash")
+_PAYLOAD_SIZE = attrgetter("payload_size")
+_PAYLOAD_DIGEST = attrgetter("payload_digest")
 
 
 class PayloadReader:
@@ -115,34 +121,41 @@ class PayloadReader:
         files = self.files
         if files is None or not assembler.direct or len(headers) <= first:
             return (*self._assemble_each(headers, assembler, first), None)
-        keys = [h.chain_hash for h in headers]
-        # Only payloads of the tier's size can be files: the others are not read twice.
-        # Each file is named by its header (`FileTier.name`: the key and the digest), so
-        # the payload records are not read first: a header commits in the same batch as
-        # its payload's record, and the file is checked against the header's digest.
-        # The records are read only for the files that are not there (`_unfound`).
-        located = {
-            i: files.name(Family.BLOCKS, keys[i], h.payload_digest)
-            for i, h in enumerate(headers)
-            if i >= first and h.payload_size >= files.min_bytes
-        }
-        if not located:
-            return (*self._assemble_each(headers, assembler, first), None)
-        items = [
-            (i, name, headers[i].payload_size, headers[i].payload_digest)
-            for i, name in located.items()
-        ]
         blocks = assembler.block_files()
-        jobs: list[tuple[BlockFiles, Job]] = [(blocks, item) for item in items]
         state_job = self._state_file(state, assembler) if state is not None else None
-        if state_job is not None:  # first: the largest file, the one to start early
-            jobs.insert(0, state_job)
-        results = read_files(jobs)
+        located: Collection[int]
+        results = self._read_plain(headers, first, blocks, state_job)
+        if results is not None:  # every block a plain file of the layout, one native call
+            located = range(first, len(headers))
+        else:
+            # Only payloads of the tier's size can be files: the others are not read
+            # twice. Each file is named by its header (`FileTier.name`: the key and the
+            # digest), so the payload records are not read first: a header commits in
+            # the same batch as its payload's record, and the file is checked against
+            # the header's digest. The records are read only for the files that are not
+            # there (`_unfound`).
+            names = {
+                i: files.name(Family.BLOCKS, h.chain_hash, h.payload_digest)
+                for i, h in enumerate(headers)
+                if i >= first and h.payload_size >= files.min_bytes
+            }
+            if not names:
+                return (*self._assemble_each(headers, assembler, first), None)
+            jobs: list[tuple[BlockFiles, Job]] = [
+                (blocks, (i, name, headers[i].payload_size, headers[i].payload_digest))
+                for i, name in names.items()
+            ]
+            if state_job is not None:  # first: the largest file, the one to start early
+                jobs.insert(0, state_job)
+            results, located = read_files(jobs), names
         along: StateRead | None = None
         if state is not None and state_job is not None:
             if results[0] is None:
                 along = (state.chain_hash, assembler.state_arrays())
             results = results[1:]
+        if isinstance(located, range) and not any(results):
+            return len(headers), 0, along  # all read and verified
+        keys = [h.chain_hash for h in headers]
         failed: dict[int, str | None] = dict(zip(located, results, strict=True))
         try:
             kept = self._unfound(headers, keys, failed)
@@ -183,6 +196,27 @@ class PayloadReader:
                 self._corrupt(Family.BLOCKS, keys[i], str(e))
                 return i, hot_hits, along
         return len(headers), hot_hits, along
+
+    def _read_plain(
+        self,
+        headers: Sequence[Header],
+        first: int,
+        blocks: BlockFiles,
+        state_job: tuple[BlockFiles, Job] | None,
+    ) -> list[str | None] | None:
+        """`read_files` of the state job (first) and of blocks `first`.. in one native
+        call (`fastread.read_plain_blocks`), when every one of them is a plain payload
+        file of `blocks`' layout (what a bank of this layout writes); None otherwise."""
+        files = self.files
+        tail = headers[first:]
+        if files is None or blocks.file_len < files.min_bytes:
+            return None
+        if set(map(_PAYLOAD_SIZE, tail)) != {blocks.file_len}:
+            return None
+        keys = b"".join(map(_CHAIN_HASH, tail))
+        digests = b"".join(map(_PAYLOAD_DIGEST, tail))
+        prefix = files.prefix(Family.BLOCKS)
+        return read_plain_blocks(blocks, prefix, keys, digests, first, state_job)
 
     def _unfound(
         self, headers: Sequence[Header], keys: Sequence[bytes], failed: dict[int, str | None]
