@@ -37,16 +37,13 @@ class Destination:
     Only valid for an array nobody else holds yet; `finish()` is what to hand out.
     """
 
-    __slots__ = ("_address", "_dtype", "_storage", "array", "view")
-    _address: int | None
-
-    @property
-    def address(self) -> int:
-        """Where `view`'s first element is (`address_of`), found once."""
-        found = self._address
-        if found is None:
-            found = self._address = address_of(self.view)
-        return found
+    __slots__ = ("_dtype", "_storage", "address", "array", "fillable", "view")
+    # Found once, with `view`: a restore reads them for each of its 24-56 arrays, and a
+    # property a read cost a cold restore ~1 us an array.
+    address: int  # where `view`'s first element is (`address_of`)
+    # Whether `view` is plain CPU memory a payload read may fill (MLX's own, or the
+    # staging buffer).
+    fillable: bool
 
     @property
     def direct(self) -> bool:
@@ -58,11 +55,10 @@ class Destination:
         self, shape: tuple[int, ...], dtype: DType, storage: mx.array | None = None
     ) -> None:
         self._dtype = dtype
-        self._address = None
         self._storage: mx.array | None = None
         self.array: mx.array | None = None
         if storage is None and not cpu_fillable():
-            self.view = np.zeros(shape, dtype=dtype.storage)  # `staged`
+            self._hold(np.zeros(shape, dtype=dtype.storage))  # `staged`
             return
         if storage is None:  # else: `_zeros(shape, dtype)`, evaluated by the caller
             storage = _zeros(shape, dtype)
@@ -70,11 +66,16 @@ class Destination:
         view = np.asarray(storage)
         if not (view.flags.writeable and view.flags.c_contiguous and view.shape == shape):
             # MLX did not export a plain buffer: assemble in numpy and copy once more.
-            self.view = np.zeros(shape, dtype=dtype.storage)
+            self._hold(np.zeros(shape, dtype=dtype.storage))
             return
         self._storage = storage
-        self.view = view
+        self._hold(view)
         self.array = storage.view(mx.bfloat16) if dtype.name == "bfloat16" else storage
+
+    def _hold(self, view: np.ndarray) -> None:
+        self.view = view
+        self.address = address_of(view)
+        self.fillable = bool(view.flags.writeable and view.flags.c_contiguous)
 
     @classmethod
     def made_ahead(cls, shape: tuple[int, ...], dtype: DType, storage: mx.array) -> Destination:
@@ -84,14 +85,7 @@ class Destination:
         made = cls(shape, dtype, storage)
         if made.array is not None and made.array is not storage:
             mx.eval(made.array)
-        _ = made.address  # found here, off the restore's path
         return made
-
-    @property
-    def fillable(self) -> bool:
-        """Whether `view` is plain CPU memory a payload read may fill (MLX's own, or
-        the staging buffer)."""
-        return bool(self.view.flags.writeable and self.view.flags.c_contiguous)
 
     @classmethod
     def allocate(

@@ -91,11 +91,20 @@ def new_cache(model: nn.Module, kv_bits: int | None, kv_group_size: int) -> list
     attention read sees the same quantized KV whether it was restored or computed.
     """
     cache = make_prompt_cache(model)
-    for i, entry in enumerate(cache):
-        check_cache_class(entry, i)
-        if kv_bits is not None and type(entry) is KVCache:
-            cache[i] = QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
+    classes = tuple(map(type, cache))
+    if classes not in _CHECKED_CLASSES:  # a restore's every new cache: checked once
+        for i, entry in enumerate(cache):
+            check_cache_class(entry, i)
+        _CHECKED_CLASSES.add(classes)
+    if kv_bits is not None:
+        for i, entry in enumerate(cache):
+            if type(entry) is KVCache:
+                cache[i] = QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
     return cache
+
+
+# The layer classes of caches `new_cache` checked: a model makes the same ones each time.
+_CHECKED_CLASSES: set[tuple[type, ...]] = set()
 
 
 def layer_spec_of(entry: Any, index: int) -> LayerSpec:

@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import mlx.core as mx
@@ -33,6 +34,9 @@ from cas_bank.index.layout import group_layers
 from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, ModelSpec
 
+# A destination's fields, read by C-level maps (a restore's every array at once).
+_FILLABLE = attrgetter("fillable")
+_ADDRESS = attrgetter("address")
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
 
 
@@ -189,7 +193,7 @@ class Assembler:
         self._fits = shapes.fits
         # Whether payload files may be read into the views: MLX's own memory, or the
         # staging buffers of a device a CPU pointer cannot fill (`arrays.cpu_fillable`).
-        self.direct = all(d.fillable for d in self.dests)
+        self.direct = all(map(_FILLABLE, self.dests))
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
         self._lease: tuple[HeldArrays, int] | None = None  # copied natively (index.rowcopy)
@@ -308,7 +312,7 @@ class Assembler:
         ahead): the native reader's and the lease copy's."""
         if self._addresses is None:
             dests = self.dests
-            self._addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+            self._addresses = np.fromiter(map(_ADDRESS, dests), np.int64, len(dests))
         return self._addresses
 
     def state_files(self) -> BlockFiles | None:
@@ -316,9 +320,9 @@ class Assembler:
         arrays of the state's shapes); None if they were not allocated or are not
         CPU memory a read may fill."""
         dests = self._state_dests
-        if not dests or not all(d.fillable for d in dests):
+        if not dests or not all(map(_FILLABLE, dests)):
             return None
-        addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        addresses = np.fromiter(map(_ADDRESS, dests), np.int64, len(dests))
         return BlockFiles(
             [d.view for d in dests],
             self.state_shapes,

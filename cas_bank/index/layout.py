@@ -10,6 +10,7 @@ state arrays. Both go through `blocks.codec`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import mlx.core as mx
@@ -143,21 +144,20 @@ def group_layers(
     att = iter(attention or [])
     rec = iter(recurrent or [])
     for ls in spec.layers:
-        if ls.kind == "attention":
-            if attention is None:
-                out.append(None)
-                continue
-            arrs = [next(att) for _ in ls.arrays]
-            out.append(_kv_tuple(ls, arrs))
-        else:
-            if recurrent is None:
-                out.append(None)
-                continue
-            out.append(tuple(next(rec) for _ in ls.arrays))
+        attends = ls.kind == "attention"
+        if (attention if attends else recurrent) is None:
+            out.append(None)
+            continue
+        n = len(ls.arrays)
+        # islice: C-level, where a generator a layer cost a cold restore ~1 us each.
+        arrs = tuple(islice(att if attends else rec, n))
+        if len(arrs) != n:
+            raise ValueError(f"fewer arrays than {spec.name}'s layers hold")
+        out.append(_kv_tuple(ls, arrs) if attends else arrs)
     return out
 
 
-def _kv_tuple(ls: LayerSpec, arrs: list[mx.array]) -> tuple[Any, ...]:
+def _kv_tuple(ls: LayerSpec, arrs: Sequence[mx.array]) -> tuple[Any, ...]:
     if ls.quantization is not None:
         return (tuple(arrs[:3]), tuple(arrs[3:]))
     return tuple(arrs)

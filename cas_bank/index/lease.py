@@ -28,11 +28,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import mlx.core as mx
 
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.budget import MemoryBudget
+
+_NBYTES = attrgetter("nbytes")  # an array's bytes, read by a C-level map
 
 
 @dataclass(slots=True)
@@ -80,7 +83,7 @@ class Leases:
         kept = [a[..., :n, :] for a in arrays]
         mx.eval(kept)
         # Charged for the whole buffers they keep alive (a padded cache buffer too).
-        nbytes = sum(int(a.nbytes) for a in arrays)
+        nbytes = sum(map(_NBYTES, arrays))
         if not self.budget.fits(nbytes):
             return
         last = bytes(hashes[-1])
@@ -142,7 +145,7 @@ class Leases:
             return
         kept = [a.reshape(a.shape) for a in arrays]  # new objects, the same buffers
         mx.eval(kept)
-        nbytes = sum(int(a.nbytes) for a in kept)
+        nbytes = sum(map(_NBYTES, kept))
         if not self.budget.fits(nbytes):
             return
         with self._lock:

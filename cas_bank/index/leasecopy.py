@@ -22,6 +22,7 @@ share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 pref
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def ask_ahead(
 
     def fill(dests: list[Destination]) -> None:
         assert arrays  # held until copied: the plan holds their addresses, not them
-        addresses = np.fromiter((d.address for d in dests), np.int64, len(dests))
+        addresses = np.fromiter(map(attrgetter("address"), dests), np.int64, len(dests))
         rowcopy.copy_planned(copy, addresses, two_threads=False)
 
     return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)
