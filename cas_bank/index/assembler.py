@@ -334,7 +334,7 @@ class Assembler:
 
     def state_arrays(self) -> list[mx.array]:
         """The state arrays (call once `state_files` read a payload and it verified)."""
-        return [d.finish() for d in self._state_dests]
+        return _finished(self._state_dests)
 
     def put_tail(self, start: int, arrays: Sequence[np.ndarray]) -> None:
         """Copy an end record's tail (`index.ends`, checked against the spec by its
@@ -352,8 +352,14 @@ class Assembler:
         undefined."""
         self._copy_later(n_blocks)
         n = n_blocks * self.block_size if tokens is None else tokens
-        arrays = [d.finish() for d in self.dests]
+        arrays = _finished(self.dests)
         self._handed = n_blocks
         if arrays and arrays[0].shape[-2] != n and not (room and n):
             arrays = [a[..., :n, :] for a in arrays]
         return group_layers(self.spec, arrays, None)
+
+
+def _finished(dests: Sequence[Destination]) -> list[mx.array]:
+    """Each destination's array to hand out (`Destination.finish`), called only for a
+    staged one: a method call an array was ~1 us of a cold restore."""
+    return [a if (a := d.array) is not None else d.finish() for d in dests]
