@@ -528,6 +528,15 @@ static void hex_into(char *out, const uint8_t *in, Py_ssize_t n) {
   }
 }
 
+/* A new bytes object of len bytes put in tuple[i] (which owns it); its buffer, or NULL
+ * with the error set. */
+static char *new_item(PyObject *tuple, Py_ssize_t i, Py_ssize_t len) {
+  PyObject *item = PyBytes_FromStringAndSize(NULL, len);
+  if (item == NULL) return NULL;
+  PyTuple_SET_ITEM(tuple, i, item);
+  return PyBytes_AS_STRING(item);
+}
+
 static PyObject *block_jobs(PyObject *self, PyObject *args) {
   (void)self;
   Py_buffer prefix, keys, digests, lead, desc;
@@ -549,18 +558,12 @@ static PyObject *block_jobs(PyObject *self, PyObject *args) {
   for (Py_ssize_t i = 0; i < n; i++) {
     const uint8_t *key = (const uint8_t *)keys.buf + i * FIELD;
     const uint8_t *digest = (const uint8_t *)digests.buf + i * FIELD;
-    PyObject *path = PyBytes_FromStringAndSize(NULL, path_len);
-    if (path == NULL) goto done;
-    PyTuple_SET_ITEM(paths, i, path);
-    char *at = PyBytes_AS_STRING(path);
+    char *at = new_item(paths, i, path_len), *h = NULL;
+    if (at == NULL || (h = new_item(heads, i, head_len)) == NULL) goto done;
     memcpy(at, prefix.buf, (size_t)prefix.len);
     hex_into(at + prefix.len, key, FIELD);
     at[prefix.len + 2 * FIELD] = '.';
     hex_into(at + prefix.len + 2 * FIELD + 1, digest, 8);
-    PyObject *head = PyBytes_FromStringAndSize(NULL, head_len);
-    if (head == NULL) goto done;
-    PyTuple_SET_ITEM(heads, i, head);
-    char *h = PyBytes_AS_STRING(head);
     memcpy(h, lead.buf, (size_t)lead.len);
     memcpy(h + lead.len, digest, FIELD);
     memcpy(h + lead.len + FIELD, desc.buf, (size_t)desc.len);
