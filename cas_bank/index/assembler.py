@@ -25,7 +25,7 @@ import numpy as np
 
 from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
-from cas_bank.destinations import Destination
+from cas_bank.destinations import Destination, addresses_of
 from cas_bank.errors import CorruptDataError
 from cas_bank.index import leasecopy, rowcopy
 from cas_bank.index.fastread import BlockFiles, Layout, RowRuns, contiguous_row_runs, layout_of
@@ -34,9 +34,8 @@ from cas_bank.index.layout import group_layers
 from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, ModelSpec
 
-# A destination's fields, read by C-level maps (a restore's every array at once).
+# A destination's field, read by a C-level map (a restore's every array at once).
 _FILLABLE = attrgetter("fillable")
-_ADDRESS = attrgetter("address")
 _TWO_THREADS_FROM = 4 << 20  # bytes to copy; below, a helper's half costs more than it saves
 
 
@@ -312,7 +311,7 @@ class Assembler:
         ahead): the native reader's and the lease copy's."""
         if self._addresses is None:
             dests = self.dests
-            self._addresses = np.fromiter(map(_ADDRESS, dests), np.int64, len(dests))
+            self._addresses = addresses_of(dests)
         return self._addresses
 
     def state_files(self) -> BlockFiles | None:
@@ -322,7 +321,7 @@ class Assembler:
         dests = self._state_dests
         if not dests or not all(map(_FILLABLE, dests)):
             return None
-        addresses = np.fromiter(map(_ADDRESS, dests), np.int64, len(dests))
+        addresses = addresses_of(dests)
         return BlockFiles(
             [d.view for d in dests],
             self.state_shapes,

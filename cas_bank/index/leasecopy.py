@@ -22,12 +22,11 @@ share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 pref
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 import numpy as np
 
 from cas_bank.arrays import HeldArrays
-from cas_bank.destinations import Destination
+from cas_bank.destinations import Destination, addresses_of
 from cas_bank.index import rowcopy
 from cas_bank.spares import SPARES, Filled, Wanted
 
@@ -86,7 +85,7 @@ def ask_ahead(
 
     def fill(dests: list[Destination]) -> None:
         assert arrays  # held until copied: the plan holds their addresses, not them
-        addresses = np.fromiter(map(attrgetter("address"), dests), np.int64, len(dests))
+        addresses = addresses_of(dests)
         rowcopy.copy_planned(copy, addresses, two_threads=False)
 
     return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)
