@@ -29,6 +29,14 @@ bound, and they are dropped before plain spares.
 Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
 the least recently wanted shapes first. The memory is held (resident once reused),
 as the freed caches' memory is under `keep_freed_memory`.
+
+A runtime's restore is followed by its forward pass, the time to first token, which on
+a CPU build takes every core and much of the memory bandwidth: a refill made beside
+it (a zero fill and a lease's copy of 100-400 MB) slows that pass by more than the
+copy would cost on the restore's path. So the caller may `hold` the refills before a
+restore and `release` them once its pass is done (`PrefixCache.restore` and
+`PrefixCache.prefill` do): the thread waits before it starts a refill until released,
+or `hold_s` at most (a caller that never says it is done still gets its spares).
 """
 
 from __future__ import annotations
@@ -69,6 +77,10 @@ class Spares:
         self.filled_taken = 0  # sets handed out filled (`take_filled`)
         self._wants: queue.Queue[_Job] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
+        self.hold_s = HOLD_S  # the longest a held refill waits for `release`
+        self.held = 0  # refills that waited for a release (or `hold_s`) to start
+        self._released = threading.Event()
+        self._released.set()
 
     def enable(self, max_bytes: int) -> None:
         with self._lock:
@@ -143,8 +155,19 @@ class Spares:
         with contextlib.suppress(queue.Full):  # one pending: it is made first
             self._wants.put_nowait(_Job(plain, filled))
 
+    def hold(self) -> None:
+        """A forward pass of the caller follows the restore it is about to make: the
+        refills asked for from now on wait until `release` (at most `hold_s`) before
+        they start, off that pass's cores. A refill already under way goes on."""
+        self._released.clear()
+
+    def release(self) -> None:
+        """The caller's forward pass is done: held refills start."""
+        self._released.set()
+
     def settle(self) -> None:
-        """Wait until every refill asked for is made (tests, benchmarks)."""
+        """Release, and wait until every refill asked for is made (tests, benchmarks)."""
+        self.release()
         self._wants.join()
 
     def _at_exit(self) -> None:
@@ -153,11 +176,14 @@ class Spares:
         active exception")."""
         with self._lock:
             self.max_bytes = 0  # refills asked for from now on are dropped
-        self._wants.join()
+        self.settle()
 
     def _run(self) -> None:
         while True:
             job = self._wants.get()
+            if not self._released.is_set():
+                self.held += 1
+                self._released.wait(self.hold_s)
             try:
                 if job.plain:
                     self._make(job.plain)
@@ -218,6 +244,9 @@ class Spares:
 
 
 _FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
+# The longest a held refill waits for its caller's `release`: past a forward pass's
+# first token on these machines (a medium model's 16k-token pass ~0.7 s on 2 cores).
+HOLD_S = 2.0
 
 
 def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
@@ -296,7 +325,7 @@ def keep_spare_destinations(max_bytes: int = 1 << 30, *, copy_ahead: bool = True
     `cas-bank mlx-lm-server`, the benchmarks), never the library on its own.
     `copy_ahead`: a lease restored with room again is copied into the next restore's
     spares ahead of it (`cas_bank.index.leasecopy`); False keeps that copy on the
-    restore's path (no copy beside the caller's forward pass)."""
+    restore's path (no copy ahead at all)."""
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
     SPARES.copy_ahead = bool(copy_ahead)

@@ -50,6 +50,12 @@ encoded (the one copy to host bytes) and written in one batch before the call re
 (its share of the prefill: docs/design.md, "Where each figure is measured").
 `last_prefill.store_s` against `forward_s` shows the caller's share for any model.
 
+Spares: in a serving process that keeps spare restore destinations
+(`cas_bank.spares.keep_spare_destinations`), `restore` holds the refill it sets off
+(the next restore's arrays, a shared lease's copy ahead) until `prefill` is done with
+its forward pass, so that refill never runs beside the pass that the time to first
+token waits for (at most `SPARES.hold_s`, for a caller that prefills elsewhere).
+
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
 
@@ -70,6 +76,7 @@ from cas_bank.blocks.hashing import as_token_array, max_token
 from cas_bank.errors import BankFullError, InvalidInputError
 from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace
+from cas_bank.spares import SPARES
 from cas_bank.spec import ModelSpec
 from cas_bank.storing import StoreReport
 
@@ -196,6 +203,7 @@ class PrefixCache:
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
         cache = self.new_cache()
+        SPARES.hold()  # the refill this sets off waits for the prefill's forward pass
         # Room for the whole prompt: its prefill then writes in place, copying nothing.
         hit = self.namespace.restore(toks[:-1], room_for=len(toks)) if len(toks) > 1 else None
         if hit is None:
@@ -214,8 +222,10 @@ class PrefixCache:
         toks = self.tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
+        SPARES.hold()  # the refill this sets off waits for the prefill's forward pass
         hit = self.namespace.restore(toks, room_for=len(toks))
         if hit is not None and hit.tokens == len(toks) and hit.logits is not None:
+            SPARES.release()  # no forward pass: the first token is sampled from `logits`
             cache = self.new_cache()
             fill_cache(self.spec, cache, hit.layers, hit.tokens)
             return cache, hit.tokens, hit.logits
@@ -263,16 +273,19 @@ class PrefixCache:
         )
         ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
         t0 = time.perf_counter()
-        states, logits, pos = forward_chunks(
-            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
-        )
+        try:
+            states, logits, pos = forward_chunks(
+                self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
+            )
+            last = logits[0, -1]
+            mx.eval(last)
+        finally:  # the refill the restore held (the next restore's spares) may start
+            SPARES.release()
+        t1 = time.perf_counter()
         total = len(toks)
         if pos < total:  # cancelled: what went through the model is stored, no end record
             toks, end = toks[:pos], False
             ends = ends[: ends.index(pos) + 1]
-        last = logits[0, -1]
-        mx.eval(last)
-        t1 = time.perf_counter()
         storing = store and not self.bank.read_only
         report = self._store_prefill(toks, cache, states, last, end) if storing else None
         self.last_prefill = PrefillReport(

@@ -77,6 +77,7 @@ from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.writer import PendingStore
+from cas_bank.spares import SPARES
 from cas_bank.storing import StoreReport
 
 from .cache_io import snapshot_states
@@ -226,6 +227,9 @@ class BankPromptCache:
         cache_type: str = "assistant",
     ) -> None:
         """Store the full blocks of the tokens `prompt_cache` holds (see the module)."""
+        # mlx-lm's server inserts once its prompt went through the model: the refill
+        # the restore held (`PrefixCache.restore`) may start now, if not already.
+        SPARES.release()
         if not self._accepts(model):
             return
         if cache_type not in self._counts:

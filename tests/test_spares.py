@@ -305,3 +305,67 @@ def test_copies_ahead_turned_off_keep_the_copy_on_the_path(bank_path: Path) -> N
     finally:
         keep_spare_destinations(0)
     assert SPARES.copy_ahead  # back to the default with the next call
+
+
+def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> None:
+    """`hold` before a restore: its refill starts only once `release`d (the caller's
+    forward pass done), or after `hold_s` when nobody releases it."""
+    import time
+
+    spares.enable(16 << 20)
+    spares.hold_s = 60.0
+    spares.hold()
+    spares.refill([BIG], UNFILLED_FROM)
+    time.sleep(0.3)
+    assert spares.made == 0  # waiting for the release
+    spares.release()
+    spares._wants.join()  # not settle(), which releases on its own
+    assert (spares.made, spares.held) == (1, 1)
+    assert list(spares.take([BIG], UNFILLED_FROM)) == [0]
+    spares.hold_s = 0.2
+    spares.hold()
+    spares.refill([BIG], UNFILLED_FROM)
+    started = time.monotonic()
+    spares._wants.join()  # never released: made once its bound ran out
+    assert spares.made == 2 and spares.held == 2 and time.monotonic() - started >= 0.15
+    spares.refill([BIG], UNFILLED_FROM)  # held earlier, never released: not held again
+    spares.release()
+    spares._wants.join()
+    assert spares.held == 2
+
+
+def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
+    bank_path: Path,
+) -> None:
+    """A runtime's restore sets off a refill of its arrays (and, a lease restored
+    again, its copy ahead); `PrefixCache.prefill` releases it once its forward pass is
+    done, so the refill never runs beside the pass the first token waits for."""
+    import time
+
+    from cas_bank.runtime import PrefixCache
+    from runtime_helpers import tiny
+
+    loaded = tiny("tiny-qwen3")
+    prompt = [int(t) for t in np.arange(300) % 97]
+    keep_spare_destinations(256 << 20)
+    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+            pc = PrefixCache(bank, loaded)
+            cold = pc.prefill(prompt, pc.new_cache())
+            bank.flush()
+            for _ in range(3):  # the third restore of the lease is copied ahead
+                SPARES.settle()
+                made = SPARES.made
+                cache, n = pc.restore(prompt)
+                assert n == 256
+                time.sleep(0.2)
+                assert SPARES.made == made  # held: the forward pass comes first
+                logits = pc.prefill(prompt, cache, start=n)
+                SPARES._wants.join()
+                assert SPARES.made > made  # released by the prefill
+                assert np.array_equal(np.asarray(logits), np.asarray(cold))
+            assert SPARES.filled_taken >= 1
+    finally:
+        SPARES.hold_s = hold_s
+        keep_spare_destinations(0)
