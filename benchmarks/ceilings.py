@@ -24,6 +24,7 @@ and returns every duration; report medians (`median`) and tails (`percentile`).
 from __future__ import annotations
 
 import argparse
+import array
 import gc
 import itertools
 import json
@@ -232,9 +233,12 @@ def file_read_samples(
 ) -> list[float]:
     """Seconds to read every payload file of `paths` on `threads` threads into memory
     touched beforehand: a plain `preadv` of each file, or (`verified`) the native
-    reader's verified read of its body (`cas_bank._fill`, as a restore does it)."""
+    reader's verified read of its body as a restore does it: one call of
+    `cas_bank._fill.read_many` for all of them, on this thread and its native partner
+    (a Python call a file through a pool measured slower than the restore's own read
+    on a loaded host, so it was no floor)."""
     try:
-        from cas_bank._fill import read_into
+        from cas_bank._fill import read_many
     except ImportError as e:  # a build without the native helper has no such floor
         raise RuntimeError("the native reader (cas_bank._fill) is not built") from e
     if not paths:
@@ -259,14 +263,19 @@ def file_read_samples(
         finally:
             os.close(fd)
 
-    def checked(item: tuple[str, bytes, bytes, memoryview]) -> None:
-        code, _ = read_into(item[0], item[1], lead, item[2], 0, PAYLOAD_CONTEXT)
-        if code:
-            raise RuntimeError(f"{item[0]}: the native reader failed with code {code}")
+    if verified:
+        names = tuple(os.fsencode(w[0]) for w in work)
+        heads, segments = tuple(w[1] for w in work), tuple(w[2] for w in work)
+        indices = array.array("q", bytes(8 * len(work)))
+        codes = array.array("i", bytes(8 * len(work)))  # (code, errno) a file
 
+        def checked() -> None:
+            if read_many(names, heads, indices, lead, segments, PAYLOAD_CONTEXT, codes):
+                raise RuntimeError(f"the native reader failed: (code, errno) {codes.tolist()}")
+
+        return sample(checked, repeats, setup=evict_cpu_caches)
     with ThreadPoolExecutor(threads) as pool:
-        fn = checked if verified else plain
-        return sample(lambda: list(pool.map(fn, work)), repeats, setup=evict_cpu_caches)
+        return sample(lambda: list(pool.map(plain, work)), repeats, setup=evict_cpu_caches)
 
 
 _SCRATCH: np.ndarray | None = None

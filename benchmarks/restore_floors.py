@@ -27,14 +27,17 @@ from benchmarks.ttft import eval_cache
 from cas_bank import Bank, BankConfig
 from cas_bank.arrays import to_numpy
 from cas_bank.blocks.store import Family
+from cas_bank.spares import SPARES
 
 if TYPE_CHECKING:
     from benchmarks.restore import RestoreCase, RestoreSettings
 
 
 def first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
-    """The first prefill chunk after a restore: one token through the model, evaluated."""
+    """The first prefill chunk after a restore: one token through the model, evaluated;
+    then the refill the restore held starts, as `PrefixCache.prefill` lets it."""
     mx.eval(pc.model(mx.array([[token]]), cache=cache))
+    SPARES.release()
 
 
 def case_floors(case: RestoreCase, s: RestoreSettings) -> dict[str, Any]:
