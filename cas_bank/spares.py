@@ -30,13 +30,14 @@ Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and d
 the least recently wanted shapes first. The memory is held (resident once reused),
 as the freed caches' memory is under `keep_freed_memory`.
 
-A runtime's restore is followed by its forward pass, the time to first token, which on
-a CPU build takes every core and much of the memory bandwidth: a refill made beside
-it (a zero fill and a lease's copy of 100-400 MB) slows that pass by more than the
-copy would cost on the restore's path. So the caller may `hold` the refills before a
-restore and `release` them once its pass is done (`PrefixCache.restore` and
-`PrefixCache.prefill` do): the thread waits before it starts a refill until released,
-or `hold_s` at most (a caller that never says it is done still gets its spares).
+A runtime's restore is followed by its forward pass, the time to first token, and a
+refill made beside it (a zero fill and a lease's copy of 100-400 MB) slows that pass
+(memory bandwidth, the last-level cache) by more than the copy would cost on the
+restore's path. So a caller may restore `holding()` its refill and `release` it once
+its pass is done (`PrefixCache.restore` and `PrefixCache.prefill` do): the thread
+waits before it starts a held refill until released, or `hold_s` at most (a caller
+that never says it is done still gets its spares). A refill not held (a restore
+made without `holding`) releases those before it, so it never waits behind them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cas_bank.arrays import DType
@@ -81,6 +82,7 @@ class Spares:
         self.held = 0  # refills that waited for a release (or `hold_s`) to start
         self._released = threading.Event()
         self._released.set()
+        self._holding = threading.local()  # a restore in `holding()` on this thread
 
     def enable(self, max_bytes: int) -> None:
         with self._lock:
@@ -152,17 +154,27 @@ class Spares:
             filled = None  # a set made ahead never takes more than half the bound
         if not plain and filled is None:
             return
+        held = getattr(self._holding, "on", False)
+        if not held:
+            self._released.set()  # a refill held before this one waits no longer
         with contextlib.suppress(queue.Full):  # one pending: it is made first
-            self._wants.put_nowait(_Job(plain, filled))
+            self._wants.put_nowait(_Job(plain, filled, held))
 
-    def hold(self) -> None:
-        """A forward pass of the caller follows the restore it is about to make: the
-        refills asked for from now on wait until `release` (at most `hold_s`) before
-        they start, off that pass's cores. A refill already under way goes on."""
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Around a restore that the caller's forward pass follows: the refill the
+        restore asks for (on this thread) waits until `release` (at most `hold_s`)
+        before it starts, so it does not run beside that pass. A refill already under
+        way goes on."""
         self._released.clear()
+        self._holding.on = True
+        try:
+            yield
+        finally:
+            self._holding.on = False
 
     def release(self) -> None:
-        """The caller's forward pass is done: held refills start."""
+        """The caller's forward pass is done: a held refill starts."""
         self._released.set()
 
     def settle(self) -> None:
@@ -181,7 +193,7 @@ class Spares:
     def _run(self) -> None:
         while True:
             job = self._wants.get()
-            if not self._released.is_set():
+            if job.held and not self._released.is_set():
                 self.held += 1
                 self._released.wait(self.hold_s)
             try:
@@ -285,6 +297,7 @@ class _Job:
 
     plain: Sequence[Wanted]
     filled: Filled | None
+    held: bool  # asked for in `holding()`: starts once released
 
 
 @dataclass(frozen=True, slots=True)

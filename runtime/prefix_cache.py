@@ -203,9 +203,12 @@ class PrefixCache:
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
         cache = self.new_cache()
-        SPARES.hold()  # the refill this sets off waits for the prefill's forward pass
+        if len(toks) < 2:
+            return cache, 0
         # Room for the whole prompt: its prefill then writes in place, copying nothing.
-        hit = self.namespace.restore(toks[:-1], room_for=len(toks)) if len(toks) > 1 else None
+        # The refill this sets off (`cas_bank.spares`) waits for the prefill's pass.
+        with SPARES.holding():
+            hit = self.namespace.restore(toks[:-1], room_for=len(toks))
         if hit is None:
             return cache, 0
         fill_cache(self.spec, cache, hit.layers, hit.tokens)
@@ -222,8 +225,8 @@ class PrefixCache:
         toks = self.tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
-        SPARES.hold()  # the refill this sets off waits for the prefill's forward pass
-        hit = self.namespace.restore(toks, room_for=len(toks))
+        with SPARES.holding():  # the refill this sets off waits for the prefill's pass
+            hit = self.namespace.restore(toks, room_for=len(toks))
         if hit is not None and hit.tokens == len(toks) and hit.logits is not None:
             SPARES.release()  # no forward pass: the first token is sampled from `logits`
             cache = self.new_cache()

@@ -308,14 +308,15 @@ def test_copies_ahead_turned_off_keep_the_copy_on_the_path(bank_path: Path) -> N
 
 
 def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> None:
-    """`hold` before a restore: its refill starts only once `release`d (the caller's
-    forward pass done), or after `hold_s` when nobody releases it."""
+    """A refill asked for `holding()` starts only once `release`d (the caller's
+    forward pass done), or after `hold_s` when nobody releases it; one asked for
+    without holding never waits, and releases the one before it."""
     import time
 
     spares.enable(16 << 20)
     spares.hold_s = 60.0
-    spares.hold()
-    spares.refill([BIG], UNFILLED_FROM)
+    with spares.holding():
+        spares.refill([BIG], UNFILLED_FROM)
     time.sleep(0.3)
     assert spares.made == 0  # waiting for the release
     spares.release()
@@ -323,15 +324,24 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
     assert (spares.made, spares.held) == (1, 1)
     assert list(spares.take([BIG], UNFILLED_FROM)) == [0]
     spares.hold_s = 0.2
-    spares.hold()
-    spares.refill([BIG], UNFILLED_FROM)
+    with spares.holding():
+        spares.refill([BIG], UNFILLED_FROM)
     started = time.monotonic()
     spares._wants.join()  # never released: made once its bound ran out
     assert spares.made == 2 and spares.held == 2 and time.monotonic() - started >= 0.15
-    spares.refill([BIG], UNFILLED_FROM)  # held earlier, never released: not held again
-    spares.release()
+    spares.take([BIG], UNFILLED_FROM)
+    spares.hold_s = 60.0
+    with spares.holding():
+        spares.refill([BIG], UNFILLED_FROM)
+    time.sleep(0.3)
+    assert spares.made == 2  # held
+    spares.refill([BIG], UNFILLED_FROM)  # not held: the held one waits no longer
     spares._wants.join()
-    assert spares.held == 2
+    assert spares.made == 3 and spares.held == 3
+    spares.take([BIG], UNFILLED_FROM)
+    spares.refill([BIG], UNFILLED_FROM)  # held earlier, never released: not held now
+    spares._wants.join()
+    assert spares.made == 4 and spares.held == 3
 
 
 def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
