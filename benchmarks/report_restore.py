@@ -160,7 +160,10 @@ _AGAINST_FILE_INTRO = (
     "as for the file; every payload verified. Hot: the process that stored the prefix "
     "(its lease). TTFT: the restore (or load) and the first prefill token through the "
     "model, evaluated; targets >= 1.0x reopened, >= 1.3x hot; restore alone: >= 1.0x "
-    "reopened, >= 2x hot.",
+    "reopened, >= 2x hot. One of each way per round, their order rotated each round; "
+    "the TTFT ratios are the median of each round's ratio, not the ratio of the ms "
+    "columns' medians: the forward pass, most of a TTFT, runs at two speeds on this "
+    "host for some seconds at a time, and a round's samples are seconds apart.",
     "",
     "Floors, measured in the same run on the same bytes. A reopened restore verifies "
     "every payload: each byte is copied out of the page cache once (all the file "
@@ -178,7 +181,8 @@ _AGAINST_FILE_INTRO = (
     "destination arrays (fresh, unfilled above 1 MiB an array), and the read (reading, "
     "verifying and copying the payloads into them, on both cores), beside the floor: "
     "the same read alone, back to back, which pays no lookup, allocation or Python. "
-    "TTFT's floor is the first token's forward pass on a cache already in memory: `TTFT "
+    "TTFT's floor is the first token's forward pass on a cache already in memory, "
+    "timed in the same rounds as the ways (nothing beside it): `TTFT "
     "best` = file TTFT / that forward is the most any restore can reach, so the hot "
     "TTFT target of 1.3x is out of reach where it is below 1.3 (the medium models' "
     "forward pass on this CPU's reference BLAS dwarfs every load). Hot is a "
@@ -186,7 +190,8 @@ _AGAINST_FILE_INTRO = (
     "the leased prefix in buffers the cache owns (the bank keeps its own for the "
     "next agent, and the cache must write after the prefix): a lease restored "
     "again is copied into them ahead, by the spares' thread after the restore "
-    "before (`index.leasecopy`); `on path` is the same restore with that copy on its "
+    "before once its first token is out (`index.leasecopy`, `Spares.holding`); `on path` "
+    "is the same restore with that copy on its "
     "path, once, on both cores (copies ahead off: a lease's first two restores); "
     "`handout` is the lease handed out as it is (`Namespace.restore` without room: "
     "exact-size arrays like the file's, no copy), whose first prefill token then "

@@ -1,6 +1,7 @@
 """A restore case's floors and side measurements (`benchmarks.restore`): the machine's
 floors on the case's own bytes, the hot restore's copy alone, a reopened restore's own
-parts, the first token's forward pass alone, and the background store's samples.
+parts, and the background store's samples (the first token's forward pass alone is
+timed in the restore's own rounds: `benchmarks.restore._forward_alone`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from benchmarks.ceilings import (
     median,
     memcpy_samples,
     raw_read_samples,
-    sample,
 )
 from benchmarks.ttft import eval_cache
 from cas_bank import Bank, BankConfig
@@ -134,19 +134,3 @@ def reopened_stages(
                 seconds.append(getattr(hit.timings, f"{part}_s"))
             del hit
     return {k: median(v) for k, v in got.items()}
-
-
-def forward_samples(path: Path, lm: Any, prompt: np.ndarray, s: RestoreSettings) -> list[float]:
-    """The first prefill token alone, on a restored cache with room (restore untimed)."""
-    last = int(prompt[-1])
-    with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
-        pc = PrefixCache(bank, lm)
-        caches: list[list[Any]] = []
-
-        def restore() -> None:
-            caches.clear()
-            restored, _ = pc.restore(prompt)
-            eval_cache(restored)
-            caches.append(restored)
-
-        return sample(lambda: first_token(pc, caches[0], last), s.repeats, setup=restore)
