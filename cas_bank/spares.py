@@ -165,7 +165,9 @@ class Spares:
         """Around a restore that the caller's forward pass follows: the refill the
         restore asks for (on this thread) waits until `release` (at most `hold_s`)
         before it starts, so it does not run beside that pass. A refill already under
-        way goes on."""
+        way goes on. The release is one for the process: it suits a runtime that
+        restores and prefills one request at a time (`cas-bank serve`); where threads
+        restore at once, a refill may wait for another's pass (never past `hold_s`)."""
         self._released.clear()
         self._holding.on = True
         try:
@@ -257,7 +259,8 @@ class Spares:
 
 _FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
 # The longest a held refill waits for its caller's `release`: past a forward pass's
-# first token on these machines (a medium model's 16k-token pass ~0.7 s on 2 cores).
+# first token on these machines (a medium model's first token after a 16k-token
+# prefix, 0.4-0.9 s on this CPU).
 HOLD_S = 2.0
 
 
@@ -265,8 +268,9 @@ def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
     """Destinations of `wanted`, zero-filled (`destinations.zeroed`: the spares' thread never
     uses MLX's load of a stream), made ahead of the restore that takes them.
 
-    One at a time, the GIL offered between them (`time.sleep(0)`): the refill starts as
-    a restore hands its arrays out, beside the caller's next steps, and the caller waits
+    One at a time, the GIL offered between them (`time.sleep(0)`): a refill not held
+    starts as a restore hands its arrays out, beside the caller's next steps (a held
+    one once released, beside what follows the pass), and the caller waits
     for the GIL whenever it gave it up (an `mx.eval`) while this thread held it. Made
     all at once, that wait was the whole batch's Python: a reopened medium-hybrid 4k
     restore's first evaluation of its cache took 220 us against 55 with the refill done

@@ -269,6 +269,23 @@ class PrefixCache:
         prefill stops there, stores the full blocks done so far (no end record) and
         raises `PrefillCancelled` (a server stops a request nobody waits for).
         """
+        try:
+            return self._prefill(tokens, cache, start, store, hints, this_model, end, cancelled)
+        finally:  # the refill the restore held (the next restore's spares) may start
+            SPARES.release()
+
+    def _prefill(
+        self,
+        tokens: Any,
+        cache: list[Any],
+        start: int,
+        store: bool,
+        hints: Sequence[int] | None,
+        this_model: bool,
+        end: bool,
+        cancelled: Callable[[], bool] | None,
+    ) -> mx.array:
+        """`prefill`'s work (it releases the held refill whatever happens here)."""
         toks = self.tokens(tokens)
         start = self._prefill_start(toks, cache, start, this_model)
         boundaries = (
@@ -276,19 +293,16 @@ class PrefixCache:
         )
         ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
         t0 = time.perf_counter()
-        try:
-            states, logits, pos = forward_chunks(
-                self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
-            )
-            last = logits[0, -1]
-            mx.eval(last)
-        finally:  # the refill the restore held (the next restore's spares) may start
-            SPARES.release()
-        t1 = time.perf_counter()
+        states, logits, pos = forward_chunks(
+            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
+        )
         total = len(toks)
         if pos < total:  # cancelled: what went through the model is stored, no end record
             toks, end = toks[:pos], False
             ends = ends[: ends.index(pos) + 1]
+        last = logits[0, -1]
+        mx.eval(last)
+        t1 = time.perf_counter()
         storing = store and not self.bank.read_only
         report = self._store_prefill(toks, cache, states, last, end) if storing else None
         self.last_prefill = PrefillReport(

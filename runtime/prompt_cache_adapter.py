@@ -227,9 +227,6 @@ class BankPromptCache:
         cache_type: str = "assistant",
     ) -> None:
         """Store the full blocks of the tokens `prompt_cache` holds (see the module)."""
-        # mlx-lm's server inserts once its prompt went through the model: the refill
-        # the restore held (`PrefixCache.restore`) may start now, if not already.
-        SPARES.release()
         if not self._accepts(model):
             return
         if cache_type not in self._counts:
@@ -292,6 +289,10 @@ class BankPromptCache:
         if len(candidates) > 1:  # look before reading: restore only the best one
             candidates = [max(candidates, key=lambda pc: pc.match(tokens))]
         cache, n = candidates[0].restore(tokens)
+        # mlx-lm's server prefills on its own and calls back (`insert_cache`) only
+        # once the answer is done: the refill the restore held starts now, as before
+        # `PrefixCache` held them, rather than 2 s into the answer or after it.
+        SPARES.release()
         return (cache, n) if n else None
 
     def _store(self, tokens: Sequence[int], cache: list[Any], cache_type: str) -> None:

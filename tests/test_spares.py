@@ -11,6 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from cas_bank.runtime import BankPromptCache, PrefixCache
 from conftest import kv_prefix_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
@@ -319,9 +320,11 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
         spares.refill([BIG], UNFILLED_FROM)
     time.sleep(0.3)
     assert spares.made == 0  # waiting for the release
+    released = time.monotonic()
     spares.release()
     spares._wants.join()  # not settle(), which releases on its own
     assert (spares.made, spares.held) == (1, 1)
+    assert time.monotonic() - released < 20  # made on the release, not after hold_s
     assert list(spares.take([BIG], UNFILLED_FROM)) == [0]
     spares.hold_s = 0.2
     with spares.holding():
@@ -335,9 +338,10 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
         spares.refill([BIG], UNFILLED_FROM)
     time.sleep(0.3)
     assert spares.made == 2  # held
+    released = time.monotonic()
     spares.refill([BIG], UNFILLED_FROM)  # not held: the held one waits no longer
     spares._wants.join()
-    assert spares.made == 3 and spares.held == 3
+    assert spares.made == 3 and spares.held == 3 and time.monotonic() - released < 20
     spares.take([BIG], UNFILLED_FROM)
     spares.refill([BIG], UNFILLED_FROM)  # held earlier, never released: not held now
     spares._wants.join()
@@ -352,7 +356,6 @@ def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
     done, so the refill never runs beside the pass the first token waits for."""
     import time
 
-    from cas_bank.runtime import PrefixCache
     from runtime_helpers import tiny
 
     loaded = tiny("tiny-qwen3")
@@ -372,10 +375,42 @@ def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
                 time.sleep(0.2)
                 assert SPARES.made == made  # held: the forward pass comes first
                 logits = pc.prefill(prompt, cache, start=n)
+                released = time.monotonic()
                 SPARES._wants.join()
-                assert SPARES.made > made  # released by the prefill
+                assert SPARES.made > made  # released by the prefill, not after hold_s
+                assert time.monotonic() - released < 20
                 assert np.array_equal(np.asarray(logits), np.asarray(cold))
             assert SPARES.filled_taken >= 1
+    finally:
+        SPARES.hold_s = hold_s
+        keep_spare_destinations(0)
+
+
+def test_mlx_lms_server_does_not_hold_its_restores_refill(bank_path: Path) -> None:
+    """mlx-lm's server prefills on its own and calls `insert_cache` only once the
+    answer is done: `BankPromptCache` lets the refill its restore sets off start at
+    once, as the servers did before restores held them."""
+    import time
+
+    from runtime_helpers import tiny
+
+    loaded = tiny("tiny-qwen3")
+    prompt = [int(t) for t in np.arange(300) % 89]
+    keep_spare_destinations(256 << 20)
+    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
+    try:
+        with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+            pc = PrefixCache(bank, loaded)
+            pc.prefill(prompt, pc.new_cache())
+            bank.flush()
+            adapter = BankPromptCache(bank, loaded)
+            SPARES.settle()
+            made = SPARES.made
+            cache, rest = adapter.fetch_nearest_cache(loaded.model, prompt)
+            assert cache is not None and len(rest) == len(prompt) - 256
+            asked = time.monotonic()
+            SPARES._wants.join()
+            assert SPARES.made > made and time.monotonic() - asked < 20
     finally:
         SPARES.hold_s = hold_s
         keep_spare_destinations(0)

@@ -278,7 +278,7 @@ class Assembler:
     def handed_out(self) -> None:
         """Have the next restore's arrays made off its path (`cas_bank.spares`), once
         this one's are handed out (evaluated: not beside this restore's last steps;
-        a runtime's restore holds them until its forward pass is done, `Spares.hold`)."""
+        a runtime's restore holds them until its forward pass is done, `Spares.holding`)."""
         if self._spared and self._handed is not None:
             SPARES.refill(self._spare_set, filled=self._ask_ahead(self._handed))
             self._handed = None
