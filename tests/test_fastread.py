@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cas_bank.arrays import DTYPES, DType
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import Check
-from cas_bank.index import fastread
+from cas_bank.index import fastread, rowruns
 from cas_bank.index.assembler import Assembler
 from cas_bank.index.fastread import BlockFiles
 from cas_bank.native import fill_module
@@ -267,14 +267,14 @@ def test_row_runs_made_once_from_shapes_are_those_found_from_the_views(
     lead: list[int], rows: list[tuple[int, int]], dtype: str
 ) -> None:
     """`contiguous_row_runs` (made once per set of shapes, by the Assembler) placed at
-    the views' addresses gives the segments `_row_runs` finds from the views themselves."""
+    the views' addresses gives the segments `row_runs` finds from the views themselves."""
     d = DTYPES[dtype]
     shapes = [(*lead, blocks * 4, dim) for blocks, dim in rows]
     views = [np.zeros(shape, dtype=d.storage) for shape in shapes]
-    runs = fastread.contiguous_row_runs(shapes, [d.itemsize] * len(shapes), [4] * len(shapes))
+    runs = rowruns.contiguous_row_runs(shapes, [d.itemsize] * len(shapes), [4] * len(shapes))
     assert runs is not None
     addresses = np.array([v.__array_interface__["data"][0] for v in views], dtype=np.int64)
-    assert fastread._placed(runs, addresses) == fastread._row_runs(views, [4] * len(views))
+    assert rowruns.placed(runs, addresses) == rowruns.row_runs(views, [4] * len(views))
     block = [(*lead, 4, dim) for _, dim in rows]
     given_runs = BlockFiles(views, block, [d] * len(views), runs=runs, addresses=addresses)
     assert given_runs._segments == BlockFiles(views, block, [d] * len(views))._segments

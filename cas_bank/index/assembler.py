@@ -28,9 +28,10 @@ from cas_bank.blocks.codec import Decoded
 from cas_bank.destinations import Destination, addresses_of
 from cas_bank.errors import CorruptDataError
 from cas_bank.index import leasecopy, rowcopy
-from cas_bank.index.fastread import BlockFiles, Layout, RowRuns, contiguous_row_runs, layout_of
+from cas_bank.index.fastread import BlockFiles, Layout, layout_of
 from cas_bank.index.helpers import together
 from cas_bank.index.layout import group_layers
+from cas_bank.index.rowruns import RowRuns, contiguous_row_runs
 from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, ModelSpec
 

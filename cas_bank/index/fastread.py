@@ -43,15 +43,14 @@ from typing import TypeAlias, cast
 
 import numpy as np
 
-from cas_bank.arrays import DType, address_of, lead_offsets
+from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.index.helpers import helper_pool, keep_helpers_off_this_cpu
+from cas_bank.index.rowruns import RowRuns, placed, row_runs
 from cas_bank.native import fill_module
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
-# Native row runs at address 0 (int64 triples) and how many belong to each view.
-RowRuns: TypeAlias = tuple[np.ndarray, np.ndarray]
 
 # The C helper (setup.py); None when not built or CAS_BANK_PURE_PYTHON=1 turned it
 # off: the Python path below (cas_bank.native says which).
@@ -178,9 +177,9 @@ class BlockFiles:
         self._file_len = layout.file_len
         self._dests = list(dests)
         if runs is not None and addresses is not None:
-            self._segments = _placed(runs, addresses) if _read_into is not None else None
+            self._segments = placed(runs, addresses) if _read_into is not None else None
         else:
-            self._segments = _row_runs(self._dests, layout.rows)
+            self._segments = row_runs(self._dests, layout.rows)
 
     @property
     def native(self) -> bool:
@@ -370,87 +369,3 @@ def read_plain_blocks(
                 job_reader, item = job(k)
                 out[k] = job_reader._failure(codes[2 * k], codes[2 * k + 1], item)
     return ahead + out
-
-
-def _row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
-    """The destination rows of every block as native int64 triples, in payload order:
-    (block 0's address, length, bytes to block i's rows per i), a block of array j
-    being `rows[j]` rows; None without the native reader or for views it cannot address
-    this way.
-
-    A view [..., T, D] whose last axis is contiguous and whose token axis steps one
-    row at a time holds each leading index's block rows as one contiguous run. The
-    triples at address 0 depend only on the views' shapes and strides (`_runs_template`,
-    made once); each restore adds its arrays' addresses.
-    """
-    if _read_into is None or not dests:
-        return None
-    key = tuple(
-        (d.shape, d.strides, d.itemsize, d.ndim >= 2 and bool(d.flags.writeable)) for d in dests
-    )
-    made = _runs_template(key, tuple(rows))
-    if made is None:
-        return None
-    return _placed(made, np.fromiter(map(address_of, dests), dtype=np.int64, count=len(dests)))
-
-
-def _placed(runs: RowRuns, addresses: np.ndarray) -> bytes:
-    """`runs` (a template at address 0, and how many triples each view has) moved to
-    each view's address (int64): the native reader's segments (`_fill.place`)."""
-    assert _fill is not None  # segments are made only for the native reader
-    template, counts = runs
-    return cast(bytes, _fill.place(template, counts, addresses, 0))
-
-
-def contiguous_row_runs(
-    shapes: Sequence[tuple[int, ...]], itemsizes: Sequence[int], rows: Sequence[int]
-) -> RowRuns | None:
-    """`_row_runs`' template (at address 0) for C-contiguous writable views of
-    `shapes` and `itemsizes`, a block of view j being `rows[j]` rows: what a caller
-    whose views are always such makes once (`assembler.Assembler`)."""
-    key = tuple(
-        (tuple(shape), _c_strides(shape, item), item, True)
-        for shape, item in zip(shapes, itemsizes, strict=True)
-    )
-    return _runs_template(key, tuple(rows))
-
-
-def _c_strides(shape: Sequence[int], item: int) -> tuple[int, ...]:
-    """The strides of a C-contiguous array of `shape` and `item` bytes an element."""
-    out, step = [], item
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
-@functools.lru_cache(maxsize=256)
-def _runs_template(
-    views: tuple[tuple[tuple[int, ...], tuple[int, ...], int, bool], ...], rows: tuple[int, ...]
-) -> RowRuns | None:
-    """`_row_runs`' triples of views of these (shape, strides, itemsize, writable) at
-    address 0, and how many belong to each view; None if one cannot be addressed."""
-    runs: list[np.ndarray] = []
-    for (shape, strides, item, writable), r in zip(views, rows, strict=True):
-        if not writable:
-            return None
-        row = shape[-1] * item
-        if strides[-1] != item or strides[-2] != row:
-            return None
-        runs.append(_runs_pattern(shape[:-2], strides[:-2], r * row))
-    template = np.concatenate(runs)
-    template.flags.writeable = False
-    counts = np.array([len(p) for p in runs], dtype=np.int64)
-    return template, counts
-
-
-@functools.lru_cache(maxsize=256)
-def _runs_pattern(lead: tuple[int, ...], strides: tuple[int, ...], run: int) -> np.ndarray:
-    """`_row_runs`' triples for a view at address 0 (read only: callers copy it)."""
-    offsets = lead_offsets(lead, strides)
-    triples = np.empty((len(offsets), 3), dtype=np.int64)
-    triples[:, 0] = offsets
-    triples[:, 1] = run
-    triples[:, 2] = run
-    triples.flags.writeable = False
-    return triples
