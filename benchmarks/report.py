@@ -489,9 +489,11 @@ def _notes(r: dict[str, Any]) -> list[str]:
         "- 'RocksDB after reopen' closes and reopens the bank before each request; the OS "
         "page cache stays warm, as it does for the mlx-lm file it is compared with. The hot "
         "tier is the same request again in the same process (its hits are counted, and checked).",
-        "- At the medium models' sizes the ways are interleaved (one of each per round) and "
-        "the spare destinations a restore asked for are made before the next is timed, as "
-        "the forward pass after every restore in a runtime leaves time for (`cas_bank.spares`).",
+        "- At the medium models' sizes the ways are interleaved (one of each per round, "
+        "their order rotated each round; TTFT ratios are medians of each round's ratio) and "
+        "the spare destinations a restore asked for are made before the next is timed: "
+        "after its forward pass, as `PrefixCache.prefill` releases them in a runtime "
+        "(`cas_bank.spares`).",
         "- Each cas_bank request is `PrefixCache.restore` then `PrefixCache.prefill` of the "
         "rest (which also looks up what to store). Logits of every way are compared with the "
         "cold prefill's.",
