@@ -5,6 +5,7 @@ share a buffer. Real MLX arrays and a real bank."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from cas_bank.runtime import BankPromptCache, PrefixCache
 from conftest import kv_prefix_bits, prefix_layers
+from runtime_helpers import tiny
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, to_numpy
@@ -312,8 +314,6 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
     """A refill asked for `holding()` starts only once `release`d (the caller's
     forward pass done), or after `hold_s` when nobody releases it; one asked for
     without holding never waits, and releases the one before it."""
-    import time
-
     spares.enable(16 << 20)
     spares.hold_s = 60.0
     with spares.holding():
@@ -348,69 +348,73 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
     assert spares.made == 4 and spares.held == 3
 
 
+@pytest.fixture
+def long_holds() -> Iterator[None]:
+    """Spares kept as a server keeps them, a hold lasting up to 60 s: a refill made
+    within seconds was released, not let go at the hold's end."""
+    keep_spare_destinations(256 << 20)
+    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
+    try:
+        yield
+    finally:
+        SPARES.hold_s = hold_s
+        keep_spare_destinations(0)
+
+
+def _stored(bank: Bank, prompt: list[int]) -> tuple[PrefixCache, mx.array]:
+    """A tiny model's PrefixCache on `bank`, `prompt` stored, and its cold logits."""
+    pc = PrefixCache(bank, tiny("tiny-qwen3"))
+    cold = pc.prefill(prompt, pc.new_cache())
+    bank.flush()
+    return pc, cold
+
+
+def _made_within(seconds: float) -> float:
+    """Wait for the refills asked for (not `settle`, which releases them); the wait."""
+    started = time.monotonic()
+    SPARES._wants.join()
+    waited = time.monotonic() - started
+    assert waited < seconds, f"a released refill took {waited:.1f} s"
+    return waited
+
+
+@pytest.mark.usefixtures("long_holds")
 def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
     bank_path: Path,
 ) -> None:
     """A runtime's restore sets off a refill of its arrays (and, a lease restored
     again, its copy ahead); `PrefixCache.prefill` releases it once its forward pass is
     done, so the refill never runs beside the pass the first token waits for."""
-    import time
-
-    from runtime_helpers import tiny
-
-    loaded = tiny("tiny-qwen3")
     prompt = [int(t) for t in np.arange(300) % 97]
-    keep_spare_destinations(256 << 20)
-    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
-            pc = PrefixCache(bank, loaded)
-            cold = pc.prefill(prompt, pc.new_cache())
-            bank.flush()
-            for _ in range(3):  # the third restore of the lease is copied ahead
-                SPARES.settle()
-                made = SPARES.made
-                cache, n = pc.restore(prompt)
-                assert n == 256
-                time.sleep(0.2)
-                assert SPARES.made == made  # held: the forward pass comes first
-                logits = pc.prefill(prompt, cache, start=n)
-                released = time.monotonic()
-                SPARES._wants.join()
-                assert SPARES.made > made  # released by the prefill, not after hold_s
-                assert time.monotonic() - released < 20
-                assert np.array_equal(np.asarray(logits), np.asarray(cold))
-            assert SPARES.filled_taken >= 1
-    finally:
-        SPARES.hold_s = hold_s
-        keep_spare_destinations(0)
+    with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+        pc, cold = _stored(bank, prompt)
+        for _ in range(3):  # the third restore of the lease is copied ahead
+            SPARES.settle()
+            made = SPARES.made
+            cache, n = pc.restore(prompt)
+            assert n == 256
+            time.sleep(0.2)
+            assert SPARES.made == made  # held: the forward pass comes first
+            logits = pc.prefill(prompt, cache, start=n)
+            _made_within(20)  # released by the prefill, not at the hold's end
+            assert SPARES.made > made
+            assert np.array_equal(np.asarray(logits), np.asarray(cold))
+        assert SPARES.filled_taken >= 1
 
 
+@pytest.mark.usefixtures("long_holds")
 def test_mlx_lms_server_does_not_hold_its_restores_refill(bank_path: Path) -> None:
     """mlx-lm's server prefills on its own and calls `insert_cache` only once the
     answer is done: `BankPromptCache` lets the refill its restore sets off start at
     once, as the servers did before restores held them."""
-    import time
-
-    from runtime_helpers import tiny
-
-    loaded = tiny("tiny-qwen3")
     prompt = [int(t) for t in np.arange(300) % 89]
-    keep_spare_destinations(256 << 20)
-    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
-            pc = PrefixCache(bank, loaded)
-            pc.prefill(prompt, pc.new_cache())
-            bank.flush()
-            adapter = BankPromptCache(bank, loaded)
-            SPARES.settle()
-            made = SPARES.made
-            cache, rest = adapter.fetch_nearest_cache(loaded.model, prompt)
-            assert cache is not None and len(rest) == len(prompt) - 256
-            asked = time.monotonic()
-            SPARES._wants.join()
-            assert SPARES.made > made and time.monotonic() - asked < 20
-    finally:
-        SPARES.hold_s = hold_s
-        keep_spare_destinations(0)
+    with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+        pc, _ = _stored(bank, prompt)
+        assert pc.loaded is not None
+        adapter = BankPromptCache(bank, pc.loaded)
+        SPARES.settle()
+        made = SPARES.made
+        cache, rest = adapter.fetch_nearest_cache(pc.model, prompt)
+        assert cache is not None and len(rest) == len(prompt) - 256
+        _made_within(20)
+        assert SPARES.made > made
