@@ -369,13 +369,12 @@ def _stored(bank: Bank, prompt: list[int]) -> tuple[PrefixCache, mx.array]:
     return pc, cold
 
 
-def _made_within(seconds: float) -> float:
-    """Wait for the refills asked for (not `settle`, which releases them); the wait."""
+def _made_within(seconds: float) -> None:
+    """Wait for the refills asked for (not `settle`, which releases them), in time."""
     started = time.monotonic()
     SPARES._wants.join()
     waited = time.monotonic() - started
     assert waited < seconds, f"a released refill took {waited:.1f} s"
-    return waited
 
 
 @pytest.mark.usefixtures("long_holds")
