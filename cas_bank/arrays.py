@@ -156,7 +156,7 @@ made by `mx.array`, as on a device whose arrays a CPU pointer cannot fill."""
 
 def mlx_backend() -> str:
     """Where MLX's default device keeps arrays: "cpu", "metal" (unified memory) or
-    "cuda" (device memory, `mlx[cuda]`)."""
+    "cuda" (device memory, with unified memory for what a CPU pointer reaches)."""
     if mx.default_device().type == mx.DeviceType.cpu:
         return "cpu"
     if mx.metal.is_available():
@@ -167,16 +167,30 @@ def mlx_backend() -> str:
 
 def cpu_fillable() -> bool:
     """Whether a restore may write the default device's fresh MLX arrays through a CPU
-    pointer (their numpy view): MLX's CPU device and Metal's unified memory, yes.
+    pointer (their numpy view): on MLX's CPU device, Metal's unified memory and CUDA.
 
-    Not on CUDA: an array evaluated on the GPU lives in device memory there (allocated
-    asynchronously, since MLX 0.30), and the buffer a CPU pointer reaches is a host copy
-    made for that access: a write through it need not reach what the GPU reads. Nor
-    on a GPU backend not known here, nor when `CAS_BANK_FILL_COPY` asks for the copy.
+    On CUDA an array GPU work produced lives in device memory, but MLX hands out a CPU
+    pointer to it only after moving its buffer into unified memory (managed, or pinned
+    host memory where managed memory is not supported: `Buffer::raw_ptr` in MLX's CUDA
+    allocator, since MLX 0.30; before that every buffer was managed). The pointer is
+    then the array's own storage, what the GPU reads next. Destinations there are made
+    on the CPU stream (`fill_stream`), so they start in unified memory, host-resident.
+    Not on a GPU backend not known here, nor when `CAS_BANK_FILL_COPY` asks for the copy.
     """
     if os.environ.get(FILL_COPY_ENV, "") not in ("", "0"):
         return False
-    return mlx_backend() in ("cpu", "metal")
+    return mlx_backend() in ("cpu", "metal", "cuda")
+
+
+def fill_stream() -> mx.Device | None:
+    """Where a restore's destination arrays are made (None: the default device).
+
+    On CUDA, the CPU: MLX places what its CPU stream makes in unified memory that the
+    restore's CPU writes reach without a move, where an array made on the GPU would be
+    in device memory and copied into unified memory at its first CPU pointer. The GPU
+    reads the filled arrays in place, as it reads what `mx.load` made (mlx-lm's file).
+    """
+    return mx.Device(mx.cpu) if mlx_backend() == "cuda" else None
 
 
 # Moved to `cas_bank.destinations` (with the rest of a restore's destination arrays);

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, cast
 import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import DType, address_of, cpu_fillable, from_numpy
+from cas_bank.arrays import DType, address_of, cpu_fillable, fill_stream, from_numpy
 from cas_bank.errors import InvalidInputError
 
 _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destination
@@ -169,8 +169,10 @@ def zeroed(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array]:
 
 
 def _zeros(shape: tuple[int, ...], dtype: DType) -> mx.array:
-    """An unevaluated zero array holding `dtype`'s bits (bf16 as uint16)."""
-    return mx.zeros(shape, dtype=mx.uint16 if dtype.name == "bfloat16" else dtype.mx_dtype)
+    """An unevaluated zero array holding `dtype`'s bits (bf16 as uint16), made where a
+    restore fills it from the CPU (`arrays.fill_stream`)."""
+    held = mx.uint16 if dtype.name == "bfloat16" else dtype.mx_dtype
+    return mx.zeros(shape, dtype=held, stream=fill_stream())
 
 
 _SAFETENSORS = {
@@ -253,7 +255,7 @@ def unfilled(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array] 
         return []
     stream = _Unfilled(wanted)
     try:
-        loaded = mx.load(cast(BinaryIO, stream), format="safetensors")
+        loaded = mx.load(cast(BinaryIO, stream), format="safetensors", stream=mx.cpu)
     except Exception:  # an MLX without file-like loads: the caller zero-fills
         return None
     finally:

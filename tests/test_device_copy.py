@@ -1,12 +1,14 @@
-"""Restores on a device whose arrays a CPU pointer cannot fill (MLX's CUDA backend):
-the payloads are read into numpy staging buffers and handed out as copies made by
-`mx.array` (`cas_bank.arrays.cpu_fillable`). Forced here on the CPU with
-CAS_BANK_FILL_COPY=1: the same bit-exact restores, the fast file reader still used."""
+"""Restores on a device whose arrays a CPU pointer cannot fill (a GPU backend not known
+to cas_bank, or CAS_BANK_FILL_COPY=1): the payloads are read into numpy staging buffers
+and handed out as copies made by `mx.array` (`cas_bank.arrays.cpu_fillable`). Forced
+here on the CPU with CAS_BANK_FILL_COPY=1: the same bit-exact restores, the fast file
+reader still used."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache
@@ -22,12 +24,15 @@ from cas_bank.index import fastread
 from cas_bank.spares import SPARES, keep_spare_destinations
 
 
-def test_only_cpu_and_unified_memory_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert mlx_backend() == "cpu" and cpu_fillable()  # the CI machines run MLX on the CPU
-    monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
+def test_only_known_backends_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    if mlx_backend() == "cpu":  # the CI machines run MLX on the CPU
+        assert cpu_fillable() and arrays.fill_stream() is None
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "gpu")  # a backend not known here
     assert not cpu_fillable()
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
+    assert cpu_fillable() and arrays.fill_stream() == mx.cpu  # made in unified memory
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "metal")
-    assert cpu_fillable()
+    assert cpu_fillable() and arrays.fill_stream() is None
     monkeypatch.setenv(FILL_COPY_ENV, "1")
     assert not cpu_fillable()
     monkeypatch.setenv(FILL_COPY_ENV, "0")

@@ -165,7 +165,8 @@ class Assembler:
         # Every token a restore hands out is written by a block, every state byte by its
         # payload: no zero fill needed. One allocation for all of them, less the spares
         # a serving process keeps ready (`cas_bank.spares`).
-        # Staged destinations (`arrays.cpu_fillable`: MLX CUDA) take no MLX memory.
+        # Staged destinations (`arrays.cpu_fillable`: a GPU backend not known, or
+        # CAS_BANK_FILL_COPY) take no MLX memory.
         self._spared = cpu_fillable()
         self._spare_set = shapes.spares
         self._serial = shapes.serial
