@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.plot import write_plot
+from benchmarks.report_cuda import cuda_section
 from benchmarks.report_remote import remote_fleet_sections
 from benchmarks.report_restore import restore_section, ttft_section
 from benchmarks.targets import mb as _mb
@@ -113,6 +114,7 @@ def render(r: dict[str, Any]) -> list[str]:
     L += _remote_section(r)
     L += remote_fleet_sections(r)
     L += _scale_section(r)
+    L += cuda_section()
     L += _notes(r)
     return L
 
