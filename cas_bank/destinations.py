@@ -255,6 +255,8 @@ def unfilled(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array] 
         return []
     stream = _Unfilled(wanted)
     try:
+        # On the CPU stream everywhere: on CUDA `mx.load` would otherwise load on the GPU,
+        # into device memory a CPU pointer does not reach (`arrays.fill_stream`).
         loaded = mx.load(cast(BinaryIO, stream), format="safetensors", stream=mx.cpu)
     except Exception:  # an MLX without file-like loads: the caller zero-fills
         return None
