@@ -6,7 +6,9 @@ reader still used."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -66,6 +68,51 @@ def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.M
     # hybrid's state on its own)
     alone = [] if fastread.fill_module is not None else [Family.STATES]
     assert one_by_one == (alone if pc.spec.is_hybrid else [])
+
+
+@pytest.mark.parametrize("variant", ["qwen3-fp32", "hybrid-fp32"])
+def test_cuda_restores_fill_arrays_made_on_the_cpu_stream(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA (its backend named here; MLX itself runs on the CPU) every destination is
+    MLX's own array, made by the CPU stream (in unified memory there), filled in place."""
+    from cas_bank import destinations
+
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
+    streams: list[object] = []  # the stream each destination array was made on
+    zeros, load = mx.zeros, mx.load
+
+    def seen(k: dict[str, Any]) -> None:  # a call from cas_bank.destinations
+        if sys._getframe(2).f_globals["__name__"] == destinations.__name__:
+            streams.append(k.get("stream"))
+
+    def zeros_on(*a: Any, **k: Any) -> mx.array:
+        seen(k)
+        return zeros(*a, **k)
+
+    def load_on(*a: Any, **k: Any) -> Any:
+        seen(k)
+        return load(*a, **k)
+
+    monkeypatch.setattr(destinations.mx, "zeros", zeros_on)
+    monkeypatch.setattr(destinations.mx, "load", load_on)
+    made: list[Destination] = []
+    init = Destination.__init__
+
+    def init_seen(self: Destination, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(Destination, "__init__", init_seen)
+    factory, _, options = VARIANTS[variant]
+    rng = np.random.default_rng(11)
+    a = random_tokens(rng, 70)
+    b = [*a, *random_tokens(rng, 20)]
+    with temp_bank(16, hot_bytes=0, file_min_bytes=0) as bank:
+        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
+        assert check_restored_prefill(pc, a, b, "float32", chunk_size=32) == 64
+    assert made and all(d.direct for d in made)  # MLX's own memory, no copy
+    assert streams and all(s is not None and s == mx.cpu for s in streams)
 
 
 def test_staged_restores_take_no_spare_mlx_arrays(
