@@ -41,6 +41,19 @@ def test_only_known_backends_are_filled_in_place(monkeypatch: pytest.MonkeyPatch
     assert cpu_fillable()
 
 
+def _restore_next_turn(variant: str, seed: int) -> PrefixCache:
+    """A 70-token prompt stored, then a 90-token one restored (64 tokens) and prefilled:
+    bit-exact against the same passes and close to a straight prefill."""
+    factory, _, options = VARIANTS[variant]
+    rng = np.random.default_rng(seed)
+    a = random_tokens(rng, 70)
+    b = [*a, *random_tokens(rng, 20)]
+    with temp_bank(16, hot_bytes=0, file_min_bytes=0) as bank:
+        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
+        assert check_restored_prefill(pc, a, b, "float32", chunk_size=32) == 64
+    return pc
+
+
 @pytest.mark.parametrize("variant", ["hybrid-fp32", "qwen3-kv8"])
 def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from cas_bank.index.payloads import PayloadReader
@@ -56,13 +69,7 @@ def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.M
     monkeypatch.setattr(
         PayloadReader, "_read", lambda self, *a: one_by_one.append(a[0]) or slow(self, *a)
     )
-    factory, _, options = VARIANTS[variant]
-    rng = np.random.default_rng(9)
-    a = random_tokens(rng, 70)
-    b = [*a, *random_tokens(rng, 20)]
-    with temp_bank(16, hot_bytes=0, file_min_bytes=0) as bank:
-        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
-        assert check_restored_prefill(pc, a, b, "float32", chunk_size=32) == 64
+    pc = _restore_next_turn(variant, seed=9)
     assert handed_out and not any(handed_out)  # every array came through the copy
     # and its payloads through the file reader's batch (the Python path reads a
     # hybrid's state on its own)
@@ -104,13 +111,7 @@ def test_cuda_restores_fill_arrays_made_on_the_cpu_stream(
         made.append(self)
 
     monkeypatch.setattr(Destination, "__init__", init_seen)
-    factory, _, options = VARIANTS[variant]
-    rng = np.random.default_rng(11)
-    a = random_tokens(rng, 70)
-    b = [*a, *random_tokens(rng, 20)]
-    with temp_bank(16, hot_bytes=0, file_min_bytes=0) as bank:
-        pc = PrefixCache(bank, factory(), chunk_size=32, **options)
-        assert check_restored_prefill(pc, a, b, "float32", chunk_size=32) == 64
+    _restore_next_turn(variant, seed=11)
     assert made and all(d.direct for d in made)  # MLX's own memory, no copy
     assert streams and all(s is not None and s == mx.cpu for s in streams)
 
