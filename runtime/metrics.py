@@ -12,6 +12,7 @@ counter that only grows as a counter, whatever process reported it).
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from collections.abc import Iterable, Mapping
@@ -205,7 +206,7 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
                 "disk_bytes", "Bytes the bank directory takes on disk.", "gauge", stats.disk_bytes
             )
         )
-    return [*out, native_metric()]
+    return [*out, native_metric(), frozen_metric()]
 
 
 def native_metric() -> Metric:
@@ -218,6 +219,17 @@ def native_metric() -> Metric:
         "1 if the C helper is loaded, 0 if its work takes the slower Python path.",
         "gauge",
         {(("helper", name.lstrip("_")),): float(name in s.loaded) for name in native.HELPERS},
+    )
+
+
+def frozen_metric() -> Metric:
+    """How many objects this process took out of the garbage collector's passes at
+    startup (`cas_bank.runtime.process.freeze_startup_objects`; 0 where it did not)."""
+    return Metric.single(
+        "gc_frozen_objects",
+        "Objects frozen out of the cyclic garbage collector at startup (gc.freeze).",
+        "gauge",
+        gc.get_freeze_count(),
     )
 
 

@@ -37,6 +37,7 @@ from cas_bank.spares import keep_spare_destinations
 from . import mlx_lm_routes as routes
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .models import LoadedModel, weights_digest
+from .process import freeze_startup_objects
 from .prompt_cache_adapter import BankPromptCache
 
 log = logging.getLogger("cas_bank")
@@ -183,6 +184,7 @@ def make_run(
                 background=None if background else False,
             )
         generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
+        freeze_startup_objects()  # no full collection over the model inside a request
         tier = TierProbe(bank.remote) if bank.remote is not None else None
         stats = getattr(prompt_cache, "stats", dict)  # mlx-lm's own cache (draft): none
         try:

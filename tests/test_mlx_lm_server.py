@@ -174,6 +174,11 @@ def test_two_clients_share_a_system_prompt_and_a_restart_keeps_it(
         refused = httpx.post(f"{server.url}/v1/completions", json=empty, timeout=TIMEOUT)
         assert refused.status_code == 400 and "empty" in refused.json()["error"]
         assert answer(chat(server.url, one)) == answer(r1)  # still serving
+        # The model's objects are out of the garbage collector's passes (its full
+        # collections would land inside requests: cas_bank.runtime.process).
+        metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+        frozen = [ln for ln in metrics.splitlines() if ln.startswith("cas_bank_gc_frozen_objects ")]
+        assert frozen and int(float(frozen[0].split()[1])) > 10_000, metrics[-500:]
     finally:
         assert server.stop() == 0, log.read_text()
     # An exact repeat restores all but the last token (mlx-lm prefills at least one).

@@ -523,6 +523,8 @@ def test_health_models_and_metrics(server: Server) -> None:
     # Which native helpers this server runs with (0: the slower Python path).
     assert 'cas_bank_native_helper{helper="chain"} ' in text
     assert 'cas_bank_native_helper{helper="fill"} ' in text
+    # The objects it started with are out of the garbage collector's passes.
+    assert _metric(text, "cas_bank_gc_frozen_objects") > 10_000
     # The background writer wrote the stores; nothing failed.
     assert _metric(text, "cas_bank_writer_stores_total") >= 2
     assert _metric(text, "cas_bank_writer_bytes_total") > 0

@@ -179,6 +179,9 @@ def _serve(args: argparse.Namespace) -> int:
         if args.block_size is None or "block_size=" not in str(e):
             raise
         raise CliError(f"{e}: leave out --block-size to serve it with its own") from None
+    from cas_bank.runtime.process import freeze_startup_objects
+
+    freeze_startup_objects()  # no full collection over the model inside a request
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
