@@ -13,13 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.targets import mb, ms, table
+from benchmarks.targets import mb, ms, table, x
 
 RECORD = Path(__file__).with_name("cuda_h200.json")
-
-
-def _x(ratio: float) -> str:
-    return f"{ratio:.2f}x"
 
 
 def cuda_section(path: Path = RECORD) -> list[str]:
@@ -49,7 +45,7 @@ def cuda_section(path: Path = RECORD) -> list[str]:
 def _reopened(case: dict[str, Any]) -> str:
     """The reopened restore's time and its ratio to the file's load."""
     ratio = case["fractions"]["file_load_over_rocksdb_restore"]
-    return f"{ms(case['rocksdb_restore_s'])} ({_x(ratio)})"
+    return f"{ms(case['rocksdb_restore_s'])} ({x(ratio)})"
 
 
 def _by_case(r: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -70,10 +66,10 @@ def _restore_table(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
                 "–" if b is None else _reopened(b),
                 _reopened(c),
                 ms(c["verified_floor_s"]),
-                f"{ms(c['hot_restore_s'])} ({_x(f['file_load_over_hot_restore'])})",
-                "–" if b is None else f"{_x(b['fractions']['file_ttft_over_reopened_ttft'])}",
-                _x(f["file_ttft_over_reopened_ttft"]),
-                _x(f["file_ttft_over_hot_ttft"]),
+                f"{ms(c['hot_restore_s'])} ({x(f['file_load_over_hot_restore'])})",
+                "–" if b is None else f"{x(b['fractions']['file_ttft_over_reopened_ttft'])}",
+                x(f["file_ttft_over_reopened_ttft"]),
+                x(f["file_ttft_over_hot_ttft"]),
             ]
         )
     head = [

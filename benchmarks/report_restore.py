@@ -9,11 +9,7 @@ from benchmarks.targets import WAY_LABELS
 from benchmarks.targets import mb as _mb
 from benchmarks.targets import ms as _ms
 from benchmarks.targets import table as _table
-
-
-def _x(ratio: float | None) -> str:
-    """A ratio as the tables print it; "-" when a run did not measure it."""
-    return "-" if ratio is None else f"{ratio:.2f}x"
+from benchmarks.targets import x as _x
 
 
 def _stages(case: dict[str, Any]) -> str:

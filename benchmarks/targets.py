@@ -26,6 +26,11 @@ def mb(n: int | None) -> str:
     return "–" if n is None else f"{n / 1e6:.2f}"
 
 
+def x(ratio: float | None) -> str:
+    """A ratio as the tables print it; "-" when a run did not measure it."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table, and the blank line after it."""
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
