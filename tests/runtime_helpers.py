@@ -146,6 +146,13 @@ def close(a: mx.array, b: mx.array, dtype: str) -> bool:
     return bool(diff <= ATOL[dtype])
 
 
+def metric(text: str, name: str) -> float:
+    """The one sample of the unlabelled metric `name` in a server's /metrics text."""
+    values = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{len(values)} samples of {name} in:\n{text[-2000:]}"
+    return float(values[0])
+
+
 def random_tokens(rng: np.random.Generator, n: int, vocab: int = 512) -> list[int]:
     return [int(t) for t in rng.integers(0, vocab, n)]
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from hf_models import hf_tokenizer, model_dir
-from runtime_helpers import stop_process
+from runtime_helpers import metric, stop_process
 from tool_banks import assert_one_line_error, cas_bank
 
 from cas_bank import Bank
@@ -177,8 +177,7 @@ def test_two_clients_share_a_system_prompt_and_a_restart_keeps_it(
         # The model's objects are out of the garbage collector's passes (its full
         # collections would land inside requests: cas_bank.runtime.process).
         metrics = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
-        frozen = [ln for ln in metrics.splitlines() if ln.startswith("cas_bank_gc_frozen_objects ")]
-        assert frozen and int(float(frozen[0].split()[1])) > 10_000, metrics[-500:]
+        assert metric(metrics, "cas_bank_gc_frozen_objects") > 10_000
     finally:
         assert server.stop() == 0, log.read_text()
     # An exact repeat restores all but the last token (mlx-lm prefills at least one).

@@ -15,6 +15,7 @@ import test_mlx_lm_server as mlx
 import test_server as srv
 from conftest import remote_config
 from hf_models import model_dir
+from runtime_helpers import metric
 
 from cas_bank import Bank
 from cas_bank.remote.health import TierHealth, TierProbe
@@ -69,12 +70,7 @@ def _health(url: str) -> dict[str, Any]:
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=srv.TIMEOUT).text
-    values = [
-        line.split()[-1] for line in text.splitlines() if line.startswith(f"cas_bank_{name} ")
-    ]
-    assert len(values) == 1, (name, text[-2000:])
-    return float(values[0])
+    return metric(httpx.get(f"{url}/metrics", timeout=srv.TIMEOUT).text, f"cas_bank_{name}")
 
 
 def _degraded(url: str) -> dict[str, Any] | None:

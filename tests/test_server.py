@@ -31,7 +31,7 @@ from cas_bank.runtime.generation import (
     GenerationRequest,
     GenerationResult,
 )
-from runtime_helpers import stop_process
+from runtime_helpers import metric, stop_process
 
 MODEL = "tiny-hybrid"
 BLOCK = 16
@@ -164,8 +164,8 @@ def test_a_restarted_server_restores_what_the_last_one_stored(tmp_path: Path) ->
     assert cached(after) == n  # its end record: a retry after a restart prefills nothing
     assert after["choices"][0]["message"] == before["choices"][0]["message"]
     # The bank's counters persist: the hit is in the new process's metrics.
-    assert _metric(metrics, "cas_bank_prefix_hit_tokens_total") == cached(after)
-    assert _metric(metrics, "cas_bank_blocks") > 0
+    assert metric(metrics, "cas_bank_prefix_hit_tokens_total") == cached(after)
+    assert metric(metrics, "cas_bank_blocks") > 0
 
 
 def test_serving_a_local_model_directory(tmp_path: Path) -> None:
@@ -203,7 +203,7 @@ def test_a_prompt_branching_inside_a_block_counts_its_partial_block(tmp_path: Pa
     new = len("right, then")  # its tokens after the shared ones: all the prefill left
     assert cached(second) == second["usage"]["prompt_tokens"] - new
     assert cached(second) % BLOCK != 0
-    assert _metric(metrics, "cas_bank_prefix_partial_tokens_total") == cached(second) % BLOCK
+    assert metric(metrics, "cas_bank_prefix_partial_tokens_total") == cached(second) % BLOCK
 
 
 # -- the OpenAI client ----------------------------------------------------------------------
@@ -430,7 +430,7 @@ def test_concurrent_clients_get_the_answers_they_would_get_alone(server: Server)
 
 
 def test_a_client_that_goes_away_stops_its_generation(server: Server) -> None:
-    before = _metric(
+    before = metric(
         httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text, "cas_bank_completion_tokens_total"
     )
     body = {"model": MODEL, "prompt": "a very long answer", "max_tokens": 5000, "stream": True}
@@ -445,7 +445,7 @@ def test_a_client_that_goes_away_stops_its_generation(server: Server) -> None:
         timeout=TIMEOUT,
     )
     assert ok.status_code == 200
-    after = _metric(
+    after = metric(
         httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text, "cas_bank_completion_tokens_total"
     )
     assert after - before < 1000
@@ -512,29 +512,29 @@ def test_health_models_and_metrics(server: Server) -> None:
         "cas_bank_prefetches_dropped_total",
     ):
         assert f"# TYPE {name} " in text, name
-    assert _metric(text, "cas_bank_prefix_hit_tokens_total") > 0
-    assert _metric(text, "cas_bank_blocks_written_total") > 0
-    assert _metric(text, "cas_bank_corrupt_reads_total") == 0
-    assert _metric(text, "cas_bank_requests_total") >= 2
+    assert metric(text, "cas_bank_prefix_hit_tokens_total") > 0
+    assert metric(text, "cas_bank_blocks_written_total") > 0
+    assert metric(text, "cas_bank_corrupt_reads_total") == 0
+    assert metric(text, "cas_bank_requests_total") >= 2
     # The same prompt twice: the second restored its end record, logits and all.
-    assert _metric(text, "cas_bank_prefix_exact_hits_total") >= 1
-    assert _metric(text, "cas_bank_ends") >= 1 and _metric(text, "cas_bank_end_bytes") > 0
+    assert metric(text, "cas_bank_prefix_exact_hits_total") >= 1
+    assert metric(text, "cas_bank_ends") >= 1 and metric(text, "cas_bank_end_bytes") > 0
     assert 'cas_bank_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     # Which native helpers this server runs with (0: the slower Python path).
     assert 'cas_bank_native_helper{helper="chain"} ' in text
     assert 'cas_bank_native_helper{helper="fill"} ' in text
     # The objects it started with are out of the garbage collector's passes.
-    assert _metric(text, "cas_bank_gc_frozen_objects") > 10_000
+    assert metric(text, "cas_bank_gc_frozen_objects") > 10_000
     # The background writer wrote the stores; nothing failed.
-    assert _metric(text, "cas_bank_writer_stores_total") >= 2
-    assert _metric(text, "cas_bank_writer_bytes_total") > 0
-    assert _metric(text, "cas_bank_writer_failures_total") == 0
-    assert _metric(text, "cas_bank_writer_queue_capacity") >= 1
+    assert metric(text, "cas_bank_writer_stores_total") >= 2
+    assert metric(text, "cas_bank_writer_bytes_total") > 0
+    assert metric(text, "cas_bank_writer_failures_total") == 0
+    assert metric(text, "cas_bank_writer_queue_capacity") >= 1
     # Where the restores' time went: each request restored once (or more) in this process.
-    assert _metric(text, "cas_bank_restores_timed_total") >= 2
-    total = _metric(text, "cas_bank_restore_seconds_total")
+    assert metric(text, "cas_bank_restores_timed_total") >= 2
+    total = metric(text, "cas_bank_restore_seconds_total")
     parts = [
-        _metric(text, f'cas_bank_restore_part_seconds_total{{part="{p}"}}')
+        metric(text, f'cas_bank_restore_part_seconds_total{{part="{p}"}}')
         for p in ("lookup", "allocate", "fill")
     ]
     assert total > 0 and all(p >= 0 for p in parts) and sum(parts) <= total
@@ -546,14 +546,7 @@ def written(url: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-        if _metric(text, "cas_bank_writer_queue_depth") == 0:
+        if metric(text, "cas_bank_writer_queue_depth") == 0:
             return
         assert time.monotonic() < deadline, "the background writer never drained"
         time.sleep(0.05)
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no sample of {name} in:\n{text}")
