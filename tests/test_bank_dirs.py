@@ -310,3 +310,20 @@ def test_a_bank_whose_manifest_lost_its_meta_family_is_damaged_not_foreign(
     db.close()
     with pytest.raises(NotABankError, match="not a cas_bank bank"):
         Bank.open(tmp_path / "db", mode=mode)  # type: ignore[arg-type]
+
+
+def test_reopening_a_bank_keeps_a_bounded_number_of_info_logs(tmp_path: Path) -> None:
+    """Every open starts a RocksDB info log; a bank opened by each tool call and each
+    restart keeps only the newest few (RocksDB's default kept 1000)."""
+    from cas_bank.blocks.rocks import INFO_LOGS_KEPT
+
+    tokens = list(range(2 * BLOCK_SIZE))
+    for _ in range(INFO_LOGS_KEPT + 4):
+        with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK_SIZE)) as b:
+            ns = b.namespace(attention_spec())
+            ns.store(tokens, random_layers(ns.spec, len(tokens)))
+    logs = [p.name for p in (tmp_path / "bank").iterdir() if p.name.startswith("LOG")]
+    assert "LOG" in logs
+    assert len(logs) <= INFO_LOGS_KEPT, sorted(logs)
+    with Bank.open(tmp_path / "bank", mode="read_only") as b:
+        assert b.namespace(attention_spec()).match(tokens) == len(tokens)

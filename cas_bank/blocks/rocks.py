@@ -74,6 +74,9 @@ _BLOB_FAMILIES = frozenset({*PAYLOAD_FAMILIES, Family.ENDS})
 
 log = logging.getLogger("cas_bank")
 
+# RocksDB info logs kept in a bank directory (`LOG` and the `LOG.old.*` before it).
+INFO_LOGS_KEPT = 5
+
 
 def _family_options(family: Family) -> Options:
     opt = Options(raw_mode=True)
@@ -102,6 +105,10 @@ def _db_options(durability: str) -> Options:
     opt.set_paranoid_checks(True)
     if durability == "fast":
         opt.set_atomic_flush(True)
+    # Every open starts a new info log (`LOG`) and keeps the last one as `LOG.old.*`:
+    # RocksDB keeps 1000 of them by default, so a bank opened by each tool call and
+    # each restart gathered hundreds of files. The newest few are enough to debug.
+    opt.set_keep_log_file_num(INFO_LOGS_KEPT)
     return opt
 
 
