@@ -187,9 +187,8 @@ def fill_stream() -> mx.Device | None:
 
     On CUDA, the CPU: MLX places what its CPU stream makes in unified memory that the
     restore's CPU writes reach without a move, where an array made on the GPU would be
-    in device memory and copied into unified memory at its first CPU pointer. The GPU
-    reads the filled arrays where they are; the driver moves their pages to it during
-    the first forward pass (benchmarks/RESULTS.md, "MLX's CUDA build").
+    in device memory and copied into unified memory at its first CPU pointer. Once
+    filled, the restore moves them to the GPU in one go (`cas_bank.gpu_prefetch`).
     """
     return mx.Device(mx.cpu) if mlx_backend() == "cuda" else None
 

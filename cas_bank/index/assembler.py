@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from cas_bank import gpu_prefetch
 from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
 from cas_bank.destinations import Destination, addresses_of
@@ -278,12 +279,22 @@ class Assembler:
         self._later_bytes += sum(int(v.nbytes) for v in views)
 
     def handed_out(self) -> None:
-        """Have the next restore's arrays made off its path (`cas_bank.spares`), once
-        this one's are handed out (evaluated: not beside this restore's last steps;
-        a runtime's restore holds them until its forward pass is done, `Spares.holding`)."""
+        """Once this restore's arrays are evaluated: on CUDA, move them to the GPU
+        (`gpu_prefetch`: the CPU filled them in unified memory); then have the next
+        restore's arrays made off its path (`cas_bank.spares`; a runtime's restore
+        holds them until its forward pass is done, `Spares.holding`)."""
+        prefetch = gpu_prefetch.prefetcher() if self._spared else None
+        if prefetch is not None:
+            prefetch(self._runs())
         if self._spared and self._handed is not None:
             SPARES.refill(self._spare_set, filled=self._ask_ahead(self._handed))
             self._handed = None
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """(address, bytes) of every destination that is an MLX array's own memory (not
+        a staging buffer), the state ones too."""
+        dests = [*self.dests, *self._state_dests]
+        return [(d.address, int(d.view.nbytes)) for d in dests if d.direct]
 
     def _ask_ahead(self, n_blocks: int) -> Filled | None:
         """The copy of this restore's lease to make ahead for the next (`leasecopy`)."""
