@@ -4,7 +4,8 @@ report comes from, and kept in every report rendered after it.
 
 The same benchmarks (`benchmarks.restore`, `benchmarks.ttft`) ran there twice: `before`,
 restores filling numpy staging buffers that `mx.array` copied into MLX; `after`, filling
-MLX's arrays in place (`cas_bank.arrays.fill_stream`).
+MLX's arrays in place (`cas_bank.arrays.fill_stream`). A later session ran them again
+with and without moving the filled arrays to the GPU (`prefetch`: `cas_bank.gpu_prefetch`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def cuda_section(path: Path = RECORD) -> list[str]:
     ]
     L += _restore_table(before["restore"], after["restore"])
     L += _ttft_table(before["ttft"], after["ttft"])
+    if "prefetch" in rec:
+        L += _prefetch_tables(rec["prefetch"])
     L += ["What this record shows (written with it):", ""]
     L += [f"- {note}" for note in rec["notes"]]
     return [*L, ""]
@@ -122,4 +125,48 @@ def _ttft_table(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         "reopened restore fills arrays the GPU read last):",
         "",
         *table(head, rows),
+    ]
+
+
+def _prefetch_tables(p: dict[str, Any]) -> list[str]:
+    """The restore and TTFT with the filled arrays moved to the GPU, against the same
+    commit with that off, in one session."""
+    old = _by_case(p["restore_off"])
+    rows = []
+    for key, c in _by_case(p["restore_on"]).items():
+        b, f = old[key], c["fractions"]
+        rows.append(
+            [
+                f"{key[0]} {key[1]}",
+                ms(c["file_load_s"]),
+                _reopened(b),
+                _reopened(c),
+                x(b["fractions"]["file_ttft_over_reopened_ttft"]),
+                x(f["file_ttft_over_reopened_ttft"]),
+                x(b["fractions"]["file_ttft_over_hot_ttft"]),
+                x(f["file_ttft_over_hot_ttft"]),
+            ]
+        )
+    head = [
+        "model, tokens",
+        "file load ms",
+        "reopened, kept on the host ms (x file)",
+        "reopened, moved ms (x file)",
+        "TTFT reopened, kept, x file",
+        "TTFT reopened, moved, x file",
+        "TTFT hot, kept, x file",
+        "TTFT hot, moved, x file",
+    ]
+    ttft = _ttft_table(p["ttft_off"], p["ttft_on"])
+    return [
+        f"Moving the filled arrays to the GPU (commit {p['commit']}, {p['date']}: "
+        f"{p['what']}). Commands: " + "; ".join(f"`{c}`" for c in p["commands"]) + ".",
+        "",
+        *table(head, rows),
+        "",
+        ttft[0].replace(
+            "Time to first token",
+            "Its time to first token (`before`: kept on the host, `after`: moved)",
+        ),
+        *ttft[1:],
     ]
