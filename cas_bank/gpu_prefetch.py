@@ -10,7 +10,9 @@ driver to move them all at once (`cuMemPrefetchAsync`), at the link's speed, and
 until they are there: the restore then hands out arrays already on the GPU.
 
 Through the driver library MLX itself loads (`libcuda.so.1`, with ctypes): MLX links
-the CUDA runtime statically, so there is no runtime library of its to call. Best
+the CUDA runtime statically, so there is no runtime library of its to call. The moves
+go on the legacy default stream, which starts after GPU work queued before it on
+MLX's streams: in a server that restores between requests, none. Best
 effort: where the driver, the call or the memory does not allow it (no managed memory
 on this system: MLX uses pinned host memory instead), the first failure is logged and
 turns it off for the process; a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
