@@ -11,8 +11,8 @@ until they are there: the restore then hands out arrays already on the GPU.
 
 Through the driver library MLX itself loads (`libcuda.so.1`, with ctypes): MLX links
 the CUDA runtime statically, so there is no runtime library of its to call. The moves
-go on the legacy default stream, which starts after GPU work queued before it on
-MLX's streams: in a server that restores between requests, none. Best
+go on the legacy default stream and the call waits for them; MLX's streams are
+non-blocking, so MLX's own work neither waits for them nor holds them up. Best
 effort: where the driver, the call or the memory does not allow it (no managed memory
 on this system: MLX uses pinned host memory instead), the first failure is logged and
 turns it off for the process; a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
