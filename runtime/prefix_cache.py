@@ -410,13 +410,24 @@ class PrefixCache:
         this_model: bool = False,
     ) -> StoreReport:
         """`store`, written on this thread now."""
+        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
+        return self.namespace.store(toks, layers, by_boundary)
+
+    def _store_input(
+        self,
+        tokens: Any,
+        cache: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | StateRecorder | None,
+        this_model: bool,
+    ) -> tuple[np.ndarray, list[Any], Mapping[int, Sequence[Any]] | None]:
+        """A store's tokens, the cache's layers holding them and the states by boundary,
+        checked: the cache must come from this PrefixCache (or `this_model=True`)."""
         toks = self.tokens(tokens)
         check_cache(self.spec, cache, self._offset(cache, len(toks)))
         vouch_for(self.spec, cache, this_model)
         if isinstance(states, StateRecorder):
             states = states.states_for(len(toks))
-        layers = cache_layers(self.spec, cache, len(toks))
-        return self.namespace.store(toks, layers, states)
+        return toks, cache_layers(self.spec, cache, len(toks)), states
 
     def store_end(
         self,
@@ -492,14 +503,9 @@ class PrefixCache:
         """`store` through the bank's background writer (`Namespace.store_later`); the
         same checks (the cache must come from this PrefixCache, or `this_model=True`),
         and `skip_store_when_full` holds for the write."""
-        toks = self.tokens(tokens)
-        check_cache(self.spec, cache, self._offset(cache, len(toks)))
-        vouch_for(self.spec, cache, this_model)
-        if isinstance(states, StateRecorder):
-            states = states.states_for(len(toks))
-        layers = cache_layers(self.spec, cache, len(toks))
+        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
         return self.namespace.store_later(
-            toks, layers, states, skip_when_full=self.skip_store_when_full
+            toks, layers, by_boundary, skip_when_full=self.skip_store_when_full
         )
 
     def _offset(self, cache: Any, default: int) -> int:
