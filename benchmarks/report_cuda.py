@@ -95,9 +95,21 @@ def _restore_table(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     ]
 
 
-def _ttft_table(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+_TTFT_CAPTION = (
+    "Time to first token (`benchmarks.ttft`: run on its own, no spares kept, so each "
+    "reopened restore fills arrays the GPU read last):"
+)
+
+
+def _ttft_table(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    labels: tuple[str, str] = ("before", "after"),
+    caption: str = _TTFT_CAPTION,
+) -> list[str]:
+    """`benchmarks.ttft`'s cases of two runs, each row labelled with its run."""
     rows = []
-    for label, r in (("before", before), ("after", after)):
+    for label, r in zip(labels, (before, after), strict=True):
         for c in r["cases"]:
             t, d = c["ttft_s"], c["logits_max_diff"]
             rows.append(
@@ -120,12 +132,7 @@ def _ttft_table(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
         "cas_bank hot ms (hot hits a request)",
         "logits max diff vs cold (file, reopened, hot)",
     ]
-    return [
-        "Time to first token (`benchmarks.ttft`: run on its own, no spares kept, so each "
-        "reopened restore fills arrays the GPU read last):",
-        "",
-        *table(head, rows),
-    ]
+    return [caption, "", *table(head, rows)]
 
 
 def _prefetch_tables(p: dict[str, Any]) -> list[str]:
@@ -157,16 +164,17 @@ def _prefetch_tables(p: dict[str, Any]) -> list[str]:
         "TTFT hot, kept, x file",
         "TTFT hot, moved, x file",
     ]
-    ttft = _ttft_table(p["ttft_off"], p["ttft_on"])
+    ttft = _ttft_table(
+        p["ttft_off"],
+        p["ttft_on"],
+        labels=("kept", "moved"),
+        caption=_TTFT_CAPTION.replace("Time to first token", "Its time to first token"),
+    )
     return [
         f"Moving the filled arrays to the GPU (commit {p['commit']}, {p['date']}: "
         f"{p['what']}). Commands: " + "; ".join(f"`{c}`" for c in p["commands"]) + ".",
         "",
         *table(head, rows),
         "",
-        ttft[0].replace(
-            "Time to first token",
-            "Its time to first token (`before`: kept on the host, `after`: moved)",
-        ),
-        *ttft[1:],
+        *ttft,
     ]
