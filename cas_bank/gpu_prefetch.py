@@ -116,10 +116,14 @@ def prefetcher() -> Callable[[Sequence[tuple[int, int]]], None] | None:
 
 def prefetch(runs: Sequence[tuple[int, int]]) -> None:
     """Move the (address, bytes) runs of unified memory to MLX's GPU, waiting for them;
-    nothing once a prefetch failed in this process (the first failure is logged)."""
+    nothing once a prefetch failed in this process, or the driver could not be loaded
+    (the first failure is logged; `prefetcher` then answers None)."""
     global _failed
     driver = None if _failed else _driver()
-    if driver is None or not runs:
+    if driver is None:
+        _failed = True
+        return
+    if not runs:
         return
     try:
         with _lock:

@@ -66,8 +66,10 @@ def test_no_cuda_driver_logs_once_and_moves_nothing(
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(gpu_prefetch.ctypes, "CDLL", no_library)
+    monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     with caplog.at_level(logging.WARNING, logger="cas_bank"):
         gpu_prefetch.prefetch([(4096, 4096)])
+        assert gpu_prefetch.prefetcher() is None  # restores no longer ask
         gpu_prefetch.prefetch([(4096, 4096)])
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "no CUDA prefetch" in said[0] and "libcuda.so.1" in said[0]
