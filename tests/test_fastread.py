@@ -128,6 +128,8 @@ def test_native_and_python_reads_fill_the_same_rows(
         ("flip_field", "payload digest is not the header's"),  # its kind's tag too
         ("other_kind", "payload digest is not the header's"),
         ("truncate", "payload file is truncated"),
+        ("cut_head", "payload file is truncated"),  # inside the head read with the body
+        ("extend", "payload file is truncated"),  # one byte longer than its record says
         ("missing", "payload file missing"),
         ("other_digest", "payload digest is not the header's"),
         ("compressed", "not a plain payload"),
@@ -159,6 +161,10 @@ def test_native_and_python_refuse_the_same_damage(
         path.write_bytes(codec.with_check(payload, "blake3" if check == "xxh3" else "xxh3"))
     elif damage == "truncate":
         path.write_bytes(payload[:-10])
+    elif damage == "cut_head":
+        path.write_bytes(payload[: codec._FIXED.size + 2])
+    elif damage == "extend":
+        path.write_bytes(payload + b"\0")
     elif damage == "missing":
         path.unlink()
     elif damage == "other_digest":

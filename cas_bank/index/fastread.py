@@ -234,10 +234,13 @@ class BlockFiles:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return "payload file missing"
+        # A byte past the end is asked for too: a file longer than its record says
+        # fills it (the native reader's check, `pread_to_end` in fill.c).
+        probe = bytearray(1)
         try:
             got = 0
             while got < size:
-                n = os.preadv(fd, [view[got:]], got)
+                n = os.preadv(fd, [view[got:], probe], got)
                 if n <= 0:
                     break
                 got += n

@@ -220,6 +220,22 @@ int main(int argc, char **argv) {
   spit(path, payload, payload_len - 1);
   rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
   CHECK(rc == SIZE, "a short file gave %d, not SIZE", rc);
+  spit(path, payload, payload_len - head_len + 1); /* cut in its body */
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == SIZE, "a file cut in its body gave %d, not SIZE", rc);
+  spit(path, payload, head_len - 1); /* cut inside the head */
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == SIZE, "a file cut in its head gave %d, not SIZE", rc);
+  {
+    uint8_t *longer = malloc(payload_len + 1);
+    CHECK(longer != NULL, "no memory for the longer file");
+    memcpy(longer, payload, payload_len);
+    longer[payload_len] = 0;
+    spit(path, longer, payload_len + 1);
+    free(longer);
+  }
+  rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
+  CHECK(rc == SIZE, "a file one byte longer gave %d, not SIZE", rc);
   remove(path);
   rc = fill(path, head, head_len, lead, segs, n_arrays, 1, context, &err);
   CHECK(rc == MISSING, "a missing file gave %d, not MISSING", rc);
