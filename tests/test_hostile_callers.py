@@ -21,7 +21,7 @@ from cas_bank.runtime import PrefixCache
 from cas_bank.runtime.tokenizer import END_OF_MESSAGE_ID, EOS_TOKEN_ID
 from mlx_lm.models.cache import make_prompt_cache
 from runtime_helpers import temp_bank, tiny
-from test_server import MODEL, TIMEOUT, Server, cached, start_server
+from server_kit import MODEL, TIMEOUT, Server, cached, start_server
 from tool_banks import cas_bank
 
 from cas_bank import Bank, BankConfig, InvalidInputError

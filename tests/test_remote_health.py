@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
+import server_kit as srv
 import test_mlx_lm_server as mlx
-import test_server as srv
 from conftest import remote_config
 from hf_models import model_dir
 from runtime_helpers import metric

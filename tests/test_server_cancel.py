@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_server import MODEL, TIMEOUT, Server, start_server
+from server_kit import MODEL, TIMEOUT, Server, start_server
 
 STEP = 32  # --prefill-step-size: tokens per forward pass
 WHOLE_PREFILL_S = 8.0  # what the long prompt's prefill would take if nothing stopped it

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+import server_kit as srv
 import test_mlx_lm_server as mlx
-import test_server as srv
 from hf_models import model_dir
 
 Ask = Callable[..., httpx.Response]
