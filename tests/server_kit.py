@@ -81,9 +81,10 @@ def conversation(user: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def running_server(factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A module's server (its `server` fixture): started once, stopped after."""
-    root = factory.mktemp("server")
+def running_server(factory: pytest.TempPathFactory, name: str = "server") -> Iterator[Server]:
+    """A module's server (its `server` fixture), in a tmp dir called `name`: started
+    once, stopped after."""
+    root = factory.mktemp(name)
     s = start_server(root / "bank", root / "server.log")
     try:
         yield s

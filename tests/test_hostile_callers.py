@@ -21,7 +21,7 @@ from cas_bank.runtime import PrefixCache
 from cas_bank.runtime.tokenizer import END_OF_MESSAGE_ID, EOS_TOKEN_ID
 from mlx_lm.models.cache import make_prompt_cache
 from runtime_helpers import temp_bank, tiny
-from server_kit import MODEL, TIMEOUT, Server, cached, start_server
+from server_kit import MODEL, TIMEOUT, Server, cached, running_server, start_server
 from tool_banks import cas_bank
 
 from cas_bank import Bank, BankConfig, InvalidInputError
@@ -81,12 +81,7 @@ def test_small_inputs_are_refused_by_name(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("hostile")
-    s = start_server(root / "bank", root / "server.log")
-    try:
-        yield s
-    finally:
-        s.stop()
+    yield from running_server(tmp_path_factory, "hostile")
 
 
 def _chat(url: str, text: str, **extra: object) -> httpx.Response:
