@@ -46,7 +46,7 @@ from rocksdict import Rdict, WriteBatch, WriteOptions
 from cas_bank.arrays import address_of
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
-from cas_bank.blocks.rocks import _db_options, _family_options
+from cas_bank.blocks.rocks_options import db_options, family_options
 from cas_bank.blocks.store import Family
 from cas_bank.index import rowcopy
 
@@ -301,8 +301,8 @@ def raw_db(path: str | Path) -> Iterator[tuple[Any, dict[Family, Any]]]:
     bank reads every family (docs/design.md, "Damage and full disk"). Closes every
     handle on exit, so the directory can be opened again in this process.
     """
-    families = {f.value: _family_options(f) for f in Family}
-    db = Rdict(str(path), options=_db_options("wal"), column_families=families)
+    families = {f.value: family_options(f) for f in Family}
+    db = Rdict(str(path), options=db_options("wal"), column_families=families)
     cfs: dict[Family, Any] = {}
     try:
         for f in Family:

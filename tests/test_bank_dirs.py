@@ -315,7 +315,7 @@ def test_a_bank_whose_manifest_lost_its_meta_family_is_damaged_not_foreign(
 def test_reopening_a_bank_keeps_a_bounded_number_of_info_logs(tmp_path: Path) -> None:
     """Every open starts a RocksDB info log; a bank opened by each tool call and each
     restart keeps only the newest few (RocksDB's default kept 1000)."""
-    from cas_bank.blocks.rocks import INFO_LOGS_KEPT
+    from cas_bank.blocks.rocks_options import INFO_LOGS_KEPT
 
     tokens = list(range(2 * BLOCK_SIZE))
     for _ in range(INFO_LOGS_KEPT + 4):

@@ -41,9 +41,6 @@ from typing import Any, Literal, cast
 
 from rocksdict import (
     AccessType,
-    BlockBasedOptions,
-    ChecksumType,
-    DBCompressionType,
     Options,
     Rdict,
     WriteBatch,
@@ -61,55 +58,13 @@ from cas_bank.blocks.damage import (
     real,
     write_error,
 )
+from cas_bank.blocks.rocks_options import BLOB_FAMILIES, db_options, family_options
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Capability, Family, Write
 from cas_bank.errors import BankFullError, BankLockedError, CasBankError, CorruptDataError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
-_MIN_BLOB_SIZE = 4096
-# Families whose values go to BlobDB files: payloads, and end records (partial KV, a
-# hybrid state, logits: up to MBs on real models), out of the LSM's rewrites. A
-# secondary open reads them through its read-only instance (module docstring).
-_BLOB_FAMILIES = frozenset({*PAYLOAD_FAMILIES, Family.ENDS})
-
 log = logging.getLogger("cas_bank")
-
-# RocksDB info logs kept in a bank directory (`LOG` and the `LOG.old.*` before it).
-INFO_LOGS_KEPT = 5
-
-
-def _family_options(family: Family) -> Options:
-    opt = Options(raw_mode=True)
-    if family in _BLOB_FAMILIES:
-        opt.set_enable_blob_files(True)
-        opt.set_min_blob_size(_MIN_BLOB_SIZE)
-        opt.set_blob_compression_type(DBCompressionType.none())
-        opt.set_compression_type(DBCompressionType.none())
-        opt.set_enable_blob_gc(True)
-    # Bloom filters: a lookup of a block that is not stored (every miss, and the binary
-    # search of `stored_prefix`) is answered without reading table blocks.
-    table = BlockBasedOptions()
-    table.set_bloom_filter(10, False)
-    # RocksDB's default for new tables, made explicit: the fastest checksum it offers.
-    table.set_checksum_type(ChecksumType.xxh3())
-    opt.set_block_based_table_factory(table)
-    return opt
-
-
-def _db_options(durability: str) -> Options:
-    opt = _family_options(Family.META)
-    opt.create_if_missing(True)
-    opt.create_missing_column_families(True)
-    # Refuse to open when a file the MANIFEST names is missing or damaged (the default,
-    # made explicit: a bank must never open as less than it is).
-    opt.set_paranoid_checks(True)
-    if durability == "fast":
-        opt.set_atomic_flush(True)
-    # Every open starts a new info log (`LOG`) and keeps the last one as `LOG.old.*`:
-    # RocksDB keeps 1000 of them by default, so a bank opened by each tool call and
-    # each restart gathered hundreds of files. The newest few are enough to debug.
-    opt.set_keep_log_file_num(INFO_LOGS_KEPT)
-    return opt
 
 
 def _walk(
@@ -176,7 +131,7 @@ class RocksStore(BlockStore):
         if mode == "read_write":
             self.path.mkdir(parents=True, exist_ok=True)
             damage.preflight(
-                self.path, {f.value: _family_options(f) for f in Family}, _db_options(durability)
+                self.path, {f.value: family_options(f) for f in Family}, db_options(durability)
             )
         else:
             self._view = View(self.path)
@@ -210,7 +165,7 @@ class RocksStore(BlockStore):
         else:
             assert self._view is not None
             access = AccessType.secondary(str(self._view.scratch))
-        families = {f.value: _family_options(f) for f in Family}
+        families = {f.value: family_options(f) for f in Family}
         if mode != "read_write":
             # A reader opens the families the writer made; an old bank may lack new ones.
             try:
@@ -286,7 +241,7 @@ class RocksStore(BlockStore):
         def attempt() -> Any:
             return Rdict(
                 str(where),
-                options=_db_options(durability),
+                options=db_options(durability),
                 column_families=families,
                 access_type=access,
             )
@@ -317,7 +272,7 @@ class RocksStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+        if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.get_many(family, keys)
         if family not in self._cf and self._db is not None:
             return [None] * len(keys)
@@ -329,7 +284,7 @@ class RocksStore(BlockStore):
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
-        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+        if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.get(family, key)
         if family not in self._cf and self._db is not None:
             return None
@@ -348,7 +303,7 @@ class RocksStore(BlockStore):
         return None if self._view is None else self._view.path
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
-        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+        if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.iterate(family, values=values)
         if family not in self._cf and self._db is not None:
             return iter(())
@@ -359,7 +314,7 @@ class RocksStore(BlockStore):
         return walk
 
     def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+        if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.prefixed(family, prefix)
         if family not in self._cf and self._db is not None:
             return iter(())
@@ -369,7 +324,7 @@ class RocksStore(BlockStore):
 
     def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """One seek to `key`, then a step back (docs/design.md, "Partial blocks")."""
-        if self._payload_reader is not None and family in _BLOB_FAMILIES:
+        if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.around(family, key, prefix)
         if family not in self._cf and self._db is not None:
             return []
