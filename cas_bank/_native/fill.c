@@ -178,21 +178,27 @@ static uint8_t *staging(void) {
 }
 
 /* preadv of every iovec in full (short reads continue); 0, or -1 with errno set, or -2
- * at an unexpected end of file. Advances the iovecs it is given. */
-static int preadv_full(int fd, struct iovec *iov, int n, off_t at) {
+ * at an unexpected end of file. Advances the iovecs it is given. With `probe`, the last
+ * iovec is one byte just past where the file should end: 0 when the file ends there
+ * (the read stops short of the probe, or at it), -3 when the probe is read (the file
+ * goes on). A regular file's read comes back short only at its end, so the size is
+ * checked by the read itself, with no `fstat` a file. */
+static int preadv_full(int fd, struct iovec *iov, int n, off_t at, int probe) {
   while (n > 0) {
     ssize_t got = preadv(fd, iov, n, at);
     if (got < 0) {
       if (errno == EINTR) continue;
       return -1;
     }
-    if (got == 0) return -2;
+    if (got == 0) return probe && n == 1 ? 0 : -2;
     at += got;
     while (n > 0 && (size_t)got >= iov->iov_len) {
       got -= (ssize_t)iov->iov_len;
       iov++;
       n--;
     }
+    if (probe && n == 0) return -3;
+    if (probe && n == 1 && iov->iov_len == 1) return 0; /* all but the probe: the end */
     if (n > 0) {
       iov->iov_base = (char *)iov->iov_base + got;
       iov->iov_len -= (size_t)got;
@@ -201,34 +207,8 @@ static int preadv_full(int fd, struct iovec *iov, int n, off_t at) {
   return 0;
 }
 
-/* preadv of every iovec of a file's last run, the last iovec a one-byte probe just past
- * where the file should end: 0 when the file ends there (the read stops short of the
- * probe, or at it), -2 when it ends before (truncated), -3 when the probe is read (the
- * file goes on), -1 with errno set. A regular file's read comes back short only at its
- * end, so the size is checked by the read itself, with no `fstat` a file. */
-static int pread_to_end(int fd, struct iovec *iov, int n, off_t at) {
-  for (;;) {
-    ssize_t got = preadv(fd, iov, n, at);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return -1;
-    }
-    if (got == 0) return n == 1 ? 0 : -2;
-    at += got;
-    while (n > 0 && (size_t)got >= iov->iov_len) {
-      got -= (ssize_t)iov->iov_len;
-      iov++;
-      n--;
-    }
-    if (n == 0) return -3;
-    if (n == 1 && iov->iov_len == 1) return 0; /* all but the probe: the end */
-    iov->iov_base = (char *)iov->iov_base + got;
-    iov->iov_len -= (size_t)got;
-  }
-}
-
 /* A file's runs: the head with the first (one read), then STAGE_BYTES at a time, the
- * last with the probe past the end (`pread_to_end`). 0, or an error code. */
+ * last with the probe past the end (`preadv_full`). 0, or an error code. */
 static int read_run(int fd, uint8_t *head, size_t head_len, uint8_t *stage, size_t want,
                     int last, off_t at, int *err) {
   struct iovec iov[3];
@@ -237,7 +217,7 @@ static int read_run(int fd, uint8_t *head, size_t head_len, uint8_t *stage, size
   if (head != NULL) iov[n++] = (struct iovec){head, head_len};
   iov[n++] = (struct iovec){stage, want};
   if (last) iov[n++] = (struct iovec){&probe, 1};
-  int r = last ? pread_to_end(fd, iov, n, at) : preadv_full(fd, iov, n, at);
+  int r = preadv_full(fd, iov, n, at, last);
   if (r == 0) return OK;
   *err = r == -1 ? errno : 0;
   return r == -1 ? IO : SIZE;
@@ -291,7 +271,7 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
     goto out;
   }
   /* One read a run of STAGE_BYTES, nothing more: the head comes with the body's first
-   * run, and the last run's read checks the file's size (`pread_to_end`). A 16k-token
+   * run, and the last run's read checks the file's size (`preadv_full`'s probe). A 16k-token
    * hybrid restore (257 files) made 1542 calls and makes 1028; the calls alone cost
    * ~0.1 ms on two cores, under the restores' noise (interleaved A/B: within 0.1 ms). */
   off_t at = 0;

@@ -235,7 +235,7 @@ class BlockFiles:
         except FileNotFoundError:
             return "payload file missing"
         # A byte past the end is asked for too: a file longer than its record says
-        # fills it (the native reader's check, `pread_to_end` in fill.c).
+        # fills it (the native reader's check, `preadv_full`'s probe in fill.c).
         probe = bytearray(1)
         try:
             got = 0
