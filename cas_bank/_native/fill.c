@@ -6,17 +6,21 @@
  * XXH3-128 digest followed by the 16-byte tag "cas_bank xxh3128" (format version 4), or
  * a blake3 digest (derive-key context given by the caller; every bank before).
  * `read_into` checks the head against the one the caller expects (the layout and the
- * header's digest, hence its kind), then reads the body in runs of 256 KiB into this
- * thread's staging buffer, checks each run while it is in the core's cache and copies
- * it out to the destination rows: no GIL, one hashing pass (SIMD code picked at run
- * time: BLAKE3's own dispatch, xxHash's x86 dispatch to AVX2 where there is one).
- * Staging measured faster than `preadv` straight into the rows (scattered 32 KiB runs,
- * one per head and block): on 100 MB of a 4k-token cache on both cores, 34-40 ms against
- * 43-48 ms, the floor of one contiguous verified read being 33-36 ms; the kernel's
- * copy lands in a buffer that stays in L2, and the copy out reads it from there. The
- * copy out streams (non-temporal stores, x86-64): the rows are in no cache, and a plain
- * store first reads each line from memory to overwrite it. Restores interleaved A/B
- * (15 rounds): 0-17% faster at 11-100 MB, even at 400 MB.
+ * header's digest, hence its kind), then reads the body in runs of 256 KiB. An XXH3
+ * payload (format 4) is read straight into the destination rows (one `preadv` a run,
+ * the head with the first and a probe byte past the end with the last) and checked
+ * there, just written: one copy out of the page cache, one hashing pass, no GIL.
+ * A blake3 payload (banks before) goes through this thread's staging buffer: each run
+ * checked while in the core's cache (blake3's SIMD wants whole runs), then copied out
+ * to the rows with streamed stores (x86-64: the rows are in no cache, and a plain
+ * store first reads each line from memory to overwrite it). Staging was measured
+ * faster than reading straight into the rows when every check was blake3 (100 MB of a
+ * 4k-token cache, both cores: 34-40 ms against 43-48); with XXH3 the straight read
+ * is as fast or faster in a restore and saves the second copy (session 22, the
+ * restore benchmark's reopened fill, two runs each, interleaved builds: medium-hybrid
+ * 16k 8.76-9.46 ms against 10.14-11.23, medium-qwen3 16k 32.1-32.7 against 32.3-35.7,
+ * the 4k sizes within noise). SIMD code is picked at run time: BLAKE3's own dispatch,
+ * xxHash's x86 dispatch to AVX2 where there is one.
  * The digest covers the lead before the digest, the descriptors and the body, as
  * blocks.codec computes it.
  *
@@ -109,20 +113,6 @@ enum { OK = 0, MISSING = 1, SIZE = 2, HEAD = 3, DIGEST = 4, IO = 5 };
 #ifndef STAGE_BYTES
 #define STAGE_BYTES (256 * 1024)
 #endif
-/* An XXH3 check is fed the staged run a piece of about this many bytes at a time,
- * each piece checked and at once copied out, rather than the whole run checked and then
- * copied: the streamed stores of one piece drain to memory while the next is hashed (in
- * L1), where one pass after the other added the check's time to the copy's. Pieces end
- * on a destination cache line (copy_out streams whole lines). Measured here (medium-
- * qwen3, interleaved runs, medians): the verified read of a 1k-token restore's files
- * 2.64-2.70 -> 2.22-2.33 ms, of a 4k one's 11.0-11.7 -> 9.0-9.3; reopened restores 1k
- * 3.36-3.46 -> 3.02-3.13, 4k 10.7-11.3 -> 9.7-9.8. 1 KiB pieces cost more in calls,
- * 8-16 KiB no better. blake3 (banks written before) hashes 8 chunks at once only when
- * given 8 KiB or more: it still takes the whole run. */
-#ifndef PIECE_BYTES
-#define PIECE_BYTES (4 * 1024)
-#endif
-
 /* Copy a run out of the staging buffer (in L2) to destination rows that are not in any
  * cache: non-temporal stores where the rows allow, so the copy does not first read
  * every destination line from memory only to overwrite it. The streamed part starts on
@@ -223,22 +213,62 @@ static int read_run(int fd, uint8_t *head, size_t head_len, uint8_t *stage, size
   return r == -1 ? IO : SIZE;
 }
 
+/* The destination rows of the body's next `want` bytes, from segment `*i` at `*part`
+ * bytes in, as at most `max` iovecs; advances `*i` and `*part` past them. Returns the
+ * bytes covered: `want`, or less where the rows took `max` pieces first. */
+static size_t rows_of(const int64_t *segs, int64_t index, Py_ssize_t *i, size_t *part,
+                      size_t want, struct iovec *iov, int max, int *n) {
+  size_t done = 0;
+  *n = 0;
+  while (done < want && *n < max) {
+    size_t rest = (size_t)segs[3 * *i + 1] - *part;
+    size_t take = rest < want - done ? rest : want - done;
+    char *to = (char *)(intptr_t)(segs[3 * *i] + index * segs[3 * *i + 2]) + *part;
+    iov[(*n)++] = (struct iovec){to, take};
+    done += take;
+    *part += take;
+    if (*part == (size_t)segs[3 * *i + 1]) {
+      (*i)++;
+      *part = 0;
+    }
+  }
+  return done;
+}
+
+/* Rows a run reads at once: a run of more ends early (the next goes on from there). A
+ * 256 KiB run of the medium layouts' 32 KiB rows (a head's 64 tokens) spans 8-9 of them,
+ * of 4 KiB rows 64; the C test builds with 1 to end runs so. */
+#ifndef MAX_ROWS
+#define MAX_ROWS 64
+#endif
+
+/* A run read straight into its rows (`rows`, `n_rows` iovecs), the head before it on
+ * the first, the probe after it on the last (`preadv_full`). 0, or an error code. */
+static int read_rows(int fd, uint8_t *head, size_t head_len, const struct iovec *rows,
+                     int n_rows, int last, off_t at, int *err) {
+  struct iovec iov[MAX_ROWS + 2];
+  int n = 0;
+  uint8_t probe;
+  if (head != NULL) iov[n++] = (struct iovec){head, head_len};
+  memcpy(iov + n, rows, sizeof(struct iovec) * (size_t)n_rows);
+  n += n_rows;
+  if (last) iov[n++] = (struct iovec){&probe, 1};
+  int r = preadv_full(fd, iov, n, at, last);
+  if (r == 0) return OK;
+  *err = r == -1 ? errno : 0;
+  return r == -1 ? IO : SIZE;
+}
+
 /* Scatter a run of the body (in `stage`) into the segments it covers, from segment
- * `*i` at `*part` bytes in (a run may end inside one), checking it on the way: an
- * XXH3 check a piece at a time, each just before it is copied (see PIECE_BYTES);
- * blake3 the whole run at once. */
+ * `*i` at `*part` bytes in (a run may end inside one), the whole run checked first
+ * (blake3 hashes 8 chunks at once only when given 8 KiB or more). */
 static void scatter(check_t *check, const uint8_t *stage, size_t want, const int64_t *segs,
                     int64_t index, Py_ssize_t *i, size_t *part) {
-  if (!check->xxh3) check_update(check, stage, want);
+  check_update(check, stage, want);
   for (size_t done = 0; done < want;) {
     size_t rest = (size_t)segs[3 * *i + 1] - *part;
     size_t take = rest < want - done ? rest : want - done;
     char *to = (char *)(intptr_t)(segs[3 * *i] + index * segs[3 * *i + 2]) + *part;
-    if (check->xxh3) {
-      size_t piece = PIECE_BYTES - ((uintptr_t)(to + PIECE_BYTES) & 63); /* ends on a line */
-      if (take > piece) take = piece;
-      check_update(check, stage + done, take);
-    }
     copy_out(to, stage + done, take);
     done += take;
     *part += take;
@@ -264,8 +294,21 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
    * the heap with the head, not on a pool thread's stack. */
   uint8_t *got_head = malloc(head_len ? head_len : 1);
   check_t *check = aligned_alloc(64, (sizeof(check_t) + 63) & ~(size_t)63);
-  uint8_t *stage = staging();
-  if (got_head == NULL || check == NULL || stage == NULL) {
+  if (got_head == NULL || check == NULL) {
+    *err = ENOMEM;
+    rc = IO;
+    goto out;
+  }
+  /* The expected head's field says the check; the head read must equal it to count. */
+  const uint8_t *field = head + lead - FIELD;
+  check_init(check, field, context);
+  check_update(check, head, lead - FIELD);
+  check_update(check, head + lead, head_len - lead);
+  /* XXH3 (format 4): each run read straight into its rows, then checked there (just
+   * written, in cache). blake3 (banks before): through the staging buffer (`scatter`),
+   * where its 8-chunk SIMD hashes whole runs. */
+  uint8_t *stage = check->xxh3 ? NULL : staging();
+  if (!check->xxh3 && stage == NULL) {
     *err = ENOMEM;
     rc = IO;
     goto out;
@@ -276,25 +319,30 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
    * ~0.1 ms on two cores, under the restores' noise (interleaved A/B: within 0.1 ms). */
   off_t at = 0;
   Py_ssize_t i = 0;
-  size_t part = 0; /* bytes of segment i already copied out */
+  size_t part = 0; /* bytes of segment i already read */
   uint64_t left = body;
   for (int first = 1;; first = 0) {
     size_t want = left < STAGE_BYTES ? (size_t)left : STAGE_BYTES;
+    struct iovec rows[MAX_ROWS];
+    int n_rows = 0;
+    if (check->xxh3) want = rows_of(segs, index, &i, &part, want, rows, MAX_ROWS, &n_rows);
     int last = want == left;
-    rc = read_run(fd, first ? got_head : NULL, head_len, stage, want, last, at, err);
+    uint8_t *head_to = first ? got_head : NULL;
+    rc = check->xxh3 ? read_rows(fd, head_to, head_len, rows, n_rows, last, at, err)
+                     : read_run(fd, head_to, head_len, stage, want, last, at, err);
     if (rc != OK) goto out;
     if (first) {
       if (memcmp(got_head, head, head_len) != 0) {
         rc = HEAD;
         goto out;
       }
-      const uint8_t *field = head + lead - FIELD;
-      check_init(check, field, context);
-      check_update(check, got_head, lead - FIELD);
-      check_update(check, got_head + lead, head_len - lead);
       at = (off_t)head_len;
     }
-    scatter(check, stage, want, segs, index, &i, &part);
+    if (check->xxh3) {
+      for (int k = 0; k < n_rows; k++) check_update(check, rows[k].iov_base, rows[k].iov_len);
+    } else {
+      scatter(check, stage, want, segs, index, &i, &part);
+    }
     at += (off_t)want;
     left -= want;
     if (last) break;

@@ -6,10 +6,11 @@ the array descriptors, then each attention array's block slice in C order.
 With the native helper (`cas_bank._fill`, built with the package): one C call, without
 the GIL, reads on the restoring thread and on the module's own partner thread
 (cas_bank/_native/pair.h: no Python on its side) at once, both taking the blocks from a
-shared counter; per block it checks the file's head,
-reads the body in runs of 256 KiB into the thread's staging buffer, hashes each run
-while it is in the core's cache and copies it out to the destination rows: one copy
-out of the page cache, one hashing pass, one copy from cache to the rows. The rows of
+shared counter; per block it checks the file's head and reads the body in runs of
+256 KiB: an XXH3-128 payload straight into the destination rows, each run checked there
+just after (one copy out of the page cache, one hashing pass); a blake3 one (banks
+before format 4) into the thread's staging buffer, checked there, then copied out to
+the rows. The rows of
 a block that fails its digest hold unverified bytes, which the restore never hands
 out (it ends before that block, and bytes beyond a cache's offset are never read).
 

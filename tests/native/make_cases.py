@@ -28,8 +28,8 @@ CHECKS: tuple[Check, ...] = ("xxh3", "blake3")
 def main(out: Path, check: Check) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(3)
-    # Rows of different sizes (as quantized KV has); 16 tokens a block; ~90 KiB in all,
-    # so the fill's 256 KiB runs and the segment boundaries inside one are both met.
+    # Rows of different sizes (as quantized KV has); 16 tokens a block; 22 KiB in all, so
+    # a run of the short-runs build (16 KiB) and the segment boundaries inside one are met.
     shapes = [(1, 4, 16, 128), (1, 4, 16, 40), (1, 2, 16, 8)]
     dtypes = [DTYPES["bfloat16"], DTYPES["float16"], DTYPES["float32"]]
     arrays = [
