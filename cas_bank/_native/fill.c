@@ -197,22 +197,6 @@ static int preadv_full(int fd, struct iovec *iov, int n, off_t at, int probe) {
   return 0;
 }
 
-/* A file's runs: the head with the first (one read), then STAGE_BYTES at a time, the
- * last with the probe past the end (`preadv_full`). 0, or an error code. */
-static int read_run(int fd, uint8_t *head, size_t head_len, uint8_t *stage, size_t want,
-                    int last, off_t at, int *err) {
-  struct iovec iov[3];
-  int n = 0;
-  uint8_t probe;
-  if (head != NULL) iov[n++] = (struct iovec){head, head_len};
-  iov[n++] = (struct iovec){stage, want};
-  if (last) iov[n++] = (struct iovec){&probe, 1};
-  int r = preadv_full(fd, iov, n, at, last);
-  if (r == 0) return OK;
-  *err = r == -1 ? errno : 0;
-  return r == -1 ? IO : SIZE;
-}
-
 /* The destination rows of the body's next `want` bytes, from segment `*i` at `*part`
  * bytes in, as at most `max` iovecs; advances `*i` and `*part` past them. Returns the
  * bytes covered: `want`, or less where the rows took `max` pieces first. */
@@ -242,8 +226,10 @@ static size_t rows_of(const int64_t *segs, int64_t index, Py_ssize_t *i, size_t 
 #define MAX_ROWS 64
 #endif
 
-/* A run read straight into its rows (`rows`, `n_rows` iovecs), the head before it on
- * the first, the probe after it on the last (`preadv_full`). 0, or an error code. */
+/* A file's runs: the head with the first (one read), then STAGE_BYTES at a time, the
+ * last with the probe past the end (`preadv_full`). A run is read into `rows` (`n_rows`
+ * iovecs): its destination rows (XXH3), or the one staging buffer (blake3). 0, or an
+ * error code. */
 static int read_rows(int fd, uint8_t *head, size_t head_len, const struct iovec *rows,
                      int n_rows, int last, off_t at, int *err) {
   struct iovec iov[MAX_ROWS + 2];
@@ -259,22 +245,20 @@ static int read_rows(int fd, uint8_t *head, size_t head_len, const struct iovec 
   return r == -1 ? IO : SIZE;
 }
 
-/* Scatter a run of the body (in `stage`) into the segments it covers, from segment
- * `*i` at `*part` bytes in (a run may end inside one), the whole run checked first
- * (blake3 hashes 8 chunks at once only when given 8 KiB or more). */
+/* Scatter a run of the body (in `stage`) into the rows it covers (`rows_of`, from
+ * segment `*i` at `*part` bytes in: a run may end inside one), the whole run checked
+ * first (blake3 hashes 8 chunks at once only when given 8 KiB or more). */
 static void scatter(check_t *check, const uint8_t *stage, size_t want, const int64_t *segs,
                     int64_t index, Py_ssize_t *i, size_t *part) {
   check_update(check, stage, want);
+  struct iovec rows[MAX_ROWS];
   for (size_t done = 0; done < want;) {
-    size_t rest = (size_t)segs[3 * *i + 1] - *part;
-    size_t take = rest < want - done ? rest : want - done;
-    char *to = (char *)(intptr_t)(segs[3 * *i] + index * segs[3 * *i + 2]) + *part;
-    copy_out(to, stage + done, take);
-    done += take;
-    *part += take;
-    if (*part == (size_t)segs[3 * *i + 1]) {
-      (*i)++;
-      *part = 0;
+    int n = 0;
+    const uint8_t *from = stage + done;
+    done += rows_of(segs, index, i, part, want - done, rows, MAX_ROWS, &n);
+    for (int k = 0; k < n; k++) {
+      copy_out(rows[k].iov_base, from, rows[k].iov_len);
+      from += rows[k].iov_len;
     }
   }
 }
@@ -324,12 +308,14 @@ static int fill(const char *path, const uint8_t *head, size_t head_len, size_t l
   for (int first = 1;; first = 0) {
     size_t want = left < STAGE_BYTES ? (size_t)left : STAGE_BYTES;
     struct iovec rows[MAX_ROWS];
-    int n_rows = 0;
-    if (check->xxh3) want = rows_of(segs, index, &i, &part, want, rows, MAX_ROWS, &n_rows);
+    int n_rows = 1;
+    if (check->xxh3) {
+      want = rows_of(segs, index, &i, &part, want, rows, MAX_ROWS, &n_rows);
+    } else {
+      rows[0] = (struct iovec){stage, want};
+    }
     int last = want == left;
-    uint8_t *head_to = first ? got_head : NULL;
-    rc = check->xxh3 ? read_rows(fd, head_to, head_len, rows, n_rows, last, at, err)
-                     : read_run(fd, head_to, head_len, stage, want, last, at, err);
+    rc = read_rows(fd, first ? got_head : NULL, head_len, rows, n_rows, last, at, err);
     if (rc != OK) goto out;
     if (first) {
       if (memcmp(got_head, head, head_len) != 0) {
