@@ -185,12 +185,13 @@ def test_native_and_python_refuse_the_same_damage(
 @pytest.mark.parametrize(
     "heads, dim",
     [
-        (5, 300),  # rows of 76.8 KB: the 256 KiB staging runs end inside them
-        (1, 1500),  # one row run of 384 KB, more than a staging run
+        (5, 300),  # rows of 76.8 KB: the 256 KiB runs end inside them
+        (1, 1500),  # one row run of 384 KB, more than a run
         (7, 3),  # many rows of 768 bytes
+        (40, 3),  # 80 rows a file: an XXH3 run ends at the native reader's 64 rows
     ],
 )
-def test_large_payloads_split_across_staging_runs_land_in_their_rows(
+def test_large_payloads_split_across_runs_land_in_their_rows(
     tmp_path: Path, heads: int, dim: int, check: Check
 ) -> None:
     rng = np.random.default_rng(heads * dim)
