@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench torture clean test-pure test-package test-native
+.PHONY: demo test lint bench torture clean test-pure test-package test-native test-macos
 
 # The Python paths (no native helpers: an install without a C compiler) on every
 # `make test`: the tests of hashing, the read path and restore exactness (~60 s).
@@ -41,6 +41,11 @@ test-pure: $(STAMP)
 # for aarch64 and for x86-64 CPUs without AVX2, run under qemu-user.
 test-native: $(STAMP)
 	$(BIN)/python tests/native/build.py build/native $(NATIVE_FLAGS)
+
+# The native helpers compiled for macOS, arm64 and x86-64, against macOS's headers with
+# setup.py's flags (zig's clang from the dev extra's ziglang): compile only, no Mac needed.
+test-macos: $(STAMP)
+	$(BIN)/python tests/native/macos.py build/macos
 
 # The package as users install it: sdist and wheel built, installed into a fresh
 # virtualenv, run from outside the checkout (CI runs it: .ci/run).

@@ -24,6 +24,10 @@ from setuptools.command.build_ext import build_ext
 
 NATIVE = "cas_bank/_native"
 B3 = f"{NATIVE}/blake3"
+# The extensions (module name, its C source in NATIVE) and the flags they build with on
+# every platform (tests/native/macos.py compiles them with these for macOS).
+EXTENSIONS = (("_chain", "chain"), ("_fill", "fill"))
+COMPILE_ARGS = ["-O3"]
 
 
 def blake3_build(machine: str) -> tuple[list[str], list[tuple[str, str | None]]]:
@@ -87,15 +91,15 @@ def main() -> None:
                 sources=[f"{NATIVE}/{source}.c", *sources],
                 depends=[f"{B3}/blake3.h", f"{B3}/blake3_impl.h", f"{NATIVE}/pair.h"],
                 define_macros=macros,
-                extra_compile_args=["-O3"],
+                extra_compile_args=COMPILE_ARGS,
                 optional=not required,
             )
-            for name, source in (("_chain", "chain"), ("_fill", "fill"))
+            for name, source in EXTENSIONS
         ],
     )
 
 
-# tests/native/build.py imports this file for `blake3_build` (setuptools runs it as
-# __main__).
+# tests/native/build.py and macos.py import this file for `blake3_build` and the
+# extensions (setuptools runs it as __main__).
 if __name__ == "__main__":
     main()
