@@ -35,7 +35,8 @@ class PrefillReport:
 
 class PrefillCancelled(Exception):
     """`prefill` stopped early because its `cancelled` callback said so. `tokens`: how
-    many went through the model; their full blocks (and captured states) are stored."""
+    many went through the model; stored so that the next attempt restores all of them
+    (`resume_point`)."""
 
     def __init__(self, tokens: int, total: int) -> None:
         super().__init__(f"prefill cancelled after {tokens} of {total} tokens")
@@ -51,6 +52,27 @@ def chunk_ends(n_tokens: int, start: int, chunk_size: int, boundaries: Sequence[
     ends.update(b for b in boundaries if start < b < n_tokens)
     ends.add(n_tokens)
     return sorted(ends)
+
+
+def resume_point(
+    spec: ModelSpec,
+    block_size: int,
+    cache: list[Any],
+    pos: int,
+    states: dict[int, list[Any]],
+) -> bool:
+    """What a prefill cancelled at `pos` (its cache holds exactly the `pos` tokens it
+    finished) stores besides its full blocks, so that the next attempt restores all
+    `pos`: on a block boundary, a hybrid model's recurrent state there (added to
+    `states`); between two, an end record of the `pos` tokens (the KV after the last
+    full block and, hybrid, the state at `pos`). Returns whether the end record is due.
+    A state lives only on a boundary or in an end record (`cas_bank.index.states`,
+    `cas_bank.index.ends`)."""
+    if pos % block_size:
+        return True
+    if spec.is_hybrid and pos not in states:
+        states[pos] = snapshot_states(spec, cache)
+    return False
 
 
 def forward_chunks(

@@ -96,6 +96,7 @@ from .prefill import (
     PrefillReport,
     chunk_ends,
     forward_chunks,
+    resume_point,
 )
 from .state_recorder import StateRecorder
 
@@ -266,8 +267,10 @@ class PrefixCache:
         `end` (and `store`), the end record of `tokens` is stored too, with the logits:
         the same prompt again restores with no forward pass (`restore_exact`).
         `cancelled`: asked after every forward pass but the last; when it says True the
-        prefill stops there, stores the full blocks done so far (no end record) and
-        raises `PrefillCancelled` (a server stops a request nobody waits for).
+        prefill stops there, stores the tokens done so far so that the next attempt
+        restores all of them (their full blocks, and a hybrid model's state there: on a
+        boundary in the chain, else in an end record without logits) and raises
+        `PrefillCancelled` (a server stops a request nobody waits for).
         """
         try:
             return self._prefill(tokens, cache, start, store, hints, this_model, end, cancelled)
@@ -297,14 +300,15 @@ class PrefixCache:
             self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
         )
         total = len(toks)
-        if pos < total:  # cancelled: what went through the model is stored, no end record
-            toks, end = toks[:pos], False
-            ends = ends[: ends.index(pos) + 1]
         last = logits[0, -1]
         mx.eval(last)
+        kept: mx.array | None = last
+        if pos < total:  # cancelled: stored so that the next attempt resumes at `pos`
+            toks, ends, kept = toks[:pos], ends[: ends.index(pos) + 1], None
+            end = resume_point(self.spec, self.block_size, cache, pos, states)
         t1 = time.perf_counter()
         storing = store and not self.bank.read_only
-        report = self._store_prefill(toks, cache, states, last, end) if storing else None
+        report = self._store_prefill(toks, cache, states, kept, end) if storing else None
         self.last_prefill = PrefillReport(
             start=start,
             tokens=len(toks),
@@ -343,11 +347,11 @@ class PrefixCache:
         toks: np.ndarray,
         cache: list[Any],
         states: dict[int, list[Any]],
-        last: mx.array,
+        last: mx.array | None,
         end: bool,
     ) -> StoreReport | None:
         """Store what a prefill computed: queued for the background writer, or inline
-        (then its report); with `end`, the end record with the logits `last` too."""
+        (then its report); with `end`, the end record (with the logits `last`) too."""
         if self.background:
             # The end record is copied before anything is queued: the writer then
             # works while this thread goes on to the first token.
