@@ -1,9 +1,13 @@
-"""A long prefill stops when nobody waits for it: a client that goes away, a SIGTERM.
+"""A long prefill stops when nobody waits for it: a client that goes away, a SIGTERM;
+and the next attempt at the prompt restores everything the stopped one computed.
 
 Through the real `cas-bank serve` process with `--prefill-step-size 32` (one chunk of
 the embedded tiny hybrid takes tens of milliseconds), and real httpx clients that
 disconnect. The long prompt is sized from a measured chunk time so that its whole
-prefill would take about 8 s, while each test waits about one second into it.
+prefill would take about 8 s, while each test waits about one second into it. A chunk
+is two of the server's 16-token blocks, so a prefill stopped after k chunks stored
+exactly 2k blocks: the blocks `/v1/explain` finds say how far it got, and all of them
+must restore (the hybrid's recurrent state where it stopped is stored with them).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_kit import MODEL, TIMEOUT, Server, start_server
+from server_kit import BLOCK, MODEL, TIMEOUT, Server, cached, start_server
 
 STEP = 32  # --prefill-step-size: tokens per forward pass
 WHOLE_PREFILL_S = 8.0  # what the long prompt's prefill would take if nothing stopped it
@@ -78,6 +82,27 @@ def _wait_for(url: str, what: Any, timeout: float = 30.0) -> float:
     raise AssertionError(f"/health never got there: {_health(url)}")
 
 
+def _explain(url: str, prompt: str) -> dict[str, Any]:
+    """`/v1/explain` of `prompt` once the stopped prefill's store is written (the
+    background writer commits its blocks and state in one transaction)."""
+    deadline = time.perf_counter() + 10.0
+    while True:
+        r = httpx.post(f"{url}/v1/explain", json={"prompt": prompt}, timeout=TIMEOUT)
+        found = dict(r.json())
+        if found["matched_blocks"] > 0 or time.perf_counter() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _all_restorable(found: dict[str, Any]) -> int:
+    """The tokens a stopped prefill finished (its whole chunks: whole blocks here), all
+    of which a restore must cover: no `no_state` stop."""
+    done = found["matched_blocks"] * BLOCK
+    assert done % STEP == 0 and 0 < done < found["prompt_tokens"] // 2, found["summary"]
+    assert found["restorable_tokens"] == done, found["summary"]
+    return int(done)
+
+
 def _freed_after_disconnect(server: Server, prompt: str, stream: bool) -> float:
     """Sends `prompt`, goes away one second into its prefill; seconds from the
     disconnect until the worker is free."""
@@ -112,11 +137,25 @@ def test_a_client_that_goes_away_during_the_prefill_frees_the_worker_within_a_ch
         f"prefill ~{len(prompt) / STEP * chunk_s:.1f} s"
     )
     assert freed < bound, f"freed {freed:.2f} s after the disconnect (bound {bound:.2f})"
-    # What the prefill finished is stored; the rest never ran.
-    seen = httpx.post(f"{server.url}/v1/explain", json={"prompt": prompt}, timeout=TIMEOUT)
-    found = seen.json()
-    assert 0 < found["matched_blocks"] < found["full_blocks"] // 2, found["summary"]
+    # What the prefill finished is stored, all of it restorable; the rest never ran.
+    _all_restorable(_explain(server.url, prompt))
     assert _completion(server.url, "still serving").status_code == 200
+
+
+def test_a_retry_after_a_client_timeout_restores_all_the_cancelled_prefill_finished(
+    served: Served,
+) -> None:
+    """The client times out, then sends the same request again: its cached_tokens are
+    every token the first attempt prefilled."""
+    server, chunk_s = served.server, served.chunk_s
+    prompt = _long_prompt("retried", chunk_s)
+    _freed_after_disconnect(server, prompt, stream=False)
+    done = _all_restorable(_explain(server.url, prompt))
+    retry = _completion(server.url, prompt)
+    assert retry.status_code == 200, retry.text
+    usage = retry.json()["usage"]
+    print(f"the timed-out attempt finished {done} of {usage['prompt_tokens']} tokens")
+    assert cached(retry.json()) == done
 
 
 def _stream_events(url: str, prompt: str) -> list[Any]:
@@ -151,3 +190,9 @@ def test_sigterm_during_a_long_prefill_answers_503_and_exits_within_5_s(served: 
         assert r.json()["error"]["code"] == "shutting_down"
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
     assert "Traceback" not in server.log.read_text(), server.log.read_text()
+    # The stopped prefill's work survives the exit, all of it restorable.
+    again = start_server(server.bank, server.log, "--prefill-step-size", str(STEP))
+    try:
+        _all_restorable(_explain(again.url, _long_prompt("running", chunk_s)))
+    finally:
+        again.stop()
