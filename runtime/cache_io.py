@@ -183,9 +183,11 @@ def snapshot_states(spec: ModelSpec, cache: Sequence[Any]) -> list[Any]:
 def fill_cache(spec: ModelSpec, cache: Sequence[Any], layers: Sequence[Any], n: int) -> None:
     """Load restored per-layer arrays covering `n` tokens into a fresh cache.
 
-    The restored KV arrays hold exactly `n` tokens; mlx-lm allocates a larger buffer
-    on the next update (it never writes into these). Recurrent states are replaced,
-    never written in place, by the model.
+    The KV arrays hold `n` tokens and, from a restore with room (`room_for`), room for
+    more: the cache then keeps the whole buffer at `offset` = `n` and mlx-lm's next
+    update writes into it in place (MLX copies it first where something else holds it);
+    arrays of exactly `n` tokens are replaced by a larger buffer on that update.
+    Recurrent states are replaced, never written in place.
     """
     entry: Any
     for i, (entry, ls, layer) in enumerate(zip(cache, spec.layers, layers, strict=True)):

@@ -3,7 +3,9 @@ it names a section that exists, and the golden vectors it prints are the tested 
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
 from pathlib import Path
 
 import test_hashing
@@ -60,3 +62,57 @@ def test_the_golden_vectors_in_the_design_doc_are_the_tested_ones() -> None:
         test_hashing.GOLDEN_PAYLOAD_DIGEST_ABC,
     ]
     assert [v for v in vectors if v not in text] == []
+
+
+MAPPED = ("cas_bank", "runtime", "tools")
+
+
+def _module_map() -> list[str]:
+    """The first cell of every table row in the design doc's "Module map" section."""
+    text = DESIGN.read_text()
+    start = text.index("\n## Module map\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end != -1 else len(text)]
+    return re.findall(r"^\| `([^`]+)` \|", section, re.M)
+
+
+def _holds_code(path: Path) -> bool:
+    """A package's `__init__.py` is a module of its own once it holds more than a
+    docstring; an empty or docstring-only one only marks the folder."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return bool(body)
+
+
+def _python_files() -> list[Path]:
+    """The modules under MAPPED: those git tracks in a checkout (a module another
+    engineer has not committed yet is not the tree's), every one in an unpacked sdist."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--", *MAPPED],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        return [p for top in MAPPED for p in (ROOT / top).rglob("*.py")]
+    return [ROOT / f for f in out.split("\0") if f.endswith(".py") and (ROOT / f).is_file()]
+
+
+def test_the_module_map_lists_every_module_and_nothing_else() -> None:
+    listed = _module_map()
+    assert listed, 'no module map found: docs/design.md needs a "## Module map" table'
+    modules = {
+        str(p.relative_to(ROOT))
+        for p in _python_files()
+        if p.name != "__init__.py" or _holds_code(p)
+    }
+    missing = sorted(modules - set(listed))
+    extra = sorted(p for p in listed if not (ROOT / p.rstrip("/")).exists())
+    twice = sorted({p for p in listed if listed.count(p) > 1})
+    assert (missing, extra, twice) == ([], [], []), (
+        "docs/design.md, Module map, is out of step with the tree: "
+        f"modules not listed: {missing}; listed paths that do not exist: {extra}; "
+        f"listed twice: {twice}"
+    )
