@@ -4,7 +4,8 @@
 way `Namespace.restore(tokens)` does, and says for each thing that can end a
 restore where it happened:
 
-- `matched_blocks`: leading full blocks whose headers are stored;
+- `matched_blocks`: leading full blocks whose headers are stored (or queued for the
+  background writer: `index.view`, as a restore sees them);
 - at the first block that is not: `diverged_at`, the first token where the prompt
   leaves a stored sibling block (the stored block under the same parent that shares
   the most leading tokens with the prompt's block, and the token ids on each side),
@@ -50,6 +51,7 @@ from cas_bank.index.ends import find_end
 from cas_bank.index.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.partial import find_partial
 from cas_bank.index.tree import HeaderIndex
+from cas_bank.index.view import QUEUED_DIGEST, read_view
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -223,8 +225,9 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     toks = as_token_array(tokens)
     bs = bank.config.block_size
     store = bank.store
+    view = read_view(bank)  # what the bank accepted: queued stores too, as a restore sees
     hashes = chain_hashes(root, toks, bs)
-    matched = longest_chain(store, root, hashes)
+    matched = longest_chain(view, root, hashes)
     k = len(matched)
     raw_spec = store.get(Family.NAMESPACES, root)
     hybrid = raw_spec is not None and ModelSpec.model_validate_json(raw_spec).is_hybrid
@@ -243,11 +246,11 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     # An end record under the deepest matched block (as a restore looks for one): used
     # when no payload on the way is corrupt (a restore then stops before it).
     try:
-        found = None if corrupt else find_end(store, root, hashes, toks, k, bs)
+        found = None if corrupt else find_end(view, root, hashes, toks, k, bs)
     except CorruptDataError:  # the ends family unreadable: a restore reads no record either
         found = None
-    end_tokens = found[0].n_tokens if found is not None else None
-    end_logits = found is not None and found[0].has_logits
+    end_tokens = found.header.n_tokens if found is not None else None
+    end_logits = found is not None and found.header.has_logits
     partial = _partial(bank, root, hashes, toks, k, hybrid, corrupt, end_tokens)
     stop: StopReason = "complete"
     if corrupt:
@@ -387,7 +390,7 @@ def _partial(
     if corrupt:
         return _Partial()  # a restore stops before the corrupt block
     bs = bank.config.block_size
-    plan = find_partial(bank.store, root, hashes, toks, k, bs)
+    plan = find_partial(read_view(bank), root, hashes, toks, k, bs)
     if plan is None:
         return _Partial()
     child = plan.child
@@ -432,7 +435,10 @@ def _divergence(siblings: list[Header], block: Any, index: int, bs: int) -> Dive
 
 
 def _check(bank: Bank, family: Family, key: bytes, digest: bytes) -> str | None:
-    """Why the record fails (missing, unreadable, digest mismatch), or None if it is good."""
+    """Why the record fails (missing, unreadable, digest mismatch), or None if it is good
+    (a queued one's arrays are in memory: nothing to check)."""
+    if digest == QUEUED_DIGEST:
+        return None
     try:
         raw = bank.store.get(family, key)
     except CorruptDataError as e:

@@ -27,6 +27,7 @@ from cas_bank.index.layout import (
 from cas_bank.index.partial import find_partial
 from cas_bank.index.payloads import PayloadReader
 from cas_bank.index.states import plan_boundaries
+from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.index.writer import PendingStore
 from cas_bank.restoring import Hit
 from cas_bank.spec import ModelSpec
@@ -120,9 +121,10 @@ class Namespace:
         stores may wait; 0: written now, on this thread).
 
         On this thread: the input is checked (bad input raises here, nothing is queued)
-        and the arrays are snapshotted without a copy (see `index.writer`) and leased,
-        so a restore right after sees the blocks (leases live in the hot tier: with
-        `hot_bytes=0` a restore sees them once written). `Bank.flush()` waits for the
+        and the arrays are snapshotted without a copy (see `index.writer`), queued in the
+        bank's read view (`index.view`: every lookup right after sees the blocks and
+        states, from memory, until the write commits or fails) and leased (kept in
+        memory after the write too, within `hot_bytes`). `Bank.flush()` waits for the
         writer.
         `skip_when_full`: a full disk (`BankFullError`) skips the store with a warning
         (its report says nothing was written) instead of failing it.
@@ -149,18 +151,14 @@ class Namespace:
         mx.eval(flat, list(kept.values()))
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
-        if self.bank.leases is None:
-            return writer.submit(
-                _skipping_full(
-                    lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
-                ),
-                lambda report: report.bytes_written,
-            )
         hashes = self.chain(toks)
-        self.bank.leases.put_chain(hashes, flat, kept)
+        queued = QueuedChain(self.root, hashes, toks, self.block_size, flat, kept)
         store = _skipping_full(
             lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
         )
+        if self.bank.leases is None:
+            return writer.submit(store, lambda report: report.bytes_written, queued)
+        self.bank.leases.put_chain(hashes, flat, kept)
 
         def write() -> StoreReport:
             # A store that failed or was skipped leases nothing the bank does not hold.
@@ -173,7 +171,7 @@ class Namespace:
                 self._unlease_unstored(hashes, flat)
             return report
 
-        return writer.submit(write, lambda report: report.bytes_written)
+        return writer.submit(write, lambda report: report.bytes_written, queued)
 
     def _unlease_unstored(self, hashes: list[BlockHash], flat: list[mx.array]) -> None:
         """Keep leased only the leading blocks of `hashes` the bank holds (no states)."""
@@ -228,7 +226,8 @@ class Namespace:
         skip_when_full: bool = False,
     ) -> Callable[[], PendingStore[int]]:
         """`store_end_later` in two steps: the input is checked and copied now, and the
-        function returned queues it (or, with no writer, writes it). A runtime storing a
+        function returned queues it (in the read view from then on, as `store_later`'s
+        blocks) or, with no writer, writes it. A runtime storing a
         prompt's blocks and its end record prepares the end first, then queues both:
         nothing of its own then runs while the writer works on the blocks."""
         writer = self.bank.writer
@@ -254,15 +253,24 @@ class Namespace:
         job = _skipping_full(
             lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
         )
-        return lambda: writer.submit(job, lambda nbytes: nbytes)
+        # In the read view from the moment it is queued (`index.view`).
+        queued = QueuedEnd(self.root, hashes, end, self.block_size)
+        return lambda: writer.submit(job, lambda nbytes: nbytes, queued)
 
     # -- lookup --------------------------------------------------------------------
+    def view(self) -> ReadView:
+        """The bank as a lookup sees it now: queued stores in front of written ones
+        (`index.view`)."""
+        return read_view(self.bank)
+
     def matched(self, tokens: Any) -> list[Header]:
-        """Headers of the longest stored chain that prefixes `tokens` (no payload reads)."""
-        return longest_chain(self.bank.store, self.root, self.chain(tokens))
+        """Headers of the longest chain accepted (written or queued) that prefixes
+        `tokens` (no payload reads; a queued block's digests are placeholders)."""
+        return longest_chain(self.view(), self.root, self.chain(tokens))
 
     def match(self, tokens: Any) -> int:
-        """Tokens a restore would cover, without reading payloads.
+        """Tokens a restore would cover, without reading payloads: what the bank has
+        accepted, queued for its background writer or written (`index.view`).
 
         Reads only what it needs: the chain's stored length by binary search and, for a
         hybrid model, headers from its end back to the deepest one with a state; for an
@@ -270,27 +278,26 @@ class Namespace:
         """
         toks = as_token_array(tokens)
         hashes = self.chain(toks)
-        store = self.bank.store
-        stored = stored_prefix(store, hashes)
+        view = self.view()
+        stored = stored_prefix(view, hashes)
         try:  # an end record under the deepest stored block (no payload is decoded)
-            found = find_end(store, self.root, hashes, toks, stored, self.block_size)
+            found = find_end(view, self.root, hashes, toks, stored, self.block_size)
         except CorruptDataError:
             found = None
-        at_end = found[0].n_tokens if found is not None else 0
+        at_end = found.header.n_tokens if found is not None else 0
         partial = 0
         if not self.spec.is_hybrid and self.bank.config.partial_blocks:  # index.partial
-            part = find_partial(store, self.root, hashes, toks, stored, self.block_size)
+            part = find_partial(view, self.root, hashes, toks, stored, self.block_size)
             partial = part.tokens if part is not None else 0
-        return max(at_end, partial, self._chain_match(hashes, stored))
+        return max(at_end, partial, self._chain_match(view, hashes, stored))
 
-    def _chain_match(self, hashes: list[BlockHash], end: int) -> int:
+    def _chain_match(self, view: ReadView, hashes: list[BlockHash], end: int) -> int:
         if not self.spec.is_hybrid:
             return end * self.block_size
-        store = self.bank.store
         window = 8  # states sit near chain ends (the policy puts them there)
         while end > 0:
             lo = max(0, end - window)
-            headers = read_headers(store, hashes[lo:end])
+            headers = read_headers(view, hashes[lo:end])
             for i in range(end - lo - 1, -1, -1):
                 header = headers[i]
                 if header is not None and header.has_state:

@@ -1,9 +1,12 @@
 """The restore path of a `Namespace`: the longest stored prefix of a prompt as MLX arrays.
 
+Every lookup reads one view of the bank (`index.view.ReadView`, taken as the restore
+starts): the stores queued for the background writer in front of the written ones.
 The walk: chain hashes of the prompt's full blocks -> `longest_chain` (`stored_prefix`
 by binary search, then one multi-get of its headers) -> the shared tier's continuation
 (if any) -> an end record under the deepest matched block (`index.ends`) ->
-`restore_blocks` (hybrid: deepest boundary with a state) -> one probe of the leases ->
+`restore_blocks` (hybrid: deepest boundary with a state) -> one probe of memory (queued
+chains and leases: a queued block is always there) ->
 `index.payloads` reads and verifies each payload -> `index.assembler.Assembler` copies it
 once into fresh MLX arrays (payload files straight into them, a hybrid boundary state
 in a file with them) -> `Hit`.
@@ -35,6 +38,7 @@ from cas_bank.index.partial import (
 )
 from cas_bank.index.states import restore_blocks
 from cas_bank.index.timings import RestoreTimings
+from cas_bank.index.view import ReadView, is_queued, read_view
 
 if TYPE_CHECKING:
     from cas_bank.index.continuation import Continuation
@@ -105,6 +109,7 @@ class _Plan:
     from the shared tier), how many blocks a restore takes, and what resumes after
     them (an end record, or a partial block)."""
 
+    view: ReadView
     toks: np.ndarray
     hashes: list[BlockHash]
     matched: list[Header]
@@ -139,7 +144,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     comes back)."""
     started = time.perf_counter()
     plan = _plan(ns, as_token_array(tokens))
-    leased, in_memory, capacity = _probe_leases(ns, plan, room_for)
+    leased, in_memory, capacity = _probe_memory(plan, room_for)
     looked_up = time.perf_counter()
     filling = _fill(ns, plan, leased, in_memory, capacity)
     allocated = filling.allocated if filling.allocated is not None else looked_up
@@ -196,24 +201,27 @@ def _plan(ns: Restorable, toks: np.ndarray) -> _Plan:
     shared tier where it ends locally), then an end record under its deepest block or
     a partial block after it."""
     hashes = ns.chain(toks)
+    view = read_view(ns.bank)
     try:
-        matched = longest_chain(ns.bank.store, ns.root, hashes)
+        matched = longest_chain(view, ns.root, hashes)
     except CorruptDataError as e:  # a damaged headers table: a counted miss
         ns._payloads.damaged_headers(str(e))
         matched = []
-    remote = ns.bank.remote
+    # A chain ending in a queued block is not continued from the shared tier: what it
+    # fetched would be written locally below a block that is not written yet.
+    remote = ns.bank.remote if not (matched and is_queued(matched[-1])) else None
     hybrid = ns.spec.is_hybrid
     # The shared tier continues the local chain where it ends (verified, in memory).
     asked = remote is not None and len(matched) < len(hashes)  # the chain goes on there
     cont = remote.continue_chain(ns, toks, hashes, matched) if asked and remote else None
     if cont is not None:
         matched = cont.matched
-    plan = _Plan(toks, hashes, matched, cont, asked, restore_blocks(matched, hybrid))
+    plan = _Plan(view, toks, hashes, matched, cont, asked, restore_blocks(matched, hybrid))
     if cont is None:
         # An end record under the deepest matched block (index.ends): an exact repeat,
         # or a prompt that extends a stored one past the chain's restore point.
         plan.end = plan_end(
-            ns.bank.store,
+            view,
             ns.spec,
             ns.root,
             hashes,
@@ -250,7 +258,7 @@ def _add_partial(ns: Restorable, plan: _Plan) -> None:
     n = plan.n_blocks
     at_home = plan.cont is None or plan.cont.start == n  # the chain's last block is local
     part = (
-        find_partial(ns.bank.store, ns.root, plan.hashes, plan.toks, n, ns.block_size)
+        find_partial(plan.view, ns.root, plan.hashes, plan.toks, n, ns.block_size)
         if at_home
         else None
     )
@@ -263,21 +271,13 @@ def _add_partial(ns: Restorable, plan: _Plan) -> None:
     plan.part = part
 
 
-def _probe_leases(ns: Restorable, plan: _Plan, room_for: int) -> tuple[int, HeldArrays, int]:
-    """The one probe of memory: how many of the chain's blocks a lease holds and their
-    arrays (a chain queued for the background writer counts too, attention-only), and
+def _probe_memory(plan: _Plan, room_for: int) -> tuple[int, HeldArrays, int]:
+    """The one probe of memory: how many of the planned blocks a queued chain or a
+    lease holds and their arrays (every queued block among them: `index.view`), and
     the tokens the destination arrays hold (`room_for` rounded up to `ROOM_STEP`)."""
     capacity = -(-room_for // ROOM_STEP) * ROOM_STEP if room_for else 0
-    leases = ns.bank.leases
-    hybrid = ns.spec.is_hybrid
-    queued = ns.bank.writer is not None and not hybrid and plan.cont is None
-    probed = plan.hashes if queued else plan.hashes[: plan.n_blocks]
-    leased, in_memory = leases.probe(probed) if leases and probed else (0, HeldArrays(()))
-    if plan.end is not None and leased > plan.end.blocks:  # the chain goes deeper
-        plan.end, plan.n_blocks = None, restore_blocks(plan.matched, hybrid)
-    if plan.part is not None and leased > plan.part.blocks:
-        plan.part = None  # the chain goes deeper (queued for the writer)
-    plan.n_blocks = max(plan.n_blocks, leased)
+    probed = plan.hashes[: plan.n_blocks]
+    leased, in_memory = plan.view.held_blocks(probed) if probed else (0, HeldArrays(()))
     if plan.end is not None:
         capacity = max(capacity, plan.end.tokens)
     if plan.part is not None:
@@ -302,7 +302,9 @@ def _fill(
     if full and not roomy:
         return _Filled(good=n_blocks, hot_hits=n_blocks)
     if full:
-        assembler = Assembler(ns.spec, n_blocks, bs, capacity, lease=in_memory)
+        assembler = Assembler(
+            ns.spec, n_blocks, bs, capacity, lease=in_memory, resources=ns.bank.resources
+        )
         allocated = time.perf_counter()
         assembler.put_arrays(in_memory, leased)
         return _Filled(assembler, n_blocks, n_blocks, None, allocated)
@@ -310,15 +312,16 @@ def _fill(
         return _Filled()
     # The boundary state this restore ends on, read along with the blocks (a state in
     # memory or from an end record or the shared tier is not read).
-    cont, leases = plan.cont, ns.bank.leases
+    cont = plan.cont
     hybrid_end = ns.spec.is_hybrid and plan.end is None and cont is None
     wanted = plan.matched[n_blocks - 1] if hybrid_end else None
     if wanted is not None and (
-        not ns._payloads.state_in_file(wanted)
-        or (leases is not None and leases.has_state(wanted.chain_hash))
+        plan.view.holds_state(wanted.chain_hash) or not ns._payloads.state_in_file(wanted)
     ):
         wanted = None
-    assembler = Assembler(ns.spec, n_blocks, bs, capacity, state=wanted is not None)
+    assembler = Assembler(
+        ns.spec, n_blocks, bs, capacity, state=wanted is not None, resources=ns.bank.resources
+    )
     allocated = time.perf_counter()
     if leased:
         assembler.put_arrays(in_memory, leased)
@@ -335,19 +338,22 @@ def _fill(
 def _read_state(
     ns: Restorable, plan: _Plan, along: StateRead | None
 ) -> tuple[list[mx.array] | None, bool]:
-    """A hybrid model's recurrent state where the restore ends, and whether a lease
-    held it: an end record's own, else the deepest boundary's (leased, read along with
-    the blocks, or read now; a missing one moves the restore point back)."""
+    """A hybrid model's recurrent state where the restore ends, and whether memory held
+    it: an end record's own, else the deepest boundary's (queued or leased, read along
+    with the blocks, or read now; a missing one moves the restore point back)."""
     if not ns.spec.is_hybrid:
         return None, False
     if plan.end is not None:
         return plan.end.payload.state, False
-    leases, cont = ns.bank.leases, plan.cont
+    cont = plan.cont
     while plan.n_blocks:
         h = plan.matched[plan.n_blocks - 1]
-        state = leases.state(h.chain_hash) if leases is not None else None
+        state = plan.view.held_state(h.chain_hash)
         if state is not None:
             return state, True
+        if is_queued(h):  # its state is queued with it: never read from a file
+            plan.n_blocks = restore_blocks(plan.matched[: plan.n_blocks - 1], True)
+            continue
         state = ns._payloads.read_state(h, cont.states if cont is not None else None, along)
         if state is not None:
             return state, False
@@ -380,13 +386,14 @@ def _account(ns: Restorable, plan: _Plan, covered: int, hot_hits: int, state: bo
     if n_blocks:
         # Last uses stay in memory; written at most every access_flush_interval.
         # Blocks from the shared tier are not local yet: their local write records them;
-        # a queued store's blocks (leased past the stored chain) are recorded by its write.
+        # a queued store's blocks are recorded by its write.
         local = min(n_blocks, len(plan.matched) if cont is None else cont.start)
+        local = next((i for i, h in enumerate(plan.matched[:local]) if is_queued(h)), local)
         at_state = state and local == n_blocks and end is None
         access.touch(plan.hashes[:local], [plan.hashes[n_blocks - 1]] if at_state else [])
-    if end is not None and not end_remote:  # a remote one: its local write records it
+    if end is not None and not end_remote and not end.queued:  # else its write records it
         access.touch((), ends=[end.header.parent])
-    if part is not None and part.fetched is None:  # a local child was used (block or ends)
+    if part is not None and part.fetched is None and not part.queued:  # a local child used
         child = part.child
         access.touch(*(([child.name],) if child.is_block else ((), (), [child.parent])))
     if covered and access.due():

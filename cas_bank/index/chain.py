@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash
-from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.native import chain_module
+
+
+class HeaderSource(Protocol):
+    """What the chain lookups read: a `BlockStore`, or the read view of a bank
+    (`index.view.ReadView`: its queued headers in front of its store)."""
+
+    def get(self, family: Family, key: bytes) -> bytes | None: ...
+
+    def get_parsed(
+        self, family: Family, keys: Sequence[bytes], parse: Callable[[bytes, bytes], object | None]
+    ) -> tuple[list[bytes | None], list[object | None]]: ...
+
 
 HEADER_VERSION = 1
 FLAG_STATE = 1
@@ -108,7 +120,7 @@ class Header(NamedTuple):
 
 
 def read_headers(
-    store: BlockStore, hashes: Sequence[bytes], damaged: set[int] | None = None
+    store: HeaderSource, hashes: Sequence[bytes], damaged: set[int] | None = None
 ) -> list[Header | None]:
     """Headers of `hashes` in one multi-get; None where absent or unreadable.
 
@@ -154,7 +166,7 @@ _decoded = _native_decoded or _python_decoded
 WHOLE_CHAIN_READ = 128
 
 
-def stored_prefix(store: BlockStore, hashes: Sequence[BlockHash]) -> int:
+def stored_prefix(store: HeaderSource, hashes: Sequence[BlockHash]) -> int:
     """How many leading blocks of the chain `hashes` have a header: a binary search.
 
     Valid because stored chains are prefix-closed: a block is written only with or
@@ -173,7 +185,7 @@ def stored_prefix(store: BlockStore, hashes: Sequence[BlockHash]) -> int:
     return lo
 
 
-def longest_chain(store: BlockStore, root: bytes, hashes: Sequence[BlockHash]) -> list[Header]:
+def longest_chain(store: HeaderSource, root: bytes, hashes: Sequence[BlockHash]) -> list[Header]:
     """Headers of the longest stored prefix of the chain `hashes`.
 
     One multi-get of the chain's headers, up to `WHOLE_CHAIN_READ` blocks (a stored

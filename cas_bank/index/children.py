@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -108,10 +109,18 @@ def parse_entry(key: bytes, value: bytes) -> tuple[bytes, bytes, bytes] | None:
     return value[:1], value[1:], body
 
 
-def nearest_child(store: BlockStore, parent: bytes, after: bytes) -> Child | None:
+class Neighbours(Protocol):
+    """What `nearest_child` reads: a `BlockStore`, or the read view of a bank
+    (`index.view.ReadView`: the children of its queued records too)."""
+
+    def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]: ...
+
+
+def nearest_child(store: Neighbours, parent: bytes, after: bytes) -> Child | None:
     """The stored child of `parent` sharing the longest prefix (at least one token) with
-    `after` (the prompt's tokens after it as >u4, at most a block): one seek. A block
-    wins a tie with an end record (its payload is read the fast way)."""
+    `after` (the prompt's tokens after it as >u4, at most a block): one seek (and the
+    queued children, through a read view). A block wins a tie with an end record (its
+    payload is read the fast way)."""
     if not after:
         return None
     parent = bytes(parent)

@@ -22,7 +22,7 @@ import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -31,7 +31,7 @@ from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
-from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
 from cas_bank.index.assembler import Assembler
 from cas_bank.index.layout import check_layers, check_state, group_layers
@@ -206,14 +206,39 @@ def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes) -> EndPayload
     return EndPayload(list(arrays[: len(att)]), dtypes, state, logits, hidden)
 
 
+@dataclass(frozen=True, slots=True)
+class FoundEnd:
+    """An end record a lookup found: its header, and its payload as the record's bytes
+    (written) or as the arrays a store queued for the background writer (`held`)."""
+
+    header: EndHeader
+    raw: bytes | None = None
+    held: EndInput | None = None
+
+    def payload(self, spec: ModelSpec) -> EndPayload:
+        """Its arrays: the record's decoded after checking its digest (a failure raises
+        `CorruptDataError`), or the queued store's own."""
+        if self.held is not None:
+            return held_payload(self.held)
+        assert self.raw is not None
+        return decode_end(spec, self.header, self.raw)
+
+
+class EndRecords(Protocol):
+    """Where end records are looked up (`index.view.ReadView`: the queued ones, then
+    the store's)."""
+
+    def end_records(self, keys: Sequence[bytes]) -> list[FoundEnd | None]: ...
+
+
 def find_end(
-    store: BlockStore,
+    view: EndRecords,
     root: bytes,
     hashes: Sequence[BlockHash],
     tokens: np.ndarray,
     matched: int,
     block_size: int,
-) -> tuple[EndHeader, bytes] | None:
+) -> FoundEnd | None:
     """The deepest end record under block `matched - 1` (the root when 0) whose tail
     prefixes `tokens` after that block: one multi-get of at most `block_size`
     candidates. Records that do not decode or do not match are skipped."""
@@ -224,15 +249,12 @@ def find_end(
         return None
     data = tokens[base : base + longest].astype("<u4").tobytes()
     keys = [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
-    for key, value in zip(keys, store.get_many(Family.ENDS, keys), strict=True):
-        if value is None:
+    for found in view.end_records(keys):
+        if found is None:
             continue
-        try:
-            header, payload = split_record(key, value)
-        except CorruptDataError:
-            continue  # `cas-bank verify` reports it
+        header = found.header
         if header.root == root and header.n_tokens == base + header.tail_len:
-            return header, payload
+            return found
     return None
 
 
@@ -245,6 +267,37 @@ class EndInput:
     state: list[mx.array] | None  # recurrent state arrays (flat) at len(tokens)
     logits: mx.array | None
     hidden: mx.array | None
+
+    @property
+    def flags(self) -> int:
+        return (
+            (FLAG_STATE if self.state is not None else 0)
+            | (FLAG_LOGITS if self.logits is not None else 0)
+            | (FLAG_HIDDEN if self.hidden is not None else 0)
+        )
+
+
+def end_place(
+    root: bytes, hashes: Sequence[BlockHash], tokens: np.ndarray, block_size: int
+) -> tuple[bytes, bytes, bytes]:
+    """Where the end record of `tokens` goes: its parent (the chain hash of its last
+    full block, of `hashes`, or `root`), its tail (<u4 bytes) and its key."""
+    n = len(tokens)
+    base = n - n % block_size
+    parent = bytes(root if base == 0 else hashes[base // block_size - 1])
+    tail = tokens[base:].astype("<u4").tobytes()
+    return parent, tail, end_key(parent, tail)
+
+
+def held_payload(end: EndInput) -> EndPayload:
+    """The arrays of an end record not written yet, as a restore takes them: the tail
+    as numpy views (bf16 as uint16), the rest as new MLX arrays on the same buffers."""
+    again = [a.reshape(a.shape) if a is not None else None for a in (end.logits, end.hidden)]
+    state = [a.reshape(a.shape) for a in end.state] if end.state is not None else None
+    mx.eval([a for a in again if a is not None], state or [])
+    return EndPayload(
+        [to_numpy(a) for a in end.tail], [dtype_of(a) for a in end.tail], state, *again
+    )
 
 
 def prepare_end(
@@ -301,19 +354,11 @@ def write_end(
 
     `hashes`: the chain hashes of `end.tokens`.
     """
-    tokens, state, logits, hidden = end.tokens, end.state, end.logits, end.hidden
-    bs = bank.config.block_size
-    n = len(tokens)
-    tail_len = n % bs
-    base = n - tail_len
-    parent = root if base == 0 else hashes[base // bs - 1]
-    tail = tokens[base:].astype("<u4").tobytes()
-    key = end_key(parent, tail)
-    flags = (
-        (FLAG_STATE if state is not None else 0)
-        | (FLAG_LOGITS if logits is not None else 0)
-        | (FLAG_HIDDEN if hidden is not None else 0)
-    )
+    state, logits, hidden = end.state, end.logits, end.hidden
+    n = len(end.tokens)
+    parent, tail, key = end_place(root, hashes, end.tokens, bank.config.block_size)
+    base = n - len(tail) // 4
+    flags = end.flags
     if _holds(bank.store.get(Family.ENDS, key), key, flags):
         bank.access.touch((), ends=[parent])
         return 0
@@ -358,6 +403,7 @@ class EndPlan:
     header: EndHeader
     payload: EndPayload
     blocks: int  # full blocks below it (restored from the chain)
+    queued: bool = False  # queued for the background writer: not written yet
 
     @property
     def tokens(self) -> int:
@@ -365,7 +411,7 @@ class EndPlan:
 
 
 def plan_end(
-    store: BlockStore,
+    view: EndRecords,
     spec: ModelSpec,
     root: bytes,
     hashes: Sequence[BlockHash],
@@ -378,20 +424,21 @@ def plan_end(
     """The end record to restore from, if one under block `matched - 1` prefixes `tokens`
     and reaches past `floor` (the chain's restore point, in tokens) or to the end of
     `tokens` (its logits then spare the last forward pass). Its payload is read and
-    verified here; a corrupt one is counted and logged, and the restore goes without."""
+    verified here (a queued one's arrays are taken from memory); a corrupt one is
+    counted and logged, and the restore goes without."""
     try:
-        found = find_end(store, root, hashes, tokens, matched, block_size)
+        found = find_end(view, root, hashes, tokens, matched, block_size)
     except CorruptDataError as e:  # RocksDB's own checks
         counters.count(corrupt_reads=1)
         log.warning("cas_bank: end records unreadable (%s); served as a miss", e)
         return None
     if found is None:
         return None
-    header, raw = found
+    header = found.header
     if header.n_tokens <= floor and header.n_tokens != len(tokens):
         return None
     try:
-        payload = decode_end(spec, header, raw)
+        payload = found.payload(spec)
     except CorruptDataError as e:
         counters.count(corrupt_reads=1)
         log.warning(
@@ -400,7 +447,7 @@ def plan_end(
             e,
         )
         return None
-    return EndPlan(header, payload, header.parent_blocks(block_size))
+    return EndPlan(header, payload, header.parent_blocks(block_size), found.held is not None)
 
 
 def end_layers(

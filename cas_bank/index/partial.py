@@ -24,13 +24,14 @@ import numpy as np
 
 from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.hashing import BlockHash, hash_block
-from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.children import KIND_BLOCK, Child, nearest_child, shared_tokens
-from cas_bank.index.ends import EndHeader, decode_end, split_record
+from cas_bank.index.ends import FoundEnd
 from cas_bank.index.layout import group_layers
+from cas_bank.index.view import ReadView, is_queued
 
 if TYPE_CHECKING:
     from cas_bank.blocks.codec import Decoded
@@ -51,8 +52,24 @@ class PartialPlan:
     blocks: int
     base: int  # tokens before it
     header: Header | None  # a block's header
-    end: tuple[EndHeader, bytes] | None  # an end record's header and payload
-    fetched: Decoded | None = None  # a block's payload, verified, from the shared tier
+    end: FoundEnd | None  # an end record
+    # A block's payload, verified, from the shared tier; or a queued block's arrays.
+    fetched: Decoded | None = None
+
+    @property
+    def own_tokens(self) -> bytes:
+        """The child's tokens (<u4) as its own header or record says them."""
+        if self.header is not None:
+            return self.header.tokens
+        assert self.end is not None
+        return self.end.header.tail
+
+    @property
+    def queued(self) -> bool:
+        """Whether the child is queued for the background writer (not written yet)."""
+        if self.header is not None:
+            return is_queued(self.header)
+        return self.end is not None and self.end.held is not None
 
     @property
     def shared(self) -> int:
@@ -64,7 +81,7 @@ class PartialPlan:
 
 
 def find_partial(
-    store: BlockStore,
+    view: ReadView,
     root: bytes,
     hashes: Sequence[BlockHash],
     tokens: np.ndarray,
@@ -72,43 +89,50 @@ def find_partial(
     block_size: int,
 ) -> PartialPlan | None:
     """The child of block `blocks - 1` (the root when 0) sharing the most of the
-    `tokens` after it, checked; None when none shares a token (or its record does not
-    hold up: a stale or damaged entry is a miss, `verify` reports it)."""
+    `tokens` after it, checked (written or queued: `view`); None when none shares a
+    token (or its record does not hold up: a stale or damaged entry is a miss,
+    `verify` reports it)."""
     parent = bytes(root if blocks == 0 else hashes[blocks - 1])
     base = blocks * block_size
     after = tokens[base : base + block_size].astype(">u4").tobytes()
-    found = nearest_child(store, parent, after)
+    found = nearest_child(view, parent, after)
     if found is None:
         return None
     try:
-        if found.is_block:
-            header = read_headers(store, [found.name])[0]
-            if (
-                header is None
-                or (header.parent, header.root, header.index) != (parent, root, blocks)
-                or hash_block(parent, header.tokens) != found.name  # its tokens are its name's
-            ):
-                return None
-            own, plan = header.tokens, PartialPlan(found, blocks, base, header, None)
-        else:
-            raw = store.get(Family.ENDS, found.record_key)
-            if raw is None:
-                return None
-            end, payload = split_record(found.record_key, raw)
-            if end.root != root or end.n_tokens != base + end.tail_len:
-                return None
-            own, plan = end.tail, PartialPlan(found, blocks, base, None, (end, payload))
+        plan = _checked(view, found, root, parent, blocks, base)
     except CorruptDataError:
         return None
+    if plan is None:
+        return None
     # The record's own tokens, not the index's word for them.
-    mine = np.frombuffer(own, dtype="<u4").astype(">u4").tobytes()
+    mine = np.frombuffer(plan.own_tokens, dtype="<u4").astype(">u4").tobytes()
     shared = shared_tokens(mine, after)
-    if shared == 0 or (plan.end is not None and shared == plan.end[0].tail_len):
+    if shared == 0 or (plan.end is not None and shared == plan.end.header.tail_len):
         return None  # a whole tail the prompt shares is `index.ends`' (`plan_end` reads it)
     if shared != found.shared or mine != found.tokens:
         child = Child(parent, found.kind, found.name, mine, shared)
-        plan = PartialPlan(child, blocks, base, plan.header, plan.end)
+        plan = PartialPlan(child, blocks, base, plan.header, plan.end, plan.fetched)
     return plan
+
+
+def _checked(
+    view: ReadView, found: Child, root: bytes, parent: bytes, blocks: int, base: int
+) -> PartialPlan | None:
+    """The plan of child `found` if its own header (a block) or record (an end record)
+    says it is what the index says: name, parent, root, depth."""
+    if found.is_block:
+        header = read_headers(view, [found.name])[0]
+        if (
+            header is None
+            or (header.parent, header.root, header.index) != (parent, root, blocks)
+            or hash_block(parent, header.tokens) != found.name  # its tokens are its name's
+        ):
+            return None
+        return PartialPlan(found, blocks, base, header, None, view.queued_block(header))
+    end = view.end_records([found.record_key])[0]
+    if end is None or end.header.root != root or end.header.n_tokens != base + end.header.tail_len:
+        return None
+    return PartialPlan(found, blocks, base, None, end)
 
 
 def remote_partial(
@@ -143,7 +167,9 @@ def read_partial(
     specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
     if plan.header is not None:
         h = plan.header
-        block = plan.fetched or payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
+        block = plan.fetched
+        if block is None and not plan.queued:  # a queued block is never read from a file
+            block = payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
         if block is None:
             return None
         arrays = block.arrays
@@ -156,14 +182,13 @@ def read_partial(
             return None
         return [a[..., :j, :] for a in arrays]
     assert plan.end is not None
-    end, raw = plan.end
     try:
-        return [a[..., :j, :] for a in decode_end(spec, end, raw).tail]
+        return [a[..., :j, :] for a in plan.end.payload(spec).tail]
     except CorruptDataError as e:
         counters.count(corrupt_reads=1)
         log.warning(
             "cas_bank: end record %s failed verification (%s); no partial block",
-            end.key().hex()[64:80],
+            plan.end.header.key().hex()[64:80],
             e,
         )
         return None

@@ -12,6 +12,10 @@ caller's thread (MTPLX's idle-lane spill).
 - Each store is one transaction, as on the caller's thread: under SIGKILL a store is
   whole or absent; one whose `Bank.flush()` returned is on disk (`durability="wal"`).
   What a SIGKILL loses is at most what was still queued.
+- What a queued store will write is visible at once: its submitter registers it in
+  `queued` (the overlay `index.view` reads in front of the store, as RocksDB reads its
+  memtable before its tables), and the writer retires it once the store's batch has
+  committed, or failed: a failed store leaves the view, and `flush()` raises it.
 - `stats()`: how many stores are queued now (waiting or being written) and what the
   writer wrote (stores, bytes, failures) since the bank opened; `/metrics` shows them.
 """
@@ -79,6 +83,28 @@ class PendingStore(Generic[T]):
         return self._value
 
 
+class Queued:
+    """The records of the stores the writer has not finished, as their submitters
+    registered them (`index.view` says what they are), oldest first. Read without a
+    lock: `entries()` is an immutable tuple, replaced whole by `add` and `retire`, so
+    a reader holds one state of the overlay however long it reads."""
+
+    def __init__(self) -> None:
+        self._entries: tuple[object, ...] = ()
+        self._lock = threading.Lock()
+
+    def entries(self) -> tuple[object, ...]:
+        return self._entries
+
+    def add(self, entry: object) -> None:
+        with self._lock:
+            self._entries = (*self._entries, entry)
+
+    def retire(self, entry: object) -> None:
+        with self._lock:
+            self._entries = tuple(e for e in self._entries if e is not entry)
+
+
 @dataclass(frozen=True, slots=True)
 class WriterStats:
     """The background writer now (`BackgroundWriter.stats`)."""
@@ -101,6 +127,7 @@ class BackgroundWriter:
         )
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self.queued = Queued()  # what the queued stores will write (`index.view`)
         # Held while a store is queued and while close begins: no store can land
         # behind the stop marker (it would wait forever).
         self._gate = threading.Lock()
@@ -113,18 +140,37 @@ class BackgroundWriter:
         return self._closed
 
     def submit(
-        self, write: Callable[[], T], measure: Callable[[T], int] | None = None
+        self,
+        write: Callable[[], T],
+        measure: Callable[[T], int] | None = None,
+        records: object | None = None,
     ) -> PendingStore[T]:
         """Queue `write`; blocks while the queue is full. `RuntimeError` once closed:
-        nobody would ever write it. `measure(result)`: the bytes it wrote (`stats`)."""
+        nobody would ever write it. `measure(result)`: the bytes it wrote (`stats`).
+        `records`: what it will write, in `queued` from now until its batch has
+        committed or failed (retired before its `PendingStore` says so)."""
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed: the bank was closed")
             pending: PendingStore[T] = PendingStore()
             if measure is not None:
                 pending.when_written(lambda r: self._count(bytes_written=measure(r)))
+            if records is not None:
+                self.queued.add(records)
+                write = self._retiring(write, records)
             self._queue.put((write, pending))  # the writer drains: never waits for ever
             return pending
+
+    def _retiring(self, write: Callable[[], T], records: object) -> Callable[[], T]:
+        """`write`, then `records` out of `queued`, whatever `write` did."""
+
+        def written() -> T:
+            try:
+                return write()
+            finally:
+                self.queued.retire(records)
+
+        return written
 
     def stats(self) -> WriterStats:
         with self._lock:
