@@ -70,6 +70,15 @@ DEFAULT_MAX_QUEUE = 64
 STORE_MODES = ("background", "inline", "off")
 
 
+def _bank_config(config: BankConfig | None, given: Mapping[str, Any]) -> BankConfig:
+    """`config` (None: the defaults) with the settings in `given` that are not None set
+    over it; what `config` leaves unset stays unset (`Bank.open` takes a bank's own
+    block size when it is)."""
+    settings = {} if config is None else config.model_dump(include=config.model_fields_set)
+    settings.update({k: v for k, v in given.items() if v is not None})
+    return BankConfig(**settings)
+
+
 class Job:
     """A submitted request; `cancel()` stops it at the next token (its blocks are kept)."""
 
@@ -152,6 +161,7 @@ class Engine:
         bank_dir: str | Path,
         model: str | Path | None = None,
         *,
+        config: BankConfig | None = None,
         block_size: int | None = None,
         seed: int = 0,
         max_queue: int = DEFAULT_MAX_QUEUE,
@@ -166,24 +176,26 @@ class Engine:
         """Open (or create) the bank at `bank_dir` and serve `model` from it.
 
         `model`: None for the embedded default, an embedded model name (`tiny-qwen3`,
-        ...), or the path of a local mlx-lm model directory. `block_size`: None takes
-        the bank's own (64 for a new bank). `seed`: the embedded model's weights.
-        `chunk_size`: prompt tokens per forward pass. `remote`: the shared tier's URL
-        (`BankConfig.remote`), `remote_secret` its fleet secret (required with it),
-        `remote_tls_*` its TLS files (`BankConfig.remote_tls_ca` and the client
-        certificate and key). `stores`: see the class.
+        ...), or the path of a local mlx-lm model directory. `config`: the bank's
+        settings (`BankConfig`: the budget `max_bytes`, the hot tier `hot_bytes`, ...;
+        None: the defaults); a block size it leaves unset is the bank's own (64 for a
+        new bank). `block_size` and the `remote*` keywords, where given, are set over
+        `config`: `block_size` as `BankConfig.block_size`, `remote` the shared tier's
+        URL, `remote_secret` its fleet secret (required with it), `remote_tls_*` its TLS
+        files (`BankConfig.remote_tls_ca` and the client certificate and key).
+        `seed`: the embedded model's weights. `chunk_size`: prompt tokens per forward
+        pass. `stores`: see the class.
         """
-        loaded = resolve_model(model, seed=seed)
-        settings: dict[str, Any] = {
+        given = {
+            "block_size": block_size,
             "remote": remote,
             "remote_secret": remote_secret,
             "remote_tls_ca": remote_tls_ca,
             "remote_tls_cert": remote_tls_cert,
             "remote_tls_key": remote_tls_key,
         }
-        if block_size is not None:
-            settings["block_size"] = block_size
-        config = BankConfig(**settings)
+        config = _bank_config(config, given)  # a bad setting: refused before the model loads
+        loaded = resolve_model(model, seed=seed)
         bank = Bank.open(bank_dir, config)
         try:
             return cls(

@@ -143,9 +143,15 @@ def _tagged(request: Any, salt: str | None) -> Any:
 
 
 def make_run(
-    bank: Bank, *, json_line: bool = False, capture_states: bool = True, background: bool = True
+    bank: Bank,
+    *,
+    json_line: bool = False,
+    capture_states: bool = True,
+    background: bool = True,
+    store: bool = True,
 ) -> Callable[..., None]:
-    """A replacement for `mlx_lm.server.run` that serves from `bank`."""
+    """A replacement for `mlx_lm.server.run` that serves from `bank` (`store=False`:
+    restores only, nothing is stored)."""
     mls = _mlx_lm_server()
 
     def run(
@@ -182,6 +188,7 @@ def make_run(
                 kv_group_size=args.kv_group_size,
                 capture_states=capture_states,
                 background=None if background else False,
+                store=store,
             )
         generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
         freeze_startup_objects()  # no full collection over the model inside a request
@@ -234,10 +241,12 @@ def serve(
     json_line: bool = False,
     capture_states: bool = True,
     background: bool = True,
+    store: bool = True,
 ) -> None:
     """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
 
     `background`: inserts store through the bank's background writer (False: inline).
+    `store`: False stores nothing (restores still run).
     Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank,
     which writes what is still queued.
     """
@@ -249,7 +258,11 @@ def serve(
     sys.argv = ["mlx_lm.server", *mlx_lm_args]
     try:
         run = make_run(
-            bank, json_line=json_line, capture_states=capture_states, background=background
+            bank,
+            json_line=json_line,
+            capture_states=capture_states,
+            background=background,
+            store=store,
         )
         # A stop (Ctrl-C, SIGTERM) before mlx-lm's serve loop catches it (just after the
         # ready line) is a stop all the same, not an error.

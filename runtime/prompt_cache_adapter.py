@@ -134,7 +134,8 @@ class BankPromptCache:
     cache reads and writes: the same salt shares every block, different salts (or
     none) share none. `salted(salt)` is this cache for another tenant.
     `background`: `PrefixCache`'s (None: the bank's writer when it has one; False:
-    inline stores).
+    inline stores). `store`: False stores nothing (`insert_cache` is a no-op; restores
+    still run).
     """
 
     def __init__(
@@ -149,8 +150,10 @@ class BankPromptCache:
         capture_states: bool = True,
         salt: str | bytes | None = None,
         background: bool | None = None,
+        store: bool = True,
     ) -> None:
         self.bank = bank
+        self.store = store
         self.capture_states = capture_states
         self.background = background
         self._count_lock = threading.Lock()  # the writer's thread counts what it wrote
@@ -226,8 +229,9 @@ class BankPromptCache:
         *,
         cache_type: str = "assistant",
     ) -> None:
-        """Store the full blocks of the tokens `prompt_cache` holds (see the module)."""
-        if not self._accepts(model):
+        """Store the full blocks of the tokens `prompt_cache` holds (see the module);
+        nothing when made with `store=False`."""
+        if not self.store or not self._accepts(model):
             return
         if cache_type not in self._counts:
             log.warning("cas_bank: unknown cache_type %r counted as 'assistant'", cache_type)

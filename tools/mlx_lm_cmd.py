@@ -2,9 +2,10 @@
 
     cas-bank mlx-lm-server --bank DIR --model PATH [any other mlx_lm.server argument]
 
-Everything after cas-bank's own options (`--bank`, `--block-size`, `--max-bytes`,
-`--no-capture-states`, `--remote` and `--remote-tls-*` as `serve` takes them, `--json`)
-goes to `mlx_lm.server`'s argument parser as it is; see
+Everything after cas-bank's own options (`--bank`, `--no-capture-states`, `--json`, and
+the bank options `serve` takes too, from `bank_args`: `--block-size`, `--max-bytes`,
+`--hot-bytes`, `--stores`, `--remote` and `--remote-tls-*`; the old `--inline-stores`
+still works, with a warning) goes to `mlx_lm.server`'s argument parser as it is; see
 `cas_bank.runtime.mlx_lm_server` for what runs. One line on stdout says where the
 server listens (with `--json`, a JSON object), so `--port 0` works for scripts.
 """
@@ -15,10 +16,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from cas_bank.errors import BankLockedError, InvalidInputError
 
+from .bank_args import add_bank_arguments, add_deprecated_inline_stores, bank_config
 from .common import (
     CliError,
     add_command,
@@ -26,8 +26,7 @@ from .common import (
     check_port_arguments,
     dump_stacks_on_sigusr1,
 )
-from .remote_args import add_remote_arguments, remote_settings
-from .serve_cmd import DEFAULT_BANK_DIR, _positive
+from .serve_cmd import DEFAULT_BANK_DIR
 
 
 def register(subparsers: Any) -> None:
@@ -46,51 +45,24 @@ def register(subparsers: Any) -> None:
         help=f"bank directory, created if missing (default: {DEFAULT_BANK_DIR})",
     )
     cmd.add_argument(
-        "--block-size",
-        type=_positive,
-        default=None,
-        help="tokens per block of a new bank (default 64); an existing bank keeps its own "
-        "and refuses another value",
-    )
-    cmd.add_argument(
-        "--max-bytes",
-        type=_positive,
-        default=None,
-        help="evict the bank to this many payload and state bytes (default: no bound)",
-    )
-    cmd.add_argument(
         "--no-capture-states",
         dest="capture_states",
         action="store_false",
         help="hybrid models: do not prefill new prefixes again to capture the recurrent "
         "states at their block boundaries (mlx-lm's own prefill shows none)",
     )
-    add_remote_arguments(cmd)
-    cmd.add_argument(
-        "--inline-stores",
-        action="store_true",
-        help="write each insert's stores before mlx-lm goes on (default: the bank's "
-        "background writer writes them, and mlx-lm's generation thread never waits for one)",
-    )
+    add_bank_arguments(cmd)
+    add_deprecated_inline_stores(cmd)
     cmd.set_defaults(extra_args=True)
 
 
 def _run(args: argparse.Namespace) -> int:
     dump_stacks_on_sigusr1()
     check_port_arguments(args.extra)  # before the bank opens (mlx-lm: an OverflowError)
-    from cas_bank import Bank, BankConfig
+    from cas_bank import Bank
 
     _check_model(args.extra)
-    settings: dict[str, Any] = remote_settings(args)
-    if args.block_size is not None:
-        settings["block_size"] = args.block_size
-    if args.max_bytes is not None:
-        settings["max_bytes"] = args.max_bytes
-    try:
-        config = BankConfig(**settings)
-    except ValidationError as e:
-        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
-        raise CliError(f"bad --remote: {why}") from None
+    config = bank_config(args)
     from cas_bank.runtime.mlx_lm_server import serve  # MLX: after the checks without it
 
     args.bank.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +78,8 @@ def _run(args: argparse.Namespace) -> int:
             list(args.extra),
             json_line=args.json,
             capture_states=args.capture_states,
-            background=not args.inline_stores,
+            background=args.stores == "background",
+            store=args.stores != "off",
         )
     return 0
 

@@ -12,7 +12,8 @@ from .common import CliError
 SECRET_ENV = "CAS_BANK_REMOTE_SECRET"
 
 
-def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+def add_remote_arguments(parser: argparse._ActionsContainer) -> None:
+    """The shared tier's options, on `parser` or on a group of one's options."""
     parser.add_argument(
         "--remote",
         default=None,

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, BankSettingsError, InvalidInputError
 
+from .bank_args import add_bank_arguments, bank_config, positive_int
 from .common import (
     CliError,
     add_command,
@@ -35,7 +35,6 @@ from .common import (
     port_number,
     print_json,
 )
-from .remote_args import add_remote_arguments, remote_settings
 
 # The commands' defaults live here (not in the runtime modules, whose imports, MLX and
 # FastAPI, would slow down every other command's start).
@@ -75,32 +74,16 @@ def register(subparsers: Any) -> None:
         "--port", type=port_number, default=DEFAULT_PORT, help="port; 0 picks a free one"
     )
     serve.add_argument(
-        "--block-size",
-        type=_positive,
-        default=None,
-        help="tokens per block of a new bank (default 64); an existing bank keeps its own "
-        "and refuses another value",
-    )
-    serve.add_argument(
         "--prefill-step-size",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_PREFILL_STEP,
         metavar="TOKENS",
         help="prompt tokens per forward pass (as mlx_lm.server's option); a request whose "
         "client goes away, or a shutdown, stops its prefill at the end of the current step",
     )
-    add_remote_arguments(serve)
-    serve.add_argument(
-        "--stores",
-        default="background",
-        choices=["background", "inline", "off"],
-        help="background (default): stores go through the bank's background writer and "
-        "no request waits for one; inline: written before the request goes on; off: "
-        "nothing is stored",
-    )
     serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
     serve.add_argument(
-        "--max-queue", type=_positive, default=64, help="requests that may wait for the model"
+        "--max-queue", type=positive_int, default=64, help="requests that may wait for the model"
     )
     serve.add_argument(
         "--log-level",
@@ -108,6 +91,7 @@ def register(subparsers: Any) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level",
     )
+    add_bank_arguments(serve)
 
     play = add_command(
         subparsers,
@@ -115,18 +99,18 @@ def register(subparsers: Any) -> None:
         _demo,
         help="the main job: agents sharing a system prompt, a restart, what the bank saved",
     )
-    play.add_argument("--agents", type=_positive, default=DEMO_AGENTS, help="agents")
+    play.add_argument("--agents", type=positive_int, default=DEMO_AGENTS, help="agents")
     play.add_argument(
-        "--turns", type=_positive, default=DEMO_TURNS, help="turns before the restart"
+        "--turns", type=positive_int, default=DEMO_TURNS, help="turns before the restart"
     )
     play.add_argument(
         "--bank", type=bank_path, default=None, help="bank directory (default: a temporary one)"
     )
     play.add_argument(
-        "--max-tokens", type=_positive, default=DEMO_MAX_TOKENS, help="tokens per reply"
+        "--max-tokens", type=positive_int, default=DEMO_MAX_TOKENS, help="tokens per reply"
     )
     play.add_argument(
-        "--block-size", type=_positive, default=DEMO_BLOCK_SIZE, help="tokens per block"
+        "--block-size", type=positive_int, default=DEMO_BLOCK_SIZE, help="tokens per block"
     )
     play.add_argument(
         "--model",
@@ -137,7 +121,7 @@ def register(subparsers: Any) -> None:
     )
     play.add_argument(
         "--hosts",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="N > 1: start a local 3-master Valkey cluster and N hosts sharing it; agents "
         "move to another host every turn and still restore",
@@ -146,7 +130,7 @@ def register(subparsers: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     dump_stacks_on_sigusr1()
-    remote = remote_settings(args)  # a missing fleet secret: refused before anything
+    config = bank_config(args)  # a bad value, no fleet secret: refused before anything
     check_directory(args.bank, create=True)  # a file, other files: before the model loads
     from cas_bank.runtime.engine import Engine
     from cas_bank.runtime.server import bind, run_server, url_of
@@ -161,16 +145,12 @@ def _serve(args: argparse.Namespace) -> int:
         engine = Engine.open(
             args.bank,
             args.model,
-            block_size=args.block_size,
+            config=config,
             seed=args.seed,
             max_queue=args.max_queue,
             chunk_size=args.prefill_step_size,
-            **remote,
             stores=args.stores,
         )
-    except ValidationError as e:
-        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
-        raise CliError(f"bad --remote: {why}") from None
     except InvalidInputError as e:  # e.g. a TLS file missing: the message names it
         raise CliError(str(e)) from None
     except BankLockedError:
@@ -282,13 +262,3 @@ def _fleet_demo(args: argparse.Namespace) -> int:
 
 def console_stderr() -> Console:
     return Console(file=sys.stderr)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
