@@ -88,7 +88,7 @@ def _machine_section(r: dict[str, Any]) -> list[str]:
             "yes" if m.get("keep_freed_memory") else "no",
         ],
         [
-            "spare restore destinations (`keep_spare_destinations`, as the servers run)",
+            "spare restore destinations (each bank's, `BankConfig.spare_bytes`)",
             "yes" if m.get("spare_destinations") else "no",
         ],
     ]

@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 from cas_bank.runtime import PrefixCache, build_model
 from cas_bank.runtime.cache_io import fill_cache
-from cas_bank.runtime.process import freeze_startup_objects
+from cas_bank.runtime.process import freeze_startup_objects, server_settings
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from benchmarks.ceilings import (
@@ -60,8 +60,6 @@ from benchmarks.restore_floors import (
 from benchmarks.ttft import eval_cache, kv_bytes
 from cas_bank import Bank, BankConfig
 from cas_bank.arrays import dtype_named
-from cas_bank.destinations import keep_freed_memory
-from cas_bank.spares import SPARES, keep_spare_destinations
 
 
 @dataclass(frozen=True)
@@ -246,13 +244,14 @@ def _ways(case: RestoreCase, s: RestoreSettings) -> dict[str, Callable[[str | No
 
     def on_path_way(then: str | None) -> float:
         """The hot way with the lease copied on the restore's path: copies ahead off
-        (`keep_spare_destinations(copy_ahead=False)`), as a lease's first two restores
+        (`Spares.copy_ahead` False), as a lease's first two restores
         with room go, and every restore of a runtime that turns them off."""
-        ahead, SPARES.copy_ahead = SPARES.copy_ahead, False
+        spares = hpc.bank.resources.spares
+        ahead, spares.copy_ahead = spares.copy_ahead, False
         try:
             return hot_way(then)
         finally:
-            SPARES.copy_ahead = ahead
+            spares.copy_ahead = ahead
 
     def handout_way(then: str | None) -> float:
         """The lease handed out as it is (no room asked for): no copy, so the first
@@ -283,7 +282,7 @@ def _forward_alone(case: RestoreCase) -> Callable[[], float]:
     def forward() -> float:
         restored, _ = case.hpc.restore(case.prompt)
         eval_cache(restored)
-        SPARES.settle()
+        case.hot_bank.resources.settle()
         t0 = time.perf_counter()
         first_token(case.hpc, restored, case.last)
         return time.perf_counter() - t0
@@ -322,9 +321,9 @@ def _timed(
             for suffix, after in _THEN.items():
                 # As in a runtime, where a forward pass at least follows each restore:
                 # the spares the last restore asked for are made before the next one.
-                SPARES.settle()
+                case.hot_bank.resources.settle()
                 times[f"{way}{suffix}"].append(ways[way](after))
-        SPARES.settle()
+        case.hot_bank.resources.settle()
         hits = case.hot_bank.stats().hot_hits
         times["forward"].append(forward())
         floor_hits += case.hot_bank.stats().hot_hits - hits  # not a way's: not counted
@@ -369,8 +368,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         )
     )
     if not args.tiny:
-        keep_freed_memory()  # as cas-bank serve runs (for the file load too)
-        keep_spare_destinations()  # as cas-bank serve runs: restores find arrays ready
+        server_settings()  # as cas-bank serve runs (for the file load too)
     with tempfile.TemporaryDirectory(prefix="cas_bank_restore_") as tmp:
         res = run(Path(tmp), s)
     print(json.dumps(res, indent=2, default=str))

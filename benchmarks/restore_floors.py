@@ -27,7 +27,6 @@ from benchmarks.ttft import eval_cache
 from cas_bank import Bank, BankConfig
 from cas_bank.arrays import to_numpy
 from cas_bank.blocks.store import Family
-from cas_bank.spares import SPARES
 
 if TYPE_CHECKING:
     from benchmarks.restore import RestoreCase, RestoreSettings
@@ -37,7 +36,7 @@ def first_token(pc: PrefixCache, cache: list[Any], token: int) -> None:
     """The first prefill chunk after a restore: one token through the model, evaluated;
     then the refill the restore held starts, as `PrefixCache.prefill` lets it."""
     mx.eval(pc.model(mx.array([[token]]), cache=cache))
-    SPARES.release()
+    pc.bank.resources.release()
 
 
 def case_floors(case: RestoreCase, s: RestoreSettings) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from cas_bank.runtime.process import server_settings
+
 from benchmarks import (
     fleet,
     remote_load,
@@ -49,8 +51,6 @@ from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
 from benchmarks.report import write_markdown
 from benchmarks.targets import evaluate_targets
-from cas_bank.destinations import keep_freed_memory
-from cas_bank.spares import keep_spare_destinations
 
 HERE = Path(__file__).resolve().parent
 
@@ -264,10 +264,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     machine = describe_machine()
     # As a serving process runs (cas-bank serve does this): every way measured in this
     # process, mlx-lm's file load included, reuses freed memory.
-    machine["keep_freed_memory"] = keep_freed_memory() if not args.quick else False
-    if not args.quick:  # as the servers run: a restore's destination arrays made ahead
-        keep_spare_destinations()
-    machine["spare_destinations"] = not args.quick
+    machine["keep_freed_memory"] = server_settings() if not args.quick else False
+    machine["spare_destinations"] = True  # each bank's own, on by default (spare_bytes)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cas_bank_bench_", dir=args.workdir) as tmp:
         results = run_all(settings, Path(tmp), parts)

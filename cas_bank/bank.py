@@ -40,6 +40,7 @@ from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
+from cas_bank.resources import Resources
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
 
@@ -109,6 +110,9 @@ class Bank:
             if config.hot_bytes > 0
             else None
         )
+        # What its restores use beside their arrays (spares and their thread, the shape
+        # memo, scratch buffers, GPU prefetch): the bank's own, stopped by `close`.
+        self.resources = Resources(config.spare_bytes)
         # Last uses, recorded in memory and written in batches (see index.evict).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         # What was removed, when and why (for explain), written with the removals.
@@ -275,6 +279,8 @@ class Bank:
             hot_tier_bytes=self.hot.used_bytes if self.hot is not None else 0,
             leased_bytes=self.leases.used_bytes if self.leases is not None else 0,
             hot_bytes=self.config.hot_bytes,
+            spare_held_bytes=self.resources.held_bytes,
+            spare_bytes=self.config.spare_bytes,
             remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
         )
@@ -345,6 +351,7 @@ class Bank:
         except BankFullError as e:
             log.warning("cas_bank: %s; closing without the last counters", e)
         finally:
+            self.resources.close()  # the spares' thread joined, its arrays released
             self.store.close()
             self._namespaces.clear()
 

@@ -15,8 +15,9 @@ go on the legacy default stream and the call waits for them; MLX's streams are
 non-blocking, so MLX's own work neither waits for them nor holds them up. Best
 effort: where the driver, the call or the memory does not allow it (no managed memory
 on this system: MLX uses pinned host memory instead), the first failure is logged and
-turns it off for the process; a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
-turns it off.
+turns it off for the bank (each bank has its own `GpuPrefetch`, in its
+`cas_bank.resources.Resources`); a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
+turns it off. The driver library, loaded once, is the process's (MLX's own context).
 """
 
 from __future__ import annotations
@@ -89,10 +90,6 @@ class _Driver:
         self._check(lib.cuStreamSynchronize(None), "cuStreamSynchronize")
 
 
-_lock = threading.Lock()
-_failed = False
-
-
 @functools.cache
 def _driver() -> _Driver | None:
     """The driver on MLX's default GPU; None where it cannot be loaded (logged)."""
@@ -107,27 +104,32 @@ def _driver() -> _Driver | None:
         return None
 
 
-def prefetcher() -> Callable[[Sequence[tuple[int, int]]], None] | None:
-    """`prefetch` where it applies (MLX's CUDA build, not turned off), else None."""
-    if _failed or os.environ.get(PREFETCH_ENV, "") == "0" or arrays.mlx_backend() != "cuda":
-        return None
-    return prefetch
+class GpuPrefetch:
+    """One bank's prefetch of restored arrays: on until it fails once (logged)."""
 
+    def __init__(self) -> None:
+        self.failed = False
+        self._lock = threading.Lock()
 
-def prefetch(runs: Sequence[tuple[int, int]]) -> None:
-    """Move the (address, bytes) runs of unified memory to MLX's GPU, waiting for them;
-    nothing once a prefetch failed in this process, or the driver could not be loaded
-    (the first failure is logged; `prefetcher` then answers None)."""
-    global _failed
-    driver = None if _failed else _driver()
-    if driver is None:
-        _failed = True
-        return
-    if not runs:
-        return
-    try:
-        with _lock:
-            driver.prefetch(runs)
-    except OSError as e:
-        _failed = True
-        log.warning("cas_bank: CUDA prefetch of restored arrays turned off: %s", e)
+    def prefetcher(self) -> Callable[[Sequence[tuple[int, int]]], None] | None:
+        """`prefetch` where it applies (MLX's CUDA build, not turned off), else None."""
+        if self.failed or os.environ.get(PREFETCH_ENV, "") == "0":
+            return None
+        return self.prefetch if arrays.mlx_backend() == "cuda" else None
+
+    def prefetch(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Move the (address, bytes) runs of unified memory to MLX's GPU, waiting for
+        them; nothing once a prefetch failed here, or the driver could not be loaded
+        (the first failure is logged; `prefetcher` then answers None)."""
+        driver = None if self.failed else _driver()
+        if driver is None:
+            self.failed = True
+            return
+        if not runs:
+            return
+        try:
+            with self._lock:
+                driver.prefetch(runs)
+        except OSError as e:
+            self.failed = True
+            log.warning("cas_bank: CUDA prefetch of restored arrays turned off: %s", e)

@@ -1,16 +1,18 @@
-"""Spare destination arrays: a serving process's next restore finds its arrays ready.
+"""Spare destination arrays: a bank's next restore finds its arrays ready.
 
 A restore's destination arrays are fresh MLX arrays left unfilled (`destinations.unfilled`:
 MLX's load of a stream that serves only a header), and making them costs ~50-110 us
 an array (the load evaluates each array through its I/O thread): ~2 ms for the 24-48
 arrays of a medium model, a fifth of a 1k-token restore (docs/design.md, "Restore
-path"). A runtime restores caches of the same shapes again and again (the same
-layers, token counts rounded up to mlx-lm's step of 256), so once enabled
-(`keep_spare_destinations`, process-wide like `keep_freed_memory`: only a runtime
-calls it) every restore takes what it can from a pool of spare arrays of exactly its
-shapes and dtypes, and a background thread makes the next set after it, off the
-restore's path. An array is taken from the pool whole and never given to two
-callers: a spare is an array nobody else holds, as a fresh one is.
+path"); and their pages are fresh, so the restore that fills them faults every 4 KiB
+in. A bank restores caches of the same shapes again and again (the same layers, token
+counts rounded up to mlx-lm's step of 256), so every restore takes what it can from
+a pool of spare arrays of exactly its shapes and dtypes, and a background thread
+makes the next set after it, off the restore's path. An array is taken from the pool
+whole and never given to two callers: a spare is an array nobody else holds, as a
+fresh one is. Each bank has its own pool (`cas_bank.resources.Resources`, made by
+`Bank.open`, bounded by `BankConfig.spare_bytes`), its thread started by the first
+refill and joined by `close`.
 
 The background thread zero-fills its arrays (`destinations.zeroed`), never MLX's load of a
 stream (`destinations.unfilled`): that load calls back into Python from MLX's I/O thread,
@@ -27,8 +29,8 @@ by its key (`take_filled`). At most two such sets are kept, each at most half th
 bound, and they are dropped before plain spares.
 
 Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
-the least recently wanted shapes first. The memory is held (resident once reused),
-as the freed caches' memory is under `keep_freed_memory`.
+the least recently wanted shapes first. The memory is held (resident once reused)
+until `close`.
 
 A runtime's restore is followed by its forward pass, the time to first token, and a
 refill made beside it (a zero fill and a lease's copy of 100-400 MB) slows that pass
@@ -63,11 +65,15 @@ Wanted = tuple[tuple[int, ...], DType]
 
 
 class Spares:
-    """Spare destination arrays by (shape, dtype); off (`max_bytes` 0) until enabled."""
+    """Spare destination arrays by (shape, dtype), at most `max_bytes` of them (0: none,
+    and no thread); `copy_ahead`: leases restored again are copied ahead
+    (`index.leasecopy`). `close` stops the thread and drops what the pool holds."""
 
-    def __init__(self) -> None:
-        self.max_bytes = 0
-        self.copy_ahead = True  # leases restored again are copied ahead (`index.leasecopy`)
+    def __init__(self, max_bytes: int = 0, *, copy_ahead: bool = True) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.copy_ahead = copy_ahead
         self.bytes = 0
         self.taken = 0  # arrays handed out from the pool
         self.made = 0  # arrays the background thread made
@@ -76,23 +82,42 @@ class Spares:
         self._filled: OrderedDict[Hashable, list[Destination]] = OrderedDict()
         self._filled_bytes: dict[Hashable, int] = {}
         self.filled_taken = 0  # sets handed out filled (`take_filled`)
-        self._wants: queue.Queue[_Job] = queue.Queue(maxsize=1)
+        # One refill pending at most; None (from `close`) ends the thread.
+        self._wants: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self.hold_s = HOLD_S  # the longest a held refill waits for `release`
         self.held = 0  # refills that waited for a release (or `hold_s`) to start
         self._released = threading.Event()
         self._released.set()
         self._holding = threading.local()  # a restore in `holding()` on this thread
+        self._closed = False
 
     def enable(self, max_bytes: int) -> None:
+        """Change the bound (0: off; what the pool holds over it is dropped now)."""
         with self._lock:
             self.max_bytes = max_bytes
-            if self._thread is None and max_bytes > 0:
-                self._thread = threading.Thread(
-                    target=self._run, name="cas_bank-spares", daemon=True
-                )
-                self._thread.start()
-                atexit.register(self._at_exit)
+            self._trim()
+
+    def _start(self) -> None:
+        """Start the thread, at the first refill (lock held): a bank that never restores
+        has none."""
+        self._thread = threading.Thread(target=self._run, name="cas_bank-spares", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    def close(self) -> None:
+        """Stop: refills asked for from now on are dropped, the one under way finishes,
+        the thread is joined and the pool's arrays released. Idempotent."""
+        with self._lock:
+            self.max_bytes = 0
+            self._closed = True
+            thread, self._thread = self._thread, None
+        self.release()
+        if thread is not None:
+            atexit.unregister(self._at_exit)
+            self._wants.put(None)  # after what is queued: the thread ends there
+            thread.join()
+        with self._lock:
             self._trim()
 
     def take(
@@ -157,15 +182,20 @@ class Spares:
         held = getattr(self._holding, "on", False)
         if not held:
             self._released.set()  # a refill held before this one waits no longer
-        with contextlib.suppress(queue.Full):  # one pending: it is made first
-            self._wants.put_nowait(_Job(plain, filled, held))
+        with self._lock:
+            if self._closed or self.max_bytes <= 0:
+                return
+            if self._thread is None:
+                self._start()
+            with contextlib.suppress(queue.Full):  # one pending: it is made first
+                self._wants.put_nowait(_Job(plain, filled, held))
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
         """Around a restore that the caller's forward pass follows: the refill the
         restore asks for (on this thread) waits until `release` (at most `hold_s`)
         before it starts, so it does not run beside that pass. A refill already under
-        way goes on. The release is one for the process: it suits a runtime that
+        way goes on. The release is one for the pool (its bank): it suits a runtime that
         restores and prefills one request at a time (`cas-bank serve`); where threads
         restore at once, a refill may wait for another's pass (never past `hold_s`)."""
         self._released.clear()
@@ -195,6 +225,9 @@ class Spares:
     def _run(self) -> None:
         while True:
             job = self._wants.get()
+            if job is None:
+                self._wants.task_done()
+                return
             if job.held and not self._released.is_set():
                 self.held += 1
                 self._released.wait(self.hold_s)
@@ -333,17 +366,17 @@ def _size(w: Wanted) -> int:
     return math.prod(w[0]) * w[1].itemsize
 
 
-SPARES = Spares()
-
-
 def keep_spare_destinations(max_bytes: int = 1 << 30, *, copy_ahead: bool = True) -> None:
-    """Keep up to `max_bytes` of spare restore destinations in this process (0: none):
-    see the module docstring. Process-wide: a runtime calls it (`cas-bank serve`,
-    `cas-bank mlx-lm-server`, the benchmarks), never the library on its own.
-    `copy_ahead`: a lease restored with room again is copied into the next restore's
-    spares ahead of it (`cas_bank.index.leasecopy`); False keeps that copy on the
-    restore's path (no copy ahead at all)."""
+    """Deprecated, and does nothing: every bank keeps its own spares now, on by default
+    (`BankConfig.spare_bytes`, 0 for none; copies ahead:
+    `bank.resources.spares.copy_ahead`). Checks its input as it did."""
+    import warnings
+
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-    SPARES.copy_ahead = bool(copy_ahead)
-    SPARES.enable(max_bytes)
+    warnings.warn(
+        "keep_spare_destinations is deprecated and does nothing: each Bank keeps its own "
+        "spares (BankConfig.spare_bytes)",
+        DeprecationWarning,
+        stacklevel=2,
+    )

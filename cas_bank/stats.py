@@ -112,6 +112,10 @@ class BankStats(BaseModel):
     hot_tier_bytes: int = 0
     leased_bytes: int = 0
     hot_bytes: int = 0
+    # Destination arrays made ahead of the next restores, held now, and their bound
+    # (BankConfig.spare_bytes).
+    spare_held_bytes: int = 0
+    spare_bytes: int = 0
     remote: str | None = None  # the shared tier's URL (password hidden), when open with one
     remote_hits: int = 0  # restores that took at least one block from the shared tier
     remote_hit_blocks: int = 0

@@ -50,11 +50,11 @@ encoded (the one copy to host bytes) and written in one batch before the call re
 (its share of the prefill: docs/design.md, "Where each figure is measured").
 `last_prefill.store_s` against `forward_s` shows the caller's share for any model.
 
-Spares: in a serving process that keeps spare restore destinations
-(`cas_bank.spares.keep_spare_destinations`), `restore` holds the refill it sets off
+Spares: the bank keeps spare restore destinations (`cas_bank.spares`, in its
+`Bank.resources`); `restore` holds the refill it sets off
 (the next restore's arrays, a shared lease's copy ahead) until `prefill` is done with
 its forward pass, so that refill never runs beside the pass that the time to first
-token waits for (at most `SPARES.hold_s`, for a caller that prefills elsewhere).
+token waits for (at most `Spares.hold_s`, for a caller that prefills elsewhere).
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -76,7 +76,6 @@ from cas_bank.blocks.hashing import as_token_array, max_token
 from cas_bank.errors import BankFullError, InvalidInputError
 from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace
-from cas_bank.spares import SPARES
 from cas_bank.spec import ModelSpec
 from cas_bank.storing import StoreReport
 
@@ -208,7 +207,7 @@ class PrefixCache:
             return cache, 0
         # Room for the whole prompt: its prefill then writes in place, copying nothing.
         # The refill this sets off (`cas_bank.spares`) waits for the prefill's pass.
-        with SPARES.holding():
+        with self.bank.resources.holding():
             hit = self.namespace.restore(toks[:-1], room_for=len(toks))
         if hit is None:
             return cache, 0
@@ -226,10 +225,10 @@ class PrefixCache:
         toks = self.tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
-        with SPARES.holding():  # the refill this sets off waits for the prefill's pass
+        with self.bank.resources.holding():  # its refill waits for the prefill's pass
             hit = self.namespace.restore(toks, room_for=len(toks))
         if hit is not None and hit.tokens == len(toks) and hit.logits is not None:
-            SPARES.release()  # no forward pass: the first token is sampled from `logits`
+            self.bank.resources.release()  # no pass: the first token is sampled from `logits`
             cache = self.new_cache()
             fill_cache(self.spec, cache, hit.layers, hit.tokens)
             return cache, hit.tokens, hit.logits
@@ -275,7 +274,7 @@ class PrefixCache:
         try:
             return self._prefill(tokens, cache, start, store, hints, this_model, end, cancelled)
         finally:  # the refill the restore held (the next restore's spares) may start
-            SPARES.release()
+            self.bank.resources.release()
 
     def _prefill(
         self,

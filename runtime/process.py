@@ -1,14 +1,25 @@
-"""What a serving process sets for itself once its model is loaded (`cas-bank serve`,
-`cas-bank mlx-lm-server`, and the restore benchmark, which runs as they do): the objects
-it started with taken out of the cyclic garbage collector's passes.
+"""What a serving process sets for itself, process-wide (`cas-bank serve`, `cas-bank
+mlx-lm-server`, and the restore benchmark, which runs as they do): before the model
+loads, its memory settings (`server_settings`); once it is loaded, the objects it
+started with taken out of the cyclic garbage collector's passes.
 
-The memory settings made before the model loads are the library's
-(`cas_bank.destinations.keep_freed_memory`, `cas_bank.spares.keep_spare_destinations`).
+The library sets nothing for the process on its own: what a bank's restores use
+(spares, their thread, copies ahead, scratch buffers) is the `Bank`'s
+(`cas_bank.resources`). A library caller that serves may call `server_settings` too.
 """
 
 from __future__ import annotations
 
 import gc
+
+from cas_bank.destinations import keep_freed_memory
+
+
+def server_settings() -> bool:
+    """The process-wide memory settings a server runs with: freed memory kept for the
+    next restore (glibc's `mallopt`, `cas_bank.destinations.keep_freed_memory`: a
+    resident size that stays at its peak); True if the C library took them."""
+    return keep_freed_memory()
 
 
 def freeze_startup_objects() -> int:

@@ -23,7 +23,6 @@ from cas_bank.arrays import FILL_COPY_ENV, cpu_fillable, mlx_backend
 from cas_bank.blocks.store import Family
 from cas_bank.destinations import Destination
 from cas_bank.index import fastread
-from cas_bank.spares import SPARES, keep_spare_destinations
 
 
 def test_only_known_backends_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,20 +123,17 @@ def test_staged_restores_take_no_spare_mlx_arrays(
     tokens = list(range(64))
     layers = prefix_layers(spec, tokens)
     monkeypatch.setenv(FILL_COPY_ENV, "1")
-    keep_spare_destinations(16 << 20)
-    before = (SPARES.taken, SPARES.made)
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=0)) as bank:
-            ns = bank.namespace(spec)
-            ns.store(tokens, layers)
-            for _ in range(2):
-                hit = ns.restore(tokens)
-                assert hit is not None and hit.tokens == 64
-                assert layers_bits(hit.layers, spec) == layers_bits(layers, spec)
-                SPARES.settle()
-            assert (SPARES.taken, SPARES.made) == before and SPARES.bytes == 0
-    finally:
-        SPARES.enable(0)
+    config = BankConfig(block_size=BLOCK_SIZE, hot_bytes=0, spare_bytes=16 << 20)
+    with Bank.open(bank_path, config) as bank:
+        spares = bank.resources.spares
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        for _ in range(2):
+            hit = ns.restore(tokens)
+            assert hit is not None and hit.tokens == 64
+            assert layers_bits(hit.layers, spec) == layers_bits(layers, spec)
+            bank.resources.settle()
+        assert (spares.taken, spares.made, spares.bytes) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("name", ["Destination", "UNFILLED_FROM", "keep_freed_memory", "unfilled"])

@@ -1,5 +1,6 @@
 """On MLX's CUDA build a restore moves the arrays it filled from the CPU (unified
-memory) to the GPU before handing them out (`cas_bank.gpu_prefetch`). Here MLX runs on
+memory) to the GPU before handing them out (`cas_bank.gpu_prefetch`, the bank's
+`GpuPrefetch` in its `Resources`: a failure turns it off for that bank). Here MLX runs on
 the CPU: the backend is named CUDA where a test needs it, and what the prefetch is
 asked to move is checked against the arrays the restore hands out; the driver calls
 themselves run on a GPU machine (benchmarks/RESULTS.md, "MLX's CUDA build")."""
@@ -14,26 +15,27 @@ from conftest import BLOCK_SIZE, attention_spec, layers_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, arrays, gpu_prefetch
 from cas_bank.arrays import address_of, to_numpy
+from cas_bank.gpu_prefetch import GpuPrefetch
 
 
 @pytest.fixture(autouse=True)
 def _fresh_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     gpu_prefetch._driver.cache_clear()
-    monkeypatch.setattr(gpu_prefetch, "_failed", False)
     monkeypatch.delenv(gpu_prefetch.PREFETCH_ENV, raising=False)
 
 
 def test_prefetch_applies_on_cuda_only_and_can_be_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    gpu = GpuPrefetch()
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cpu")
-    assert gpu_prefetch.prefetcher() is None
+    assert gpu.prefetcher() is None
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "metal")
-    assert gpu_prefetch.prefetcher() is None  # unified memory: nothing to move
+    assert gpu.prefetcher() is None  # unified memory: nothing to move
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
-    assert gpu_prefetch.prefetcher() is gpu_prefetch.prefetch
+    assert gpu.prefetcher() == gpu.prefetch
     monkeypatch.setenv(gpu_prefetch.PREFETCH_ENV, "0")
-    assert gpu_prefetch.prefetcher() is None
+    assert gpu.prefetcher() is None
 
 
 def test_a_cuda_restore_moves_every_array_it_filled(
@@ -43,11 +45,11 @@ def test_a_cuda_restore_moves_every_array_it_filled(
     the bytes the prefetch was given are the restored prefix."""
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     asked: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(gpu_prefetch, "prefetch", asked.append)
     spec = attention_spec(n_layers=2)
     tokens = list(range(3 * BLOCK_SIZE))
     layers = prefix_layers(spec, tokens)
     with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE, hot_bytes=0)) as bank:
+        monkeypatch.setattr(bank.resources.gpu, "prefetch", asked.append)
         ns = bank.namespace(spec)
         ns.store(tokens, layers)
         hit = ns.restore(tokens, room_for=len(tokens) + 5)
@@ -67,19 +69,21 @@ def test_no_cuda_driver_logs_once_and_moves_nothing(
 
     monkeypatch.setattr(gpu_prefetch.ctypes, "CDLL", no_library)
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
+    gpu = GpuPrefetch()
     with caplog.at_level(logging.WARNING, logger="cas_bank"):
-        gpu_prefetch.prefetch([(4096, 4096)])
-        assert gpu_prefetch.prefetcher() is None  # restores no longer ask
-        gpu_prefetch.prefetch([(4096, 4096)])
+        gpu.prefetch([(4096, 4096)])
+        assert gpu.prefetcher() is None  # restores no longer ask
+        gpu.prefetch([(4096, 4096)])
+        GpuPrefetch().prefetch([(4096, 4096)])  # another bank's: the driver tried once
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "no CUDA prefetch" in said[0] and "libcuda.so.1" in said[0]
 
 
-def test_a_failed_prefetch_turns_it_off_for_the_process(
+def test_a_failed_prefetch_turns_it_off_for_its_bank(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A driver call that fails (no managed memory: MLX used pinned host memory) is
-    logged once; restores go on without it."""
+    logged once; that bank's restores go on without it, another bank's still ask."""
 
     class Refusing:
         calls = 0
@@ -90,11 +94,13 @@ def test_a_failed_prefetch_turns_it_off_for_the_process(
 
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     monkeypatch.setattr(gpu_prefetch, "_driver", lambda: Refusing())
+    gpu = GpuPrefetch()
     with caplog.at_level(logging.WARNING, logger="cas_bank"):
-        gpu_prefetch.prefetch([(4096, 4096)])
-        assert gpu_prefetch.prefetcher() is None
-        gpu_prefetch.prefetch([(4096, 4096)])
+        gpu.prefetch([(4096, 4096)])
+        assert gpu.prefetcher() is None
+        gpu.prefetch([(4096, 4096)])
     assert Refusing.calls == 1
+    assert GpuPrefetch().prefetcher() is not None  # the failure was this one's
     assert [r.getMessage() for r in caplog.records] == [
         "cas_bank: CUDA prefetch of restored arrays turned off: "
         "cuMemPrefetchAsync returned CUDA error 1"

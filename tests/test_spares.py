@@ -19,7 +19,7 @@ from runtime_helpers import tiny
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, to_numpy
 from cas_bank.destinations import UNFILLED_FROM
-from cas_bank.spares import SPARES, Filled, Spares, keep_spare_destinations, spare_set
+from cas_bank.spares import Filled, Spares, spare_set
 
 F16 = DTYPES["float16"]
 BIG = ((1, 4, 256, 512), F16)  # 1 MiB: kept unfilled, so spared
@@ -30,7 +30,7 @@ SMALL = ((1, 2, 4, 8), F16)  # zero-filled instead: never spared
 def spares() -> Iterator[Spares]:
     pool = Spares()
     yield pool
-    pool.enable(0)  # drops what it holds
+    pool.close()  # drops what it holds
 
 
 def test_spares_are_taken_once_each_and_refilled_off_the_path(spares: Spares) -> None:
@@ -78,25 +78,22 @@ def test_restores_with_spares_are_bit_exact_and_share_no_buffer(
     )
     tokens = [int(t) for t in np.arange(256) % 97]
     layers = prefix_layers(spec, tokens)
-    keep_spare_destinations(64 << 20)
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0)) as bank:
-            ns = bank.namespace(spec)
-            ns.store(tokens, layers)
-            first = ns.restore(tokens, room_for=300)
-            SPARES.settle()
-            taken = SPARES.taken
-            second = ns.restore(tokens, room_for=300)
-            assert first is not None and second is not None
-            assert SPARES.taken == taken + 4  # every array of the second from the pool
-            want = kv_prefix_bits(layers, spec, 256)
-            for hit in (first, second):
-                assert kv_prefix_bits(hit.layers, spec, 256) == want
-            to_numpy(first.layers[0][0])[...] = 0  # the first's memory, not the second's
-            assert kv_prefix_bits(second.layers, spec, 256) == want
-    finally:
-        SPARES.enable(0)
-    assert SPARES.bytes == 0
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=64 << 20)) as bank:
+        spares = bank.resources.spares
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        first = ns.restore(tokens, room_for=300)
+        spares.settle()
+        taken = spares.taken
+        second = ns.restore(tokens, room_for=300)
+        assert first is not None and second is not None
+        assert spares.taken == taken + 4  # every array of the second from the pool
+        want = kv_prefix_bits(layers, spec, 256)
+        for hit in (first, second):
+            assert kv_prefix_bits(hit.layers, spec, 256) == want
+        to_numpy(first.layers[0][0])[...] = 0  # the first's memory, not the second's
+        assert kv_prefix_bits(second.layers, spec, 256) == want
+    assert spares.bytes == 0  # released by close
 
 
 def test_a_set_the_pool_cannot_make_leaves_it_working(spares: Spares) -> None:
@@ -128,8 +125,8 @@ _BESIDE_CLEAR_CACHE = """
 import sys, threading, time
 import mlx.core as mx
 from cas_bank.arrays import DTYPES
-from cas_bank.spares import SPARES, keep_spare_destinations
-keep_spare_destinations(1 << 28)
+from cas_bank.spares import Spares
+SPARES = Spares(1 << 28)
 wanted = [((1, 4, 256, 64), DTYPES["float16"])] * 16
 stop = time.monotonic() + 2.0
 def refills():
@@ -144,6 +141,7 @@ while time.monotonic() < stop:
     mx.clear_cache()
 thread.join()
 SPARES.settle()
+SPARES.close()
 print("made", SPARES.made)
 """
 
@@ -200,38 +198,35 @@ def test_a_lease_restored_again_is_copied_ahead_bit_exact(bank_path: Path, dtype
     tokens = [int(t) for t in np.arange(256) % 89]
     layers = prefix_layers(spec, tokens)
     want = kv_prefix_bits(layers, spec, 256)
-    keep_spare_destinations(256 << 20)
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
-            ns = bank.namespace(spec)
-            ns.store(tokens, layers)
-            hits = []
-            for round_ in range(4):
-                SPARES.settle()
-                before = SPARES.filled_taken
-                hits.append(ns.restore(tokens, room_for=300))
-                # Rounds 0 and 1 copy on the path; round 1 asks for the copy ahead.
-                assert SPARES.filled_taken == before + (1 if round_ >= 2 else 0)
-            leased = [to_numpy(a) for e in bank.leases._entries.values() for a in e.arrays]
-            for hit in hits:
-                assert hit is not None and hit.tokens == 256
-                assert kv_prefix_bits(hit.layers, spec, 256) == want
-                mine = [to_numpy(a) for layer in hit.layers for a in layer]
-                assert not any(np.shares_memory(m, x) for m in mine for x in leased)
-            for a, b in itertools.combinations(hits, 2):
-                assert not any(
-                    np.shares_memory(to_numpy(x), to_numpy(y))
-                    for x in (a.layers[0][0], a.layers[2][1])
-                    for y in (b.layers[0][0], b.layers[2][1])
-                )
-            SPARES.settle()
-            before = SPARES.filled_taken
-            shorter = ns.restore(tokens[:192], room_for=300)  # 3 blocks: other rows
-            assert shorter is not None and SPARES.filled_taken == before
-            assert kv_prefix_bits(shorter.layers, spec, 192) == kv_prefix_bits(layers, spec, 192)
-    finally:
-        SPARES.enable(0)
-    assert SPARES.bytes == 0
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+        spares = bank.resources.spares
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        hits = []
+        for round_ in range(4):
+            spares.settle()
+            before = spares.filled_taken
+            hits.append(ns.restore(tokens, room_for=300))
+            # Rounds 0 and 1 copy on the path; round 1 asks for the copy ahead.
+            assert spares.filled_taken == before + (1 if round_ >= 2 else 0)
+        leased = [to_numpy(a) for e in bank.leases._entries.values() for a in e.arrays]
+        for hit in hits:
+            assert hit is not None and hit.tokens == 256
+            assert kv_prefix_bits(hit.layers, spec, 256) == want
+            mine = [to_numpy(a) for layer in hit.layers for a in layer]
+            assert not any(np.shares_memory(m, x) for m in mine for x in leased)
+        for a, b in itertools.combinations(hits, 2):
+            assert not any(
+                np.shares_memory(to_numpy(x), to_numpy(y))
+                for x in (a.layers[0][0], a.layers[2][1])
+                for y in (b.layers[0][0], b.layers[2][1])
+            )
+        spares.settle()
+        before = spares.filled_taken
+        shorter = ns.restore(tokens[:192], room_for=300)  # 3 blocks: other rows
+        assert shorter is not None and spares.filled_taken == before
+        assert kv_prefix_bits(shorter.layers, spec, 192) == kv_prefix_bits(layers, spec, 192)
+    assert spares.bytes == 0
 
 
 def test_a_lease_restored_once_is_not_copied_ahead_and_a_gone_one_is_not_used(
@@ -243,26 +238,23 @@ def test_a_lease_restored_once_is_not_copied_ahead_and_a_gone_one_is_not_used(
     spec = _hot_spec()
     tokens = [int(t) for t in np.arange(256) % 83]
     layers = prefix_layers(spec, tokens)
-    keep_spare_destinations(256 << 20)
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
-            ns = bank.namespace(spec)
-            ns.store(tokens, layers)
-            made = SPARES.made
-            ns.restore(tokens, room_for=300)
-            SPARES.settle()
-            made_once = SPARES.made - made  # plain spares only
-            ns.restore(tokens, room_for=300)
-            SPARES.settle()
-            assert SPARES.made - made > made_once  # the copy ahead made too
-            assert bank.leases is not None
-            bank.leases.clear()
-            before = SPARES.filled_taken
-            hit = ns.restore(tokens, room_for=300)
-            assert hit is not None and SPARES.filled_taken == before
-            assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
-    finally:
-        SPARES.enable(0)
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+        spares = bank.resources.spares
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        made = spares.made
+        ns.restore(tokens, room_for=300)
+        spares.settle()
+        made_once = spares.made - made  # plain spares only
+        ns.restore(tokens, room_for=300)
+        spares.settle()
+        assert spares.made - made > made_once  # the copy ahead made too
+        assert bank.leases is not None
+        bank.leases.clear()
+        before = spares.filled_taken
+        hit = ns.restore(tokens, room_for=300)
+        assert hit is not None and spares.filled_taken == before
+        assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
 
 
 def test_filled_sets_keep_within_their_bound(spares: Spares) -> None:
@@ -288,26 +280,22 @@ def test_filled_sets_keep_within_their_bound(spares: Spares) -> None:
 
 
 def test_copies_ahead_turned_off_keep_the_copy_on_the_path(bank_path: Path) -> None:
-    """`keep_spare_destinations(copy_ahead=False)`: no restore takes a copy made ahead,
-    however often a lease is restored, and each is bit-exact."""
+    """`Spares.copy_ahead` False: no restore takes a copy made ahead, however often a
+    lease is restored, and each is bit-exact."""
     spec = _hot_spec()
     tokens = [int(t) for t in np.arange(256) % 79]
     layers = prefix_layers(spec, tokens)
-    keep_spare_destinations(256 << 20, copy_ahead=False)
-    try:
-        with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
-            ns = bank.namespace(spec)
-            ns.store(tokens, layers)
-            before = SPARES.filled_taken
-            for _ in range(4):
-                SPARES.settle()
-                hit = ns.restore(tokens, room_for=300)
-                assert hit is not None
-                assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
-            assert SPARES.filled_taken == before and not SPARES._filled
-    finally:
-        keep_spare_destinations(0)
-    assert SPARES.copy_ahead  # back to the default with the next call
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=64 << 20)) as bank:
+        spares = bank.resources.spares
+        spares.copy_ahead = False
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        for _ in range(4):
+            spares.settle()
+            hit = ns.restore(tokens, room_for=300)
+            assert hit is not None
+            assert kv_prefix_bits(hit.layers, spec, 256) == kv_prefix_bits(layers, spec, 256)
+        assert spares.filled_taken == 0 and not spares._filled
 
 
 def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> None:
@@ -348,17 +336,12 @@ def test_a_held_refill_waits_for_its_release_or_its_bound(spares: Spares) -> Non
     assert spares.made == 4 and spares.held == 3
 
 
-@pytest.fixture
-def long_holds() -> Iterator[None]:
-    """Spares kept as a server keeps them, a hold lasting up to 60 s: a refill made
-    within seconds was released, not let go at the hold's end."""
-    keep_spare_destinations(256 << 20)
-    hold_s, SPARES.hold_s = SPARES.hold_s, 60.0
-    try:
-        yield
-    finally:
-        SPARES.hold_s = hold_s
-        keep_spare_destinations(0)
+def _long_holds(bank: Bank) -> Spares:
+    """The bank's spares, a hold lasting up to 60 s: a refill made within seconds was
+    released, not let go at the hold's end."""
+    spares = bank.resources.spares
+    spares.hold_s = 60.0
+    return spares
 
 
 def _stored(bank: Bank, prompt: list[int]) -> tuple[PrefixCache, mx.array]:
@@ -369,15 +352,14 @@ def _stored(bank: Bank, prompt: list[int]) -> tuple[PrefixCache, mx.array]:
     return pc, cold
 
 
-def _made_within(seconds: float) -> None:
+def _made_within(spares: Spares, seconds: float) -> None:
     """Wait for the refills asked for (not `settle`, which releases them), in time."""
     started = time.monotonic()
-    SPARES._wants.join()
+    spares._wants.join()
     waited = time.monotonic() - started
     assert waited < seconds, f"a released refill took {waited:.1f} s"
 
 
-@pytest.mark.usefixtures("long_holds")
 def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
     bank_path: Path,
 ) -> None:
@@ -386,34 +368,35 @@ def test_prefix_cache_holds_its_restores_refill_until_its_prefill_is_done(
     done, so the refill never runs beside the pass the first token waits for."""
     prompt = [int(t) for t in np.arange(300) % 97]
     with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+        spares = _long_holds(bank)
         pc, cold = _stored(bank, prompt)
         for _ in range(3):  # the third restore of the lease is copied ahead
-            SPARES.settle()
-            made = SPARES.made
+            spares.settle()
+            made = spares.made
             cache, n = pc.restore(prompt)
             assert n == 256
             time.sleep(0.2)
-            assert SPARES.made == made  # held: the forward pass comes first
+            assert spares.made == made  # held: the forward pass comes first
             logits = pc.prefill(prompt, cache, start=n)
-            _made_within(20)  # released by the prefill, not at the hold's end
-            assert SPARES.made > made
+            _made_within(spares, 20)  # released by the prefill, not at the hold's end
+            assert spares.made > made
             assert np.array_equal(np.asarray(logits), np.asarray(cold))
-        assert SPARES.filled_taken >= 1
+        assert spares.filled_taken >= 1
 
 
-@pytest.mark.usefixtures("long_holds")
 def test_mlx_lms_server_does_not_hold_its_restores_refill(bank_path: Path) -> None:
     """mlx-lm's server prefills on its own and calls `insert_cache` only once the
     answer is done: `BankPromptCache` lets the refill its restore sets off start at
     once, as the servers did before restores held them."""
     prompt = [int(t) for t in np.arange(300) % 89]
     with Bank.open(bank_path, BankConfig(block_size=64)) as bank:
+        spares = _long_holds(bank)
         pc, _ = _stored(bank, prompt)
         assert pc.loaded is not None
         adapter = BankPromptCache(bank, pc.loaded)
-        SPARES.settle()
-        made = SPARES.made
+        spares.settle()
+        made = spares.made
         cache, rest = adapter.fetch_nearest_cache(pc.model, prompt)
         assert cache is not None and len(rest) == len(prompt) - 256
-        _made_within(20)
-        assert SPARES.made > made
+        _made_within(spares, 20)
+        assert spares.made > made

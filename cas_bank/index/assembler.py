@@ -2,11 +2,12 @@
 copied into fresh MLX arrays (`Assembler`), with room for the prompt's later tokens.
 
 What an `Assembler` of one spec, block size and capacity allocates and checks is made
-once (`_Shapes`). Its arrays come from a lease's copy made ahead
-(`index.leasecopy`), else from the spares a serving process keeps (`cas_bank.spares`),
+once (`_Shapes`, kept by the bank's `Resources`). Its arrays come from a lease's copy
+made ahead (`index.leasecopy`), else from the spares the bank keeps (`cas_bank.spares`),
 else fresh and unfilled (`destinations.Destination.allocate`); blocks are copied in as they
 are decoded, payload files read straight into them (`index.fastread`), a lease by the
-native row copy (`index.rowcopy`).
+native row copy (`index.rowcopy`). All of that is the bank's (`cas_bank.resources`),
+handed in: nothing here is kept per process.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from cas_bank import gpu_prefetch
 from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
 from cas_bank.destinations import Destination, addresses_of
@@ -33,7 +32,8 @@ from cas_bank.index.fastread import BlockFiles, Layout, layout_of
 from cas_bank.index.helpers import together
 from cas_bank.index.layout import group_layers
 from cas_bank.index.rowruns import RowRuns, contiguous_row_runs
-from cas_bank.spares import SPARES, Filled, SpareSet, spare_set
+from cas_bank.resources import Resources
+from cas_bank.spares import Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, ModelSpec
 
 # A destination's field, read by a C-level map (a restore's every array at once).
@@ -66,26 +66,21 @@ class _Shapes:
     serial: int  # this instance's own number (never reused): a key for what it fixes
 
 
-_SHAPES: OrderedDict[tuple[str, int, int, bool], _Shapes] = OrderedDict()
-_SHAPES_KEPT = 64
 _SERIALS = itertools.count()
-_shapes_lock = threading.Lock()
 
 
-def _shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
-    """`_Shapes` of `spec` (kept by its fingerprint, which fixes its layers: a bank
-    reopened, with a spec of its own, finds them too; most recent 64)."""
+def _shapes(
+    resources: Resources | None, spec: ModelSpec, block_size: int, capacity: int, state: bool
+) -> _Shapes:
+    """`_Shapes` of `spec`, kept by the bank's resources by its fingerprint (which fixes
+    its layers: a bank reopened, with a spec of its own, finds them too), or made now
+    where there are none."""
+    if resources is None:
+        return _make_shapes(spec, block_size, capacity, state)
     key = (spec.fingerprint, block_size, capacity, state)
-    with _shapes_lock:
-        found = _SHAPES.get(key)
-        if found is not None:
-            _SHAPES.move_to_end(key)
-            return found
-    made = _make_shapes(spec, block_size, capacity, state)
-    with _shapes_lock:
-        _SHAPES[key] = made
-        while len(_SHAPES) > _SHAPES_KEPT:
-            _SHAPES.popitem(last=False)
+    made: _Shapes = resources.shapes.get(
+        key, lambda: _make_shapes(spec, block_size, capacity, state)
+    )
     return made
 
 
@@ -150,25 +145,29 @@ class Assembler:
         *,
         state: bool = False,
         lease: HeldArrays | None = None,
+        resources: Resources | None = None,
     ) -> None:
         """Arrays for `n_blocks` blocks, with room for `capacity` tokens if that is more
         (the cache's later tokens then land in place: no copy of the restored ones),
         and (`state`) for a recurrent state read from its payload file. `lease`: the
         arrays all `n_blocks` blocks come from (`put_arrays`), when they do: their copy
-        may be made already (`index.leasecopy`)."""
+        may be made already (`index.leasecopy`). `resources`: the bank's spares, shape
+        memo, scratch buffers and GPU prefetch (None: none of them)."""
         self.spec = spec
         self.block_size = block_size
-        shapes = _shapes(spec, block_size, max(n_blocks * block_size, capacity), state)
+        self._resources = resources
+        capacity = max(n_blocks * block_size, capacity)
+        shapes = _shapes(resources, spec, block_size, capacity, state)
         self.capacity = shapes.capacity
         self.specs, self.dtypes = shapes.specs, shapes.dtypes
         self.state_shapes, self.state_dtypes = shapes.state_shapes, shapes.state_dtypes
         self._wanted = shapes.wanted
         # Every token a restore hands out is written by a block, every state byte by its
         # payload: no zero fill needed. One allocation for all of them, less the spares
-        # a serving process keeps ready (`cas_bank.spares`).
+        # the bank keeps ready (`cas_bank.spares`).
         # Staged destinations (`arrays.cpu_fillable`: a GPU backend not known, or
         # CAS_BANK_FILL_COPY) take no MLX memory.
-        self._spared = cpu_fillable()
+        self._spared = cpu_fillable() and resources is not None
         self._spare_set = shapes.spares
         self._serial = shapes.serial
         self._attention_bytes = shapes.attention_bytes
@@ -179,7 +178,8 @@ class Assembler:
         if ahead is not None:
             everything = ahead
         else:
-            ready = SPARES.take(self._spare_set) if self._spared else {}  # each byte written
+            spares = resources.spares if resources is not None and self._spared else None
+            ready = spares.take(self._spare_set) if spares is not None else {}  # all written
             everything = Destination.allocate(
                 self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
             )
@@ -204,10 +204,10 @@ class Assembler:
 
     def _copied_ahead(self, rows: int) -> list[Destination] | None:
         """The lease's first `rows` rows in destinations made ahead, if they are."""
-        lease = self._from_lease
-        if lease is None or not rows:
+        lease, resources = self._from_lease, self._resources
+        if lease is None or not rows or resources is None:
             return None
-        return leasecopy.take_ahead(lease, self._serial, rows)
+        return leasecopy.take_ahead(resources.spares, lease, self._serial, rows)
 
     def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
         """Check `block` against the spec (`CorruptDataError` if it does not fit) and
@@ -283,11 +283,14 @@ class Assembler:
         (`gpu_prefetch`: the CPU filled them in unified memory); then have the next
         restore's arrays made off its path (`cas_bank.spares`; a runtime's restore
         holds them until its forward pass is done, `Spares.holding`)."""
-        prefetch = gpu_prefetch.prefetcher() if self._spared else None
+        resources = self._resources
+        if resources is None or not self._spared:
+            return
+        prefetch = resources.gpu.prefetcher()
         if prefetch is not None:
             prefetch(self._runs())
-        if self._spared and self._handed is not None:
-            SPARES.refill(self._spare_set, filled=self._ask_ahead(self._handed))
+        if self._handed is not None:
+            resources.spares.refill(self._spare_set, filled=self._ask_ahead(self._handed))
             self._handed = None
 
     def _runs(self) -> list[tuple[int, int]]:
@@ -298,13 +301,19 @@ class Assembler:
 
     def _ask_ahead(self, n_blocks: int) -> Filled | None:
         """The copy of this restore's lease to make ahead for the next (`leasecopy`)."""
-        lease = self._from_lease
-        if lease is None:
+        lease, resources = self._from_lease, self._resources
+        if lease is None or resources is None:
             return None
         attention = self._wanted[: len(self.specs)]
         rows = n_blocks * self.block_size
         return leasecopy.ask_ahead(
-            lease, self._serial, rows, attention, self._attention_bytes, self._views
+            resources.spares,
+            lease,
+            self._serial,
+            rows,
+            attention,
+            self._attention_bytes,
+            self._views,
         )
 
     def block_files(self) -> BlockFiles:
@@ -317,6 +326,7 @@ class Assembler:
             runs=self._row_runs,
             addresses=self.addresses(),
             layout=self._block_layout,
+            scratch=self._scratch(),
         )
 
     def addresses(self) -> np.ndarray:
@@ -342,7 +352,12 @@ class Assembler:
             runs=self._state_runs,
             addresses=addresses,
             layout=self._state_layout,
+            scratch=self._scratch(),
         )
+
+    def _scratch(self) -> threading.local | None:
+        """The bank's reading threads' reused buffers (`fastread`), where it has them."""
+        return self._resources.scratch if self._resources is not None else None
 
     def state_arrays(self) -> list[mx.array]:
         """The state arrays (call once `state_files` read a payload and it verified)."""

@@ -17,7 +17,8 @@ out (it ends before that block, and bytes beyond a cache's offset are never read
 Either check a payload's digest field names (`hashing.check_of`: XXH3-128 or blake3)
 is computed this way.
 
-Without it: one `preadv` of the whole file into the reading thread's reused buffer,
+Without it: one `preadv` of the whole file into the reading thread's reused buffer
+(kept by the bank's `Resources`),
 one check over it (the `xxhash` or `blake3` package), then, once it verified, one
 strided copy per array into its rows of the destination.
 
@@ -91,13 +92,14 @@ def _expected_head(
     return bytes(desc), body
 
 
-_scratch = threading.local()  # each reading thread's reused buffer
-
-
-def _buffer(size: int) -> bytearray:
-    buf: bytearray | None = getattr(_scratch, "buf", None)
+def _buffer(scratch: threading.local | None, size: int) -> bytearray:
+    """A buffer of at least `size` bytes: this thread's in `scratch` (the bank's,
+    `cas_bank.resources`), reused; a new one where there is none."""
+    if scratch is None:
+        return bytearray(size)
+    buf: bytearray | None = getattr(scratch, "buf", None)
     if buf is None or len(buf) < size:
-        buf = _scratch.buf = bytearray(size)
+        buf = scratch.buf = bytearray(size)
     return buf
 
 
@@ -162,12 +164,15 @@ class BlockFiles:
         runs: RowRuns | None = None,
         addresses: np.ndarray | None = None,
         layout: Layout | None = None,
+        scratch: threading.local | None = None,
     ) -> None:
         """`runs` and `addresses`: where the caller has them, `dests`' row runs at
         address 0 (`contiguous_row_runs` of their shapes: the caller vouches that each
         view is C-contiguous and writable) and each view's address (int64). `layout`:
         `layout_of(shapes, dtypes)`, where the caller keeps it (its shapes then vouched
-        for as `block_size` rows)."""
+        for as `block_size` rows). `scratch`: where the reading threads keep the buffer
+        the reader without the native helper reuses (the bank's); None: one a read."""
+        self._scratch = scratch
         if layout is None:
             if block_size is not None and any(s[-2] != block_size for s in shapes):
                 raise ValueError(f"block arrays of shapes {list(shapes)} are not {block_size} rows")
@@ -229,7 +234,7 @@ class BlockFiles:
         head_len = _LEAD.size + len(self.desc)
         if size != head_len + self.body_len:  # compressed, or not this layout
             return "not a plain payload"
-        buf = _buffer(size)
+        buf = _buffer(self._scratch, size)
         view = memoryview(buf)[:size]
         try:
             fd = os.open(path, os.O_RDONLY)

@@ -9,14 +9,15 @@ share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 pref
   lease's addresses placed) depends only on the lease and the destinations' shapes,
   so the lease keeps it (`HeldArrays.memo`), one per destination shapes and rows.
 - A lease restored with room a second time is likely restored again (a system prompt
-  many agents share): after such a restore, the spares' thread (`cas_bank.spares`)
-  makes the next restore's arrays and copies the prefix into them, off the path, as
-  it makes plain spares. The next restore of the same lease, shapes and rows takes
-  them whole (`take_ahead`) and copies nothing. The arrays are the spares' (within
-  their bound; the two most recent leases only), a copy of arrays nobody updates in
-  place, so they hold exactly what the lease holds; taken once, never shared. A lease
-  restored once (a conversation's history, restored for its next turn) is never
-  copied ahead: that copy would be bandwidth spent for nothing.
+  many agents share): after such a restore, the thread of the bank's spares
+  (`cas_bank.spares`, in its `Resources`) makes the next restore's arrays and copies
+  the prefix into them, off the path, as it makes plain spares. The next restore of
+  the same lease, shapes and rows takes them whole (`take_ahead`) and copies
+  nothing. The arrays are the spares' (within their bound; the two most recent
+  leases only), a copy of arrays nobody updates in place, so they hold exactly what
+  the lease holds; taken once, never shared. A lease restored once (a
+  conversation's history, restored for its next turn) is never copied ahead: that
+  copy would be bandwidth spent for nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from cas_bank.arrays import HeldArrays
 from cas_bank.destinations import Destination, addresses_of
 from cas_bank.index import rowcopy
-from cas_bank.spares import SPARES, Filled, Wanted
+from cas_bank.spares import Filled, Spares, Wanted
 
 _PLANS_KEPT = 8  # plans a lease keeps (one per destination shapes it is restored into)
 _AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is made ahead
@@ -53,16 +54,19 @@ def plan(
     return found
 
 
-def take_ahead(arrays: HeldArrays, serial: int, rows: int) -> list[Destination] | None:
-    """Destinations holding `arrays`' first `rows` rows, copied ahead after an earlier
-    restore (`ask_ahead`); None if there are none (or copies ahead are off:
-    `keep_spare_destinations(copy_ahead=False)`)."""
-    if not SPARES.copy_ahead:
+def take_ahead(
+    spares: Spares, arrays: HeldArrays, serial: int, rows: int
+) -> list[Destination] | None:
+    """Destinations holding `arrays`' first `rows` rows, copied ahead into `spares`
+    after an earlier restore (`ask_ahead`); None if there are none (or copies ahead are
+    off: `Spares.copy_ahead`)."""
+    if not spares.copy_ahead:
         return None
-    return SPARES.take_filled(("lease", arrays.serial, serial, rows))
+    return spares.take_filled(("lease", arrays.serial, serial, rows))
 
 
 def ask_ahead(
+    spares: Spares,
     arrays: HeldArrays,
     serial: int,
     rows: int,
@@ -70,14 +74,14 @@ def ask_ahead(
     nbytes: int,
     views: Sequence[np.ndarray],
 ) -> Filled | None:
-    """What to have the spares' thread make after this restore of `arrays` into
+    """What to have the thread of `spares` make after this restore of `arrays` into
     destinations of `wanted` (shapes, dtypes; `nbytes` in all: `views` are this
     restore's own): from the lease's second restore with room into these shapes, its
     copy made ahead. None before then, or where the native copy is not there."""
     uses_key = ("uses", serial, rows)
     uses = arrays.memo.get(uses_key, 0) + 1
     arrays.memo[uses_key] = uses
-    if uses < _AHEAD_FROM_USE or not SPARES.copy_ahead:
+    if uses < _AHEAD_FROM_USE or not spares.copy_ahead:
         return None
     copy, _ = plan(arrays, serial, views, rows)
     if copy is None:

@@ -3,7 +3,7 @@
 `Bank` meets both; nothing here imports it. Eviction needs a `Writer` (the store, the
 last uses, transactions); a `Namespace` needs an `Owner` (that, and the settings, the
 hot and file tiers, the counters and suspect marks its reads record, the leases, the
-background writer, the admission memory and the shared tier).
+background writer, the admission memory, the shared tier and the restores' resources).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from cas_bank.index.lease import Leases
 from cas_bank.index.timings import RestoreClock
 from cas_bank.index.txn import Suspects, Transaction
 from cas_bank.index.writer import BackgroundWriter
+from cas_bank.resources import Resources
 from cas_bank.stats import Counters
 
 
@@ -84,5 +85,8 @@ class Owner(Writer, Protocol):
 
     @property
     def restore_clock(self) -> RestoreClock: ...
+
+    @property
+    def resources(self) -> Resources: ...
 
     def flush(self, *, wait: bool = True) -> None: ...

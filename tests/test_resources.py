@@ -1,0 +1,126 @@
+"""A bank's own restore resources (`cas_bank.resources`): spares, their thread and
+copies ahead come with `Bank.open` and its defaults (no process-wide call), stay
+within `BankConfig.spare_bytes` (shown by `stats()`), belong to one bank, and stop
+with `close()` (the thread joined, the arrays released). Real MLX, a real bank."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import kv_prefix_bits, prefix_layers
+
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.spares import keep_spare_destinations
+
+SPEC = ModelSpec(
+    name="owned",
+    layers=tuple(LayerSpec.attention(kv_heads=4, head_dim=256, dtype="float16") for _ in "ab"),
+    weights_digest="w-owned",
+)
+TOKENS = [int(t) for t in np.arange(256) % 97]
+
+
+def _spares_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cas_bank-spares"]
+
+
+def test_a_bank_with_default_settings_restores_into_arrays_made_ahead(
+    bank_path: Path,
+) -> None:
+    """No process setting: the second restore takes every array from the bank's own
+    spares, bit-exact; stats show what they hold within their bound; close joins the
+    thread and releases them."""
+    assert not _spares_threads()
+    layers = prefix_layers(SPEC, TOKENS)
+    bank = Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0))
+    try:
+        spares = bank.resources.spares
+        ns = bank.namespace(SPEC)
+        ns.store(TOKENS, layers)
+        first = ns.restore(TOKENS, room_for=300)
+        bank.resources.settle()
+        held = bank.stats()
+        assert 0 < held.spare_held_bytes <= held.spare_bytes == BankConfig().spare_bytes
+        second = ns.restore(TOKENS, room_for=300)
+        assert first is not None and second is not None
+        assert spares.taken == 4  # every array of the second restore made ahead
+        want = kv_prefix_bits(layers, SPEC, 256)
+        assert kv_prefix_bits(second.layers, SPEC, 256) == want
+        assert len(_spares_threads()) == 1
+    finally:
+        bank.close()
+    assert not _spares_threads()  # joined
+    assert spares.bytes == 0 and not spares._pool and not spares._filled
+    assert kv_prefix_bits(second.layers, SPEC, 256) == want  # handed out: still the caller's
+
+
+def test_spare_bytes_zero_keeps_nothing_and_starts_no_thread(bank_path: Path) -> None:
+    layers = prefix_layers(SPEC, TOKENS)
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=0)) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(TOKENS, layers)
+        for _ in range(2):
+            hit = ns.restore(TOKENS, room_for=300)
+            assert hit is not None
+            assert kv_prefix_bits(hit.layers, SPEC, 256) == kv_prefix_bits(layers, SPEC, 256)
+            bank.resources.settle()
+        assert bank.stats().spare_held_bytes == 0 and bank.resources.spares.made == 0
+        assert not _spares_threads()
+
+
+def test_spares_stay_within_their_bound(bank_path: Path) -> None:
+    """A bound below one restore's set (2 MiB here, the set 4 x 1.2 MiB): nothing made."""
+    layers = prefix_layers(SPEC, TOKENS)
+    config = BankConfig(block_size=64, hot_bytes=0, spare_bytes=2 << 20)
+    with Bank.open(bank_path, config) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(TOKENS, layers)
+        for _ in range(3):
+            assert ns.restore(TOKENS, room_for=300) is not None
+            bank.resources.settle()
+            assert bank.stats().spare_held_bytes <= 2 << 20
+        assert bank.resources.spares.made == 0
+
+
+def test_each_bank_has_its_own_pool_and_closing_one_leaves_the_other(
+    tmp_path: Path,
+) -> None:
+    layers = prefix_layers(SPEC, TOKENS)
+    banks = [Bank.open(tmp_path / name, BankConfig(block_size=64, hot_bytes=0)) for name in "ab"]
+    try:
+        for bank in banks:
+            bank.namespace(SPEC).store(TOKENS, layers)
+        a, b = banks
+        a.namespace(SPEC).restore(TOKENS, room_for=300)
+        a.resources.settle()
+        assert a.resources.spares.bytes > 0 and b.resources.spares.bytes == 0
+        b.namespace(SPEC).restore(TOKENS, room_for=300)  # finds none of a's
+        assert b.resources.spares.taken == 0
+        b.resources.settle()
+        a.close()
+        assert a.resources.spares.bytes == 0 and len(_spares_threads()) == 1
+        hit = b.namespace(SPEC).restore(TOKENS, room_for=300)
+        assert hit is not None and b.resources.spares.taken == 4
+        assert kv_prefix_bits(hit.layers, SPEC, 256) == kv_prefix_bits(layers, SPEC, 256)
+    finally:
+        for bank in banks:
+            bank.close()  # twice for a: a no-op
+    assert not _spares_threads()
+
+
+def test_the_old_process_wide_switch_warns_and_checks_its_input() -> None:
+    with pytest.warns(DeprecationWarning, match="BankConfig.spare_bytes"):
+        keep_spare_destinations(1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="max_bytes must be an int >= 0"):
+            keep_spare_destinations(-1)
+
+
+def test_spare_bytes_must_be_a_non_negative_int() -> None:
+    with pytest.raises(ValueError, match="spare_bytes"):
+        BankConfig(spare_bytes=-1)
