@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from cas_bank.bank import Bank
-from cas_bank.destinations import keep_freed_memory
 from cas_bank.errors import InvalidInputError
 from cas_bank.remote.health import TierProbe
-from cas_bank.spares import keep_spare_destinations
 
 from . import mlx_lm_routes as routes
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .models import LoadedModel, weights_digest
-from .process import freeze_startup_objects
+from .process import freeze_startup_objects, server_settings
 from .prompt_cache_adapter import BankPromptCache
 
 log = logging.getLogger("cas_bank")
@@ -251,8 +249,7 @@ def serve(
     which writes what is still queued.
     """
     mls = _mlx_lm_server()
-    keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
-    keep_spare_destinations()  # a restore's arrays made ahead of it (cas_bank.spares)
+    server_settings()  # restores reuse freed caches' memory (keep_freed_memory)
 
     argv = sys.argv
     sys.argv = ["mlx_lm.server", *mlx_lm_args]

@@ -77,7 +77,6 @@ from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.writer import PendingStore
-from cas_bank.spares import SPARES
 from cas_bank.storing import StoreReport
 
 from .cache_io import snapshot_states
@@ -296,7 +295,7 @@ class BankPromptCache:
         # mlx-lm's server prefills on its own and calls back (`insert_cache`) only
         # once the answer is done: the refill the restore held starts now, as before
         # `PrefixCache` held them, rather than 2 s into the answer or after it.
-        SPARES.release()
+        self.bank.resources.release()
         return (cache, n) if n else None
 
     def _store(self, tokens: Sequence[int], cache: list[Any], cache_type: str) -> None:

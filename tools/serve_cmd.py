@@ -133,13 +133,10 @@ def _serve(args: argparse.Namespace) -> int:
     config = bank_config(args)  # a bad value, no fleet secret: refused before anything
     check_directory(args.bank, create=True)  # a file, other files: before the model loads
     from cas_bank.runtime.engine import Engine
+    from cas_bank.runtime.process import server_settings
     from cas_bank.runtime.server import bind, run_server, url_of
 
-    from cas_bank.destinations import keep_freed_memory
-    from cas_bank.spares import keep_spare_destinations
-
-    keep_freed_memory()  # restores reuse freed caches' memory (see its docstring)
-    keep_spare_destinations()  # a restore's arrays made ahead of it (cas_bank.spares)
+    server_settings()  # restores reuse freed caches' memory (keep_freed_memory)
     args.bank.parent.mkdir(parents=True, exist_ok=True)
     try:
         engine = Engine.open(
