@@ -121,6 +121,7 @@ def test_the_old_process_wide_switch_warns_and_checks_its_input() -> None:
             keep_spare_destinations(-1)
 
 
-def test_spare_bytes_must_be_a_non_negative_int() -> None:
+def test_spare_bytes_is_a_setting_of_non_negative_bytes() -> None:
+    assert BankConfig(spare_bytes=0).spare_bytes == 0
     with pytest.raises(ValueError, match="spare_bytes"):
         BankConfig(spare_bytes=-1)
