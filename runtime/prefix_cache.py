@@ -41,8 +41,9 @@ Throughput: by default (a bank opened with default settings has a background wri
 `BankConfig.write_behind`) stores are off the caller's thread: `prefill` and `store`
 only snapshot the cache (no copy: the cache's next update copies its buffer instead)
 and queue the store for the bank's writer (docs/design.md, "Background writer"), so
-the first token never waits for a store; a restore right after still sees the blocks
-(from memory until they are written; a hybrid model's once they are). `bank.flush()`
+the first token never waits for a store; a restore (or `match`) right after sees all
+of it, blocks, states and end records, from memory until they are written (the bank's
+read view, docs/design.md, "Background writer"). `bank.flush()`
 waits for what is queued (and raises a store that failed); `store`'s `PendingStore`
 waits for its own. `PrefixCache(..., background=False)` stores inline: on the
 caller's thread after the last chunk, the KV buffers sliced as zero-copy views,

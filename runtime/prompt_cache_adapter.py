@@ -56,7 +56,8 @@ write) is logged and counted in `stats()`, and the request goes on uncached.
 Stores go through the bank's background writer by default (`PrefixCache`'s
 `background`): `insert_cache` returns once the cache is snapshotted and its stores are
 queued, so mlx-lm's generation thread never waits for a write; a fetch right after
-sees an attention model's blocks from memory, a hybrid model's once written.
+sees what the insert stored (blocks, states, the end record, and so the namespace of
+its cache type: quantized or not) from memory until it is written.
 `blocks_written`, `bytes_written` and `end_bytes_written` count what the writer wrote
 (`bank.flush()` waits for it); a queued store that fails is logged and raised by the
 next `bank.flush()` (and `close()`). `background=False` stores inline.

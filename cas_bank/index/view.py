@@ -1,5 +1,5 @@
 """One read view of a bank: everything it has accepted, queued for the background
-writer or written, found by every lookup (docs/design.md, "Read view").
+writer or written, found by every lookup (docs/design.md, "Background writer").
 
 RocksDB's own design is the model: a write is in the memtable before it is in a
 table, and every read asks the memtable first. Here the memtable is the writer's
