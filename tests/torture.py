@@ -8,9 +8,13 @@ Random rounds against real banks, each followed by a verify and an exact-restore
 - flip / truncate: a copy of the main bank with bytes overwritten in, or the tail cut
   off, one file of a random kind (table, blob, log, MANIFEST, CURRENT, OPTIONS);
 - full: stores into a bank on a small tmpfs until the disk is full, then space is
-  freed and stores resume (needs root to mount; skipped otherwise).
+  freed and stores resume (needs root to mount; skipped otherwise);
+- bg_kill / bg_full / bg_close: the same faults (a SIGKILL, a full disk, and a close
+  during a flood of stores) on stores through the background writer, a child storing
+  through `PrefixCache` with default settings (`tests/torture_background.py`).
 Checks run in a worker process: a crash there is counted (it must stay 0), and every
 hit is compared bit for bit with the prompt's own KV (wrong restores must stay 0).
+Counts are printed by round kind (`round_<kind>`, `<kind>_acknowledged`, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ import tempfile
 import textwrap
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from torture_background import BackgroundRounds, fail
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -35,6 +43,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 WRITER = """
 import sys
 from pathlib import Path
+from typing import Any
 from cas_bank import Bank, BankConfig
 from conftest import prefix_layers
 from damage_kit import B, prompts, wide_spec
@@ -50,19 +59,37 @@ with Bank.open(path, config) as bank:
 WORKER = """
 import json, sys
 from pathlib import Path
+from typing import Any
 from damage_kit import check_bank, prompts
+from torture_prefix import check_prefix_bank
 for line in sys.stdin:
     job = json.loads(line)
-    ps = [prompts(40, s)[i] for s, i in job["acked"]]
     try:
-        out = check_bank(Path(job["path"]), ps, full=job["full"])
+        if job["prefix"]:
+            out = check_prefix_bank(Path(job["path"]), job["acked"])
+        else:
+            ps = [prompts(40, s)[i] for s, i in job["acked"]]
+            out = check_bank(Path(job["path"]), ps, full=job["full"])
     except AssertionError as e:
         out = "WRONG " + str(e)
+    except Exception as e:
+        out = f"CRASH {type(e).__name__}: {e}"
     print(json.dumps(out), flush=True)
 """
 
 
 ROUNDS = ["kill", "kill", "evict", "flip", "flip", "flip", "truncate", "truncate", "full"]
+ROUNDS += ["bg_kill", "bg_kill", "bg_kill", "bg_close", "bg_close", "bg_full"]
+# Must stay 0: a run with any of them exits 1.
+FAILURES = (
+    "wrong_restores",
+    "lost_acknowledged_stores",
+    "crashes",
+    "hangs",  # a child that did not end (a close that did not return)
+    "verify_problems",
+    "store_errors",  # a background store failing with anything but a full disk
+    "no_recovery",  # no store written once a full disk's space was freed
+)
 
 
 def env() -> dict[str, str]:
@@ -77,7 +104,9 @@ class Worker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
 
-    def check(self, path: Path, acked: list[tuple[int, int]], full: bool) -> str:
+    def check(self, path: Path, acked: Sequence[Any], full: bool, prefix: bool = False) -> str:
+        """A bank checked by `damage_kit.check_bank`, or (`prefix`) by
+        `torture_prefix.check_prefix_bank`, `acked` being its `[model, seed, i, digest]`."""
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", textwrap.dedent(WORKER)],
@@ -88,7 +117,7 @@ class Worker:
                 env=env(),
             )
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        job = {"path": str(path), "acked": acked, "full": full}
+        job = {"path": str(path), "acked": acked, "full": full, "prefix": prefix}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -178,17 +207,30 @@ def full_round(root: Path, worker: Worker, seed: int, stats: Counter[str]) -> No
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+def background_round(
+    rounds: BackgroundRounds, kind: str, seed: int, rng: random.Random, stats: Counter[str]
+) -> None:
+    """One bg_* round (`torture_background`), checked by the worker."""
+    result = getattr(rounds, kind.removeprefix("bg_"))(seed, rng, stats)
+    if result is None:  # no tmpfs here
+        stats[f"{kind}_skipped"] += 1
+    else:
+        tally(stats, kind, result)
+
+
 def tally(stats: Counter[str], kind: str, result: str) -> None:
+    """Count a round's check; a failure also under its kind (`<kind>_<failure>`)."""
     stats["rounds"] += 1
     stats[f"round_{kind}"] += 1
-    if result.startswith("WRONG"):
-        stats["wrong_restores"] += 1
-        print(f"  {kind}: {result}", flush=True)
-    elif result.startswith("CRASH"):
-        stats["crashes"] += 1
-        print(f"  {kind}: {result}", flush=True)
-    elif result.startswith("LOST"):
-        stats["lost_acknowledged_stores"] += int(result.split()[1])
+    head = result.split(" ", 1)[0]
+    failure = {
+        "WRONG": "wrong_restores",
+        "CRASH": "crashes",
+        "LOST": "lost_acknowledged_stores",
+        "BAD": "verify_problems",
+    }.get(head)
+    if failure is not None:
+        fail(stats, kind, failure, int(result.split()[1]) if head == "LOST" else 1)
         print(f"  {kind}: {result}", flush=True)
     elif result == "refused":
         stats["refused_with_a_clear_error"] += 1
@@ -208,11 +250,12 @@ def main() -> int:
     worker = Worker()
     deadline = time.monotonic() + args.seconds
     seed = 1
+    background = BackgroundRounds(
+        root, env(), lambda path, acked: worker.check(path, acked, True, prefix=True)
+    )
     try:
         while time.monotonic() < deadline:
-            kind = rng.choice(
-                ["kill", "kill", "evict", "flip", "flip", "flip", "truncate", "truncate", "full"]
-            )
+            kind = rng.choice(ROUNDS)
             seed += 1
             stats["faults"] += 1
             if kind == "kill":
@@ -233,17 +276,18 @@ def main() -> int:
                 shutil.copytree(main_bank, copy)
                 stats[f"{kind}_{damage(copy, rng, kind)}"] += 1
                 tally(stats, kind, worker.check(copy, acked, False))
-            else:
+            elif kind == "full":
                 full_round(root, worker, seed, stats)
+            else:
+                background_round(background, kind, seed, rng, stats)
             stats["acknowledged_stores"] = len(acked)
     finally:
         worker.close()
         shutil.rmtree(root, ignore_errors=True)
-    for key in ("wrong_restores", "lost_acknowledged_stores", "crashes"):
+    for key in FAILURES:
         stats.setdefault(key, 0)
     print(json.dumps(dict(sorted(stats.items())), indent=1))
-    bad = stats["wrong_restores"] + stats["lost_acknowledged_stores"] + stats["crashes"]
-    return 1 if bad else 0
+    return 1 if any(stats[key] for key in FAILURES) else 0
 
 
 if __name__ == "__main__":
