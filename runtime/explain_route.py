@@ -20,6 +20,7 @@ from cas_bank.explain import explain
 from cas_bank.index.tree import HeaderIndex
 
 from .generation import RequestError
+from .openai_types import MAX_SALT_CHARS, first_bad_text, name_problem
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -29,6 +30,11 @@ def explain_request(engine: Engine, body: Mapping[str, Any]) -> dict[str, Any]:
     """The explanation of the prompt `body` names (a `RequestError` for a bad body)."""
     if not isinstance(body, Mapping):
         raise RequestError("the body must be a JSON object with messages or prompt")
+    if (bad := first_bad_text(body)) is not None:  # before a tokenizer or a hash sees it
+        raise RequestError(f"{bad[0]}: {bad[1]}", param=bad[0])
+    salt = body.get("cache_salt")
+    if salt is not None and (why := name_problem(salt, MAX_SALT_CHARS)) is not None:
+        raise RequestError(f"cache_salt {why}", param="cache_salt")
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
@@ -45,11 +51,6 @@ def explain_request(engine: Engine, body: Mapping[str, Any]) -> dict[str, Any]:
         raise RequestError("give messages or prompt", param="messages")
     if not prompt:
         raise RequestError("the prompt is empty", param="prompt")
-    salt = body.get("cache_salt")
-    if salt is not None and not (isinstance(salt, str) and 1 <= len(salt) <= 1024):
-        raise RequestError(
-            "cache_salt must be a string of 1 to 1024 characters", param="cache_salt"
-        )
     pc = engine.prefix_cache
     try:
         pc.tokens(prompt)

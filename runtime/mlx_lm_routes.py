@@ -2,20 +2,24 @@
 
 - `/health`: mlx-lm's (`ok`, or 503 `unavailable` once its generation thread died),
   plus the bank and the shared tier: `degraded` (still 200: answers go out) with the
-  reason while the bank refuses stores or the shared tier does not serve
-  (`cas_bank.remote.health`), and the tier's state under `remote`.
+  reason while the bank is not in use (`BankUnused`: with `--draft-model`, mlx-lm's
+  own prompt cache serves), refuses stores, or the shared tier does not serve
+  (`cas_bank.remote.health`); `bank_in_use`, and the tier's state under `remote`.
 - `/metrics`: Prometheus text of the bank's counters, where restores spent their time,
-  the prompt cache's counters and the shared tier's state (mlx-lm has no metrics).
-- `/v1/models`: the model served, and the mlx-lm models in the local Hugging Face cache
-  as mlx-lm lists them; the listing is made before any byte is sent, so a cache that
-  cannot be read (none yet: mlx-lm raised after its 200 header) drops only that part.
+  the prompt cache's counters, whether the bank is in use (`bank_in_use`, 0 with the
+  reason as a label) and the shared tier's state (mlx-lm has no metrics).
+- `/v1/models`: the model served; with `--allow-model-switching` also the mlx-lm
+  models in the local Hugging Face cache as mlx-lm lists them (a server pinned to its
+  model lists no others: they are not a caller's to probe). The listing is made before
+  any byte is sent, so a cache that cannot be read (none yet: mlx-lm raised after its
+  200 header) drops only that part.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from cas_bank.bank import Bank
@@ -29,6 +33,7 @@ from .metrics import (
     restore_metrics,
     tier_metrics,
 )
+from .mlx_lm_requests import served_model_id
 
 log = logging.getLogger("cas_bank.mlx_lm")
 
@@ -45,14 +50,25 @@ def send_json(handler: Any, status: int, body: Any) -> None:
     handler.wfile.flush()
 
 
-def health(handler: Any, bank: Bank, tier: TierProbe | None) -> None:
+@dataclass(frozen=True)
+class BankUnused:
+    """Why the server does not use its bank: `code` (a metric label), `why` (a sentence)."""
+
+    code: str
+    why: str
+
+
+def health(
+    handler: Any, bank: Bank, tier: TierProbe | None, unused: BankUnused | None = None
+) -> None:
     alive = bool(handler.response_generator.is_healthy)
     remote = tier.check() if tier is not None else None
-    degraded = degraded_reason(bank.degraded, remote)
+    degraded = unused.why if unused is not None else degraded_reason(bank.degraded, remote)
     status = "unavailable" if not alive else "ok" if degraded is None else "degraded"
     body = {
         "status": status,
         "degraded": degraded,
+        "bank_in_use": unused is None,
         "remote": None if remote is None else remote.as_dict(),
         "bank": str(bank.path),
         "block_size": bank.config.block_size,
@@ -60,7 +76,13 @@ def health(handler: Any, bank: Bank, tier: TierProbe | None) -> None:
     send_json(handler, 200 if alive else 503, body)
 
 
-def metrics(handler: Any, bank: Bank, tier: TierProbe | None, cache_stats: dict[str, int]) -> None:
+def metrics(
+    handler: Any,
+    bank: Bank,
+    tier: TierProbe | None,
+    cache_stats: dict[str, int],
+    unused: BankUnused | None = None,
+) -> None:
     families = [*bank_metrics(bank.stats()), *restore_metrics(bank.restore_times())]
     families.append(
         Metric.single(
@@ -68,6 +90,18 @@ def metrics(handler: Any, bank: Bank, tier: TierProbe | None, cache_stats: dict[
             "1 while the bank refuses stores (a full disk); answers still go out.",
             "gauge",
             0 if bank.degraded is None else 1,
+        )
+    )
+    in_use: dict[tuple[tuple[str, str], ...], float] = (
+        {(): 1.0} if unused is None else {(("reason", unused.code),): 0.0}
+    )
+    families.append(
+        Metric(
+            "bank_in_use",
+            "1 while the bank is the prompt cache; 0 (the reason as a label) while mlx-lm's "
+            "own cache serves instead (--draft-model).",
+            "gauge",
+            in_use,
         )
     )
     families += [
@@ -87,13 +121,14 @@ def metrics(handler: Any, bank: Bank, tier: TierProbe | None, cache_stats: dict[
     handler.wfile.flush()
 
 
-def models(handler: Any, scan_cache_dir: Any) -> None:
-    """mlx-lm's `/v1/models[/repo]`, its listing made before anything is sent."""
+def models(handler: Any, scan_cache_dir: Any, *, others: bool) -> None:
+    """mlx-lm's `/v1/models[/repo]`, its listing made before anything is sent; `others`:
+    list the local Hugging Face cache's models too (a server that may switch to them)."""
     wanted = "/".join(handler.path.split("/")[3:]) or None
     created = handler.created
     listed: list[dict[str, Any]] = []
     try:
-        repos = scan_cache_dir().repos
+        repos = scan_cache_dir().repos if others else []
     except Exception as e:  # no Hugging Face cache (yet), or one that cannot be read
         log.info("cas-bank mlx-lm-server: /v1/models lists no cached models: %s", e)
         repos = []
@@ -105,14 +140,6 @@ def models(handler: Any, scan_cache_dir: Any) -> None:
     if served is not None and served not in ids and wanted in (None, served):
         listed.append({"id": served, "object": "model", "created": created})
     send_json(handler, 200, {"object": "list", "data": listed})
-
-
-def served_model_id(model: str | None) -> str | None:
-    """The id mlx-lm gives the model of `--model`: its resolved path when it is local."""
-    if not model:
-        return None
-    path = Path(model)
-    return str(path.resolve()) if path.exists() else model
 
 
 def _is_mlx_model(repo: Any) -> bool:

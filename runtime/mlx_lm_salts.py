@@ -20,21 +20,23 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from .openai_types import MAX_SALT_CHARS, name_problem
+
 SALT_ATTR: Final = "cas_bank_cache_salt"
-MAX_SALT_CHARS: Final = 1024  # as `cas-bank serve` (openai_types.SamplingFields)
 
 # What the generator subclass overrides: an mlx-lm without them cannot keep salts apart.
 _NEEDED: Final = ("generate", "_is_batchable", "_serve_single")
 
 
 def request_salt(body: dict[str, Any]) -> str | None:
-    """The request's `cache_salt`, checked; ValueError (mlx-lm's 400) names a bad one."""
+    """The request's `cache_salt`, checked as `cas-bank serve` checks it (a string of 1
+    to 1024 characters, Unicode text, no NUL); ValueError (mlx-lm's 400) names a bad one."""
     salt = body.get("cache_salt")
     if salt is None:
         return None
-    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_SALT_CHARS:
-        raise ValueError(f"cache_salt must be a string of 1 to {MAX_SALT_CHARS} characters")
-    return salt
+    if (why := name_problem(salt, MAX_SALT_CHARS)) is not None:
+        raise ValueError(f"cache_salt {why}")
+    return str(salt)
 
 
 def salt_of(obj: Any) -> str | None:
@@ -56,7 +58,8 @@ def salting_generator(base: Any) -> Any:
         prompt_cache: Any  # mlx-lm's (untyped): a `BankPromptCache` here
 
         def generate(self, request: Any, generation_args: Any, *rest: Any, **kw: Any) -> Any:
-            setattr(generation_args, SALT_ATTR, salt_of(request))
+            if generation_args is not None:  # (None: mlx-lm's own RuntimeError, below)
+                setattr(generation_args, SALT_ATTR, salt_of(request))
             return super().generate(request, generation_args, *rest, **kw)
 
         def _is_batchable(self, args: Any) -> bool:
@@ -70,7 +73,11 @@ def salting_generator(base: Any) -> Any:
             if not hasattr(shared, "salted"):  # mlx-lm's own cache (the handler refuses)
                 request[0].put(ValueError("cache_salt needs the bank as the prompt cache"))
                 return None
-            self.prompt_cache = shared.salted(salt)  # this one request, on this thread
+            try:  # an error here is this request's, never the generation thread's
+                self.prompt_cache = shared.salted(salt)  # this one request, on this thread
+            except Exception as e:
+                request[0].put(e)
+                return None
             try:
                 return super()._serve_single(request, stream)
             finally:

@@ -7,17 +7,25 @@ seven-line function that makes an `LRUPromptCache` and starts the generator: our
 makes a `BankPromptCache` on the model the provider loaded instead, and uses an HTTP
 server class that prints the address it bound (so `--port 0` works for scripts), a
 handler that takes a request's `cache_salt` and a generator that serves a salted
-request from its salt's namespaces (`mlx_lm_salts`). The handler also answers
-`/health`, `/metrics` and `/v1/models` itself (`mlx_lm_routes`).
+request from its salt's namespaces (`mlx_lm_salts`). The handler checks every
+completion body before mlx-lm sees it (`mlx_lm_requests`: Unicode text, OpenAI's
+types, and the model the server was started with, unless `allow_model_switching`),
+and answers `/health`, `/metrics` and `/v1/models` itself (`mlx_lm_routes`). The
+generator outlives a request's error (`mlx_lm_worker`).
 
 SIGTERM stops the server the way Ctrl-C does (mlx-lm shuts its HTTP server down and
-joins its generation thread); the bank is closed after that, on every exit path.
+joins its generation thread); the bank is closed after that, on every exit path. A
+generation thread that cannot go on stops the server the same way, and `serve` then
+raises (the command exits non-zero), so a supervisor restarts it rather than keeping a
+process that answers nothing.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import importlib
+import io
 import json
 import logging
 import signal
@@ -33,7 +41,9 @@ from cas_bank.errors import InvalidInputError
 from cas_bank.remote.health import TierProbe
 
 from . import mlx_lm_routes as routes
+from .mlx_lm_requests import COMPLETION_ROUTES, DEFAULT_MODEL, BodyError, ModelPin, check_body
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
+from .mlx_lm_worker import worker_generator
 from .models import LoadedModel, weights_digest
 from .process import freeze_startup_objects, server_settings
 from .prompt_cache_adapter import BankPromptCache
@@ -41,6 +51,11 @@ from .prompt_cache_adapter import BankPromptCache
 log = logging.getLogger("cas_bank")
 
 READY = "cas-bank mlx-lm-server: listening on"
+DRAFT_MODEL_UNUSED = (
+    "the bank is not in use: with --draft-model, mlx-lm's own in-memory prompt cache "
+    "serves (speculative decoding's caches hold the draft model's layers too, and the "
+    "bank keeps one model's)"
+)
 
 
 def _mlx_lm_server() -> Any:
@@ -86,37 +101,59 @@ def cas_bank_handler(
     bank: Bank,
     tier: TierProbe | None = None,
     cache_stats: Callable[[], dict[str, int]] = dict,
+    *,
+    pin: ModelPin | None = None,
+    unused: routes.BankUnused | None = None,
 ) -> Any:
     """mlx-lm's request handler, with what the bank adds:
 
     - `/health`, `/metrics` and `/v1/models` (`mlx_lm_routes`): the bank and the shared
-      tier `tier` in the health and the metrics (`cache_stats`: the prompt cache's);
-
-    - a request's `cache_salt` is checked (a 400 names a bad one) and carried to the
-      generator (`mlx_lm_salts`); with `--draft-model` (mlx-lm's own cache, which keeps
-      no tenants apart) a salted request is refused with a 400 saying so;
-    - an empty completion prompt is answered with a 400 before it reaches mlx-lm's
-      generation thread: in mlx-lm 0.32 one empty prompt ends that thread for good
-      (every later request: "generation thread died").
+      tier `tier` in the health and the metrics (`cache_stats`: the prompt cache's;
+      `unused`: why the bank is not in use, if it is not);
+    - a completion body is checked before mlx-lm reads it (`mlx_lm_requests`): a 400
+      names a field of the wrong type or a string that is not Unicode text (an empty
+      prompt too: in mlx-lm 0.32 one ended its generation thread for good), a 404 a
+      model other than the one of `pin` (None: any, as mlx-lm does);
+    - a request's `cache_salt` is carried to the generator (`mlx_lm_salts`); with
+      `--draft-model` (mlx-lm's own cache, which keeps no tenants apart) a salted
+      request is refused with a 400 saying so.
     """
 
     class Handler(handler):  # type: ignore[misc]
+        rfile: Any  # the request's stream (BaseHTTPRequestHandler's)
+
         def do_GET(self) -> None:
             path = self.path.split("?")[0]
             if path == "/health":
-                routes.health(self, bank, tier)
+                routes.health(self, bank, tier, unused)
             elif path == "/metrics":
-                routes.metrics(self, bank, tier, cache_stats())
+                routes.metrics(self, bank, tier, cache_stats(), unused)
             elif path.startswith("/v1/models"):
-                routes.models(self, _mlx_lm_server().scan_cache_dir)
+                routes.models(self, _mlx_lm_server().scan_cache_dir, others=pin is None)
             else:
                 super().do_GET()
+
+        def do_POST(self) -> None:
+            length = self.headers.get("Content-Length", "")
+            if self.path not in COMPLETION_ROUTES or not length.isascii() or not length.isdigit():
+                super().do_POST()  # mlx-lm answers (a 404, a 411, a 400)
+                return
+            raw = self.rfile.read(int(length))
+            try:
+                check_body(raw, self.path, pin)
+            except BodyError as e:
+                routes.send_json(self, e.status, {"error": str(e)})
+                return
+            stream = self.rfile
+            self.rfile = io.BytesIO(raw)  # mlx-lm reads the body again
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = stream
 
         # A factory's ValueError is mlx-lm's own 400: {"error": message}.
         def handle_text_completions(self) -> Any:
             salt = self._salt()
-            if self.body.get("prompt") in ("", []):
-                raise ValueError("the prompt is empty")
             return _tagged(super().handle_text_completions(), salt)
 
         def handle_chat_completions(self) -> Any:
@@ -147,9 +184,15 @@ def make_run(
     capture_states: bool = True,
     background: bool = True,
     store: bool = True,
+    allow_model_switching: bool = False,
+    on_death: Callable[[BaseException], None] | None = None,
 ) -> Callable[..., None]:
     """A replacement for `mlx_lm.server.run` that serves from `bank` (`store=False`:
-    restores only, nothing is stored)."""
+    restores only, nothing is stored).
+
+    `allow_model_switching`: serve the model a request names, as mlx-lm does (default:
+    only the model the server was started with). `on_death`: called if the generation
+    thread cannot go on (`mlx_lm_worker`)."""
     mls = _mlx_lm_server()
 
     def run(
@@ -167,6 +210,7 @@ def make_run(
             )
         model_provider.load_default()
         prompt_cache: Any
+        unused = None
         if getattr(args, "draft_model", None):
             # Speculative decoding's caches hold the draft model's layers after the
             # model's: the bank keeps one model's, so mlx-lm's own cache serves them.
@@ -177,6 +221,7 @@ def make_run(
                 bank.path,
             )
             prompt_cache = mls.LRUPromptCache(args.prompt_cache_size)
+            unused = routes.BankUnused("draft_model", DRAFT_MODEL_UNUSED)
         else:
             prompt_cache = BankPromptCache(
                 bank,
@@ -188,7 +233,12 @@ def make_run(
                 background=None if background else False,
                 store=store,
             )
-        generator = salting_generator(mls.ResponseGenerator)(model_provider, prompt_cache)
+        pin, pinned = None, None
+        if not allow_model_switching:
+            pin = ModelPin.of(args.model, args.draft_model, args.adapter_path)
+            pinned = mls.ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None)
+        worker = worker_generator(mls.ResponseGenerator, pinned=pinned, on_death=on_death)
+        generator = salting_generator(worker)(model_provider, prompt_cache)
         freeze_startup_objects()  # no full collection over the model inside a request
         tier = TierProbe(bank.remote) if bank.remote is not None else None
         stats = getattr(prompt_cache, "stats", dict)  # mlx-lm's own cache (draft): none
@@ -199,7 +249,14 @@ def make_run(
                 generator,
                 server_class=server_class or announcing_server(json_line),
                 handler_class=handler_class
-                or cas_bank_handler(mls.APIHandler, bank, tier, lambda: dict(stats())),
+                or cas_bank_handler(
+                    mls.APIHandler,
+                    bank,
+                    tier,
+                    lambda: dict(stats()),
+                    pin=pin,
+                    unused=unused,
+                ),
             )
         finally:
             if generator.generation_available():  # an exit other than Ctrl-C / SIGTERM
@@ -240,14 +297,24 @@ def serve(
     capture_states: bool = True,
     background: bool = True,
     store: bool = True,
+    allow_model_switching: bool = False,
 ) -> None:
     """Run mlx-lm's server with `mlx_lm_args` (its own command line) on `bank`.
 
     `background`: inserts store through the bank's background writer (False: inline).
     `store`: False stores nothing (restores still run).
+    `allow_model_switching`: a request may name another model, which mlx-lm loads
+    (default: a 404 for any but the one of `--model`).
     Returns when the server stops (SIGINT or SIGTERM); the caller closes the bank,
-    which writes what is still queued.
+    which writes what is still queued. Raises `RuntimeError` when it stopped because
+    mlx-lm's generation thread could not go on.
     """
+    died: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        died.append(error)
+        _thread.interrupt_main(signal.SIGTERM)  # stops the server as SIGTERM does
+
     mls = _mlx_lm_server()
     server_settings()  # restores reuse freed caches' memory (keep_freed_memory)
 
@@ -260,6 +327,8 @@ def serve(
             capture_states=capture_states,
             background=background,
             store=store,
+            allow_model_switching=allow_model_switching,
+            on_death=on_death,
         )
         # A stop (Ctrl-C, SIGTERM) before mlx-lm's serve loop catches it (just after the
         # ready line) is a stop all the same, not an error.
@@ -267,3 +336,8 @@ def serve(
             mls.main()
     finally:
         sys.argv = argv
+    if died:
+        raise RuntimeError(
+            f"mlx-lm's generation thread could not go on ({type(died[0]).__name__}: "
+            f"{died[0]}); the server stopped"
+        )

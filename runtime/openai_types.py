@@ -7,22 +7,138 @@ negative `max_tokens`, a NaN temperature, `logprobs: true`, a list of `tools`: s
 `UNSUPPORTED`) with a 400 naming the field, so a client never gets a silently
 different answer than it asked for. A field of `UNSUPPORTED` at its neutral value
 (`logprobs: false`, `tools: []`, `tool_choice: "none"`, a penalty of 0) is accepted.
+
+Types are strict, as OpenAI's API checks them: a boolean is `true` or `false` (not
+`"yes"`, not 1), a token id is an integer (not `true`, not `1.0`), a number is not a
+string. Every text is Unicode text (`text_problem`: JSON can carry a lone UTF-16
+surrogate, `"\\ud800"`, which no tokenizer, hash or log can take), and the names that
+reach a namespace or a log (`model`, `cache_salt`) are also bounded and free of NUL
+(`name_problem`). These checks are shared with `cas-bank mlx-lm-server`
+(`mlx_lm_requests`) and `/v1/explain`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticUndefined
 
 FinishReason = Literal["stop", "length"]
 
+MAX_SALT_CHARS: Final = 1024
+MAX_NAME_CHARS: Final = 1024  # a model's name: a Hugging Face repo id or a local path
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+# -- edge checks (shared by both servers) -----------------------------------------------
+def text_problem(text: str) -> str | None:
+    """Why `text` is not Unicode text, or None. JSON's `"\\ud800"` decodes to a lone
+    UTF-16 surrogate, which has no UTF-8 form: a tokenizer, a salt's hash and a log
+    line all fail on it."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        return (
+            f"holds a lone UTF-16 surrogate ({text[e.start]!a}) at character "
+            f"{e.start}, which is not Unicode text"
+        )
+    return None
+
+
+def name_problem(value: object, max_chars: int = MAX_NAME_CHARS) -> str | None:
+    """Why `value` cannot be a name that reaches a namespace, a path or a log (a salt,
+    a model): not a string of 1 to `max_chars` characters, a NUL, not Unicode text."""
+    if not isinstance(value, str) or not 1 <= len(value) <= max_chars:
+        return f"must be a string of 1 to {max_chars} characters"
+    if "\x00" in value:
+        return "must not hold a NUL character"
+    return text_problem(value)
+
+
+def first_bad_text(body: Any) -> tuple[str, str] | None:
+    """The first string of a JSON value (object keys too) that is not Unicode text, as
+    (where, why) with `where` like `messages.0.content`; None when every one is."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # a loop, not recursion: JSON may nest deeper than Python's stack
+        where, value = stack.pop()
+        items: Iterable[tuple[Any, Any]]
+        if isinstance(value, str):
+            if (why := text_problem(value)) is not None:
+                return where or "body", why
+            continue
+        if isinstance(value, dict):
+            for key in value:
+                if (why := text_problem(key)) is not None:
+                    return _joined(where, ascii(key)), f"a key {why}"
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        stack.extend((_joined(where, k), v) for k, v in reversed(list(items)))
+    return None
+
+
+def _joined(where: str, key: object) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def token_ids_problem(ids: Sequence[Any]) -> str | None:
+    """Why `ids` are not token ids (integers >= 0; not booleans, not 1.0), or None."""
+    for t in ids:
+        if type(t) is not int or t < 0:
+            return f"token ids are integers >= 0, not {json_text(t)}"
+    return None
+
+
+def described(errors: Sequence[Any]) -> tuple[str | None, str]:
+    """pydantic's errors as (the field of the first, one message naming it)."""
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    msg = str(first["msg"]).removeprefix("Value error, ")  # pydantic's prefix for ours
+    return param, f"{where}{msg}{more}"
+
+
+def _type_tag(part: object) -> bool:
+    """A `loc` part pydantic adds for a union's member (`str`, `list[int]`), not a field."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or "[" in part)
+
+
+_TYPE_NAMES: Final = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _unicode(value: str) -> str:
+    if (why := text_problem(value)) is not None:
+        raise ValueError(why)
+    return value
+
+
+def _checked_name(max_chars: int) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if (why := name_problem(value, max_chars)) is not None:
+            raise ValueError(why)
+        return value
+
+    return check
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string that is Unicode text (`text_problem`)."""
+ModelName = Annotated[str, AfterValidator(_checked_name(MAX_NAME_CHARS))]
+Salt = Annotated[str, AfterValidator(_checked_name(MAX_SALT_CHARS))]
+
+
+class RequestModel(BaseModel):
+    """The base of request bodies: strict types, unknown fields ignored, null read as
+    the field's default."""
+
+    # strict: OpenAI's API takes no "yes" for a boolean and no 1.0 for a token id.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -67,26 +183,26 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestModel):
     """Fields shared by both endpoints."""
 
-    model: str = Field(min_length=1)
+    model: ModelName
     max_tokens: int | None = Field(default=None, ge=0, strict=True)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=1)
     # vLLM's field: prompts with the same salt share cached prefixes, different salts
     # share nothing (one tenant cannot time another's prompts through the cache).
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    cache_salt: Salt | None = None
     # UNSUPPORTED: accepted only at their neutral values.
     logprobs: Any = None
     top_logprobs: Any = None
@@ -140,15 +256,15 @@ class SamplingFields(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class TextPart(_Request):
+class TextPart(RequestModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(_Request):
-    role: str = Field(min_length=1)
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+class ChatMessage(RequestModel):
+    role: Text = Field(min_length=1)
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -170,8 +286,20 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     """`prompt`: a string, a list of token ids, or a one-element list of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, value: Any) -> Any:
+        # Token ids said plainly (the union's own error names its first member only).
+        one = isinstance(value, list) and len(value) == 1 and isinstance(value[0], list)
+        ids = value[0] if one else value
+        if not isinstance(ids, list) or any(isinstance(t, (str, list)) for t in ids):
+            return value
+        if (why := token_ids_problem(ids)) is not None:
+            raise ValueError(why)
+        return value
 
     @field_validator("prompt")
     @classmethod

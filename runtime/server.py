@@ -198,9 +198,11 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
 
     def check_model(name: str) -> None:
         if name != engine.model_id:
+            # A name that may be a path is not echoed: error bodies name no paths.
+            asked = "the model asked for" if "/" in name or "\\" in name else f"model {name!r}"
             raise ApiError(
                 404,
-                f"model {name!r} is not served here; this server serves {engine.model_id!r}",
+                f"{asked} is not served here; this server serves {engine.model_id!r}",
                 type="invalid_request_error",
                 code="model_not_found",
                 param="model",
@@ -330,12 +332,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
             type="invalid_request_error",
             code="invalid_json",
         )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    where = f"{param}: " if param else ""
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    msg = str(first["msg"]).removeprefix("Value error, ")  # pydantic's prefix for ours
-    return ApiError(400, f"{where}{msg}{more}", type="invalid_request_error", param=param)
+    param, message = oa.described(errors)
+    return ApiError(400, message, type="invalid_request_error", param=param)
 
 
 # -- running the server -------------------------------------------------------------------

@@ -53,6 +53,13 @@ def register(subparsers: Any) -> None:
     )
     add_bank_arguments(cmd)
     add_deprecated_inline_stores(cmd)
+    cmd.add_argument(
+        "--allow-model-switching",
+        action="store_true",
+        help="serve any model a request names in `model`, `draft_model` or `adapters`, "
+        "loading it as mlx_lm.server does (default: only --model and its --draft-model; "
+        "any other name is a 404)",
+    )
     cmd.set_defaults(extra_args=True)
 
 
@@ -78,6 +85,7 @@ def _run(args: argparse.Namespace) -> int:
             list(args.extra),
             json_line=args.json,
             capture_states=args.capture_states,
+            allow_model_switching=args.allow_model_switching,
             background=args.stores == "background",
             store=args.stores != "off",
         )

@@ -192,11 +192,21 @@ def namespace_root(spec_fingerprint: str, block_size: int, salt: bytes = b"") ->
 
 
 def salt_bytes(salt: str | bytes | None) -> bytes:
-    """A tenant salt as bytes (text as UTF-8); None and empty mean no salt."""
+    """A tenant salt as bytes (text as UTF-8); None and empty mean no salt.
+
+    Text that is not Unicode (a lone UTF-16 surrogate, as JSON's "\\ud800" decodes to)
+    has no UTF-8 form: an `InvalidInputError` says so, never a `UnicodeEncodeError`.
+    """
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return salt.encode()
+        try:
+            return salt.encode()
+        except UnicodeEncodeError as e:
+            raise InvalidInputError(
+                f"a salt must be Unicode text; this one holds a lone surrogate "
+                f"({salt[e.start]!a}) at character {e.start}"
+            ) from None
     if isinstance(salt, (bytes, bytearray)):
         return bytes(salt)
     raise TypeError(f"a salt is a str or bytes, got {type(salt).__name__}")
