@@ -8,9 +8,12 @@ server gets:
   a lease restored again copied ahead into them (`cas_bank.spares`,
   `index.leasecopy`), by one background thread, started by the first refill and
   joined by `close`; at most `BankConfig.spare_bytes` (`Bank.stats().spare_held_bytes`
-  says what it holds). The thread earns its place by measurement: a second restore
-  in the same bank of 100 MB (fp32, 4k tokens) took ~40 ms with fresh arrays and
-  ~20 ms with spares (`benchmarks.library_restore`, docs/design.md "Restore path").
+  says what it holds). The thread's measurements: with servers' settings, a hot
+  restore with room 14.8-15.7 -> 5.0-8.8 ms, `allocate_s` 2.3-4.0 -> 0.36-0.49 ms
+  (docs/measurements.md); with library defaults, a second restore in one bank of
+  100 MB (fp32, 4k tokens) 69-83 -> 27-31 ms against the code before this module
+  (`benchmarks.library_restore`, a loaded 2-core machine), though `spare_bytes=0`
+  against the default in one process measured within noise (37.7 against 42.5 ms).
 - `gpu`: the CUDA prefetch of restored arrays, on until it fails once for this bank
   (`cas_bank.gpu_prefetch`);
 - `shapes`: what a restore of one spec, block size and capacity allocates and checks,
