@@ -88,6 +88,7 @@ FAILURES = (
     "hangs",  # a child that did not end (a close that did not return)
     "verify_problems",
     "store_errors",  # a background store failing with anything but a full disk
+    "runtime_errors",  # a PrefixCache call raising in a bg_kill or bg_full round
     "no_recovery",  # no store written once a full disk's space was freed
 )
 

@@ -200,17 +200,19 @@ class BackgroundRounds:
         stats["background_acknowledged_stores"] += len(acked)
         repeats = Counter(verdict for _, verdict in run.events("repeat"))
         stats[f"{kind}_repeats_exact"] += repeats["exact"]
-        failed = run.events("failed")
+        failed, raised = run.events("failed"), run.events("raised")
         for key, n in [
             ("lost_acknowledged_stores", repeats["missed"]),
             ("wrong_restores", repeats["wrong"]),
             ("store_errors", len(failed)),
+            ("runtime_errors", len(raised)),
             ("crashes", int(run.crashed() and not run.hung)),
             ("hangs", int(run.hung)),
         ]:
             if n:
                 fail(stats, kind, key, n)
-        if run.crashed() or failed or repeats["missed"] or repeats["wrong"]:
+        if run.crashed() or failed or raised or repeats["missed"] or repeats["wrong"]:
             why = "hung" if run.hung else f"rc={run.returncode}"
-            print(f"  {kind}: {why} failed={failed[:3]} {repeats} {run.stderr[-600:]}", flush=True)
+            said = f"failed={failed[:2]} raised={[' '.join(r) for r in raised[:2]]} {repeats}"
+            print(f"  {kind}: {why} {said} {run.stderr[-600:]}", flush=True)
         return acked

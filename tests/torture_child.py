@@ -19,6 +19,7 @@ before a SIGKILL is in the pipe, so the parent reads it):
                            the end record) or a `Bank.flush()` after them returned
   refused I / failed I E   a store of prompt I raised BankFullError / another error E
   repeat I exact|missed|wrong   an acknowledged prompt restored again (full hit?)
+  raised E: MESSAGE        a call raised E (`restore_exact`, `prefill`, `store`)
   filled / degraded WHY / freed / recovered / closed S / stopped E: the round's steps
 """
 
@@ -40,6 +41,10 @@ from cas_bank import Bank, BankFullError
 
 PROMPTS = 100_000  # more than any round stores: a round ends by its own rule
 LEAVE = 768 << 10  # bytes the filler leaves free: a prompt or two, then the disk is full
+
+
+def one_line(e: BaseException) -> str:
+    return str(e).replace("\n", " ")[:200]
 
 
 class Out:
@@ -102,6 +107,7 @@ class Flood:
         self.rng = random.Random(seed)
         self.next = 0
         self.since_flush: list[tuple[int, str]] = []
+        self.survive = True  # an error is reported and the round goes on (`step`)
 
     def until(self, done: Callable[[], bool], limit: int = PROMPTS) -> bool:
         """Take steps (each stores a prompt or more) until `done()` (True), at most
@@ -113,14 +119,24 @@ class Flood:
         return done()
 
     def step(self) -> None:
-        roll = self.rng.random()
+        """Store a prompt, after a repeat, a flush or a burst now and then. With
+        `survive`, an exception from the bank is reported (`raised`) and the round goes
+        on, as a server answers the next request; else it ends the flood."""
+        roll, n = self.rng.random(), self.rng.randint(4, 10)
+        ops: list[Callable[[], None]] = [self.store]
         if roll < 0.1:
-            self.repeat()
+            ops.insert(0, self.repeat)
         elif roll < 0.18:
-            self.flush()
+            ops.insert(0, self.flush)
         elif roll < 0.3:
-            self.burst(self.rng.randint(4, 10))
-        self.store()
+            ops.insert(0, lambda: self.burst(n))
+        for op in ops:
+            try:
+                op()
+            except Exception as e:
+                if not self.survive:
+                    raise
+                self.acks.out.line("raised", f"{type(e).__name__}:", one_line(e))
 
     def store(self) -> None:
         """The next prompt as a runtime stores it: its prefill queues the stores."""
@@ -226,12 +242,13 @@ def close_mode(flood: Flood, arg: str) -> None:
         out.line("closed", f"{time.perf_counter() - t0:.3f}")
         closed.append(time.monotonic())
 
+    flood.survive = False  # the first error after the close ends the flood
     closer = threading.Timer(float(arg), close)
     closer.start()
     try:
         flood.until(lambda: bool(closed) and time.monotonic() - closed[0] > 5)
     except Exception as e:
-        out.line("stopped", f"{type(e).__name__}:", str(e).replace("\n", " ")[:200])
+        out.line("stopped", f"{type(e).__name__}:", one_line(e))
     closer.join(60)
     if closer.is_alive():
         out.line("hung", "close did not return")
