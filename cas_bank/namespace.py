@@ -152,7 +152,11 @@ class Namespace:
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
         hashes = self.chain(toks)
-        queued = QueuedChain(self.root, hashes, toks, self.block_size, flat, kept)
+        # In the read view until written (`index.view`), unless admission will write none.
+        admitted = len(hashes) * self.block_size >= self.bank.config.admit_min_tokens
+        queued = (
+            QueuedChain(self.root, hashes, toks, self.block_size, flat, kept) if admitted else None
+        )
         store = _skipping_full(
             lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
         )

@@ -22,6 +22,11 @@ and `index.children` take it as a store), and adds what only memory holds:
 - arrays in memory: a queued chain's or a lease's blocks (`held_blocks`), states
   (`held_state`), a queued block's arrays as a payload would decode (`queued_block`).
 
+A store that admission leaves blocks out of (`BankConfig.admit="second_use"`) shows
+them until its write: they are its caller's own arrays, exact for those tokens, and
+gone from the view once the write has left them out. (Below `admit_min_tokens` a
+store is not put in the view at all: it will write none of its blocks.)
+
 A queued block is never read from a file: every queued header at position j of a
 chain comes with a queued chain holding blocks 0..j, so `held_blocks` over a matched
 chain reaches at least as deep as its deepest queued header.
@@ -162,14 +167,16 @@ class ReadView:
         if family is not Family.HEADERS or not self._chains:
             return raws, parsed
         raws, parsed = list(raws), list(parsed)
+        states = any(c.states for c in self._chains)
         for i, key in enumerate(keys):
-            header = cast(Header | None, parsed[i])
             if raws[i] is None:
                 queued = self._queued_header(key)
                 if queued is not None:
                     raws[i], parsed[i] = queued.encode(), queued
-            elif header is not None and not header.has_state and self._queued_state(key):
-                parsed[i] = header.with_state(QUEUED_DIGEST)
+            elif states:
+                header = cast(Header | None, parsed[i])
+                if header is not None and not header.has_state and self._queued_state(key):
+                    parsed[i] = header.with_state(QUEUED_DIGEST)
         return raws, parsed
 
     def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
