@@ -388,7 +388,8 @@ def _account(ns: Restorable, plan: _Plan, covered: int, hot_hits: int, state: bo
         # Blocks from the shared tier are not local yet: their local write records them;
         # a queued store's blocks are recorded by its write.
         local = min(n_blocks, len(plan.matched) if cont is None else cont.start)
-        local = next((i for i, h in enumerate(plan.matched[:local]) if is_queued(h)), local)
+        if local and is_queued(plan.matched[local - 1]):  # queued headers end a chain
+            local = next(i for i, h in enumerate(plan.matched[:local]) if is_queued(h))
         at_state = state and local == n_blocks and end is None
         access.touch(plan.hashes[:local], [plan.hashes[n_blocks - 1]] if at_state else [])
     if end is not None and not end_remote and not end.queued:  # else its write records it
