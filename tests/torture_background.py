@@ -57,7 +57,12 @@ class ChildRun:
         return {int(i): d for i, d in self.events("ack")}
 
     def queued(self) -> set[int]:
-        return {int(i) for (i,) in self.events("queued")}
+        return {int(i) for i, _ in self.events("queued")}
+
+    def writer_queue(self) -> int:
+        """Stores the writer held when the child last queued some (0: none yet)."""
+        queued = self.events("queued")
+        return int(queued[-1][1]) if queued else 0
 
     def crashed(self) -> bool:
         return self.hung or (not self.killed and self.returncode != 0)
@@ -109,7 +114,7 @@ def kill_moment(rng: random.Random) -> Callable[[ChildRun], None]:
     if rng.random() < 0.35:
         delay = rng.uniform(0.2, 5.0)
         return lambda run: time.sleep(delay)
-    k, delay = rng.randint(1, 3), rng.uniform(0.0, 0.15)
+    k, delay = rng.randint(1, 2), rng.uniform(0.0, 0.04)
 
     def after_burst(run: ChildRun) -> None:
         deadline = time.monotonic() + 20
@@ -143,7 +148,8 @@ class BackgroundRounds:
     def kill(self, seed: int, rng: random.Random, stats: Counter[str]) -> str:
         model = rng.choice(MODELS)
         run = run_child("kill", [str(self.bank), model, str(seed)], self.env, kill_moment(rng))
-        stats["bg_kill_queued_at_kill"] += len(run.queued() - set(run.acked()))
+        stats["bg_kill_prompts_unacknowledged_at_kill"] += len(run.queued() - set(run.acked()))
+        stats["bg_kill_with_stores_queued"] += run.writer_queue() > 0
         return self._checked(self._count(run, "bg_kill", model, seed, stats))
 
     def close(self, seed: int, rng: random.Random, stats: Counter[str]) -> str:

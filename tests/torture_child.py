@@ -13,7 +13,8 @@ Usage: python tests/torture_child.py kill|full|close BANK MODEL SEED [ARG]
 Reports on stdout, one line an event, each written whole and at once (a line written
 before a SIGKILL is in the pipe, so the parent reads it):
   ready                    the bank is open and the model built
-  queued I                 prompt I is prefilled and its stores queued
+  queued I Q                prompt I is prefilled and its stores queued; the writer
+                           holds Q stores now
   burst N                  N prompts prefilled, now queued back to back
   ack I DIGEST             its stores are written: `result()` of both (the blocks and
                            the end record) or a `Bank.flush()` after them returned
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torture_prefix import digest, loaded, prompt, restored_digest
+from torture_prefix import SOLO, digest, loaded, prompt, restored_digest
 
 from cas_bank import Bank, BankFullError
 
@@ -105,7 +106,7 @@ class Flood:
     def __init__(self, pc: Any, model: str, seed: int, acks: Acks) -> None:
         self.pc, self.model, self.seed, self.acks = pc, model, seed, acks
         self.rng = random.Random(seed)
-        self.next = 0
+        self.next, self.solo = 0, SOLO
         self.since_flush: list[tuple[int, str]] = []
         self.survive = True  # an error is reported and the round goes on (`step`)
 
@@ -122,7 +123,7 @@ class Flood:
         """Store a prompt, after a repeat, a flush or a burst now and then. With
         `survive`, an exception from the bank is reported (`raised`) and the round goes
         on, as a server answers the next request; else it ends the flood."""
-        roll, n = self.rng.random(), self.rng.randint(4, 10)
+        roll, n = self.rng.random(), self.rng.randint(3, 8)
         ops: list[Callable[[], None]] = [self.store]
         if roll < 0.1:
             ops.insert(0, self.repeat)
@@ -151,14 +152,13 @@ class Flood:
         self.queued(i, digest(tokens, logits, cache), pending)
 
     def burst(self, n: int) -> None:
-        """`n` prompts prefilled first, then stored back to back (`PrefixCache.store`
-        and `store_end`, as after decoding): the writer's queue fills and the caller
-        waits on it. Solo prompts (even ones, their partner skipped): none holds a
+        """`n` long prompts prefilled first, then stored back to back
+        (`PrefixCache.store` and `store_end`, as after decoding): the writer's queue
+        fills and the caller waits on it. They share no block (`SOLO`): none holds a
         block another of the burst computes too."""
         pc, ready = self.pc, []
         for _ in range(n):
-            i = self.next + self.next % 2
-            self.next = i + 2
+            i, self.solo = self.solo, self.solo + 1
             tokens = prompt(self.model, self.seed, i)
             cache, got, logits = pc.restore_exact(tokens)
             full = logits is not None
@@ -175,7 +175,10 @@ class Flood:
             self.queued(i, d, pending)
 
     def queued(self, i: int, d: str, pending: list[Any]) -> None:
-        self.acks.out.line("queued", i)
+        """Prompt `i`'s stores are queued; the line says how many stores the writer
+        holds now (waiting or being written)."""
+        writer = self.pc.bank.writer
+        self.acks.out.line("queued", i, writer.stats().queued if writer is not None else 0)
         self.since_flush.append((i, d))
         self.acks.add(i, d, pending)
 

@@ -9,9 +9,10 @@ the digest of that cache and those logits is the same, bit for bit.
 
 Prompts (`prompt`): on the attention-only model, pairs share their first 1-3 blocks
 (dedup, chains sharing a parent, partial blocks); none is a prefix of another. On the
-hybrid model no two share a block: a prompt that prefills again blocks another stored
-(the hybrid restores only up to a stored state) keeps the stored block's bits beside
-its own state, which compares equal to the runtime's cache only within rounding.
+hybrid model, and among a burst's long prompts, no two share a block: a prompt that
+prefills again a block another one stored (the hybrid restores only up to a stored
+state; a burst prefills before it stores) would restore the stored block's bits
+beside its own, equal to its runtime's cache only within rounding.
 """
 
 from __future__ import annotations
@@ -29,13 +30,17 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 MODELS = ("tiny-qwen3", "tiny-hybrid")
 BLOCK = 64  # BankConfig's default block size: the banks are opened with defaults
 VOCAB = 500  # below the tiny models' 512 ids
+SOLO = 1_000_000  # the first index of the long prompts that share nothing
 
 
 def prompt(model: str, seed: int, i: int) -> list[int]:
-    """Prompt `i` of round `seed` for `model`: 40 to 700 tokens."""
+    """Prompt `i` of round `seed` for `model`: 40 to 700 tokens; from `SOLO` on, 1000
+    to 2500 tokens that share no block with another prompt (a burst's: `torture_child`)."""
     rng = np.random.default_rng([seed, i, MODELS.index(model)])
+    if i >= SOLO:
+        return [int(t) for t in rng.integers(1, VOCAB, int(rng.integers(1000, 2500)))]
     n = int(rng.integers(40, 700))
-    if model not in ("tiny-qwen3",):
+    if model != "tiny-qwen3":
         return [int(t) for t in rng.integers(1, VOCAB, n)]
     head = np.random.default_rng([seed, i // 2, 99])
     shared = int(head.integers(1, 4)) * BLOCK + int(head.integers(0, BLOCK))
