@@ -218,7 +218,7 @@ def full_mode(flood: Flood, arg: str) -> None:
     with filler.open("wb") as fh:
         fh.write(b"\0" * max(0, free - LEAVE))
     out.line("filled")
-    if not flood.until(lambda: acks.refused >= 4, 300):
+    if not flood.until(lambda: acks.refused >= 4, 100):
         out.line("never_full")
     out.line("degraded", repr(bank.degraded).replace(" ", "_"))
     for _ in range(3):  # restores work while the disk is full
@@ -226,7 +226,7 @@ def full_mode(flood: Flood, arg: str) -> None:
     filler.unlink()
     out.line("freed")
     before = len(acks.done)
-    if flood.until(lambda: len(acks.done) >= before + 3, 200) and bank.degraded is None:
+    if flood.until(lambda: len(acks.done) >= before + 3, 60) and bank.degraded is None:
         out.line("recovered")
 
 
