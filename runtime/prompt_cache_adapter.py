@@ -231,6 +231,23 @@ class BankPromptCache:
     ) -> None:
         """Store the full blocks of the tokens `prompt_cache` holds (see the module);
         nothing when made with `store=False`."""
+        self._insert(model, tokens, prompt_cache, cache_type, self.capture_states)
+
+    def insert_stopped(self, model: Any, tokens: Sequence[int], prompt_cache: list[Any]) -> None:
+        """`insert_cache` of a prefill stopped before its prompt's end (counted as a
+        "user" cache), without prefilling its tokens again: a hybrid cache that ends
+        off a block boundary keeps its blocks and its end record (the recurrent state
+        right there), which is all a prompt that extends it restores."""
+        self._insert(model, tokens, prompt_cache, "user", False)
+
+    def _insert(
+        self,
+        model: Any,
+        tokens: Sequence[int],
+        prompt_cache: list[Any],
+        cache_type: str,
+        capture: bool,
+    ) -> None:
         if not self.store or not self._accepts(model):
             return
         if cache_type not in self._counts:
@@ -239,7 +256,7 @@ class BankPromptCache:
         self.counters.inserts += 1
         self._counts[cache_type] += 1
         try:
-            self._store(tokens, prompt_cache, cache_type)
+            self._store(tokens, prompt_cache, cache_type, capture)
         except Exception:
             log.exception("cas_bank: storing a prompt cache failed; nothing of it is kept")
             self.counters.failures += 1
@@ -299,7 +316,9 @@ class BankPromptCache:
         self.bank.resources.release()
         return (cache, n) if n else None
 
-    def _store(self, tokens: Sequence[int], cache: list[Any], cache_type: str) -> None:
+    def _store(
+        self, tokens: Sequence[int], cache: list[Any], cache_type: str, capture: bool
+    ) -> None:
         for i, entry in enumerate(cache):
             check_cache_class(entry, i)  # refuses what the bank cannot hold, by name
         quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
@@ -307,7 +326,7 @@ class BankPromptCache:
         held = self._held(pc, cache)
         n = min(held, len(tokens))
         if n >= pc.block_size:
-            stored = self._store_blocks(pc, tokens, cache, n, held)
+            stored = self._store_blocks(pc, tokens, cache, n, held, capture)
             if stored is not None:
                 stored.when_written(
                     lambda r: self._count(cache_type, r.blocks_written, r.bytes_written)
@@ -332,13 +351,19 @@ class BankPromptCache:
             self._bytes[cache_type] += nbytes
 
     def _store_blocks(
-        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], n: int, held: int
+        self,
+        pc: PrefixCache,
+        tokens: Sequence[int],
+        cache: list[Any],
+        n: int,
+        held: int,
+        capture: bool,
     ) -> PendingStore[StoreReport] | None:
         states = None
         if pc.spec.is_hybrid:
             if n == held and n % pc.block_size == 0:
                 states = {n: snapshot_states(pc.spec, cache)}  # the cache ends on a boundary
-            elif self.capture_states:
+            elif capture:
                 return self._capture(pc, tokens, (n // pc.block_size) * pc.block_size)
             else:
                 # The recurrent state is at `held`; without a boundary there, a hybrid
