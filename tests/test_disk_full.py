@@ -10,6 +10,7 @@ without a reopen; `close()` always releases the lock; no acknowledged store is l
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,3 +226,60 @@ def test_a_background_store_that_finds_the_disk_full_is_skipped(small_disk: Path
         assert bank.degraded is not None
     finally:
         bank.close()
+
+
+def refuse_one_background_store(bank: Bank, disk: Path, rng: np.random.Generator) -> Path:
+    """Fill `disk`, let a background store find it full (its `result()` raises), and
+    return the filler; the bank is then degraded until the filler goes."""
+    ns = bank.namespace(wide_spec())
+    filler = fill(disk, 32 << 10)
+    with pytest.raises(BankFullError):
+        for _ in range(20):
+            p = tokens_of(rng, 1000 * B)
+            ns.store_later(p, prefix_layers(wide_spec(), p)).result()
+    assert bank.degraded is not None
+    return filler
+
+
+def restore_until(
+    bank: Bank,
+    prompt: list[int],
+    started: threading.Event,
+    stop: threading.Event,
+    errors: list[str],
+) -> None:
+    """Restore `prompt` (all of it) until `stop` is set; what raises goes to `errors`."""
+    while not stop.is_set():
+        try:
+            hit = bank.namespace(wide_spec()).restore(prompt)
+            assert hit is not None and hit.tokens == len(prompt)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        started.set()
+
+
+def test_restores_on_another_thread_while_the_bank_resumes(small_disk: Path) -> None:
+    """The first store after space is freed reopens RocksDB on the writer's thread;
+    restores on another thread meanwhile wait for it (before: `bank ... is closed`,
+    `DbClosedError` or `Already mutably borrowed` for the reopen's duration)."""
+    spec, rng = wide_spec(), np.random.default_rng(5)
+    errors: list[str] = []
+    for attempt in range(3):
+        with Bank.open(
+            small_disk / f"bank{attempt}", BankConfig(block_size=B, hot_bytes=0)
+        ) as bank:
+            ns = bank.namespace(spec)
+            first = tokens_of(rng, 10 * B)
+            ns.store(first, prefix_layers(spec, first))
+            refuse_one_background_store(bank, small_disk, rng).unlink()
+            started, stop = threading.Event(), threading.Event()
+            args = (bank, first, started, stop, errors)
+            thread = threading.Thread(target=restore_until, args=args)
+            thread.start()
+            started.wait(10)
+            late = tokens_of(rng, 10 * B)
+            ns.store_later(late, prefix_layers(spec, late)).result()  # the reopen
+            stop.set()
+            thread.join()
+            assert bank.degraded is None and exact(bank, late) == 10 * B
+    assert errors == []

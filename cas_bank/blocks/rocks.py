@@ -24,6 +24,12 @@ through a secondary instance (it crashes the process: facebook/rocksdb#13296; ev
 walk of the keys of one whose values are in blob files), so a secondary store reads
 the blob families (payloads and end records) through a read-only instance that
 `refresh()` reopens right after catching up: payloads are never older than headers.
+
+Reads and a reopen exclude each other: after a full disk the first store to find room
+reopens the database (`_resume`, on the writer's thread), and `close()` ends it; each
+waits for the reads under way, and a read that comes meanwhile waits for it to end
+(`_enter`, `_alone`), so a restore on another thread sees the database open or the
+bank closed, never a database half reopened.
 """
 
 from __future__ import annotations
@@ -121,6 +127,11 @@ class RocksStore(BlockStore):
         self.read_only = mode != "read_write"
         self._view: View | None = None
         self._write_lock = threading.Lock()
+        # Reads under way, and whether a reopen or close runs (it waits for them; a
+        # read that comes meanwhile waits for it): see `_enter` and `_alone`.
+        self._gate = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._reopening = False
         self._walks: weakref.WeakSet[Generator[tuple[bytes, bytes], None, None]] = weakref.WeakSet()
         self._durability = durability
         # Why writes are refused right now (a full disk), None while the bank writes.
@@ -274,26 +285,60 @@ class RocksStore(BlockStore):
             return []
         if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.get_many(family, keys)
-        if family not in self._cf and self._db is not None:
-            return [None] * len(keys)
-        cf = self._family(family)
+        self._enter()
         try:
-            out: list[bytes | None] = cf.get(list(keys))
+            if family not in self._cf and self._db is not None:
+                return [None] * len(keys)
+            out: list[bytes | None] = self._family(family).get(list(keys))
         except Exception as e:
             raise self._read_error(e, family) from None
+        finally:
+            self._leave()
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
         if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.get(family, key)
-        if family not in self._cf and self._db is not None:
-            return None
-        cf = self._family(family)
+        self._enter()
         try:
-            out: bytes | None = cf.get(key)
+            if family not in self._cf and self._db is not None:
+                return None
+            out: bytes | None = self._family(family).get(key)
         except Exception as e:
             raise self._read_error(e, family) from None
+        finally:
+            self._leave()
         return out
+
+    def _enter(self) -> None:
+        """A read begins: it waits while a reopen or close runs (`_alone`)."""
+        with self._gate:
+            while self._reopening:
+                self._gate.wait()
+            self._readers += 1
+
+    def _leave(self) -> None:
+        with self._gate:
+            self._readers -= 1
+            if self._reopening and not self._readers:
+                self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """No read under way, and none begins, while the database is reopened or
+        closed (one at a time)."""
+        with self._gate:
+            while self._reopening:
+                self._gate.wait()
+            self._reopening = True
+            while self._readers:
+                self._gate.wait()
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._reopening = False
+                self._gate.notify_all()
 
     def _read_error(self, e: Exception, family: Family) -> Exception:
         """RocksDB's own checksums failing, or a file gone, is a `CorruptDataError`."""
@@ -326,6 +371,13 @@ class RocksStore(BlockStore):
         """One seek to `key`, then a step back (docs/design.md, "Partial blocks")."""
         if self._payload_reader is not None and family in BLOB_FAMILIES:
             return self._payload_reader.around(family, key, prefix)
+        self._enter()
+        try:
+            return self._around(family, key, prefix)
+        finally:
+            self._leave()
+
+    def _around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
         if family not in self._cf and self._db is not None:
             return []
         it = self._family(family).iter()
@@ -389,13 +441,18 @@ class RocksStore(BlockStore):
         reopen (RocksDB refuses every write after the error until then)."""
         if free_bytes(self.path) < needed + RESUME_MARGIN:
             raise full_error(self.path, needed)
-        self._close_db()
-        try:
-            self._open()
-        except Exception as e:
-            self._db = None
-            raise self._write_failed(e, needed) from None
-        self._degraded = None
+        with self._alone():
+            if self._db is not None and self._durability == "wal":
+                # A close after the error waits ~1 s for RocksDB's background flush
+                # (failing); the write-ahead log holds what the memtables do.
+                self._db.cancel_all_background(False)
+            self._close_db()
+            try:
+                self._open()
+            except Exception as e:
+                self._db = None
+                raise self._write_failed(e, needed) from None
+            self._degraded = None
         log.warning("cas_bank: bank at %s writes again (space was freed)", self.path)
 
     def flush(self) -> None:
@@ -404,6 +461,13 @@ class RocksStore(BlockStore):
         Payload families go first: a crash between flushes can then leave a payload
         without its header (invisible), never a header without its payload.
         """
+        self._enter()
+        try:
+            self._flush()
+        finally:
+            self._leave()
+
+    def _flush(self) -> None:
         if self._db is None or self.read_only or self._degraded is not None:
             return
         for family in (*PAYLOAD_FAMILIES, *(f for f in Family if f not in PAYLOAD_FAMILIES)):
@@ -425,13 +489,16 @@ class RocksStore(BlockStore):
 
     def disk_bytes(self) -> int | None:
         """Table and blob files, and the write-ahead logs (not yet flushed stores)."""
-        if self._db is None:
-            return None
-        total = 0
-        for cf in self._cf.values():
-            for prop in ("rocksdb.total-sst-files-size", "rocksdb.total-blob-file-size"):
-                v = cf.property_int_value(prop)
-                total += int(v or 0)
+        self._enter()
+        try:
+            if self._db is None:
+                return None
+            total = 0
+            for cf in self._cf.values():
+                for prop in ("rocksdb.total-sst-files-size", "rocksdb.total-blob-file-size"):
+                    total += int(cf.property_int_value(prop) or 0)
+        finally:
+            self._leave()
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.path):
                 if entry.name.endswith(".log"):
@@ -441,25 +508,31 @@ class RocksStore(BlockStore):
 
     def compact(self) -> None:
         """Compact every family, so that deleted payloads leave the disk."""
-        for cf in self._cf.values():
-            cf.compact_range(None, None)
+        self._enter()
+        try:
+            for cf in self._cf.values():
+                cf.compact_range(None, None)
+        finally:
+            self._leave()
 
     # -- lifetime ------------------------------------------------------------------
     def close(self) -> None:
         """Close for real: drop every family handle so RocksDB releases its LOCK, also
-        when the last flush fails (a full disk: the write-ahead log holds the stores)."""
-        try:
-            if self._payload_reader is not None:
-                self._payload_reader.close()
-                self._payload_reader = None
-            if self._db is not None:
-                try:
-                    self.flush()
-                except Exception as e:
-                    log.warning("cas_bank: closing %s without its last flush: %s", self.path, e)
-        finally:
-            self._close_db()
-            self._close_view()
+        when the last flush fails (a full disk: the write-ahead log holds the stores).
+        It waits for the reads under way; a read after it says the bank is closed."""
+        with self._alone():
+            try:
+                if self._payload_reader is not None:
+                    self._payload_reader.close()
+                    self._payload_reader = None
+                if self._db is not None:
+                    try:
+                        self._flush()
+                    except Exception as e:
+                        log.warning("cas_bank: closing %s without its last flush: %s", self.path, e)
+            finally:
+                self._close_db()
+                self._close_view()
 
     def _close_db(self) -> None:
         if self._db is None:
