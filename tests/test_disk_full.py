@@ -283,3 +283,23 @@ def test_restores_on_another_thread_while_the_bank_resumes(small_disk: Path) -> 
             thread.join()
             assert bank.degraded is None and exact(bank, late) == 10 * B
     assert errors == []
+
+
+def test_a_read_write_open_on_a_full_disk_says_the_disk_is_full(small_disk: Path) -> None:
+    """RocksDB writes a MANIFEST when it opens for writing: on a full disk that is a
+    `BankFullError` naming the bank (was a bare `Exception: IO error: No space ...`)."""
+    spec, rng = wide_spec(), np.random.default_rng(6)
+    path = small_disk / "bank"
+    first = tokens_of(rng, 10 * B)
+    with Bank.open(path, BankConfig(block_size=B)) as bank:
+        bank.namespace(spec).store(first, prefix_layers(spec, first))
+    filler = fill(small_disk, 0)
+    with pytest.raises(BankFullError) as caught:
+        Bank.open(path, BankConfig(hot_bytes=0)).close()
+    assert f"bank at {path} cannot be opened for writing: the disk is full" in str(caught.value)
+    assert "read_only" in str(caught.value)
+    with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as reader:
+        assert exact(reader, first) == 10 * B
+    filler.unlink()
+    with Bank.open(path, BankConfig(hot_bytes=0)) as again:
+        assert exact(again, first) == 10 * B

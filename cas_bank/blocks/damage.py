@@ -4,7 +4,7 @@ the private view readers open; and the check before a read-write open.
 - A read error that is RocksDB's own checksum failing, or a file it needs gone, is a
   `CorruptDataError` naming the bank and the file (a restore counts it as a miss).
 - A write that fails for want of space is a `BankFullError` naming the path and the
-  bytes the write needed.
+  bytes the write needed; so is a read-write open that finds the disk full.
 - `View`: a private directory of symlinks to the bank's files. rocksdict writes
   `rocksdict-config.json` (and RocksDB its `LOG`) into the directory it opens, so a
   reader opens this view: nothing is written in the bank directory, which may be on a
@@ -79,6 +79,8 @@ def real(e: object, path: Path, view: Path | None) -> str:
 
 def write_error(e: Exception, path: Path, needed: int) -> Exception:
     """A RocksDB write failure as cas_bank reports it: a full disk is `BankFullError`."""
+    if isinstance(e, BankFullError):
+        return e
     if is_no_space(e):
         return full_error(path, needed, e)
     return e
@@ -96,6 +98,17 @@ def full_error(path: Path, needed: int, cause: object = None) -> BankFullError:
         "keep working); the bank resumes writing by itself then",
         path=path,
         needed=needed,
+    )
+
+
+def open_full_error(path: Path, cause: object) -> BankFullError:
+    """A read-write open refused for want of space (RocksDB writes its MANIFEST and
+    log when it opens a database for writing)."""
+    return BankFullError(
+        f"bank at {path} cannot be opened for writing: the disk is full, "
+        f"{free_bytes(path)} bytes are free ({cause}). Free space, or open it "
+        "read-only (mode='read_only') to restore from it",
+        path=path,
     )
 
 

@@ -60,6 +60,8 @@ from cas_bank.blocks.damage import (
     free_bytes,
     full_error,
     is_corruption,
+    is_no_space,
+    open_full_error,
     read_error,
     real,
     write_error,
@@ -205,6 +207,8 @@ class RocksStore(BlockStore):
                     f"bank at {self.path} is on a read-only file system: it cannot be "
                     "opened for writing; open it read-only (mode='read_only')"
                 ) from None
+            if is_no_space(e):
+                raise open_full_error(self.path, real(e, self.path, self._view_path())) from None
             # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
             if "/LOCK" not in str(e):
                 raise
