@@ -80,6 +80,7 @@ class Bank:
         # One writer lock per bank: a transaction holds it (see `transaction`).
         self.write_lock = threading.RLock()
         self._in_transaction = False
+        self._closed = False  # `close` ran
         # Blocks and states whose payload failed to verify: the next store rewrites them.
         self.suspects = Suspects()
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
@@ -331,29 +332,35 @@ class Bank:
             self.write_lock.release()
 
     def close(self) -> None:
-        """Write what is queued, persist counters and release the directory (its lock
-        too), also when the disk is full (the counters and last uses since the last store
-        are then lost)."""
+        """Write what is queued, persist counters and last uses, close the shared tier
+        and release the directory (its lock too); a second close does nothing.
+
+        Also when a store failed or the disk is full: a store's failure is raised once
+        the rest is closed (a full disk's is logged, not raised), and the counters and
+        last uses are saved if there is room (lost otherwise, with a warning)."""
+        if self._closed:
+            return
+        self._closed = True
+        failed: Exception | None = None
         try:
-            failed: Exception | None = None
             try:
                 if self.writer is not None:
                     self.writer.close()
-            except BankFullError:
-                raise
             except Exception as e:  # a queued store's: raised once the rest is closed
                 failed = e
             if self.remote is not None:
                 self.remote.close()  # finishes queued publishes and local writes first
             self.flush()
-            if failed is not None:
-                raise failed
         except BankFullError as e:
             log.warning("cas_bank: %s; closing without the last counters", e)
         finally:
             self.resources.close()  # the spares' thread joined, its arrays released
             self.store.close()
             self._namespaces.clear()
+        if isinstance(failed, BankFullError):
+            log.warning("cas_bank: %s", failed)
+        elif failed is not None:
+            raise failed
 
     def __enter__(self) -> Bank:
         return self

@@ -303,3 +303,26 @@ def test_a_read_write_open_on_a_full_disk_says_the_disk_is_full(small_disk: Path
     filler.unlink()
     with Bank.open(path, BankConfig(hot_bytes=0)) as again:
         assert exact(again, first) == 10 * B
+
+
+def test_close_after_space_is_freed_saves_the_counters(small_disk: Path) -> None:
+    """A background store refused on a full disk, reported by its `result()`: once
+    space is freed and the bank writes again, `close()` does not take that old error
+    for a full disk: it saves the counters and last uses (before: 5 restores counted
+    read 0 after reopening)."""
+    spec, rng = wide_spec(), np.random.default_rng(7)
+    path = small_disk / "bank"
+    bank = Bank.open(path, BankConfig(block_size=B, hot_bytes=0))
+    ns = bank.namespace(spec)
+    first = tokens_of(rng, 10 * B)
+    ns.store(first, prefix_layers(spec, first))
+    refuse_one_background_store(bank, small_disk, rng).unlink()
+    late = tokens_of(rng, 10 * B)
+    ns.store_later(late, prefix_layers(spec, late)).result()
+    assert bank.degraded is None
+    for _ in range(5):
+        assert exact(bank, first) == 10 * B
+    restores = bank.stats().restores
+    bank.close()
+    with Bank.open(path, BankConfig(hot_bytes=0)) as again:
+        assert again.stats().restores == restores >= 5

@@ -1,0 +1,55 @@
+"""`Bank.close()` against restores on other threads, and twice.
+
+A restore that races `close()` on another thread either finishes or says the bank is
+closed (cas_bank's `RuntimeError`), never one of RocksDB's own errors; a second close
+does nothing, also after a restore that ran across the first one.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+from conftest import attention_spec, prefix_layers, tokens_of
+
+from cas_bank import Bank, BankConfig
+
+
+def restore_until(
+    bank: Bank,
+    prompt: list[int],
+    started: threading.Event,
+    stop: threading.Event,
+    errors: list[str],
+) -> None:
+    ns = bank.namespace(attention_spec())
+    while not stop.is_set():
+        try:
+            hit = ns.restore(prompt)
+            assert hit is not None and hit.tokens == len(prompt)
+        except Exception as e:
+            errors.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
+        started.set()
+
+
+def test_a_restore_racing_close_says_closed_and_a_second_close_does_nothing(
+    tmp_path: Path,
+) -> None:
+    spec, rng = attention_spec(), np.random.default_rng(8)
+    prompt = tokens_of(rng, 40)
+    for attempt in range(10):
+        path = tmp_path / f"bank{attempt}"
+        bank = Bank.open(path, BankConfig(block_size=4, hot_bytes=0))
+        bank.namespace(spec).store(prompt, prefix_layers(spec, prompt))
+        started, stop, errors = threading.Event(), threading.Event(), list[str]()
+        thread = threading.Thread(target=restore_until, args=(bank, prompt, started, stop, errors))
+        thread.start()
+        started.wait(10)
+        bank.close()
+        while not errors and thread.is_alive():
+            stop.wait(0.001)  # until the reader has met the closed bank
+        stop.set()
+        thread.join()
+        bank.close()  # nothing to do: no error, however the reader ended
+        assert set(errors) == {f"builtins.RuntimeError: bank at {path} is closed"}
