@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.ceilings import gbps, median, memcpy_samples, sample
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.index.evict import evict_to_budget, leaf_index
+from cas_bank.evict.eviction import evict_to_budget, leaf_index
 
 MiB = 1 << 20
 

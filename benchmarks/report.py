@@ -260,7 +260,7 @@ def _notes(r: dict[str, Any]) -> list[str]:
         "their order rotated each round; TTFT ratios are medians of each round's ratio) and "
         "the spare destinations a restore asked for are made before the next is timed: "
         "after its forward pass, as `PrefixCache.prefill` releases them in a runtime "
-        "(`cas_bank.spares`). The process's objects are frozen out of Python's garbage "
+        "(`cas_bank.restore.spares`). The process's objects are frozen out of Python's garbage "
         "collector before the rounds, as the servers freeze theirs at startup "
         "(`cas_bank.runtime.process`).",
         "- Each cas_bank request is `PrefixCache.restore` then `PrefixCache.prefill` of the "

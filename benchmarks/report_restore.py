@@ -186,7 +186,7 @@ _AGAINST_FILE_INTRO = (
     "the leased prefix in buffers the cache owns (the bank keeps its own for the "
     "next agent, and the cache must write after the prefix): a lease restored "
     "again is copied into them ahead, by the spares' thread after the restore "
-    "before once its first token is out (`index.leasecopy`, `Spares.holding`); `on path` "
+    "before once its first token is out (`restore.lease_copy`, `Spares.holding`); `on path` "
     "is the same restore with that copy on its "
     "path, once, on both cores (copies ahead off: a lease's first two restores); "
     "`handout` is the lease handed out as it is (`Namespace.restore` without room: "

@@ -10,7 +10,7 @@ random arrays of the right shapes and dtypes:
 - mlx-lm file: `save_prompt_cache` of the cache, then `load_prompt_cache` + evaluation;
 - cas_bank from RocksDB after a reopen: `PrefixCache.restore` + evaluation;
 - cas_bank from the hot tier: the same again in the same process, the lease copied
-  ahead by the spares' thread after the restore before (`index.leasecopy`), and
+  ahead by the spares' thread after the restore before (`restore.lease_copy`), and
   with the copy on the restore's path (copies ahead off), as a lease's first two
   restores go;
 

@@ -43,7 +43,7 @@ def case_figures(
         "store_later_flush_s": median([f for _, f in later]),
         "file_load_s": load,
         "rocksdb_restore_s": rocks,
-        "hot_restore_s": hot,  # a lease restored again: copied ahead (index.leasecopy)
+        "hot_restore_s": hot,  # a lease restored again: copied ahead (restore.lease_copy)
         "hot_on_path_s": m["on_path"],  # the same with the copy on the restore's path
         "hot_handout_s": handout,
         "ttft_s": {way: m[f"{way}_ttft"] for way in _WAYS},

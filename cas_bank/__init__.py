@@ -19,12 +19,12 @@ from cas_bank.errors import (
     InvalidInputError,
     NotABankError,
 )
-from cas_bank.index.timings import RestoreTimings, RestoreTotals
 from cas_bank.namespace import Namespace
-from cas_bank.restoring import Hit
+from cas_bank.restore.restoring import Hit
+from cas_bank.restore.timings import RestoreTimings, RestoreTotals
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 from cas_bank.stats import BankStats
-from cas_bank.storing import StoreReport
+from cas_bank.write.storing import StoreReport
 
 __all__ = [
     "ArraySpec",

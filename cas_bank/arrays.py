@@ -2,7 +2,7 @@
 
 numpy has no bfloat16, so bf16 travels as its bits in uint16 (docs/design.md, "Payload
 codec"). A dtype is named by a short string (`"bfloat16"`) everywhere it is recorded on
-disk. A restore's destination arrays, made from these, are `cas_bank.destinations`'.
+disk. A restore's destination arrays, made from these, are `cas_bank.restore.destinations`'.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class HeldArrays(list[mx.array]):
         self._views: list[np.ndarray] | None = None
         self._addresses: np.ndarray | None = None
         # What a caller derives from these arrays alone and asks for again (the plan of
-        # a copy out of them: `index.assembler.Assembler`), by its key.
+        # a copy out of them: `restore.assemble.Assembler`), by its key.
         self.memo: dict[Hashable, Any] = {}
 
     def numpy_views(self) -> list[np.ndarray]:
@@ -188,12 +188,12 @@ def fill_stream() -> mx.Device | None:
     On CUDA, the CPU: MLX places what its CPU stream makes in unified memory that the
     restore's CPU writes reach without a move, where an array made on the GPU would be
     in device memory and copied into unified memory at its first CPU pointer. Once
-    filled, the restore moves them to the GPU in one go (`cas_bank.gpu_prefetch`).
+    filled, the restore moves them to the GPU in one go (`cas_bank.restore.gpu_prefetch`).
     """
     return mx.Device(mx.cpu) if mlx_backend() == "cuda" else None
 
 
-# Moved to `cas_bank.destinations` (with the rest of a restore's destination arrays);
+# Moved to `cas_bank.restore.destinations` (with the rest of a restore's destination arrays);
 # still importable from here, with a DeprecationWarning, for code written before.
 _MOVED = frozenset({"Destination", "UNFILLED_FROM", "keep_freed_memory", "unfilled", "zeroed"})
 
@@ -203,10 +203,10 @@ def __getattr__(name: str) -> Any:
         import importlib
         import warnings
 
-        # Imported by name, when asked: `cas_bank.destinations` imports this module.
-        destinations = importlib.import_module("cas_bank.destinations")
+        # Imported by name, when asked: `cas_bank.restore.destinations` imports this module.
+        destinations = importlib.import_module("cas_bank.restore.destinations")
         warnings.warn(
-            f"cas_bank.arrays.{name} moved to cas_bank.destinations.{name}",
+            f"cas_bank.arrays.{name} moved to cas_bank.restore.destinations.{name}",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -29,20 +29,20 @@ from cas_bank.errors import (
     BankSettingsError,
     InvalidInputError,
 )
-from cas_bank.index.access import AccessLog
-from cas_bank.index.admission import SeenBlocks
+from cas_bank.evict.access import AccessLog
+from cas_bank.evict.evicted import EvictionMemory
+from cas_bank.evict.eviction import EvictionReport, evict_to_budget
 from cas_bank.index.children import INDEXED_KEY, index_writes
-from cas_bank.index.evict import EvictionReport, evict_to_budget
-from cas_bank.index.evicted import EvictionMemory
 from cas_bank.index.lease import Leases
-from cas_bank.index.timings import RestoreClock, RestoreTotals
-from cas_bank.index.txn import Suspects, Transaction
-from cas_bank.index.writer import BackgroundWriter
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
-from cas_bank.resources import Resources
+from cas_bank.restore.resources import Resources
+from cas_bank.restore.timings import RestoreClock, RestoreTotals
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters
+from cas_bank.write.admission import SeenBlocks
+from cas_bank.write.txn import Suspects, Transaction
+from cas_bank.write.writer import BackgroundWriter
 
 if TYPE_CHECKING:
     from cas_bank.remote.tier import RemoteTier
@@ -52,7 +52,7 @@ log = logging.getLogger("cas_bank")
 FORMAT_VERSION = 4
 """1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
 (`blocks.files`), their records stubs. 3: the `ends` and `evicted` families (end
-records, `index.ends`; the eviction memory, `index.evicted`). 4: payloads may carry
+records, `index.ends`; the eviction memory, `evict.evicted`). 4: payloads may carry
 an XXH3-128 check instead of blake3 (the digest field says which: `blocks.codec`).
 An older bank opens as it is (its payloads stay readable where they are, their blake3
 digests checked; the writer's open creates the missing families) and is marked 3 by
@@ -114,7 +114,7 @@ class Bank:
         # What its restores use beside their arrays (spares and their thread, the shape
         # memo, scratch buffers, GPU prefetch): the bank's own, stopped by `close`.
         self.resources = Resources(config.spare_bytes)
-        # Last uses, recorded in memory and written in batches (see index.evict).
+        # Last uses, recorded in memory and written in batches (see evict.eviction).
         self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
         # What was removed, when and why (for explain), written with the removals.
         self.evictions = EvictionMemory(config.eviction_memory)
@@ -223,7 +223,7 @@ class Bank:
         clears on `tx`. Leaving the block commits them in one batch (an exception
         aborts: nothing is written, nothing in memory changes); then, with `budget`,
         the bank is evicted down to `config.max_bytes` (a transaction of its own).
-        See `index.txn`. Transactions do not nest.
+        See `write.txn`. Transactions do not nest.
         """
         if self.read_only:
             raise RuntimeError(f"bank at {self.path} is open read-only: it cannot write")

@@ -71,7 +71,7 @@ class BankConfig(BaseModel):
 
     spare_bytes: int = Field(default=1 << 30, ge=0, strict=True)
     """Byte bound of the destination arrays this process keeps made ahead of the bank's
-    next restores (`cas_bank.spares`): one restore's set per shape, and a lease
+    next restores (`cas_bank.restore.spares`): one restore's set per shape, and a lease
     restored again copied ahead (two at most, each at most half the bound). Held only
     once restores of those shapes happen (`stats().spare_held_bytes`), released by
     `close()`; made by one background thread of the bank's. 0: none, and no thread

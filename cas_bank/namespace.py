@@ -1,6 +1,6 @@
 """`Namespace`: one model's view of a bank: store, match, restore.
 
-A store's steps are in `cas_bank.storing` and a restore's in `cas_bank.restoring`
+A store's steps are in `cas_bank.write.storing` and a restore's in `cas_bank.restore.restoring`
 (`Namespace.store` and `Namespace.restore` call them); background stores, end
 records and lookups are here.
 """
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 
-from cas_bank import restoring, storing
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
@@ -25,18 +24,20 @@ from cas_bank.index.layout import (
     group_layers,
 )
 from cas_bank.index.partial import find_partial
-from cas_bank.index.payloads import PayloadReader
 from cas_bank.index.states import plan_boundaries
 from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
-from cas_bank.index.writer import PendingStore
-from cas_bank.restoring import Hit
+from cas_bank.restore import restoring
+from cas_bank.restore.payloads import PayloadReader
+from cas_bank.restore.restoring import Hit
 from cas_bank.spec import ModelSpec
-from cas_bank.storing import StoreReport as StoreReport  # re-exported: its old home
+from cas_bank.write import storing
+from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
+from cas_bank.write.writer import PendingStore
 
 log = logging.getLogger("cas_bank")
 
 if TYPE_CHECKING:
-    from cas_bank.index.owner import Owner
+    from cas_bank.owner import Owner
 
 
 T = TypeVar("T")
@@ -85,7 +86,7 @@ class Namespace:
 
         Blocks already present are not written again. Everything new goes in one
         atomic batch. Bad input raises `InvalidInputError` before anything is written.
-        (The steps: `cas_bank.storing`.)
+        (The steps: `cas_bank.write.storing`.)
         """
         return storing.store(self, tokens, layers, states)
 
@@ -121,7 +122,7 @@ class Namespace:
         stores may wait; 0: written now, on this thread).
 
         On this thread: the input is checked (bad input raises here, nothing is queued)
-        and the arrays are snapshotted without a copy (see `index.writer`), queued in the
+        and the arrays are snapshotted without a copy (see `write.writer`), queued in the
         bank's read view (`index.view`: every lookup right after sees the blocks and
         states, from memory, until the write commits or fails) and leased (kept in
         memory after the write too, within `hot_bytes`). `Bank.flush()` waits for the

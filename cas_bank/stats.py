@@ -152,7 +152,7 @@ class Counters:
 
     Two ways to change them: `count` for activity a read observes (restores, hits,
     corrupt reads: no batch of its own, persisted with the next transaction), and a
-    transaction (`index.txn.Transaction`), the only writer of the stored-content
+    transaction (`write.txn.Transaction`), the only writer of the stored-content
     counters: it `stage`s the records its batch carries and, once the batch is
     written, `commit`s its deltas. A failed batch changes nothing.
     """

@@ -2,7 +2,7 @@
 
 The body names a prompt the way a completion request does: `{"messages": [...]}`
 (rendered through the model's chat template) or `{"prompt": "text" | [ids]}`, and
-optionally its `cache_salt`. The answer is `cas_bank.explain.Explanation.as_dict()`
+optionally its `cache_salt`. The answer is `cas_bank.maintenance.explain.Explanation.as_dict()`
 for the ids the engine looks up for it, as `PrefixCache.restore_exact` does: the whole
 prompt when an end record of all of it holds its logits (an exact repeat), else the
 prompt less its last token; plus `prompt_tokens`. It leaves out the stored block's
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cas_bank.blocks.hashing import namespace_root, salt_bytes
-from cas_bank.explain import explain
 from cas_bank.index.tree import HeaderIndex
+from cas_bank.maintenance.explain import explain
 
 from .generation import RequestError
 from .openai_types import MAX_SALT_CHARS, first_bad_text, name_problem

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from cas_bank import native
-from cas_bank.index.timings import RestoreTotals
-from cas_bank.index.writer import WriterStats
+from cas_bank.restore.timings import RestoreTotals
 from cas_bank.stats import BankStats
+from cas_bank.write.writer import WriterStats
 
 if TYPE_CHECKING:
     from cas_bank.remote.health import TierHealth, TierProbe

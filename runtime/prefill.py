@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from cas_bank.spec import ModelSpec
-from cas_bank.storing import StoreReport
+from cas_bank.write.storing import StoreReport
 
 from .cache_io import snapshot_states
 

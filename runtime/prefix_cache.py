@@ -51,7 +51,7 @@ encoded (the one copy to host bytes) and written in one batch before the call re
 (its share of the prefill: docs/design.md, "Where each figure is measured").
 `last_prefill.store_s` against `forward_s` shows the caller's share for any model.
 
-Spares: the bank keeps spare restore destinations (`cas_bank.spares`, in its
+Spares: the bank keeps spare restore destinations (`cas_bank.restore.spares`, in its
 `Bank.resources`); `restore` holds the refill it sets off
 (the next restore's arrays, a shared lease's copy ahead) until `prefill` is done with
 its forward pass, so that refill never runs beside the pass that the time to first
@@ -75,10 +75,10 @@ import numpy as np
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array, max_token
 from cas_bank.errors import BankFullError, InvalidInputError
-from cas_bank.index.writer import PendingStore
 from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
-from cas_bank.storing import StoreReport
+from cas_bank.write.storing import StoreReport
+from cas_bank.write.writer import PendingStore
 
 from .cache_io import (
     cache_layers,
@@ -207,7 +207,7 @@ class PrefixCache:
         if len(toks) < 2:
             return cache, 0
         # Room for the whole prompt: its prefill then writes in place, copying nothing.
-        # The refill this sets off (`cas_bank.spares`) waits for the prefill's pass.
+        # The refill this sets off (`cas_bank.restore.spares`) waits for the prefill's pass.
         with self.bank.resources.holding():
             hit = self.namespace.restore(toks[:-1], room_for=len(toks))
         if hit is None:

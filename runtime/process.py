@@ -5,19 +5,19 @@ started with taken out of the cyclic garbage collector's passes.
 
 The library sets nothing for the process on its own: what a bank's restores use
 (spares, their thread, copies ahead, scratch buffers) is the `Bank`'s
-(`cas_bank.resources`). A library caller that serves may call `server_settings` too.
+(`cas_bank.restore.resources`). A library caller that serves may call `server_settings` too.
 """
 
 from __future__ import annotations
 
 import gc
 
-from cas_bank.destinations import keep_freed_memory
+from cas_bank.restore.destinations import keep_freed_memory
 
 
 def server_settings() -> bool:
     """The process-wide memory settings a server runs with: freed memory kept for the
-    next restore (glibc's `mallopt`, `cas_bank.destinations.keep_freed_memory`: a
+    next restore (glibc's `mallopt`, `cas_bank.restore.destinations.keep_freed_memory`: a
     resident size that stays at its peak); True if the C library took them."""
     return keep_freed_memory()
 

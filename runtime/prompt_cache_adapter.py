@@ -76,9 +76,9 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.evict import evict_to_budget
-from cas_bank.index.writer import PendingStore
-from cas_bank.storing import StoreReport
+from cas_bank.evict.eviction import evict_to_budget
+from cas_bank.write.storing import StoreReport
+from cas_bank.write.writer import PendingStore
 
 from .cache_io import snapshot_states
 from .model_spec import check_cache_class

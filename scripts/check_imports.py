@@ -6,8 +6,8 @@
 2. Layers: `cas_bank.blocks` (stores, codec, hashing) imports nothing of
    `cas_bank.index` or above; `cas_bank.index` (chains, eviction, transactions)
    imports nothing of the API above it: `cas_bank.bank`, `cas_bank.namespace`,
-   `cas_bank.bundle`, `cas_bank.verify` (and its `verify_*` modules), the package
-   itself, the runtime or the tools.
+   `cas_bank.maintenance` (verify, bundles), the package itself, the runtime or the
+   tools.
    They take the narrow collaborators they use (a store, counters, an access log).
 
 Usage: python scripts/check_imports.py [repository root]; exit status 1 on a violation.
@@ -26,10 +26,10 @@ API = (
     "cas_bank",
     "cas_bank.bank",
     "cas_bank.namespace",
-    "cas_bank.bundle",
-    "cas_bank.verify",
-    "cas_bank.verify_problems",
-    "cas_bank.verify_records",
+    "cas_bank.maintenance.bundle",
+    "cas_bank.maintenance.verify",
+    "cas_bank.maintenance.verify_problems",
+    "cas_bank.maintenance.verify_records",
     "cas_bank.runtime",
     "cas_bank.tools",
 )

@@ -16,7 +16,7 @@ import numpy as np
 from conftest import attention_spec, kv_prefix_bits, layers_bits, prefix_layers, tokens_of
 
 from cas_bank import Bank, BankConfig, CasBankError, ModelSpec
-from cas_bank.verify import verify
+from cas_bank.maintenance.verify import verify
 
 B = 4
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import cas_bank
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec, native
-from cas_bank.index import fastread
+from cas_bank.restore import file_read
 
 RUNTIME_MODULES = ("fastapi", "uvicorn", "mlx_lm", "rich")
 
@@ -64,7 +64,7 @@ def main(bank_dir: str, want: str) -> int:
                 "version": cas_bank.__version__,
                 "loaded": list(s.loaded),
                 "missing": s.missing,
-                "native_reader": fastread._read_into is not None,
+                "native_reader": file_read._read_into is not None,
                 "runtime_imported": [m for m in RUNTIME_MODULES if sys.modules.get(m) is not None],
                 "warnings": warnings,
                 "exact": ok,

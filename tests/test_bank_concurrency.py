@@ -23,7 +23,7 @@ from test_evict import counted, recount
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, Write
-from cas_bank.index.evict import evict_to_budget
+from cas_bank.evict.eviction import evict_to_budget
 
 B = 4
 

@@ -22,7 +22,7 @@ from rocksdict import Options, Rdict
 from tool_banks import CLI, assert_one_line_error
 
 from cas_bank import Bank, BankConfig, BankLockedError, NotABankError
-from cas_bank.bundle import chain_to_leaf, export_chain
+from cas_bank.maintenance.bundle import chain_to_leaf, export_chain
 
 
 def _file(home: Path) -> str:

@@ -25,9 +25,9 @@ from tool_banks import (
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
-from cas_bank.bundle import BUNDLE_CONTEXT, import_bundle, read_bundle
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.access import last_use
+from cas_bank.evict.access import last_use
+from cas_bank.maintenance.bundle import BUNDLE_CONTEXT, import_bundle, read_bundle
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_a_salted_namespace_is_refused_by_name_and_no_file_is_written(tmp_path: 
     bundle's namespace, so export says why it cannot carry one."""
     from conftest import attention_spec, prefix_layers, tokens_of
 
-    from cas_bank.bundle import chain_for_tokens, export_chain
+    from cas_bank.maintenance.bundle import chain_for_tokens, export_chain
 
     spec = attention_spec()
     tokens = tokens_of(np.random.default_rng(3), 3 * BLOCK_SIZE)

@@ -17,15 +17,15 @@ from conftest import tokens_of as _tokens
 
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.store import Family
-from cas_bank.bundle.export import chain_for_tokens, export_chain
-from cas_bank.bundle.load import import_bundle
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index.chain import Header
 from cas_bank.index.children import INDEXED_KEY, expected_entries, is_indexed
 from cas_bank.index.ends import split_record
-from cas_bank.index.evict import evict_to_budget
 from cas_bank.index.partial import find_partial
-from cas_bank.salvage import salvage
-from cas_bank.verify import verify
+from cas_bank.maintenance.bundle.export import chain_for_tokens, export_chain
+from cas_bank.maintenance.bundle.load import import_bundle
+from cas_bank.maintenance.salvage import salvage
+from cas_bank.maintenance.verify import verify
 
 B = 4
 SPEC = attention_spec()
@@ -179,7 +179,7 @@ def test_a_restore_that_finds_no_partial_block_pays_little(tmp_path: Path) -> No
 
 
 def test_explain_reports_the_partial_block_or_why_not(tmp_path: Path) -> None:
-    from cas_bank.explain import explain
+    from cas_bank.maintenance.explain import explain
 
     with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
         prompts = _fill(bank)

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig, ModelSpec
 from cas_bank.blocks.store import Family
-from cas_bank.bundle import chain_for_tokens, export_chain, import_bundle
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index.chain import Header
-from cas_bank.index.evict import evict_to_budget
+from cas_bank.maintenance.bundle import chain_for_tokens, export_chain, import_bundle
 
 B = BLOCK_SIZE
 ATTN, HYBRID = attention_spec(), hybrid_spec()

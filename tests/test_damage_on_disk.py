@@ -181,7 +181,7 @@ def test_a_damaged_blob_record_is_reported_alone_and_fix_keeps_the_rest(
     """RocksDB's walk of a family ends quietly at a record whose checksum fails (as if
     the family ended there): the records after it must still be read, and `--fix`
     must remove the damaged block and what lies below it, nothing else."""
-    from cas_bank.verify import verify
+    from cas_bank.maintenance.verify import verify
 
     path = tmp_path / "bank"
     shutil.copytree(built_any, path)
@@ -206,7 +206,7 @@ def test_a_damaged_headers_table_block_is_verified_around(built: Path, tmp_path:
     read, and checks every block whose header it can."""
     from damage_kit import flip
 
-    from cas_bank.verify import verify
+    from cas_bank.maintenance.verify import verify
 
     path = tmp_path / "bank"
     shutil.copytree(built, path)
@@ -228,7 +228,7 @@ def test_damaged_last_use_records_are_reported_and_never_stop_the_bank(
     from damage_kit import flip, prompts, wide_spec
     from tool_banks import cas_bank_json
 
-    from cas_bank.verify import verify
+    from cas_bank.maintenance.verify import verify
 
     path = tmp_path / "bank"
     shutil.copytree(built, path)
@@ -251,7 +251,7 @@ def test_salvage_copies_again_when_a_writer_deletes_a_file_mid_copy(
 ) -> None:
     """A live writer may delete a table file (a flush, a compaction) while salvage
     copies the directory: the copy starts again; after a few tries, a clear error."""
-    import cas_bank.salvage as salvage_module
+    import cas_bank.maintenance.salvage as salvage_module
 
     real = shutil.copytree
     calls = []
@@ -286,7 +286,7 @@ def test_salvage_leaves_out_a_file_it_cannot_read_and_goes_on(
     verifies is copied (no retry, no blame on a writer)."""
     import errno
 
-    import cas_bank.salvage as salvage_module
+    import cas_bank.maintenance.salvage as salvage_module
 
     bad = family_tables(built)["headers"][0]
     real = shutil.copy2

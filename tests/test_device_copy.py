@@ -21,8 +21,8 @@ from test_runtime_exact import VARIANTS, check_restored_prefill
 from cas_bank import Bank, BankConfig, arrays
 from cas_bank.arrays import FILL_COPY_ENV, cpu_fillable, mlx_backend
 from cas_bank.blocks.store import Family
-from cas_bank.destinations import Destination
-from cas_bank.index import fastread
+from cas_bank.restore import file_read
+from cas_bank.restore.destinations import Destination
 
 
 def test_only_known_backends_are_filled_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,7 +55,7 @@ def _restore_next_turn(variant: str, seed: int) -> PrefixCache:
 
 @pytest.mark.parametrize("variant", ["hybrid-fp32", "qwen3-kv8"])
 def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.restore.payloads import PayloadReader
 
     monkeypatch.setenv(FILL_COPY_ENV, "1")
     handed_out: list[bool] = []  # each destination handed out: was it MLX's own memory?
@@ -72,7 +72,7 @@ def test_restores_through_the_copy_are_exact(variant: str, monkeypatch: pytest.M
     assert handed_out and not any(handed_out)  # every array came through the copy
     # and its payloads through the file reader's batch (the Python path reads a
     # hybrid's state on its own)
-    alone = [] if fastread.fill_module is not None else [Family.STATES]
+    alone = [] if file_read.fill_module is not None else [Family.STATES]
     assert one_by_one == (alone if pc.spec.is_hybrid else [])
 
 
@@ -82,13 +82,13 @@ def test_cuda_restores_fill_arrays_made_on_the_cpu_stream(
 ) -> None:
     """On CUDA (its backend named here; MLX itself runs on the CPU) every destination is
     MLX's own array, made by the CPU stream (in unified memory there), filled in place."""
-    from cas_bank import destinations
+    from cas_bank.restore import destinations
 
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     streams: list[object] = []  # the stream each destination array was made on
     zeros, load = mx.zeros, mx.load
 
-    def seen(k: dict[str, Any]) -> None:  # a call from cas_bank.destinations
+    def seen(k: dict[str, Any]) -> None:  # a call from cas_bank.restore.destinations
         if sys._getframe(2).f_globals["__name__"] == destinations.__name__:
             streams.append(k.get("stream"))
 
@@ -138,9 +138,9 @@ def test_staged_restores_take_no_spare_mlx_arrays(
 
 @pytest.mark.parametrize("name", ["Destination", "UNFILLED_FROM", "keep_freed_memory", "unfilled"])
 def test_destinations_moved_from_arrays_still_import_with_a_warning(name: str) -> None:
-    from cas_bank import destinations
+    from cas_bank.restore import destinations
 
-    with pytest.warns(DeprecationWarning, match=f"cas_bank.destinations.{name}"):
+    with pytest.warns(DeprecationWarning, match=f"cas_bank.restore.destinations.{name}"):
         moved = getattr(arrays, name)
     assert moved is getattr(destinations, name)
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):

@@ -136,7 +136,7 @@ def test_close_on_a_full_disk_releases_the_lock(small_disk: Path) -> None:
 def test_export_on_a_full_disk_leaves_no_partial_file(tmp_path: Path, small_disk: Path) -> None:
     from damage_kit import build
 
-    from cas_bank.bundle import export_chain
+    from cas_bank.maintenance.bundle import export_chain
 
     ps = build(tmp_path / "bank", n=2)
     fill(small_disk, 8 << 10)

@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from cas_bank import Bank, BankConfig, InvalidInputError
 from cas_bank.blocks.hashing import chain_hashes, end_hash, end_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.bundle import chain_for_tokens, export_chain, import_bundle
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index.ends import END_VERSION, end_key, split_record
-from cas_bank.index.evict import evict_to_budget
-from cas_bank.salvage import salvage
-from cas_bank.verify import verify as verify_bank
+from cas_bank.maintenance.bundle import chain_for_tokens, export_chain, import_bundle
+from cas_bank.maintenance.salvage import salvage
+from cas_bank.maintenance.verify import verify as verify_bank
 
 B = BLOCK_SIZE
 SPEC = attention_spec()
@@ -352,7 +352,7 @@ def test_an_end_record_queued_behind_its_blocks(bank_path: Path) -> None:
 
 
 def test_salvage_copies_end_records_that_verify(tmp_path: Path) -> None:
-    from cas_bank.salvage import salvage
+    from cas_bank.maintenance.salvage import salvage
 
     src, dst = tmp_path / "src", tmp_path / "dst"
     long, short = tokens_of(np.random.default_rng(10), B + 2), [7, 8]

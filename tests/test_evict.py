@@ -31,10 +31,10 @@ from test_hot import open_counted
 from cas_bank import Bank, BankConfig, InvalidInputError, Namespace, StoreReport
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.index.access import last_use
+from cas_bank.evict.access import last_use
+from cas_bank.evict.eviction import Evicted, evict_to_budget
+from cas_bank.evict.leaves import LeafIndex
 from cas_bank.index.chain import Header
-from cas_bank.index.evict import Evicted, evict_to_budget
-from cas_bank.index.leaves import LeafIndex
 from cas_bank.index.records import TIME, access_key
 
 B = BLOCK_SIZE

@@ -8,7 +8,7 @@ machine knows what every restore must return. After every step:
 - the counters equal a recount from the headers; payloads, states and access
   records exist exactly for the headers that claim them;
 - a built leaf index agrees with one rebuilt from disk;
-- the removal records (`index.evicted`) are at most `eviction_memory`, name nothing
+- the removal records (`evict.evicted`) are at most `eviction_memory`, name nothing
   stored, fill their ring slots, and hold every removal of the newest steps that fit
   the cap (with the step's time and reason); a changed cap at reopen keeps the newest.
 Every restore returns exactly the restore point the disk holds (the deepest matched
@@ -43,12 +43,12 @@ from cas_bank import Bank, BankConfig
 from cas_bank.blocks.hashing import end_hash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.evict.evicted import Removal, horizon
+from cas_bank.evict.eviction import evict_to_budget
+from cas_bank.evict.leaves import LeafIndex
 from cas_bank.index.chain import Header
 from cas_bank.index.children import expected_entries
 from cas_bank.index.ends import split_record
-from cas_bank.index.evict import evict_to_budget
-from cas_bank.index.evicted import Removal, horizon
-from cas_bank.index.leaves import LeafIndex
 from cas_bank.index.records import END_SUFFIX, STATE_SUFFIX
 
 SPEC = hybrid_spec()

@@ -1,4 +1,4 @@
-"""`cas_bank.explain`, `cas-bank explain` and the server's `POST /v1/explain`: why a
+"""`cas_bank.maintenance.explain`, `cas-bank explain` and the server's `POST /v1/explain`: why a
 prompt did (not) hit, checked against what a restore really returns."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from test_bank_corruption import _corrupt
 
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.store import Family
-from cas_bank.explain import explain
-from cas_bank.index.evict import evict_to_budget
-from cas_bank.index.evicted import Removal
-from cas_bank.verify import verify
+from cas_bank.evict.evicted import Removal
+from cas_bank.evict.eviction import evict_to_budget
+from cas_bank.maintenance.explain import explain
+from cas_bank.maintenance.verify import verify
 
 BLOCK = 16
 SMALL = 4
@@ -177,7 +177,7 @@ def test_the_command_and_the_server_say_the_same(
     assert "diverges in block" in capsys.readouterr().out
 
 
-# -- evicted or never stored (the removal records of `cas_bank.index.evicted`) ----------
+# -- evicted or never stored (the removal records of `cas_bank.evict.evicted`) ----------
 class Clock:
     def __init__(self, now: float) -> None:
         self.now = now

@@ -1,4 +1,4 @@
-"""The file tier's direct read (index.fastread): the native reader and the Python one
+"""The file tier's direct read (restore.file_read): the native reader and the Python one
 put the same verified bytes in the same rows and refuse the same damage."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from cas_bank.arrays import DTYPES, DType
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import Check
-from cas_bank.index import fastread, rowruns
-from cas_bank.index.assembler import Assembler
-from cas_bank.index.fastread import BlockFiles
 from cas_bank.native import fill_module
+from cas_bank.restore import file_read, row_runs
+from cas_bank.restore.assemble import Assembler
+from cas_bank.restore.file_read import BlockFiles
 
 pytestmark = pytest.mark.skipif(
-    fastread._read_into is None, reason="the native reader (cas_bank._fill) is not built"
+    file_read._read_into is None, reason="the native reader (cas_bank._fill) is not built"
 )
 
 
@@ -102,7 +102,7 @@ def test_native_and_python_reads_fill_the_same_rows(
     dtype: str,
     check: Check,
 ) -> None:
-    tmp = tmp_path_factory.mktemp("fastread")
+    tmp = tmp_path_factory.mktemp("file_read")
     rng = np.random.default_rng(seed)
     shapes, dtypes = _layout(rng, n_arrays, heads, block, DTYPES[dtype])
     n = 3
@@ -215,8 +215,8 @@ def test_large_payloads_split_across_runs_land_in_their_rows(
 
 
 def test_keep_freed_memory_checks_its_input_and_reports_what_it_did() -> None:
-    from cas_bank.destinations import keep_freed_memory
     from cas_bank.errors import InvalidInputError
+    from cas_bank.restore.destinations import keep_freed_memory
 
     for bad in (0, -1, True, 1.5):
         with pytest.raises(InvalidInputError, match="threshold"):
@@ -257,7 +257,7 @@ def test_one_batch_reads_files_of_different_layouts_into_their_own_arrays(tmp_pa
             (blocks_reader, (i, paths[i], len(payloads[i]), codec.embedded_digest(payloads[i])))
             for i in range(n)
         ]
-        assert fastread.read_files(jobs) == [None] * (n + 1), native
+        assert file_read.read_files(jobs) == [None] * (n + 1), native
         for got, want in zip(state_dests, s_arrays[0], strict=True):
             assert got.tobytes() == want.tobytes()
         for i, arrays in enumerate(blocks):
@@ -278,10 +278,10 @@ def test_row_runs_made_once_from_shapes_are_those_found_from_the_views(
     d = DTYPES[dtype]
     shapes = [(*lead, blocks * 4, dim) for blocks, dim in rows]
     views = [np.zeros(shape, dtype=d.storage) for shape in shapes]
-    runs = rowruns.contiguous_row_runs(shapes, [d.itemsize] * len(shapes), [4] * len(shapes))
+    runs = row_runs.contiguous_row_runs(shapes, [d.itemsize] * len(shapes), [4] * len(shapes))
     assert runs is not None
     addresses = np.array([v.__array_interface__["data"][0] for v in views], dtype=np.int64)
-    assert rowruns.placed(runs, addresses) == rowruns.row_runs(views, [4] * len(views))
+    assert row_runs.placed(runs, addresses) == row_runs.row_runs(views, [4] * len(views))
     block = [(*lead, 4, dim) for _, dim in rows]
     given_runs = BlockFiles(views, block, [d] * len(views), runs=runs, addresses=addresses)
     assert given_runs._segments == BlockFiles(views, block, [d] * len(views))._segments
@@ -317,7 +317,7 @@ def _read_batch(case: tuple[Any, ...]) -> bool:
     shapes, dtypes, block, items, blocks = case
     dests = _dests(shapes, dtypes, len(items), block)
     reader = BlockFiles(dests, shapes, dtypes, block)
-    if fastread.read_files([(reader, item) for item in items]) != [None] * len(items):
+    if file_read.read_files([(reader, item) for item in items]) != [None] * len(items):
         return False
     return all(
         dest[..., i * block : (i + 1) * block, :].tobytes() == a.tobytes()
@@ -460,7 +460,7 @@ def test_plain_blocks_read_by_native_names_are_read_files_own(tmp_path: Path, da
         reader = BlockFiles(dests, shapes, dtypes, block)
         state_job = (BlockFiles(state_dests, state_shapes, state_dtypes), s_item)
         if way == "native names":
-            out = fastread.read_plain_blocks(
+            out = file_read.read_plain_blocks(
                 reader,
                 tier.prefix(Family.BLOCKS),
                 b"".join(keys[first:]),
@@ -472,7 +472,7 @@ def test_plain_blocks_read_by_native_names_are_read_files_own(tmp_path: Path, da
             jobs = [state_job] + [
                 (reader, (i, names[i], reader.file_len, digests[i])) for i in range(first, n)
             ]
-            out = fastread.read_files(jobs)
+            out = file_read.read_files(jobs)
         assert out is not None
         got[way] = (out, [d.tobytes() for d in dests], [d.tobytes() for d in state_dests])
     assert got["native names"] == got["read_files"]

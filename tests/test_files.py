@@ -1,5 +1,5 @@
 """The file tier (cas_bank.blocks.files): large payloads as files beside RocksDB, the
-database the single commit point; the restore's direct read (index.fastread)."""
+database the single commit point; the restore's direct read (restore.file_read)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from cas_bank.blocks.files import STUB_MAGIC, FileTier
 from cas_bank.blocks.hashing import check_of
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
-from cas_bank.index import fastread
-from cas_bank.verify import verify
+from cas_bank.maintenance.verify import verify
+from cas_bank.restore import file_read
 
 B = 16
 # Two layers of [1, 4, 16, 128] float32 keys and values: 128 KiB a block, in files.
@@ -236,7 +236,7 @@ def test_a_hybrid_restore_reads_its_state_file_with_the_blocks_and_refuses_damag
 ) -> None:
     from conftest import random_state, state_bits
 
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.restore.payloads import PayloadReader
 
     slow: list[Family] = []  # payloads read one by one (not with the blocks)
     one_by_one = PayloadReader._read
@@ -265,7 +265,7 @@ def test_a_hybrid_restore_reads_its_state_file_with_the_blocks_and_refuses_damag
         assert bank.stats().corrupt_reads == 0
         # The state came with the blocks (the native reader's batch; the Python path
         # reads it on its own).
-        with_blocks: list[Family] = [] if fastread.fill_module is not None else [Family.STATES]
+        with_blocks: list[Family] = [] if file_read.fill_module is not None else [Family.STATES]
         assert slow == with_blocks
         # Damage the deepest state's file: the restore moves back to the state at 2B,
         # counting the damage once.

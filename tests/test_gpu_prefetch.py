@@ -1,5 +1,5 @@
 """On MLX's CUDA build a restore moves the arrays it filled from the CPU (unified
-memory) to the GPU before handing them out (`cas_bank.gpu_prefetch`, the bank's
+memory) to the GPU before handing them out (`cas_bank.restore.gpu_prefetch`, the bank's
 `GpuPrefetch` in its `Resources`: a failure turns it off for that bank). Here MLX runs on
 the CPU: the backend is named CUDA where a test needs it, and what the prefetch is
 asked to move is checked against the arrays the restore hands out; the driver calls
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import BLOCK_SIZE, attention_spec, layers_bits, prefix_layers
 
-from cas_bank import Bank, BankConfig, arrays, gpu_prefetch
+from cas_bank import Bank, BankConfig, arrays
 from cas_bank.arrays import address_of, to_numpy
-from cas_bank.gpu_prefetch import GpuPrefetch
+from cas_bank.restore import gpu_prefetch
+from cas_bank.restore.gpu_prefetch import GpuPrefetch
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
-"""The restoring thread's helpers (cas_bank.index.helpers): work shared through a common
-source, errors from either side, and helpers kept off the restoring thread's CPU."""
+"""The restoring thread's workers (cas_bank.restore.workers): work shared through a common
+source, errors from either side, and workers kept off the restoring thread's CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 from forking import holds_in_a_forked_child
 
-from cas_bank.index import helpers
+from cas_bank.restore import workers
 
 
 def test_together_runs_on_two_threads_and_does_each_piece_once() -> None:
@@ -28,7 +28,7 @@ def test_together_runs_on_two_threads_and_does_each_piece_once() -> None:
             if j < 100:
                 took[not here].wait(0.001)  # let the other side take a share too
 
-    helpers.together(work)
+    workers.together(work)
     assert sorted(j for j, _ in done) == list(range(200))
     assert len({t for _, t in done}) == 2  # both took pieces
 
@@ -39,7 +39,7 @@ def test_together_raises_what_either_side_raised() -> None:
             raise ValueError("this thread")
 
     with pytest.raises(ValueError, match="this thread"):
-        helpers.together(fails_here)
+        workers.together(fails_here)
 
     started = threading.Event()
 
@@ -50,7 +50,7 @@ def test_together_raises_what_either_side_raised() -> None:
         started.wait(5)  # the helper has begun: its error is waited for, not cancelled
 
     with pytest.raises(KeyError, match="helper"):
-        helpers.together(fails_there)
+        workers.together(fails_there)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
@@ -82,7 +82,7 @@ def test_an_interrupt_still_waits_for_the_helper() -> None:
     before = signal.signal(signal.SIGINT, on_sigint)
     try:
         with pytest.raises(KeyboardInterrupt):
-            helpers.together(work)
+            workers.together(work)
         assert finished.is_set()
     finally:
         signal.signal(signal.SIGINT, before)
@@ -97,7 +97,7 @@ def test_together_runs_alone_once_threads_can_no_longer_start(
     def closed() -> None:
         raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(helpers, "partner", closed)
+    monkeypatch.setattr(workers, "partner", closed)
     assert _pieces_done(20) == list(range(20))
 
 
@@ -110,7 +110,7 @@ def _pieces_done(n: int) -> list[int]:
         while (j := next(pieces)) < n:
             done.append(j)
 
-    helpers.together(work)
+    workers.together(work)
     return sorted(done)
 
 
@@ -121,15 +121,15 @@ def _pieces_done(n: int) -> list[int]:
 def test_helpers_are_kept_off_the_restoring_threads_cpu() -> None:
     allowed = os.sched_getaffinity(0)
     first, second = sorted(allowed)[:2]
-    helpers.together(lambda: None)  # the helper threads start with this thread's CPUs
+    workers.together(lambda: None)  # the helper threads start with this thread's CPUs
     try:
-        for cpu in (first, second):  # the restoring thread moves: so do the helpers
+        for cpu in (first, second):  # the restoring thread moves: so do the workers
             os.sched_setaffinity(0, {cpu})
-            helpers.together(lambda: None)  # keeps its partner off this CPU
-            assert os.sched_getaffinity(helpers.partner().tid) == allowed - {cpu}
-            helpers.keep_helpers_off_this_cpu()  # the pool's too (its map callers)
-            tids = list(helpers._tids)
-            assert len(tids) == helpers._THREADS + 1  # the pool's threads and the partner
+            workers.together(lambda: None)  # keeps its partner off this CPU
+            assert os.sched_getaffinity(workers.partner().tid) == allowed - {cpu}
+            workers.keep_helpers_off_this_cpu()  # the pool's too (its map callers)
+            tids = list(workers._tids)
+            assert len(tids) == workers._THREADS + 1  # the pool's threads and the partner
             for tid in tids:
                 mask = os.sched_getaffinity(tid)
                 assert cpu not in mask and mask == allowed - {cpu}
@@ -140,14 +140,14 @@ def test_helpers_are_kept_off_the_restoring_threads_cpu() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_starts_its_own_helpers() -> None:
     """The parent's helper ids are not the child's threads: the child never pins them."""
-    helpers.together(lambda: None)
-    parent_tids = list(helpers._tids)
+    workers.together(lambda: None)
+    parent_tids = list(workers._tids)
     assert parent_tids
 
     def in_the_child() -> bool:
-        ok = not helpers._tids and helpers._pool is None and helpers._partner is None
+        ok = not workers._tids and workers._pool is None and workers._partner is None
         ok = ok and _pieces_done(50) == list(range(50))
-        return ok and not set(helpers._tids) & set(parent_tids)
+        return ok and not set(workers._tids) & set(parent_tids)
 
     assert holds_in_a_forked_child(in_the_child)
 

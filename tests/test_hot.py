@@ -33,9 +33,9 @@ from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index import chain as chain_py
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.evict import evict_to_budget
 from cas_bank.testing import StoreConformance
 
 

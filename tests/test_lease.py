@@ -14,8 +14,7 @@ import pytest
 from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
-from cas_bank import restoring
-from cas_bank.index import assembler, rowcopy
+from cas_bank.restore import assemble, restoring, row_copy
 
 BLOCK = 16
 
@@ -119,22 +118,22 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
 @pytest.mark.parametrize("native", [True, False])
 def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
     """The room copy of a large lease runs on this thread and a helper (forced here for
-    a tiny model's), by the native streamed copy (`index.rowcopy`) where it is built,
+    a tiny model's), by the native streamed copy (`restore.row_copy`) where it is built,
     else by numpy a whole array at a time: every array arrives, once, whole."""
-    if native and not rowcopy.available():
+    if native and not row_copy.available():
         pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(assembler, "_TWO_THREADS_FROM", 0)
+        mp.setattr(assemble, "_TWO_THREADS_FROM", 0)
         if not native:
-            mp.setattr(rowcopy, "_copy_runs", None)
+            mp.setattr(row_copy, "_copy_runs", None)
         copied: list[bool] = []
-        real = rowcopy.copy_planned
+        real = row_copy.copy_planned
 
         def spy(*args: Any, **kwargs: Any) -> None:
             real(*args, **kwargs)
             copied.append(True)
 
-        mp.setattr(rowcopy, "copy_planned", spy)
+        mp.setattr(row_copy, "copy_planned", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK
@@ -150,17 +149,17 @@ def test_a_lease_keeps_its_copy_plan_across_restores() -> None:
     """The native copy's plan of a lease into destinations of one capacity is made once
     (`Assembler._lease_plan`, kept by the lease): the next restores with room only place
     it at their own arrays, each bit-exact and in memory of its own."""
-    if not rowcopy.available():
+    if not row_copy.available():
         pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
         planned: list[int] = []
-        real = rowcopy.plan_copy
+        real = row_copy.plan_copy
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             planned.append(args[3])
             return real(*args, **kwargs)
 
-        mp.setattr(rowcopy, "plan_copy", spy)
+        mp.setattr(row_copy, "plan_copy", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         caches = [pc.restore(tokens)[0] for _ in range(3)]
         assert planned == [4 * BLOCK]  # one plan, for the first restore
@@ -209,7 +208,7 @@ def test_a_restores_timings_say_where_its_time_went() -> None:
 def test_a_hybrid_state_is_leased_and_never_written_by_its_caches() -> None:
     """The recurrent state at a boundary is handed out from memory too (no payload
     read), and a runtime's later updates of the state arrays never reach the bank's."""
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.restore.payloads import PayloadReader
 
     lm = tiny("tiny-hybrid")
     rng = np.random.default_rng(7)

@@ -160,12 +160,12 @@ def test_the_library_runs_without_the_linux_only_calls(tmp_path: Path) -> None:
                 return super().__getitem__(name)
 
         ctypes.CDLL = CDLL
-        from cas_bank.destinations import keep_freed_memory
-        from cas_bank.index import helpers
+        from cas_bank.restore.destinations import keep_freed_memory
+        from cas_bank.restore import workers
         assert keep_freed_memory() is False
-        assert helpers._current_cpu is None  # no pinning without the calls
+        assert workers._current_cpu is None  # no pinning without the calls
         work, done = iter(range(1000)), []
-        helpers.together(lambda: done.extend(work))
+        workers.together(lambda: done.extend(work))
         assert sorted(done) == list(range(1000))
         sys.argv = ["roundtrip", {str(tmp_path / "bank")!r}, "any"]
         runpy.run_path({str(ROUNDTRIP)!r}, run_name="__main__")

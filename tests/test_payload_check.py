@@ -24,11 +24,11 @@ from cas_bank.blocks.files import stub_of
 from cas_bank.blocks.hashing import XXH3_TAG, check_of, payload_check
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
-from cas_bank.bundle import export_chain, import_bundle, read_bundle
-from cas_bank.bundle.export import chain_for_tokens
 from cas_bank.index.chain import Header
 from cas_bank.index.ends import split_record
-from cas_bank.verify import verify
+from cas_bank.maintenance.bundle import export_chain, import_bundle, read_bundle
+from cas_bank.maintenance.bundle.export import chain_for_tokens
+from cas_bank.maintenance.verify import verify
 
 sys.path.insert(0, str(TESTS_DIR / "fixtures"))
 from make_bank_v3 import PROMPT_DB, PROMPT_FILES

@@ -34,7 +34,7 @@ from runtime_helpers import random_tokens, temp_bank
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Write
-from cas_bank.explain import explain
+from cas_bank.maintenance.explain import explain
 
 T = TypeVar("T")
 REPEATS = 50

@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from cas_bank import Bank, BankConfig, ModelSpec
-from cas_bank.index.evict import evict_to_budget
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.namespace import Namespace
 
 B = 4

@@ -1,4 +1,4 @@
-"""A bank's own restore resources (`cas_bank.resources`): spares, their thread and
+"""A bank's own restore resources (`cas_bank.restore.resources`): spares, their thread and
 copies ahead come with `Bank.open` and its defaults (no process-wide call), stay
 within `BankConfig.spare_bytes` (shown by `stats()`), belong to one bank, and stop
 with `close()` (the thread joined, the arrays released). Real MLX, a real bank."""
@@ -14,7 +14,7 @@ import pytest
 from conftest import kv_prefix_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.spares import keep_spare_destinations
+from cas_bank.restore.spares import keep_spare_destinations
 
 SPEC = ModelSpec(
     name="owned",

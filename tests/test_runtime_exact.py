@@ -33,7 +33,7 @@ from runtime_helpers import (
 )
 
 from cas_bank.blocks.store import Family
-from cas_bank.index import fastread
+from cas_bank.restore import file_read
 
 BLOCK = 16
 
@@ -116,7 +116,7 @@ def test_restores_read_from_payload_files_are_exact(
 ) -> None:
     """No hot tier and no leases, every payload a file: the restore goes through the
     file reader's batch (the hybrid state with the blocks) and is still exact."""
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.restore.payloads import PayloadReader
 
     one_by_one: list[object] = []  # payloads read the slow way
     slow = PayloadReader._read
@@ -136,7 +136,7 @@ def test_restores_read_from_payload_files_are_exact(
         assert bank.stats().hot_hits == 0
         # Every payload came through the reader's batch (the Python path reads a
         # hybrid's state on its own).
-        alone = [] if fastread.fill_module is not None else [Family.STATES]
+        alone = [] if file_read.fill_module is not None else [Family.STATES]
         assert one_by_one == (alone if pc.spec.is_hybrid else [])
 
 

@@ -1,4 +1,4 @@
-"""Spare destination arrays (`cas_bank.spares`): a restore takes arrays made ahead of
+"""Spare destination arrays (`cas_bank.restore.spares`): a restore takes arrays made ahead of
 it, each handed out once, within the byte bound, and restores stay bit-exact and never
 share a buffer. Real MLX arrays and a real bank."""
 
@@ -18,8 +18,8 @@ from runtime_helpers import tiny
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.arrays import DTYPES, to_numpy
-from cas_bank.destinations import UNFILLED_FROM
-from cas_bank.spares import Filled, Spares, spare_set
+from cas_bank.restore.destinations import UNFILLED_FROM
+from cas_bank.restore.spares import Filled, Spares, spare_set
 
 F16 = DTYPES["float16"]
 BIG = ((1, 4, 256, 512), F16)  # 1 MiB: kept unfilled, so spared
@@ -120,12 +120,12 @@ def test_a_set_the_pool_cannot_make_leaves_it_working(spares: Spares) -> None:
 
 # Refills on the spares' thread while this thread runs MLX and calls mx.clear_cache()
 # (as mlx-lm does during prefill): with MLX's load of a Python stream on the spares'
-# thread the two deadlocked within a second, every run (see cas_bank/spares.py).
+# thread the two deadlocked within a second, every run (see cas_bank/restore/spares.py).
 _BESIDE_CLEAR_CACHE = """
 import sys, threading, time
 import mlx.core as mx
 from cas_bank.arrays import DTYPES
-from cas_bank.spares import Spares
+from cas_bank.restore.spares import Spares
 SPARES = Spares(1 << 28)
 wanted = [((1, 4, 256, 64), DTYPES["float16"])] * 16
 stop = time.monotonic() + 2.0

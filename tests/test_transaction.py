@@ -16,13 +16,13 @@ from test_evict import FakeClock, counted, recount
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family, Write
-from cas_bank.bundle import export_chain, import_bundle
+from cas_bank.evict.eviction import evict_to_budget
+from cas_bank.evict.leaves import LeafIndex
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.evict import evict_to_budget
-from cas_bank.index.leaves import LeafIndex
 from cas_bank.index.records import TIME
+from cas_bank.maintenance.bundle import export_chain, import_bundle
+from cas_bank.maintenance.verify import verify
 from cas_bank.stats import Counters
-from cas_bank.verify import verify
 
 B = BLOCK_SIZE
 SPEC = hybrid_spec()

@@ -1,4 +1,4 @@
-"""`cas_bank.verify` and `cas-bank verify`: corruption and broken chains are found, the
+"""`cas_bank.maintenance.verify` and `cas-bank verify`: corruption and broken chains are found, the
 exit status says so, `--fix` removes exactly what is broken or unreachable (keeping
 the counters right), and a second verify is clean. Damage is made by writing to the
 RocksDB families directly, behind the bank's back."""
@@ -14,7 +14,7 @@ from cas_bank import Bank
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
 from cas_bank.index.tree import HeaderIndex
-from cas_bank.verify import verify
+from cas_bank.maintenance.verify import verify
 
 
 def _flip(store: RocksStore, family: Family, key: bytes, at: int = -5) -> None:

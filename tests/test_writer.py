@@ -30,7 +30,7 @@ from test_bank_process import KILL_BLOCK, big_spec, check_consistent, kill_promp
 from cas_bank import Bank, BankConfig, InvalidInputError
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family, Write
-from cas_bank.verify import verify
+from cas_bank.maintenance.verify import verify
 
 B = 4
 

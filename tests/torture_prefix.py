@@ -97,7 +97,7 @@ def check_prefix_bank(path: Path, acked: Sequence[Sequence[Any]]) -> str:
     from cas_bank.runtime import PrefixCache
 
     from cas_bank import Bank
-    from cas_bank.verify import verify
+    from cas_bank.maintenance.verify import verify
 
     with Bank.open(path) as bank:
         caches = {m: PrefixCache(bank, loaded(m)) for m in MODELS}

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cas_bank import Bank
-from cas_bank.bundle import (
+from cas_bank.index.tree import HeaderIndex, load_namespaces, namespace_labels, resolve_prefix
+from cas_bank.maintenance.bundle import (
     ExportReport,
     chain_for_tokens,
     chain_to_leaf,
@@ -23,7 +24,6 @@ from cas_bank.bundle import (
     import_bundle,
     read_bundle,
 )
-from cas_bank.index.tree import HeaderIndex, load_namespaces, namespace_labels, resolve_prefix
 
 from .common import (
     CliError,

@@ -3,7 +3,7 @@
 How far the prompt's chain matched, where it diverged from a stored block and at
 which token, which boundaries lacked a recurrent state, which blocks are corrupt,
 whether the first missing block was evicted (when, by what) or never stored, and
-what a restore would cover now (see `cas_bank.explain`). The tokens file holds
+what a restore would cover now (see `cas_bank.maintenance.explain`). The tokens file holds
 the ids a restore looks up: a JSON list or whitespace-separated integers (a runtime
 looks up a prompt's ids less the last one). `--json` prints the same as the
 server's `POST /v1/explain`.
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cas_bank import Bank
-from cas_bank.explain import Explanation, explain
 from cas_bank.index.tree import load_namespaces, namespace_labels
+from cas_bank.maintenance.explain import Explanation, explain
 
 from .bundle import read_token_file
 from .common import (

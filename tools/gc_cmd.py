@@ -1,7 +1,7 @@
 """`cas-bank gc BANK --max-bytes N`: evict offline until the bank fits a budget.
 
 The same eviction a writer runs after a store when `BankConfig.max_bytes` is set
-(`cas_bank.index.evict`: least recently used first, leaf blocks only, states on their
+(`cas_bank.evict.eviction`: least recently used first, leaf blocks only, states on their
 own before blocks of the same age), then a compaction so the disk space is released.
 It needs the bank's writer lock: stop a server on the bank first.
 """
@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from cas_bank.blocks.store import Capability
-from cas_bank.index.evict import EvictionReport, evict_to_budget
+from cas_bank.evict.eviction import EvictionReport, evict_to_budget
 
 from .common import (
     add_bank_argument,

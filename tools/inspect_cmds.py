@@ -17,7 +17,7 @@ from typing import Any
 from cas_bank import Bank, native
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.access import last_use
+from cas_bank.evict.access import last_use
 from cas_bank.index.chain import Header
 from cas_bank.index.ends import split_record
 from cas_bank.index.tree import (

@@ -1,12 +1,12 @@
 """`cas-bank salvage SRC DST`: copy every block and state of a damaged bank that still
-verifies into a new bank at DST. SRC is never changed (see `cas_bank.salvage`)."""
+verifies into a new bank at DST. SRC is never changed (see `cas_bank.maintenance.salvage`)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from cas_bank.salvage import salvage
+from cas_bank.maintenance.salvage import salvage
 
 from .common import add_command, bank_path, emit, fields, print_json
 

@@ -20,7 +20,7 @@ from cas_bank import Bank
 from cas_bank.blocks import codec
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.access import last_use
+from cas_bank.evict.access import last_use
 from cas_bank.index.chain import Header
 from cas_bank.index.tree import (
     HeaderIndex,
@@ -29,8 +29,8 @@ from cas_bank.index.tree import (
     namespace_labels,
     resolve_prefix,
 )
+from cas_bank.maintenance.verify import read_record
 from cas_bank.spec import ModelSpec
-from cas_bank.verify import read_record
 
 from .common import (
     CliError,

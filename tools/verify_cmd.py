@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from cas_bank.index.tree import load_namespaces, namespace_labels
+from cas_bank.maintenance.verify import VerifyReport, verify
 from cas_bank.spec import ModelSpec
-from cas_bank.verify import VerifyReport, verify
 
 from .common import (
     add_bank_argument,

@@ -30,7 +30,7 @@
  *
  * The destination is given as raw addresses (int64 triples: block 0's address, the
  * length, how many bytes further each next block's run starts): the
- * caller (cas_bank.index.fastread) builds them from arrays it owns and keeps alive for
+ * caller (cas_bank.restore.file_read) builds them from arrays it owns and keeps alive for
  * the call. On a failed check the rows already written hold unverified bytes: the
  * caller treats them as undefined (a restore ends before that block).
  */

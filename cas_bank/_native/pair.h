@@ -7,7 +7,7 @@
  * not begun by the time the caller is done is taken back (the caller did it all); a
  * partner busy with another caller's call leaves this one to its caller alone.
  *
- * It replaces, for these calls, the Python helper of cas_bank.index.helpers.together:
+ * It replaces, for these calls, the Python helper of cas_bank.restore.workers.together:
  * no ticket, no GIL to hand over on either side (the partner never takes it), so the
  * partner starts as soon as it wakes and the caller hears at once that it is done.
  * Measured there: `together` cost a cold 1k-token restore ~60 us before its own
@@ -15,7 +15,7 @@
  *
  * Linux: the partner is kept off the CPU the calling thread is on (one
  * sched_setaffinity, only when that CPU changed since the last call), for the reason
- * cas_bank/index/helpers.py gives: woken onto the waker's own CPU, both halves shared
+ * cas_bank/restore/workers.py gives: woken onto the waker's own CPU, both halves shared
  * one CPU until the load balancer moved one. It starts with the CPUs the module was
  * imported with (`pair_init`), not those of the thread that first calls, which may be
  * pinned. A forked child starts its own partner (the parent's is not there).

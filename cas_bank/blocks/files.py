@@ -11,7 +11,7 @@ RocksDB stays the index and the single commit point:
   next open after an unclean close, and by `verify`/`gc`).
 - read: `get_many` returns the file's bytes, so everything above (verify, export,
   eviction, the codec) sees the same payload as before; a restore reads the file
-  into its destination arrays itself (`payload_file`, `index.fastread`).
+  into its destination arrays itself (`payload_file`, `restore.file_read`).
 - delete / overwrite: the inner batch first, then the files no stub names any more.
 
 Why: rocksdict's `get` returns a new `bytes` per value and holds the GIL (0.66-1.03

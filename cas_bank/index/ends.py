@@ -8,7 +8,7 @@ tokens, the recurrent layers' state at n (hybrid models), and optionally the log
 of token n-1 and a hidden state. Records live in the `ends` family under
 `parent || end_hash` (64 bytes), so a lookup multi-gets the few candidates under the
 deepest matched block, and the records under a block are found by that block's hash.
-An end record is a leaf: it goes with its parent block (`index.evict`).
+An end record is a leaf: it goes with its parent block (`evict.eviction`).
 
 Record value, little-endian: the end header (`_FIXED` then the tail tokens as <u4)
 followed by the codec payload (`blocks.codec`; its digest is in the header too and
@@ -33,12 +33,12 @@ from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.assembler import Assembler
 from cas_bank.index.layout import check_layers, check_state, group_layers
+from cas_bank.restore.assemble import Assembler
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from cas_bank.index.owner import Owner
+    from cas_bank.owner import Owner
     from cas_bank.stats import Counters
 
 log = logging.getLogger("cas_bank")

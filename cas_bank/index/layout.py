@@ -1,6 +1,6 @@
 """What is stored where: the caller's arrays checked against a `ModelSpec`, cut into
 block payloads, and grouped back into layers (a restore's arrays are assembled by
-`index.assembler`).
+`restore.assemble`).
 
 A block payload holds, for every attention layer in order, that layer's arrays sliced
 to the block's tokens. A state payload holds, for every recurrent layer in order, its

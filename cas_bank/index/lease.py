@@ -9,7 +9,7 @@ to its cache (prefill, decode, trim then overwrite) copies before it writes, and
 bank's bytes never change (tests/test_lease.py shows it). The price is paid once, by
 the cache: its next update after a store copies the buffer it shares with the bank.
 A restore that asks for room after the prefix (a runtime's, which prefills next) gets
-a copy into buffers of its own instead (`cas_bank.restoring`): made on two cores, where
+a copy into buffers of its own instead (`cas_bank.restore.restoring`): made on two cores, where
 mlx-lm's first update would make it on one.
 
 Entries are chains: block i of an entry is the block named `hashes[i]`, and a chain

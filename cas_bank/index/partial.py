@@ -26,17 +26,17 @@ from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.hashing import BlockHash, hash_block
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.children import KIND_BLOCK, Child, nearest_child, shared_tokens
 from cas_bank.index.ends import FoundEnd
 from cas_bank.index.layout import group_layers
 from cas_bank.index.view import ReadView, is_queued
+from cas_bank.restore.assemble import Assembler
 
 if TYPE_CHECKING:
     from cas_bank.blocks.codec import Decoded
     from cas_bank.index.continuation import ChainSpace, ChainTier
-    from cas_bank.index.payloads import PayloadReader
+    from cas_bank.restore.payloads import PayloadReader
     from cas_bank.spec import ModelSpec
     from cas_bank.stats import Counters
 

@@ -3,7 +3,7 @@ writer or written, found by every lookup (docs/design.md, "Background writer").
 
 RocksDB's own design is the model: a write is in the memtable before it is in a
 table, and every read asks the memtable first. Here the memtable is the writer's
-overlay (`index.writer.Queued`): a store queued by `Namespace.store_later` registers
+overlay (`write.writer.Queued`): a store queued by `Namespace.store_later` registers
 its blocks and boundary states (`QueuedChain`), a queued end record its record
 (`QueuedEnd`), when it is queued; the writer retires them once its batch has
 committed, or failed (the store then leaves the view, and `flush()` raises it).
@@ -51,7 +51,7 @@ from cas_bank.index.ends import EndHeader, EndInput, FoundEnd, end_place, split_
 
 if TYPE_CHECKING:
     from cas_bank.index.lease import Leases
-    from cas_bank.index.owner import Owner
+    from cas_bank.owner import Owner
 
 QUEUED_DIGEST = b"queued for the background writer"
 """The payload (and state) digest of a queued block's header: not a digest, so a

@@ -28,7 +28,7 @@ from cas_bank.blocks.hashing import end_hashes
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.continuation import FetchedEnd
 from cas_bank.index.ends import KEY_SIZE, EndPlan, decode_end, split_record
-from cas_bank.index.owner import Owner
+from cas_bank.owner import Owner
 from cas_bank.remote import keys
 from cas_bank.spec import ModelSpec
 

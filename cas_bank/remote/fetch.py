@@ -29,7 +29,7 @@ from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
 from cas_bank.index.continuation import ChainSpace, Continuation, FetchedEnd
-from cas_bank.index.owner import Owner
+from cas_bank.owner import Owner
 from cas_bank.remote import ends, keys
 from cas_bank.remote.client import RemoteClient
 

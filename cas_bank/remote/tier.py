@@ -38,7 +38,7 @@ from cas_bank.errors import InvalidInputError
 from cas_bank.index.chain import Header, longest_chain, read_headers
 from cas_bank.index.continuation import ChainSpace, Continuation
 from cas_bank.index.ends import with_check as end_with_check
-from cas_bank.index.owner import Owner
+from cas_bank.owner import Owner
 from cas_bank.remote import ends, keys
 from cas_bank.remote.children import child_entry, fetch_child
 from cas_bank.remote.client import RemoteClient, tls_options

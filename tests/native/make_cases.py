@@ -1,6 +1,6 @@
 """Writes the payload case that tests/native/test_native.c fills, with the package's own
 codec and file reader (so the C test follows their format): a payload file of two
-arrays as `codec.encode` writes it, the head `index.fastread` expects of it, and the
+arrays as `codec.encode` writes it, the head `restore.file_read` expects of it, and the
 rows the fill must produce.
 
 Usage: python tests/native/make_cases.py OUT_DIR. Writes, for each payload check
@@ -20,7 +20,7 @@ import numpy as np
 from cas_bank.arrays import DTYPES
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, Check
-from cas_bank.index import fastread
+from cas_bank.restore import file_read
 
 CHECKS: tuple[Check, ...] = ("xxh3", "blake3")
 
@@ -40,7 +40,7 @@ def main(out: Path, check: Check) -> None:
     ]
     payload = codec.encode(arrays, dtypes, "none", check)
     digest = codec.embedded_digest(payload)
-    reader = fastread.BlockFiles(
+    reader = file_read.BlockFiles(
         [np.zeros((*s[:-2], 32, s[-1]), d.storage) for s, d in zip(shapes, dtypes, strict=True)],
         shapes,
         dtypes,
@@ -51,7 +51,9 @@ def main(out: Path, check: Check) -> None:
     (out / "head.bin").write_bytes(head)
     (out / "rows.bin").write_bytes(b"".join(a.tobytes() for a in arrays))
     sizes = " ".join(str(a.nbytes) for a in arrays)
-    (out / "case.txt").write_text(f"{fastread._LEAD.size} {len(head)} {sizes}\n{PAYLOAD_CONTEXT}\n")
+    (out / "case.txt").write_text(
+        f"{file_read._LEAD.size} {len(head)} {sizes}\n{PAYLOAD_CONTEXT}\n"
+    )
 
 
 if __name__ == "__main__":

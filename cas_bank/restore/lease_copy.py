@@ -1,16 +1,16 @@
 """A lease copied into a restore's arrays with room: planned once, and copied ahead.
 
-A hot restore with room (`index.assembler.Assembler`) copies the leased prefix into arrays
+A hot restore with room (`restore.assemble.Assembler`) copies the leased prefix into arrays
 its cache owns: mlx-lm writes the next tokens in place after it, so two caches never
 share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 prefix,
 25 MB: ~1.4 ms of ~2.2). Two things keep the rest of it small:
 
-- The native copy's plan (`index.rowcopy.plan_copy`: one run per leading index, the
+- The native copy's plan (`restore.row_copy.plan_copy`: one run per leading index, the
   lease's addresses placed) depends only on the lease and the destinations' shapes,
   so the lease keeps it (`HeldArrays.memo`), one per destination shapes and rows.
 - A lease restored with room a second time is likely restored again (a system prompt
   many agents share): after such a restore, the thread of the bank's spares
-  (`cas_bank.spares`, in its `Resources`) makes the next restore's arrays and copies
+  (`cas_bank.restore.spares`, in its `Resources`) makes the next restore's arrays and copies
   the prefix into them, off the path, as it makes plain spares. The next restore of
   the same lease, shapes and rows takes them whole (`take_ahead`) and copies
   nothing. The arrays are the spares' (within their bound; the two most recent
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from cas_bank.arrays import HeldArrays
-from cas_bank.destinations import Destination, addresses_of
-from cas_bank.index import rowcopy
-from cas_bank.spares import Filled, Spares, Wanted
+from cas_bank.restore import row_copy
+from cas_bank.restore.destinations import Destination, addresses_of
+from cas_bank.restore.spares import Filled, Spares, Wanted
 
 _PLANS_KEPT = 8  # plans a lease keeps (one per destination shapes it is restored into)
 _AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is made ahead
@@ -37,17 +37,17 @@ _AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is m
 
 def plan(
     arrays: HeldArrays, serial: int, views: Sequence[np.ndarray], rows: int
-) -> tuple[rowcopy.CopyPlan | None, int]:
+) -> tuple[row_copy.CopyPlan | None, int]:
     """The native copy's plan of `arrays`' first `rows` rows into destinations like
     `views` (their shapes and strides fixed by the `_Shapes` whose `serial` this is),
     and the bytes it copies; kept by the lease (a 24-array plan cost a restore ~0.1 ms).
     No plan (None) where the native copy cannot address the views."""
     key = ("plan", serial, rows)
-    found: tuple[rowcopy.CopyPlan | None, int] | None = arrays.memo.get(key)
+    found: tuple[row_copy.CopyPlan | None, int] | None = arrays.memo.get(key)
     if found is None:
         sources = arrays.numpy_views()
         nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice each
-        made = rowcopy.plan_copy(views, sources, arrays.addresses(), rows)
+        made = row_copy.plan_copy(views, sources, arrays.addresses(), rows)
         if len(arrays.memo) >= 2 * _PLANS_KEPT:
             arrays.memo.clear()
         found = arrays.memo[key] = (made, nbytes)
@@ -90,6 +90,6 @@ def ask_ahead(
     def fill(dests: list[Destination]) -> None:
         assert arrays  # held until copied: the plan holds their addresses, not them
         addresses = addresses_of(dests)
-        rowcopy.copy_planned(copy, addresses, two_threads=False)
+        row_copy.copy_planned(copy, addresses, two_threads=False)
 
     return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)

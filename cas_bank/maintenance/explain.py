@@ -14,7 +14,7 @@ restore where it happened:
   `evicted_at`, by `evicted_by`: the byte budget, `cas-bank gc`, or `verify --fix`
   as damaged or below a damaged block), `never_stored`, or `not_recorded` (never
   stored, or removed before `memory_horizon`: the bank remembers a bounded number of
-  removals, `cas_bank.index.evicted`);
+  removals, `cas_bank.evict.evicted`);
 - the tail: tokens after the last full block are never a block (`tail_tokens`);
 - for a hybrid model, `state_at`: the deepest matched boundary with a stored state
   (a restore stops there) and `boundaries_without_state`: the matched boundaries
@@ -46,9 +46,9 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import as_token_array, chain_hashes
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
+from cas_bank.evict.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import find_end
-from cas_bank.index.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.partial import find_partial
 from cas_bank.index.tree import HeaderIndex
 from cas_bank.index.view import QUEUED_DIGEST, read_view

@@ -26,9 +26,9 @@ from cas_bank.index.layout import BlockCutter, boundary_states, check_layers, en
 from cas_bank.index.records import block_rewrite, state_write_delta
 
 if TYPE_CHECKING:
-    from cas_bank.index.owner import Owner
-    from cas_bank.index.txn import Transaction
+    from cas_bank.owner import Owner
     from cas_bank.spec import ModelSpec
+    from cas_bank.write.txn import Transaction
 
 
 @dataclass(frozen=True, slots=True)

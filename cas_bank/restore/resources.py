@@ -5,8 +5,8 @@
 server gets:
 
 - `spares`: destination arrays made ahead of the next restore of the same shapes, and
-  a lease restored again copied ahead into them (`cas_bank.spares`,
-  `index.leasecopy`), by one background thread, started by the first refill and
+  a lease restored again copied ahead into them (`cas_bank.restore.spares`,
+  `restore.lease_copy`), by one background thread, started by the first refill and
   joined by `close`; at most `BankConfig.spare_bytes` (`Bank.stats().spare_held_bytes`
   says what it holds). The thread's measurements: with servers' settings, a hot
   restore with room 14.8-15.7 -> 5.0-8.8 ms, `allocate_s` 2.3-4.0 -> 0.36-0.49 ms
@@ -15,12 +15,12 @@ server gets:
   (`benchmarks.library_restore`, a loaded 2-core machine), though `spare_bytes=0`
   against the default in one process measured within noise (37.7 against 42.5 ms).
 - `gpu`: the CUDA prefetch of restored arrays, on until it fails once for this bank
-  (`cas_bank.gpu_prefetch`);
+  (`cas_bank.restore.gpu_prefetch`);
 - `shapes`: what a restore of one spec, block size and capacity allocates and checks,
-  made once (`index.assembler`: rebuilding it cost ~0.1 ms a restore), the 64 most
+  made once (`restore.assemble`: rebuilding it cost ~0.1 ms a restore), the 64 most
   recent;
 - `scratch`: each reading thread's reused buffer of the reader without the native
-  helper (`index.fastread`).
+  helper (`restore.file_read`).
 
 What stays process-wide is a runtime's choice, not the library's: glibc's `mallopt`
 (`destinations.keep_freed_memory`) and MLX's allocator settings, set by the servers
@@ -37,8 +37,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-from cas_bank.gpu_prefetch import GpuPrefetch
-from cas_bank.spares import Spares
+from cas_bank.restore.gpu_prefetch import GpuPrefetch
+from cas_bank.restore.spares import Spares
 
 _SHAPES_KEPT = 64
 

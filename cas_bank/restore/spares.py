@@ -10,7 +10,7 @@ counts rounded up to mlx-lm's step of 256), so every restore takes what it can f
 a pool of spare arrays of exactly its shapes and dtypes, and a background thread
 makes the next set after it, off the restore's path. An array is taken from the pool
 whole and never given to two callers: a spare is an array nobody else holds, as a
-fresh one is. Each bank has its own pool (`cas_bank.resources.Resources`, made by
+fresh one is. Each bank has its own pool (`cas_bank.restore.resources.Resources`, made by
 `Bank.open`, bounded by `BankConfig.spare_bytes`), its thread started by the first
 refill and joined by `close`.
 
@@ -23,7 +23,7 @@ memory; it leaves the pages resident, so the restore that takes them does not fa
 them in.
 
 A set may also be asked for filled (`Filled`: a lease restored again, copied ahead by
-`index.leasecopy`): the thread makes it as it makes spares, then writes it (the
+`restore.lease_copy`): the thread makes it as it makes spares, then writes it (the
 lease's rows, by the native copy), and the next restore of that lease takes it whole
 by its key (`take_filled`). At most two such sets are kept, each at most half the
 bound, and they are dropped before plain spares.
@@ -57,7 +57,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from cas_bank.arrays import DType
-from cas_bank.destinations import Destination, zeroed
+from cas_bank.restore.destinations import Destination, zeroed
 
 log = logging.getLogger("cas_bank")
 
@@ -67,7 +67,7 @@ Wanted = tuple[tuple[int, ...], DType]
 class Spares:
     """Spare destination arrays by (shape, dtype), at most `max_bytes` of them (0: none,
     and no thread); `copy_ahead`: leases restored again are copied ahead
-    (`index.leasecopy`). `close` stops the thread and drops what the pool holds."""
+    (`restore.lease_copy`). `close` stops the thread and drops what the pool holds."""
 
     def __init__(self, max_bytes: int = 0, *, copy_ahead: bool = True) -> None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:

@@ -26,8 +26,8 @@ The package: `format` (the constants and the records a bundle holds), `export`
 (choosing a chain, writing it), `load` (reading and checking one, importing it).
 """
 
-from cas_bank.bundle.export import chain_for_tokens, chain_to_leaf, export_chain
-from cas_bank.bundle.format import (
+from cas_bank.maintenance.bundle.export import chain_for_tokens, chain_to_leaf, export_chain
+from cas_bank.maintenance.bundle.format import (
     BUNDLE_CONTEXT,
     BUNDLE_VERSION,
     MAGIC,
@@ -36,7 +36,7 @@ from cas_bank.bundle.format import (
     ExportReport,
     ImportReport,
 )
-from cas_bank.bundle.load import import_bundle, read_bundle
+from cas_bank.maintenance.bundle.load import import_bundle, read_bundle
 
 __all__ = [
     "BUNDLE_CONTEXT",

@@ -1,7 +1,7 @@
 """A lease copied into a restore's destination arrays by the native helper.
 
 A hot restore with room copies the leased prefix once into arrays the cache owns
-(`index.assembler.Assembler.put_arrays`). `np.copyto` does it with plain stores, which
+(`restore.assemble.Assembler.put_arrays`). `np.copyto` does it with plain stores, which
 first read every destination line from memory only to overwrite it: the destination
 rows are in no cache (a spare made a while ago, a fresh array). The native helper
 (`cas_bank._fill.copy_runs`) streams them instead, as it does when it reads payload

@@ -3,10 +3,10 @@ copied into fresh MLX arrays (`Assembler`), with room for the prompt's later tok
 
 What an `Assembler` of one spec, block size and capacity allocates and checks is made
 once (`_Shapes`, kept by the bank's `Resources`). Its arrays come from a lease's copy
-made ahead (`index.leasecopy`), else from the spares the bank keeps (`cas_bank.spares`),
+made ahead (`restore.lease_copy`), else from the spares the bank keeps (`cas_bank.restore.spares`),
 else fresh and unfilled (`destinations.Destination.allocate`); blocks are copied in as they
-are decoded, payload files read straight into them (`index.fastread`), a lease by the
-native row copy (`index.rowcopy`). All of that is the bank's (`cas_bank.resources`),
+are decoded, payload files read straight into them (`restore.file_read`), a lease by the
+native row copy (`restore.row_copy`). All of that is the bank's (`cas_bank.restore.resources`),
 handed in: nothing here is kept per process.
 """
 
@@ -25,15 +25,15 @@ import numpy as np
 
 from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
-from cas_bank.destinations import Destination, addresses_of
 from cas_bank.errors import CorruptDataError
-from cas_bank.index import leasecopy, rowcopy
-from cas_bank.index.fastread import BlockFiles, Layout, layout_of
-from cas_bank.index.helpers import together
 from cas_bank.index.layout import group_layers
-from cas_bank.index.rowruns import RowRuns, contiguous_row_runs
-from cas_bank.resources import Resources
-from cas_bank.spares import Filled, SpareSet, spare_set
+from cas_bank.restore import lease_copy, row_copy
+from cas_bank.restore.destinations import Destination, addresses_of
+from cas_bank.restore.file_read import BlockFiles, Layout, layout_of
+from cas_bank.restore.resources import Resources
+from cas_bank.restore.row_runs import RowRuns, contiguous_row_runs
+from cas_bank.restore.spares import Filled, SpareSet, spare_set
+from cas_bank.restore.workers import together
 from cas_bank.spec import ArraySpec, ModelSpec
 
 # A destination's field, read by a C-level map (a restore's every array at once).
@@ -151,7 +151,7 @@ class Assembler:
         (the cache's later tokens then land in place: no copy of the restored ones),
         and (`state`) for a recurrent state read from its payload file. `lease`: the
         arrays all `n_blocks` blocks come from (`put_arrays`), when they do: their copy
-        may be made already (`index.leasecopy`). `resources`: the bank's spares, shape
+        may be made already (`restore.lease_copy`). `resources`: the bank's spares, shape
         memo, scratch buffers and GPU prefetch (None: none of them)."""
         self.spec = spec
         self.block_size = block_size
@@ -164,7 +164,7 @@ class Assembler:
         self._wanted = shapes.wanted
         # Every token a restore hands out is written by a block, every state byte by its
         # payload: no zero fill needed. One allocation for all of them, less the spares
-        # the bank keeps ready (`cas_bank.spares`).
+        # the bank keeps ready (`cas_bank.restore.spares`).
         # Staged destinations (`arrays.cpu_fillable`: a GPU backend not known, or
         # CAS_BANK_FILL_COPY) take no MLX memory.
         self._spared = cpu_fillable() and resources is not None
@@ -172,8 +172,8 @@ class Assembler:
         self._serial = shapes.serial
         self._attention_bytes = shapes.attention_bytes
         n_arrays = len(self.specs)
-        # A lease's copy made ahead (`index.leasecopy`), else spares, else new arrays.
-        self._from_lease = lease if self._spared and not state and rowcopy.available() else None
+        # A lease's copy made ahead (`restore.lease_copy`), else spares, else new arrays.
+        self._from_lease = lease if self._spared and not state and row_copy.available() else None
         ahead = self._copied_ahead(n_blocks * block_size)
         if ahead is not None:
             everything = ahead
@@ -198,7 +198,7 @@ class Assembler:
         self.direct = all(map(_FILLABLE, self.dests))
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
-        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (index.rowcopy)
+        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (restore.row_copy)
         self._ahead_rows = 0 if ahead is None else n_blocks * block_size  # rows made already
         self._handed: int | None = None  # the blocks `layers` handed out
 
@@ -207,7 +207,7 @@ class Assembler:
         lease, resources = self._from_lease, self._resources
         if lease is None or not rows or resources is None:
             return None
-        return leasecopy.take_ahead(resources.spares, lease, self._serial, rows)
+        return lease_copy.take_ahead(resources.spares, lease, self._serial, rows)
 
     def put(self, index: int, block: Decoded, *, later: bool = False) -> None:
         """Check `block` against the spec (`CorruptDataError` if it does not fit) and
@@ -253,12 +253,12 @@ class Assembler:
 
     def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
         """A lease's first `rows` rows into place by the native copy (streamed stores,
-        `index.rowcopy`, planned once per lease: `index.leasecopy`), or by numpy where
+        `restore.row_copy`, planned once per lease: `restore.lease_copy`), or by numpy where
         it cannot."""
-        plan, nbytes = leasecopy.plan(arrays, self._serial, self._views, rows)
+        plan, nbytes = lease_copy.plan(arrays, self._serial, self._views, rows)
         if plan is not None:
             two = nbytes >= _TWO_THREADS_FROM and len(arrays) > 1
-            rowcopy.copy_planned(plan, self.addresses(), two_threads=two)
+            row_copy.copy_planned(plan, self.addresses(), two_threads=two)
             return
         self._later.append((0, [v[..., :rows, :] for v in arrays.numpy_views()]))
         self._later_bytes += nbytes
@@ -270,7 +270,7 @@ class Assembler:
         n = n_blocks * self.block_size
         if arrays is self._from_lease and n <= self._ahead_rows:
             return  # copied ahead: these destinations hold them already
-        if isinstance(arrays, HeldArrays) and rowcopy.available() and self._lease is None:
+        if isinstance(arrays, HeldArrays) and row_copy.available() and self._lease is None:
             self._lease = (arrays, n)
             return
         whole = arrays.numpy_views() if isinstance(arrays, HeldArrays) else map(to_numpy, arrays)
@@ -281,7 +281,7 @@ class Assembler:
     def handed_out(self) -> None:
         """Once this restore's arrays are evaluated: on CUDA, move them to the GPU
         (`gpu_prefetch`: the CPU filled them in unified memory); then have the next
-        restore's arrays made off its path (`cas_bank.spares`; a runtime's restore
+        restore's arrays made off its path (`cas_bank.restore.spares`; a runtime's restore
         holds them until its forward pass is done, `Spares.holding`)."""
         resources = self._resources
         if resources is None or not self._spared:
@@ -300,13 +300,13 @@ class Assembler:
         return [(d.address, int(d.view.nbytes)) for d in dests if d.direct]
 
     def _ask_ahead(self, n_blocks: int) -> Filled | None:
-        """The copy of this restore's lease to make ahead for the next (`leasecopy`)."""
+        """The copy of this restore's lease to make ahead for the next (`lease_copy`)."""
         lease, resources = self._from_lease, self._resources
         if lease is None or resources is None:
             return None
         attention = self._wanted[: len(self.specs)]
         rows = n_blocks * self.block_size
-        return leasecopy.ask_ahead(
+        return lease_copy.ask_ahead(
             resources.spares,
             lease,
             self._serial,

@@ -7,7 +7,7 @@ by binary search, then one multi-get of its headers) -> the shared tier's contin
 (if any) -> an end record under the deepest matched block (`index.ends`) ->
 `restore_blocks` (hybrid: deepest boundary with a state) -> one probe of memory (queued
 chains and leases: a queued block is always there) ->
-`index.payloads` reads and verifies each payload -> `index.assembler.Assembler` copies it
+`restore.payloads` reads and verifies each payload -> `restore.assemble.Assembler` copies it
 once into fresh MLX arrays (payload files straight into them, a hybrid boundary state
 in a file with them) -> `Hit`.
 docs/design.md, "Restore path", says why each step is there.
@@ -25,7 +25,6 @@ import numpy as np
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, longest_chain
 from cas_bank.index.ends import EndPlan, end_layers, plan_end
 from cas_bank.index.layout import flat_attention, group_layers, merge_layers
@@ -37,13 +36,14 @@ from cas_bank.index.partial import (
     remote_partial,
 )
 from cas_bank.index.states import restore_blocks
-from cas_bank.index.timings import RestoreTimings
 from cas_bank.index.view import ReadView, is_queued, read_view
+from cas_bank.restore.assemble import Assembler
+from cas_bank.restore.timings import RestoreTimings
 
 if TYPE_CHECKING:
     from cas_bank.index.continuation import Continuation
-    from cas_bank.index.owner import Owner
-    from cas_bank.index.payloads import PayloadReader, StateRead
+    from cas_bank.owner import Owner
+    from cas_bank.restore.payloads import PayloadReader, StateRead
     from cas_bank.spec import ModelSpec
 
 ROOM_STEP = 256  # mlx-lm's KVCache grows its buffers by this many tokens

@@ -7,7 +7,7 @@ current afterwards from every batch the bank writes (`observe`) and every use it
 records (`touch`). Candidates wait in a heap with lazy updates: an entry whose node
 was used since it was pushed is pushed again with the newer time when it surfaces,
 so a restore costs a dict update per block and never a heap operation. The order
-itself is documented in `index.evict`.
+itself is documented in `evict.eviction`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`verify`'s checks of the records beside the blocks: end records (`index.ends`), the
 children index (`index.children`) and the last-use records, and what `fix=True` does
-to each (`cas_bank.verify` runs them; its docstring says what is checked)."""
+to each (`cas_bank.maintenance.verify` runs them; its docstring says what is checked)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from cas_bank.index.children import INDEXED_KEY, expected_entries, is_indexed
 from cas_bank.index.ends import EndHeader, split_record
 from cas_bank.index.records import END_SUFFIX, STATE_SUFFIX, end_access_key
 from cas_bank.index.tree import HeaderIndex
+from cas_bank.maintenance.verify_problems import Problem, VerifyReport
 from cas_bank.spec import ModelSpec
-from cas_bank.verify_problems import Problem, VerifyReport
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
-    from cas_bank.index.txn import Transaction
+    from cas_bank.write.txn import Transaction
 
 
 def scan_ends(

@@ -16,7 +16,7 @@ non-blocking, so MLX's own work neither waits for them nor holds them up. Best
 effort: where the driver, the call or the memory does not allow it (no managed memory
 on this system: MLX uses pinned host memory instead), the first failure is logged and
 turns it off for the bank (each bank has its own `GpuPrefetch`, in its
-`cas_bank.resources.Resources`); a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
+`cas_bank.restore.resources.Resources`); a restore never fails for it. `CAS_BANK_GPU_PREFETCH=0`
 turns it off. The driver library, loaded once, is the process's (MLX's own context).
 """
 

@@ -81,7 +81,7 @@ class Destination:
     @classmethod
     def made_ahead(cls, shape: tuple[int, ...], dtype: DType, storage: mx.array) -> Destination:
         """A destination over `storage` (evaluated, nobody else's), made on another
-        thread than the one that fills it (`cas_bank.spares`): the bf16 view of its bits
+        thread than the one that fills it (`cas_bank.restore.spares`): the bf16 view of its bits
         is evaluated here, so nothing of it is bound to this thread's stream."""
         made = cls(shape, dtype, storage)
         if made.array is not None and made.array is not storage:
@@ -98,7 +98,7 @@ class Destination:
         sizes: Sequence[int] | None = None,
     ) -> list[Destination]:
         """One destination per (shape, dtype); `ready`: destinations made ahead of
-        arrays nobody else holds, by index, used as they are (spares: `cas_bank.spares`).
+        arrays nobody else holds, by index, used as they are (spares: `cas_bank.restore.spares`).
 
         `overwritten`: the caller writes every byte it will read back, so the memory
         of each array from `UNFILLED_FROM` on need not be zeroed (`unfilled`): a large
@@ -158,7 +158,7 @@ def zeroed(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array]:
     (see `Destination.allocate`), else one `mx.eval` makes them all.
 
     Unlike `unfilled`, nothing here calls back into Python from MLX's threads, so any
-    thread may call it while others run MLX (`cas_bank.spares`)."""
+    thread may call it while others run MLX (`cas_bank.restore.spares`)."""
     arrays = [_zeros(shape, dtype) for shape, dtype in wanted]
     if sum(math.prod(shape) * dtype.itemsize for shape, dtype in wanted) > _BATCH_EVAL_BYTES:
         for array in arrays:

@@ -1,6 +1,6 @@
 """Budget, last-use bookkeeping, and leaf-first eviction.
 
-Last use (`index.access`)
+Last use (`evict.access`)
 -------------------------
 A block's last use is the last time a store covered it (wrote it, or found it
 already stored) or a restore returned it; a state's, the last time a store wrote or
@@ -27,7 +27,7 @@ leaf, with its own last use. So no chain ever has a hole. Evicting a state alone
 also rewrites its block's header without the state flag. Every pass is one atomic
 batch holding the deletes and the counters they change.
 
-The leaves come from `index.leaves.LeafIndex`, built on the first eviction of an
+The leaves come from `evict.leaves.LeafIndex`, built on the first eviction of an
 open bank (a walk of the small headers and access families, never at open) and
 kept current from then on.
 """
@@ -40,12 +40,12 @@ from typing import Literal
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.access import AccessLog
+from cas_bank.evict.access import AccessLog
+from cas_bank.evict.evicted import Reason
+from cas_bank.evict.leaves import EndGroup, LeafIndex, Node
 from cas_bank.index.chain import Header
-from cas_bank.index.evicted import Reason
-from cas_bank.index.leaves import EndGroup, LeafIndex, Node
-from cas_bank.index.owner import Writer
 from cas_bank.index.records import block_deletes, end_deletes, state_deletes
+from cas_bank.owner import Writer
 
 
 def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
@@ -113,7 +113,7 @@ def evict_to_budget(bank: Writer, max_bytes: int, *, reason: Reason = "budget") 
 
     Used after a store when `BankConfig.max_bytes` is exceeded, and offline by
     `cas-bank gc` (`reason="gc"`). One transaction for all the deletes, the counters
-    and the removal records (`index.evicted`: what went, when, and `reason`).
+    and the removal records (`evict.evicted`: what went, when, and `reason`).
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise InvalidInputError(f"max_bytes must be a non-negative int, got {max_bytes!r}")

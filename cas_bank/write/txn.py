@@ -24,8 +24,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 from cas_bank.blocks.store import BlockStore, Family, Write
-from cas_bank.index.access import AccessLog
-from cas_bank.index.evicted import EvictionMemory, Reason, record_key
+from cas_bank.evict.access import AccessLog
+from cas_bank.evict.evicted import EvictionMemory, Reason, record_key
 from cas_bank.index.records import TIME, access_key, end_access_key
 from cas_bank.stats import NAMES, Counters, counter_writes
 
@@ -148,7 +148,7 @@ class Transaction:
         self, blocks: Iterable[bytes] = (), states: Iterable[bytes] = (), *, reason: Reason
     ) -> None:
         """Blocks (with their states) and states on their own this batch removes, and
-        why: their removal records go into the batch (`index.evicted`)."""
+        why: their removal records go into the batch (`evict.evicted`)."""
         self._removed += [(record_key(h), reason) for h in blocks]
         self._removed += [(record_key(h, True), reason) for h in states]
 

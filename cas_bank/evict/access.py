@@ -9,7 +9,7 @@ its state. A store writes them for its whole chain in its own batch, so a block'
 written-time is there from the start. A restore only records them in memory
 (`AccessLog`); they are written in batches: riding along the next store, at most
 every `access_flush_interval` seconds from a later restore, and at close. Never a
-write per restore. Eviction (`index.evict`) orders by these times.
+write per restore. Eviction (`evict.eviction`) orders by these times.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.index.records import TIME, access_key, end_access_key, read_times
 
 if TYPE_CHECKING:
-    from cas_bank.index.leaves import LeafIndex
+    from cas_bank.evict.leaves import LeafIndex
 
 
 # -- last-use bookkeeping ----------------------------------------------------------

@@ -1,7 +1,7 @@
 """The threads that work beside a restoring thread, and how they share its work.
 
 A restore splits its heavy loops (reading and verifying payload files in
-`index.fastread`, copying a lease in `index.assembler`) between the restoring thread and
+`restore.file_read`, copying a lease in `restore.assemble`) between the restoring thread and
 one helper: `together(fn)` runs `fn` on both at once, each taking work from a shared
 source until none is left, so neither waits long for the other. Where the native
 helper is built, its reads and copies have a partner thread of their own instead

@@ -34,9 +34,8 @@ from cas_bank.index.chain import Header
 from cas_bank.index.ends import EndHeader
 from cas_bank.index.records import block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
-from cas_bank.spec import ModelSpec
-from cas_bank.verify_problems import Problem, ProblemKind, VerifyReport
-from cas_bank.verify_records import (
+from cas_bank.maintenance.verify_problems import Problem, ProblemKind, VerifyReport
+from cas_bank.maintenance.verify_records import (
     INDEX_KINDS,
     drop_use,
     fix_children,
@@ -45,6 +44,7 @@ from cas_bank.verify_records import (
     scan_children,
     scan_ends,
 )
+from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank

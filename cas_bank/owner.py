@@ -18,15 +18,15 @@ from cas_bank.blocks.hashing import Check
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore
 from cas_bank.config import BankConfig
-from cas_bank.index.access import AccessLog
-from cas_bank.index.admission import SeenBlocks
+from cas_bank.evict.access import AccessLog
 from cas_bank.index.continuation import ChainTier
 from cas_bank.index.lease import Leases
-from cas_bank.index.timings import RestoreClock
-from cas_bank.index.txn import Suspects, Transaction
-from cas_bank.index.writer import BackgroundWriter
-from cas_bank.resources import Resources
+from cas_bank.restore.resources import Resources
+from cas_bank.restore.timings import RestoreClock
 from cas_bank.stats import Counters
+from cas_bank.write.admission import SeenBlocks
+from cas_bank.write.txn import Suspects, Transaction
+from cas_bank.write.writer import BackgroundWriter
 
 
 class Writer(Protocol):

@@ -20,16 +20,16 @@ from cas_bank.blocks.files import FileTier, stub_of
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.assembler import Assembler
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.fastread import BlockFiles, Job, read_files, read_plain_blocks
 from cas_bank.index.layout import decode_state
+from cas_bank.restore.assemble import Assembler
+from cas_bank.restore.file_read import BlockFiles, Job, read_files, read_plain_blocks
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.blocks.hot import HotStore
-    from cas_bank.index.txn import Suspects
     from cas_bank.stats import Counters
+    from cas_bank.write.txn import Suspects
 
 # A payload decoded and verified, None if absent, or why it failed; and whether it was hot.
 _Fetched = tuple[codec.Decoded | CorruptDataError | None, bool]

@@ -13,8 +13,12 @@ from pydantic import ValidationError
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, hash_block, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.bundle.checks import bundle_as
-from cas_bank.bundle.format import (
+from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.chain import Header, read_headers
+from cas_bank.index.ends import split_record
+from cas_bank.index.records import block_rewrite, state_write_delta
+from cas_bank.maintenance.bundle.checks import bundle_as
+from cas_bank.maintenance.bundle.format import (
     _LEAD,
     _TRAILER,
     BUNDLE_CONTEXT,
@@ -24,10 +28,6 @@ from cas_bank.bundle.format import (
     BundleEntry,
     ImportReport,
 )
-from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.ends import split_record
-from cas_bank.index.records import block_rewrite, state_write_delta
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from dataclasses import replace
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import Check
-from cas_bank.bundle.format import Bundle, BundleEntry
 from cas_bank.index import ends
 from cas_bank.index.chain import Header
+from cas_bank.maintenance.bundle.format import Bundle, BundleEntry
 
 
 def header_as(h: Header, payload: bytes, state: bytes | None) -> Header:

@@ -47,9 +47,9 @@ import numpy as np
 
 from cas_bank.arrays import DType
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
-from cas_bank.index.helpers import helper_pool, keep_helpers_off_this_cpu
-from cas_bank.index.rowruns import RowRuns, placed, row_runs
 from cas_bank.native import fill_module
+from cas_bank.restore.row_runs import RowRuns, placed, row_runs
+from cas_bank.restore.workers import helper_pool, keep_helpers_off_this_cpu
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
@@ -94,7 +94,7 @@ def _expected_head(
 
 def _buffer(scratch: threading.local | None, size: int) -> bytearray:
     """A buffer of at least `size` bytes: this thread's in `scratch` (the bank's,
-    `cas_bank.resources`), reused; a new one where there is none."""
+    `cas_bank.restore.resources`), reused; a new one where there is none."""
     if scratch is None:
         return bytearray(size)
     buf: bytearray | None = getattr(scratch, "buf", None)

@@ -14,8 +14,11 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.damage import full_error, is_no_space
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, chain_hashes, namespace_root
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.bundle.checks import block_as, end_as
-from cas_bank.bundle.format import (
+from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.index.chain import Header, longest_chain, read_headers
+from cas_bank.index.ends import split_record
+from cas_bank.maintenance.bundle.checks import block_as, end_as
+from cas_bank.maintenance.bundle.format import (
     _LEAD,
     _TRAILER,
     BUNDLE_CONTEXT,
@@ -23,9 +26,6 @@ from cas_bank.bundle.format import (
     MAGIC,
     ExportReport,
 )
-from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.chain import Header, longest_chain, read_headers
-from cas_bank.index.ends import split_record
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""Eviction: last uses, the leaf index, leaf-first eviction and its memory."""

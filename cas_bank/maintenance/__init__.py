@@ -1,0 +1,1 @@
+"""The maintenance tools: verify, salvage, explain and bundles."""

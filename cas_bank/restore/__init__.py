@@ -1,0 +1,1 @@
+"""The restore path: from a lookup's plan to filled MLX arrays (`restoring` is where it starts)."""

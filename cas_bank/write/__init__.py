@@ -1,0 +1,1 @@
+"""The write path: a store's steps, the background writer, transactions and admission."""
