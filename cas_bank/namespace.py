@@ -17,7 +17,7 @@ from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
-from cas_bank.index.ends import find_end, prepare_end, write_end
+from cas_bank.index.ends import find_end, prepare_end
 from cas_bank.index.layout import (
     boundary_states,
     check_layers,
@@ -31,6 +31,7 @@ from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
 from cas_bank.spec import ModelSpec
 from cas_bank.write import storing
+from cas_bank.write.end_records import write_end
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
 from cas_bank.write.writer import PendingStore
 

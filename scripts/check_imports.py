@@ -3,12 +3,16 @@
 1. No import cycle among cas_bank's modules, counting every import: at module level,
    inside functions and under `if TYPE_CHECKING:` (a cycle there is still a circle
    a reader has to follow).
-2. Layers: `cas_bank.blocks` (stores, codec, hashing) imports nothing of
-   `cas_bank.index` or above; `cas_bank.index` (chains, eviction, transactions)
-   imports nothing of the API above it: `cas_bank.bank`, `cas_bank.namespace`,
-   `cas_bank.maintenance` (verify, bundles), the package itself, the runtime or the
-   tools.
-   They take the narrow collaborators they use (a store, counters, an access log).
+2. Layers, from the bottom: `cas_bank.blocks` (stores, hashing, codecs), then
+   `cas_bank.index` (records and lookups), then the paths a reader follows
+   (`cas_bank.write`, `cas_bank.evict`, `cas_bank.restore`, the shared tier
+   `cas_bank.remote`, and `cas_bank.owner`, the protocols that join them to the bank),
+   then the API (`cas_bank.bank`, `cas_bank.namespace`, the package itself, the
+   maintenance tools `cas_bank.maintenance`, the runtime and the command line).
+   A module imports nothing of a layer above its own. Modules in no layer (errors,
+   config, spec, arrays, stats, native) hold plain values any layer may use.
+   Code below the API takes the narrow collaborators it uses (a store, counters, an
+   access log), or `cas_bank.owner`'s protocols, never the `Bank`.
 
 Usage: python scripts/check_imports.py [repository root]; exit status 1 on a violation.
 """
@@ -21,18 +25,20 @@ from pathlib import Path
 
 # Package name -> directory, as pyproject.toml maps them.
 PACKAGES = {"cas_bank": "cas_bank", "cas_bank.runtime": "runtime", "cas_bank.tools": "tools"}
-LOW = ("cas_bank.blocks", "cas_bank.index")
-API = (
-    "cas_bank",
-    "cas_bank.bank",
-    "cas_bank.namespace",
-    "cas_bank.maintenance.bundle",
-    "cas_bank.maintenance.verify",
-    "cas_bank.maintenance.verify_problems",
-    "cas_bank.maintenance.verify_records",
-    "cas_bank.runtime",
-    "cas_bank.tools",
+# The layers, bottom first: a module imports nothing of a later one.
+LAYERS = (
+    ("cas_bank.blocks",),
+    ("cas_bank.index",),
+    ("cas_bank.write", "cas_bank.evict", "cas_bank.restore", "cas_bank.remote", "cas_bank.owner"),
+    (
+        "cas_bank.bank",
+        "cas_bank.namespace",
+        "cas_bank.maintenance",
+        "cas_bank.runtime",
+        "cas_bank.tools",
+    ),
 )
+PACKAGE_ITSELF = "cas_bank"  # its __init__: the API's top
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -75,6 +81,16 @@ def imports(name: str, path: Path, known: set[str], native: set[str]) -> set[str
 
 def within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def layer(name: str) -> int | None:
+    """The layer of module `name` (0 at the bottom), None for modules in none."""
+    if name == PACKAGE_ITSELF:
+        return len(LAYERS) - 1
+    for i, prefixes in enumerate(LAYERS):
+        if within(name, prefixes):
+            return i
+    return None
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -124,12 +140,12 @@ def violations(root: Path) -> list[str]:
     graph = {n: imports(n, p, known, native) for n, p in mods.items()}
     problems = [f"import cycle among: {', '.join(c)}" for c in cycles(graph)]
     for name, targets in sorted(graph.items()):
-        if not within(name, LOW):
+        own = layer(name)
+        if own is None:
             continue
         for t in sorted(targets):
-            above = t in API or within(t, API[1:])
-            blocks_up = within(name, ("cas_bank.blocks",)) and within(t, ("cas_bank.index",))
-            if above or blocks_up:
+            above = layer(t)
+            if above is not None and above > own:
                 problems.append(f"{name} imports {t}: a lower layer must not import a higher one")
     return problems
 

@@ -33,9 +33,9 @@ def test_a_cycle_and_an_index_importing_the_bank_are_found(tmp_path: Path) -> No
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .bank import Bank\n"
         ),
         "cas_bank/index/__init__.py": "",
-        "cas_bank/index/evict.py": "def f():\n    from cas_bank import bank\n",
+        "cas_bank/evict/eviction.py": "def f():\n    from cas_bank import bank\n",
         "cas_bank/blocks/__init__.py": "",
-        "cas_bank/blocks/store.py": "from cas_bank.index import evict\n",
+        "cas_bank/blocks/store.py": "from cas_bank.evict import eviction\n",
         "runtime/__init__.py": "",
         "tools/__init__.py": "",
     }
@@ -44,7 +44,7 @@ def test_a_cycle_and_an_index_importing_the_bank_are_found(tmp_path: Path) -> No
         (tmp_path / name).write_text(text)
     assert checker().violations(tmp_path) == [
         "import cycle among: cas_bank.bank, cas_bank.namespace",
-        "cas_bank.blocks.store imports cas_bank.index.evict: "
+        "cas_bank.blocks.store imports cas_bank.evict.eviction: "
         "a lower layer must not import a higher one",
-        "cas_bank.index.evict imports cas_bank.bank: a lower layer must not import a higher one",
+        "cas_bank.evict.eviction imports cas_bank.bank: a lower layer must not import a higher one",
     ]

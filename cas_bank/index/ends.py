@@ -31,14 +31,11 @@ from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
-from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.layout import check_layers, check_state, group_layers
-from cas_bank.restore.assemble import Assembler
+from cas_bank.index.layout import check_layers, check_state
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from cas_bank.owner import Owner
     from cas_bank.stats import Counters
 
 log = logging.getLogger("cas_bank")
@@ -341,61 +338,6 @@ def prepare_end(
     return EndInput(toks, tail, flat, logits, hidden)
 
 
-def write_end(
-    bank: Owner,
-    spec: ModelSpec,
-    root: bytes,
-    hashes: Sequence[BlockHash],
-    end: EndInput,
-) -> int:
-    """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
-    when nothing was written: the same record is stored already (holding at least as
-    much, and intact), or its parent block is not stored (an end record never dangles).
-
-    `hashes`: the chain hashes of `end.tokens`.
-    """
-    state, logits, hidden = end.state, end.logits, end.hidden
-    n = len(end.tokens)
-    parent, tail, key = end_place(root, hashes, end.tokens, bank.config.block_size)
-    base = n - len(tail) // 4
-    flags = end.flags
-    if _holds(bank.store.get(Family.ENDS, key), key, flags):
-        bank.access.touch((), ends=[parent])
-        return 0
-    payload, flags = encode_end(
-        spec, end.tail, state, logits, hidden, bank.config.compression, bank.payload_check
-    )
-    header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
-    value = header.encode() + payload
-    with bank.transaction() as tx:
-        if base and tx.store.get(Family.HEADERS, parent) is None:
-            tx.abort()  # its block was not stored (admission) or was evicted since
-            return 0
-        old = tx.store.get(Family.ENDS, key)
-        tx.put(Family.ENDS, key, value)
-        tx.add(
-            ends=0 if old is not None else 1,
-            end_bytes=len(value) - len(old or b""),
-            ends_written=1,
-            bytes_written=len(value),
-        )
-        tx.touch((), ends=[parent])
-    if bank.remote is not None:  # committed: to the shared tier, off this thread
-        bank.remote.publish_end(root, key, value, len(header.encode()))
-    return len(value)
-
-
-def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
-    """Whether a stored end record is intact and holds everything `flags` asks for."""
-    if value is None:
-        return False
-    try:
-        header, payload = split_record(key, value)
-    except CorruptDataError:
-        return False
-    return (header.flags | flags) == header.flags and codec.verify(payload, header.payload_digest)
-
-
 @dataclass(frozen=True, slots=True)
 class EndPlan:
     """An end record a restore resumes from: deeper than the chain's restore point."""
@@ -448,26 +390,3 @@ def plan_end(
         )
         return None
     return EndPlan(header, payload, header.parent_blocks(block_size), found.held is not None)
-
-
-def end_layers(
-    spec: ModelSpec,
-    end: EndPlan,
-    assembler: Assembler | None,
-    in_memory: Sequence[mx.array],
-    *,
-    room: bool,
-) -> list[tuple[Any, ...] | None]:
-    """The attention layers of a restore from `end`: its `end.blocks` blocks (in the
-    `assembler`, or the arrays of a lease, `in_memory`) and its tail after them."""
-    n = end.tokens - end.header.tail_len
-    if assembler is not None:
-        assembler.put_tail(n, end.payload.tail)
-        return assembler.layers(end.blocks, room=room, tokens=end.tokens)
-    tail = end.payload.tail_arrays()
-    if end.blocks:  # the blocks from a lease, the tail after them
-        tail = [
-            mx.concatenate([a[..., :n, :], t], axis=-2)
-            for a, t in zip(in_memory, tail, strict=True)
-        ]
-    return group_layers(spec, tail, None)

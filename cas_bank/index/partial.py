@@ -17,28 +17,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.hashing import BlockHash, hash_block
-from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.children import KIND_BLOCK, Child, nearest_child, shared_tokens
 from cas_bank.index.ends import FoundEnd
-from cas_bank.index.layout import group_layers
 from cas_bank.index.view import ReadView, is_queued
-from cas_bank.restore.assemble import Assembler
 
 if TYPE_CHECKING:
     from cas_bank.blocks.codec import Decoded
     from cas_bank.index.continuation import ChainSpace, ChainTier
-    from cas_bank.restore.payloads import PayloadReader
-    from cas_bank.spec import ModelSpec
-    from cas_bank.stats import Counters
 
 log = logging.getLogger("cas_bank")
 
@@ -155,67 +147,3 @@ def remote_partial(
     mine = np.frombuffer(header.tokens, dtype="<u4").astype(">u4").tobytes()
     child = Child(parent, KIND_BLOCK, bytes(header.chain_hash), mine, shared)
     return PartialPlan(child, blocks, base, header, None, block)
-
-
-def read_partial(
-    spec: ModelSpec, plan: PartialPlan, payloads: PayloadReader, counters: Counters
-) -> list[np.ndarray] | None:
-    """The first `plan.shared` tokens of every attention array of the child, as numpy
-    views of its verified payload (bf16 as uint16), in spec order; None when it is
-    missing or fails (counted and logged by the reader, or here for an end record)."""
-    j = plan.shared
-    specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
-    if plan.header is not None:
-        h = plan.header
-        block = plan.fetched
-        if block is None and not plan.queued:  # a queued block is never read from a file
-            block = payloads._read(Family.BLOCKS, h.chain_hash, h.payload_digest)
-        if block is None:
-            return None
-        arrays = block.arrays
-        fits = len(arrays) == len(specs) and all(
-            a.shape == s.with_tokens(len(h.tokens) // 4) and a.dtype == dtype_named(s.dtype).storage
-            for a, s in zip(arrays, specs, strict=False)
-        )
-        if not fits:
-            payloads._corrupt(Family.BLOCKS, h.chain_hash, "block does not fit the spec")
-            return None
-        return [a[..., :j, :] for a in arrays]
-    assert plan.end is not None
-    try:
-        return [a[..., :j, :] for a in plan.end.payload(spec).tail]
-    except CorruptDataError as e:
-        counters.count(corrupt_reads=1)
-        log.warning(
-            "cas_bank: end record %s failed verification (%s); no partial block",
-            plan.end.header.key().hex()[64:80],
-            e,
-        )
-        return None
-
-
-def partial_layers(
-    spec: ModelSpec,
-    plan: PartialPlan,
-    arrays: Sequence[np.ndarray],
-    assembler: Assembler | None,
-    in_memory: Sequence[mx.array],
-    *,
-    room: bool,
-) -> list[tuple[Any, ...] | None]:
-    """The attention layers of a restore ending in `plan`'s partial block: its
-    `plan.blocks` blocks (in the `assembler`, or the arrays of a lease, `in_memory`)
-    and the child's first tokens after them."""
-    if assembler is not None:
-        assembler.put_tail(plan.base, arrays)
-        return assembler.layers(plan.blocks, room=room, tokens=plan.tokens)
-    dtypes: list[DType] = [
-        dtype_named(s.dtype) for ls in spec.layers if ls.kind == "attention" for s in ls.arrays
-    ]
-    tail = [from_numpy(np.ascontiguousarray(a), d) for a, d in zip(arrays, dtypes, strict=True)]
-    if plan.blocks:
-        tail = [
-            mx.concatenate([a[..., : plan.base, :], t], axis=-2)
-            for a, t in zip(in_memory, tail, strict=True)
-        ]
-    return group_layers(spec, tail, None)

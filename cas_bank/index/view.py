@@ -35,7 +35,7 @@ chain reaches at least as deep as its deepest queued header.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -51,7 +51,6 @@ from cas_bank.index.ends import EndHeader, EndInput, FoundEnd, end_place, split_
 
 if TYPE_CHECKING:
     from cas_bank.index.lease import Leases
-    from cas_bank.owner import Owner
 
 QUEUED_DIGEST = b"queued for the background writer"
 """The payload (and state) digest of a queued block's header: not a digest, so a
@@ -292,7 +291,29 @@ class ReadView:
         return lo, chain.arrays
 
 
-def read_view(bank: Owner) -> ReadView:
+class QueueHolder(Protocol):
+    """A background writer, as a view sees it: the records of its queued stores."""
+
+    @property
+    def queued(self) -> Entries: ...
+
+
+class Entries(Protocol):
+    def entries(self) -> tuple[object, ...]: ...
+
+
+class Viewed(Protocol):
+    """What a read view is taken of: a bank's store, its writer's queue, its leases."""
+
+    @property
+    def store(self) -> BlockStore: ...
+    @property
+    def writer(self) -> QueueHolder | None: ...
+    @property
+    def leases(self) -> Leases | None: ...
+
+
+def read_view(bank: Viewed) -> ReadView:
     """The view of `bank` now: what its background writer holds, then its store."""
     writer = bank.writer
     queued = writer.queued.entries() if writer is not None else ()

@@ -1,0 +1,70 @@
+"""Writing an end record (`Namespace.store_end`, inline or from the background
+writer): its own transaction, never a dangling record, published to the shared tier
+once committed. The record's format and lookups are `index.ends`'."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cas_bank.blocks import codec
+from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.store import Family
+from cas_bank.errors import CorruptDataError
+from cas_bank.index.ends import EndHeader, EndInput, encode_end, end_place, split_record
+from cas_bank.owner import Owner
+from cas_bank.spec import ModelSpec
+
+
+def write_end(
+    bank: Owner,
+    spec: ModelSpec,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    end: EndInput,
+) -> int:
+    """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
+    when nothing was written: the same record is stored already (holding at least as
+    much, and intact), or its parent block is not stored (an end record never dangles).
+
+    `hashes`: the chain hashes of `end.tokens`.
+    """
+    state, logits, hidden = end.state, end.logits, end.hidden
+    n = len(end.tokens)
+    parent, tail, key = end_place(root, hashes, end.tokens, bank.config.block_size)
+    base = n - len(tail) // 4
+    flags = end.flags
+    if _holds(bank.store.get(Family.ENDS, key), key, flags):
+        bank.access.touch((), ends=[parent])
+        return 0
+    payload, flags = encode_end(
+        spec, end.tail, state, logits, hidden, bank.config.compression, bank.payload_check
+    )
+    header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
+    value = header.encode() + payload
+    with bank.transaction() as tx:
+        if base and tx.store.get(Family.HEADERS, parent) is None:
+            tx.abort()  # its block was not stored (admission) or was evicted since
+            return 0
+        old = tx.store.get(Family.ENDS, key)
+        tx.put(Family.ENDS, key, value)
+        tx.add(
+            ends=0 if old is not None else 1,
+            end_bytes=len(value) - len(old or b""),
+            ends_written=1,
+            bytes_written=len(value),
+        )
+        tx.touch((), ends=[parent])
+    if bank.remote is not None:  # committed: to the shared tier, off this thread
+        bank.remote.publish_end(root, key, value, len(header.encode()))
+    return len(value)
+
+
+def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
+    """Whether a stored end record is intact and holds everything `flags` asks for."""
+    if value is None:
+        return False
+    try:
+        header, payload = split_record(key, value)
+    except CorruptDataError:
+        return False
+    return (header.flags | flags) == header.flags and codec.verify(payload, header.payload_digest)
