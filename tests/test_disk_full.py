@@ -9,6 +9,7 @@ without a reopen; `close()` always releases the lock; no acknowledged store is l
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -326,3 +327,37 @@ def test_close_after_space_is_freed_saves_the_counters(small_disk: Path) -> None
     bank.close()
     with Bank.open(path, BankConfig(hot_bytes=0)) as again:
         assert again.stats().restores == restores >= 5
+
+
+def test_refused_background_stores_hold_no_memory(small_disk: Path) -> None:
+    """A store the background writer could not write keeps its exception for the next
+    `flush()`; its traceback's frames held the store's KV snapshot, so each refused
+    store held its arrays until then (12 MiB after 20 on a tiny model). Now only the
+    first is kept, without its frames' locals; `flush()` still raises it."""
+    import tracemalloc
+
+    spec, rng = wide_spec(), np.random.default_rng(9)
+    bank = Bank.open(small_disk / "bank", BankConfig(block_size=B, hot_bytes=0))
+    try:
+        ns = bank.namespace(spec)
+        refuse_one_background_store(bank, small_disk, rng)
+        prompts = [tokens_of(rng, 20 * B) for _ in range(20)]
+        kvs = [prefix_layers(spec, p) for p in prompts]  # made before the tracing
+        size = sum(a.nbytes for layer in kvs[0] for a in layer)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for p in prompts:
+                pending = ns.store_later(p, kvs.pop(0))
+                with contextlib.suppress(BankFullError):
+                    pending.result()
+                    raise AssertionError("a store on a full disk was written")
+                del pending
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 2 * size, f"20 refused stores of {size} bytes each hold {grown} bytes"
+        with pytest.raises(BankFullError):
+            bank.flush()  # the first refusal since the last flush, as before
+    finally:
+        bank.close()

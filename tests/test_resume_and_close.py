@@ -7,10 +7,12 @@ does nothing, also after a restore that ran across the first one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import attention_spec, prefix_layers, tokens_of
 
 from cas_bank import Bank, BankConfig
@@ -53,3 +55,34 @@ def test_a_restore_racing_close_says_closed_and_a_second_close_does_nothing(
         thread.join()
         bank.close()  # nothing to do: no error, however the reader ended
         assert set(errors) == {f"builtins.RuntimeError: bank at {path} is closed"}
+
+
+def fail() -> None:
+    raise ValueError("this store cannot be written")
+
+
+def test_close_does_not_raise_again_a_failure_result_reported(tmp_path: Path) -> None:
+    """A failed background store raises from its `result()`; the writer's close does
+    not raise it a second time (it made `Bank.close` skip saving the counters), while
+    one nobody asked about is still raised by close, and `flush()` raises the first
+    failure since the last flush either way."""
+    with Bank.open(tmp_path / "bank") as bank:
+        writer = bank.writer
+        assert writer is not None
+        reported = writer.submit(fail)
+        with pytest.raises(ValueError, match="cannot be written"):
+            reported.result()
+        with pytest.raises(ValueError, match="cannot be written"):
+            writer.flush()  # the first failure since the last flush: as before
+        writer.flush()  # none since
+    for ask in (True, False):
+        bank = Bank.open(tmp_path / "bank")
+        assert bank.writer is not None
+        pending = bank.writer.submit(fail)
+        with contextlib.suppress(ValueError):
+            _ = pending.result() if ask else pending.done()
+        if ask:
+            bank.close()  # reported to its caller: not raised again
+        else:
+            with pytest.raises(ValueError, match="cannot be written"):
+                bank.close()

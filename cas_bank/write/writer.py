@@ -7,8 +7,10 @@ caller's thread (MTPLX's idle-lane spill).
   buffer once instead of writing into the snapshot; `index.lease`). The snapshot is
   leased at once: a restore right after sees the blocks from memory.
 - The queue is bounded (`BankConfig.write_behind` stores): when it is full the caller
-  waits. Nothing is dropped: a store that fails keeps its exception, which the next
-  `Bank.flush()` (and `PendingStore.result()`) raises.
+  waits. Nothing is dropped: a store that fails keeps its exception, which its
+  `PendingStore.result()` raises, and the first since the last flush `Bank.flush()`
+  too (not `close()` once `result()` has raised it). A failed store's traceback keeps
+  its lines, not its frames' locals: those held the store's KV snapshot.
 - Each store is one transaction, as on the caller's thread: under SIGKILL a store is
   whole or absent; one whose `Bank.flush()` returned is on disk (`durability="wal"`).
   What a SIGKILL loses is at most what was still queued.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -45,6 +48,7 @@ class PendingStore(Generic[T]):
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[T], None]] = []
         self._lock = threading.Lock()
+        self._reported = False  # result() raised the error to a caller
 
     def _set(self, value: T | None, error: BaseException | None) -> None:
         with self._lock:
@@ -78,6 +82,7 @@ class PendingStore(Generic[T]):
         if not self._done.wait(timeout):
             raise TimeoutError("the store is still queued")
         if self._error is not None:
+            self._reported = True
             raise self._error
         assert self._value is not None
         return self._value
@@ -125,7 +130,8 @@ class BackgroundWriter:
         self._queue: queue.Queue[tuple[Callable[[], Any], PendingStore[Any]] | None] = queue.Queue(
             maxsize=depth
         )
-        self._errors: list[BaseException] = []
+        # The first store that failed since the last flush, and its PendingStore.
+        self._first_error: tuple[BaseException, PendingStore[Any]] | None = None
         self._lock = threading.Lock()
         self.queued = Queued()  # what the queued stores will write (`index.view`)
         # Held while a store is queued and while close begins: no store can land
@@ -196,8 +202,10 @@ class BackgroundWriter:
                 try:
                     value = write()
                 except BaseException as e:  # kept for flush(): never dropped silently
+                    traceback.clear_frames(e.__traceback__)  # the KV snapshot goes
                     with self._lock:
-                        self._errors.append(e)
+                        if self._first_error is None:
+                            self._first_error = (e, pending)
                         self._failed += 1
                     pending._set(None, e)
                 else:
@@ -211,15 +219,21 @@ class BackgroundWriter:
         """Wait until every queued store is written; raise the first that failed since
         the last flush. From the writer's own thread (a store that flushes), or once
         closed (nothing is queued then): no wait."""
-        if threading.current_thread() is not self._thread and not self._closed:
+        error = self._take_error(wait=True)
+        if error is not None:
+            raise error[0]
+
+    def _take_error(self, *, wait: bool) -> tuple[BaseException, PendingStore[Any]] | None:
+        if wait and threading.current_thread() is not self._thread and not self._closed:
             self._queue.join()
         with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
+            error, self._first_error = self._first_error, None
+        return error
 
     def close(self) -> None:
-        """Flush, then stop the thread; a second close does nothing."""
+        """Flush, then stop the thread; a second close does nothing. The failure it
+        raises is the first since the last flush, unless its `result()` already raised
+        it to its caller (a close does not report it twice)."""
         with self._gate:  # a submit racing with this one lands before the flush, or fails
             if self._closed:
                 return
@@ -227,7 +241,9 @@ class BackgroundWriter:
         try:
             if threading.current_thread() is not self._thread:
                 self._queue.join()  # what was queued before the gate closed
-            self.flush()
+            error = self._take_error(wait=False)
+            if error is not None and not error[1]._reported:
+                raise error[0]
         finally:
             self._queue.put(None)
             self._thread.join()
