@@ -76,6 +76,28 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     if not chain:
         raise InvalidInputError("nothing to export: the chain has no stored blocks")
     root = chain[0].root
+    spec = _exportable_spec(bank, root)
+    records, states = _block_records(bank, chain)
+    ends = _chain_ends(bank.store, root, chain)
+    manifest = _manifest(bank, root, spec, chain, records, ends)
+    path = Path(path)
+    pieces = [p for record in records for p in record] + [v for _, v in ends]
+    size = _write_bundle(path, manifest, pieces)
+    return ExportReport(
+        path=path,
+        namespace=spec.name,
+        blocks=len(chain),
+        states=states,
+        tokens=len(chain) * bank.config.block_size,
+        file_bytes=size + _TRAILER,
+        leaf=chain[-1].chain_hash,
+        ends=len(ends),
+    )
+
+
+def _exportable_spec(bank: Bank, root: bytes) -> ModelSpec:
+    """The recorded spec of namespace `root`, refused when the record is missing or
+    damaged or the namespace is salted."""
     raw_spec = bank.store.get(Family.NAMESPACES, root)
     if raw_spec is None:
         raise CorruptDataError(f"namespace {root.hex()[:16]} of the chain is not recorded")
@@ -94,6 +116,12 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
             "carries a namespace by its model and block size only, so it cannot carry "
             "this one"
         )
+    return spec
+
+
+def _block_records(bank: Bank, chain: list[Header]) -> tuple[list[tuple[bytes, bytes, bytes]], int]:
+    """(header, payload, state) bytes of each block as they cross, and how many carry
+    a state. A payload failing its digest is refused; a state failing it is left out."""
     records: list[tuple[bytes, bytes, bytes]] = []
     states = 0
     for h in chain:
@@ -115,8 +143,19 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
             h if state else h.with_state(None), payload, state or None, "blake3"
         )
         records.append((h.encode(), payload, st or b""))
-    ends = _chain_ends(bank.store, root, chain)
-    manifest = {
+    return records, states
+
+
+def _manifest(
+    bank: Bank,
+    root: bytes,
+    spec: ModelSpec,
+    chain: list[Header],
+    records: list[tuple[bytes, bytes, bytes]],
+    ends: list[tuple[bytes, bytes]],
+) -> dict[str, Any]:
+    """The bundle's manifest: its format, the namespace, and each record's lengths."""
+    manifest: dict[str, Any] = {
         "format": BUNDLE_VERSION if ends else 1,
         "hash_format": HASH_FORMAT_VERSION,
         "block_size": bank.config.block_size,
@@ -134,18 +173,20 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
     }
     if ends:
         manifest["ends"] = [{"key": k.hex(), "length": len(v)} for k, v in ends]
+    return manifest
+
+
+def _write_bundle(path: Path, manifest: dict[str, Any], pieces: list[bytes]) -> int:
+    """Write the lead, `manifest`, `pieces` and the digest trailer to `path` through a
+    temporary file, synced and renamed; the bytes before the trailer. A full disk
+    leaves no half bundle and is a BankFullError."""
     body = json.dumps(manifest, separators=(",", ":")).encode()
-    path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     hasher = blake3.blake3(derive_key_context=BUNDLE_CONTEXT)
     size = 0
     try:
         with open(tmp, "wb") as f:
-            for piece in (_LEAD.pack(MAGIC, manifest["format"], len(body)), body):
-                f.write(piece)
-                hasher.update(piece)
-                size += len(piece)
-            for piece in [p for record in records for p in record] + [v for _, v in ends]:
+            for piece in [_LEAD.pack(MAGIC, manifest["format"], len(body)), body, *pieces]:
                 f.write(piece)
                 hasher.update(piece)
                 size += len(piece)
@@ -158,16 +199,7 @@ def export_chain(bank: Bank, chain: list[Header], path: str | Path) -> ExportRep
         if isinstance(e, OSError) and is_no_space(e):
             raise full_error(path.parent, size + _TRAILER, e) from None
         raise
-    return ExportReport(
-        path=path,
-        namespace=spec.name,
-        blocks=len(chain),
-        states=states,
-        tokens=len(chain) * bank.config.block_size,
-        file_bytes=size + _TRAILER,
-        leaf=chain[-1].chain_hash,
-        ends=len(ends),
-    )
+    return size
 
 
 def _chain_ends(store: BlockStore, root: bytes, chain: list[Header]) -> list[tuple[bytes, bytes]]:
