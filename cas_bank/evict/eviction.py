@@ -46,6 +46,7 @@ from cas_bank.evict.leaves import EndGroup, LeafIndex, Node
 from cas_bank.index.chain import Header
 from cas_bank.index.records import block_deletes, end_deletes, state_deletes
 from cas_bank.owner import Writer
+from cas_bank.write.txn import Transaction
 
 
 def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
@@ -128,64 +129,96 @@ def evict_to_budget(bank: Writer, max_bytes: int, *, reason: Reason = "budget") 
                 break
             if not evicted:  # the index runs ahead of the disk: if the batch fails, rebuild it
                 tx.on_abort(lambda: setattr(access, "index", None))
-            kind, key, node = victim
-            h = BlockHash(key)
-            if kind == "ends":
-                assert isinstance(node, EndGroup)
-                tx.extend(end_deletes(list(node.sizes), key))
-                tx.forget(ends=[key])
-                evicted.append(Evicted("ends", h, 0, 0, node.used, node.size, len(node.sizes)))
-                index.drop_ends(key)
-            elif kind == "state":
-                assert isinstance(node, Node)
-                raw = tx.store.get(Family.HEADERS, key)
-                assert raw is not None, "the leaf index lists only stored headers"
-                tx.extend(state_deletes(Header.decode(key, raw)))
-                tx.forget(states=[key])
-                tx.clear_suspect(states=[key])
-                tx.removed(states=[key], reason=reason)
-                evicted.append(Evicted("state", h, 0, node.state_size, node.state_used))
-                index.drop_state(key)
-            else:
-                assert isinstance(node, Node)
-                tx.extend(block_deletes(key, with_state=node.has_state))
-                tx.forget(blocks=[key])
-                tx.clear_suspect(blocks=[key], states=[key])
-                tx.removed(blocks=[key], reason=reason)
-                group = index.drop_ends(key)  # an end record goes with its parent
-                sizes = group.sizes if group is not None else {}
-                if sizes:
-                    tx.extend(end_deletes(list(sizes), key))
-                evicted.append(
-                    Evicted(
-                        "block",
-                        h,
-                        node.payload_size,
-                        node.state_size,
-                        node.used,
-                        sum(sizes.values()),
-                        len(sizes),
-                    )
-                )
-                index.remove(key)
-        payload_bytes = sum(e.payload_bytes for e in evicted)
-        state_bytes = sum(e.state_bytes for e in evicted)
-        end_bytes = sum(e.end_bytes for e in evicted)
-        ends = sum(e.ends for e in evicted)
-        blocks = sum(1 for e in evicted if e.kind == "block")
-        states = sum(1 for e in evicted if e.state_bytes > 0)
-        tx.add(
-            blocks=-blocks,
-            states=-states,
-            ends=-ends,
-            payload_bytes=-payload_bytes,
-            state_bytes=-state_bytes,
-            end_bytes=-end_bytes,
-            blocks_evicted=blocks,
-            states_evicted=states,
-            ends_evicted=ends,
-            bytes_evicted=payload_bytes + state_bytes + end_bytes,
-        )
+            evicted.append(_evict(tx, index, victim, reason))
+        _count_evicted(tx, evicted)
         if not evicted:
             tx.abort()  # nothing to write: the pending uses stay pending
     return EvictionReport(max_bytes, before, index.total, evicted)
+
+
+def _evict(
+    tx: Transaction,
+    index: LeafIndex,
+    victim: tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup],
+    reason: Reason,
+) -> Evicted:
+    """Remove one victim of `LeafIndex.pop_victim` in `tx` and from `index`."""
+    kind, key, node = victim
+    if kind == "ends":
+        assert isinstance(node, EndGroup)
+        return _evict_ends(tx, index, key, node)
+    assert isinstance(node, Node)
+    if kind == "state":
+        return _evict_state(tx, index, key, node, reason)
+    return _evict_block(tx, index, key, node, reason)
+
+
+def _evict_ends(tx: Transaction, index: LeafIndex, key: bytes, group: EndGroup) -> Evicted:
+    """The end records under `key` (a block or a namespace root), on their own."""
+    tx.extend(end_deletes(list(group.sizes), key))
+    tx.forget(ends=[key])
+    evicted = Evicted("ends", BlockHash(key), 0, 0, group.used, group.size, len(group.sizes))
+    index.drop_ends(key)
+    return evicted
+
+
+def _evict_state(
+    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason
+) -> Evicted:
+    """A stored state on its own: its block stays, its header loses the state flag."""
+    raw = tx.store.get(Family.HEADERS, key)
+    assert raw is not None, "the leaf index lists only stored headers"
+    tx.extend(state_deletes(Header.decode(key, raw)))
+    tx.forget(states=[key])
+    tx.clear_suspect(states=[key])
+    tx.removed(states=[key], reason=reason)
+    evicted = Evicted("state", BlockHash(key), 0, node.state_size, node.state_used)
+    index.drop_state(key)
+    return evicted
+
+
+def _evict_block(
+    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason
+) -> Evicted:
+    """A leaf block, with its state and the end records under it."""
+    tx.extend(block_deletes(key, with_state=node.has_state))
+    tx.forget(blocks=[key])
+    tx.clear_suspect(blocks=[key], states=[key])
+    tx.removed(blocks=[key], reason=reason)
+    group = index.drop_ends(key)  # an end record goes with its parent
+    sizes = group.sizes if group is not None else {}
+    if sizes:
+        tx.extend(end_deletes(list(sizes), key))
+    evicted = Evicted(
+        "block",
+        BlockHash(key),
+        node.payload_size,
+        node.state_size,
+        node.used,
+        sum(sizes.values()),
+        len(sizes),
+    )
+    index.remove(key)
+    return evicted
+
+
+def _count_evicted(tx: Transaction, evicted: list[Evicted]) -> None:
+    """The counters `evicted` changes: the bank's totals down, the eviction tallies up."""
+    payload_bytes = sum(e.payload_bytes for e in evicted)
+    state_bytes = sum(e.state_bytes for e in evicted)
+    end_bytes = sum(e.end_bytes for e in evicted)
+    ends = sum(e.ends for e in evicted)
+    blocks = sum(1 for e in evicted if e.kind == "block")
+    states = sum(1 for e in evicted if e.state_bytes > 0)
+    tx.add(
+        blocks=-blocks,
+        states=-states,
+        ends=-ends,
+        payload_bytes=-payload_bytes,
+        state_bytes=-state_bytes,
+        end_bytes=-end_bytes,
+        blocks_evicted=blocks,
+        states_evicted=states,
+        ends_evicted=ends,
+        bytes_evicted=payload_bytes + state_bytes + end_bytes,
+    )
