@@ -55,42 +55,9 @@ def register(subparsers: Any) -> None:
         _serve,
         help="serve a model over an OpenAI-compatible HTTP API, with the bank as prefix cache",
     )
-    serve.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH",
-        help="a local mlx-lm model directory, or an embedded model name "
-        "(default: the embedded tiny-hybrid with a byte tokenizer)",
-    )
-    serve.add_argument(
-        "--bank",
-        type=bank_path,
-        default=DEFAULT_BANK_DIR,
-        help="bank directory: a bank, or an empty or new directory to make one in "
-        f"(default: {DEFAULT_BANK_DIR})",
-    )
-    serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
-    serve.add_argument(
-        "--port", type=port_number, default=DEFAULT_PORT, help="port; 0 picks a free one"
-    )
-    serve.add_argument(
-        "--prefill-step-size",
-        type=positive_int,
-        default=DEFAULT_PREFILL_STEP,
-        metavar="TOKENS",
-        help="prompt tokens per forward pass (as mlx_lm.server's option); a request whose "
-        "client goes away, or a shutdown, stops its prefill at the end of the current step",
-    )
-    serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
-    serve.add_argument(
-        "--max-queue", type=positive_int, default=64, help="requests that may wait for the model"
-    )
-    serve.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level",
-    )
+    _add_served_model_arguments(serve)
+    _add_listening_arguments(serve)
+    _add_request_arguments(serve)
     add_bank_arguments(serve)
 
     play = add_command(
@@ -99,15 +66,73 @@ def register(subparsers: Any) -> None:
         _demo,
         help="the main job: agents sharing a system prompt, a restart, what the bank saved",
     )
+    _add_demo_workload_arguments(play)
+    _add_demo_setup_arguments(play)
+
+
+def _add_served_model_arguments(serve: argparse.ArgumentParser) -> None:
+    """What `serve` serves: the model (and the embedded one's seed) and the bank."""
+    serve.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local mlx-lm model directory, or an embedded model name "
+        "(default: the embedded tiny-hybrid with a byte tokenizer)",
+    )
+    serve.add_argument("--seed", type=int, default=0, help="seed of the embedded model's weights")
+    serve.add_argument(
+        "--bank",
+        type=bank_path,
+        default=DEFAULT_BANK_DIR,
+        help="bank directory: a bank, or an empty or new directory to make one in "
+        f"(default: {DEFAULT_BANK_DIR})",
+    )
+
+
+def _add_listening_arguments(serve: argparse.ArgumentParser) -> None:
+    """Where `serve` listens, and what its HTTP server logs."""
+    serve.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    serve.add_argument(
+        "--port", type=port_number, default=DEFAULT_PORT, help="port; 0 picks a free one"
+    )
+    serve.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
+
+
+def _add_request_arguments(serve: argparse.ArgumentParser) -> None:
+    """How `serve` runs requests: prefill steps and the queue before the model."""
+    serve.add_argument(
+        "--prefill-step-size",
+        type=positive_int,
+        default=DEFAULT_PREFILL_STEP,
+        metavar="TOKENS",
+        help="prompt tokens per forward pass (as mlx_lm.server's option); a request whose "
+        "client goes away, or a shutdown, stops its prefill at the end of the current step",
+    )
+    serve.add_argument(
+        "--max-queue", type=positive_int, default=64, help="requests that may wait for the model"
+    )
+
+
+def _add_demo_workload_arguments(play: argparse.ArgumentParser) -> None:
+    """What the demo's agents do: how many, how many turns, how long each reply."""
     play.add_argument("--agents", type=positive_int, default=DEMO_AGENTS, help="agents")
     play.add_argument(
         "--turns", type=positive_int, default=DEMO_TURNS, help="turns before the restart"
     )
     play.add_argument(
-        "--bank", type=bank_path, default=None, help="bank directory (default: a temporary one)"
-    )
-    play.add_argument(
         "--max-tokens", type=positive_int, default=DEMO_MAX_TOKENS, help="tokens per reply"
+    )
+
+
+def _add_demo_setup_arguments(play: argparse.ArgumentParser) -> None:
+    """Where the demo runs: its bank, block size, model and number of hosts."""
+    play.add_argument(
+        "--bank", type=bank_path, default=None, help="bank directory (default: a temporary one)"
     )
     play.add_argument(
         "--block-size", type=positive_int, default=DEMO_BLOCK_SIZE, help="tokens per block"
