@@ -4,6 +4,7 @@ in one batch."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
+    from cas_bank.write.txn import Transaction
 
 
 def _damaged(why: str) -> CorruptDataError:
@@ -151,6 +153,17 @@ def _check_entry(
 
 
 # -- import --------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Imported:
+    """What an import wrote, gathered as its transaction is built."""
+
+    blocks_in: list[bytes] = field(default_factory=list)  # payloads written (new or repaired)
+    states_in: list[bytes] = field(default_factory=list)
+    bytes_written: int = 0
+    added: int = 0  # blocks the bank did not hold (a repaired one was counted before)
+    ends_in: int = 0
+
+
 def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
     """Check the bundle (a path, or one `read_bundle` checked) completely, then add
     what `bank` lacks in one batch.
@@ -162,6 +175,39 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
     `CorruptDataError` for a damaged bundle and `InvalidInputError` for one made with
     another block size; nothing is written then.
     """
+    bundle = _bundle_for(bank, bundle)
+    hashes = [e.header.chain_hash for e in bundle.entries]
+    done = _Imported()
+    with bank.transaction() as tx:
+        _import_blocks(bank, tx, bundle, done)
+        _import_ends(tx, bundle, done)
+        # An import is a copy, not a request: it counts the tokens it added, never the
+        # blocks it found (a repeated import changes no counter but last uses).
+        tx.add(
+            ends_written=done.ends_in,
+            logical_tokens=done.added * bundle.block_size,
+            blocks_written=len(done.blocks_in),
+            states_written=len(done.states_in),
+        )
+        # Imported blocks count as used now, as a store's do: eviction keeps them longest.
+        tx.touch(hashes, [e.header.chain_hash for e in bundle.entries if e.state])
+        tx.clear_suspect(blocks=done.blocks_in, states=done.states_in)
+    written = len(done.blocks_in)
+    return ImportReport(
+        namespace=bundle.spec.name,
+        blocks=len(hashes),
+        blocks_written=written,
+        blocks_existing=len(hashes) - written,
+        states_written=len(done.states_in),
+        bytes_written=done.bytes_written,
+        leaf=hashes[-1],
+        ends_written=done.ends_in,
+    )
+
+
+def _bundle_for(bank: Bank, bundle: Bundle | str | Path) -> Bundle:
+    """The bundle read and checked, refused for a read-only bank or another block
+    size, its records digested as `bank` writes them."""
     if bank.read_only:
         raise RuntimeError(f"import needs the bank at {bank.path} opened read-write")
     if not isinstance(bundle, Bundle):
@@ -171,80 +217,75 @@ def import_bundle(bank: Bank, bundle: Bundle | str | Path) -> ImportReport:
             f"bundle has block_size={bundle.block_size}, the bank at {bank.path} "
             f"block_size={bank.config.block_size}"
         )
-    bundle = bundle_as(bundle, bank.payload_check)  # checked by blake3; kept as the bank writes
-    hashes = [e.header.chain_hash for e in bundle.entries]
-    with bank.transaction() as tx:
-        damaged: set[int] = set()
-        current = read_headers(tx.store, hashes, damaged)
-        if tx.store.get(Family.NAMESPACES, bundle.root) is None:
-            tx.put(Family.NAMESPACES, bundle.root, bundle.spec.model_dump_json().encode())
-        bad_blocks, bad_states = _damaged_records(tx.store, bundle.entries, current)
-        blocks_in: list[bytes] = []  # block payloads written (new, or repairing a bad one)
-        states_in: list[bytes] = []
-        bytes_written = 0
-        added = 0  # blocks the bank did not hold (a repaired one was counted before)
-        for i, (entry, old) in enumerate(zip(bundle.entries, current, strict=True)):
-            h, key = entry.header, entry.header.chain_hash
-            # Absent, damaged, failing its digest now or on an earlier read: rewritten.
-            rewrite = old is None or key in bad_blocks or bank.suspects.block(key)
-            kept_state = (
-                old is not None
-                and old.has_state
-                and key not in bad_states
-                and not bank.suspects.state(key)
-            )
-            write_state = entry.state is not None and not kept_state
-            base = old
-            if rewrite:  # the bundle's payload, under the state the block has (if any)
-                deltas, extra = block_rewrite(tx.store, key, old, i in damaged, len(entry.payload))
-                added += deltas.get("blocks", 0)
-                tx.add(**deltas)
-                tx.extend(extra)
-                tx.put(Family.BLOCKS, key, entry.payload)
-                blocks_in.append(key)
-                bytes_written += len(entry.payload)
-                base = h.with_state(old.state_digest, old.state_size) if old else h.with_state(None)
-            if write_state and entry.state is not None:
-                assert base is not None
-                tx.put(Family.STATES, key, entry.state)
-                tx.add(**state_write_delta(base, len(entry.state)))
-                base = base.with_state(h.state_digest, h.state_size)
-                states_in.append(key)
-                bytes_written += len(entry.state)
-            if rewrite or write_state:
-                assert base is not None
-                tx.put(Family.HEADERS, key, base.encode())
-        ends_in = 0
-        olds = tx.store.get_many(Family.ENDS, [k for k, _ in bundle.ends])
-        for (end_key, value), held in zip(bundle.ends, olds, strict=True):
-            if held == value:
-                continue
-            tx.put(Family.ENDS, end_key, value)
-            tx.add(ends=0 if held is not None else 1, end_bytes=len(value) - len(held or b""))
-            ends_in += 1
-            bytes_written += len(value)
-        written = len(blocks_in)
-        # An import is a copy, not a request: it counts the tokens it added, never the
-        # blocks it found (a repeated import changes no counter but last uses).
-        tx.add(
-            ends_written=ends_in,
-            logical_tokens=added * bundle.block_size,
-            blocks_written=written,
-            states_written=len(states_in),
+    return bundle_as(bundle, bank.payload_check)  # checked by blake3; kept as the bank writes
+
+
+def _import_blocks(bank: Bank, tx: Transaction, bundle: Bundle, done: _Imported) -> None:
+    """Record the namespace if new, and each block's payload and state the bank lacks
+    or holds damaged."""
+    damaged: set[int] = set()
+    current = read_headers(tx.store, [e.header.chain_hash for e in bundle.entries], damaged)
+    if tx.store.get(Family.NAMESPACES, bundle.root) is None:
+        tx.put(Family.NAMESPACES, bundle.root, bundle.spec.model_dump_json().encode())
+    bad_blocks, bad_states = _damaged_records(tx.store, bundle.entries, current)
+    for i, (entry, old) in enumerate(zip(bundle.entries, current, strict=True)):
+        key = entry.header.chain_hash
+        # Absent, damaged, failing its digest now or on an earlier read: rewritten.
+        rewrite = old is None or key in bad_blocks or bank.suspects.block(key)
+        kept_state = (
+            old is not None
+            and old.has_state
+            and key not in bad_states
+            and not bank.suspects.state(key)
         )
-        # Imported blocks count as used now, as a store's do: eviction keeps them longest.
-        tx.touch(hashes, [e.header.chain_hash for e in bundle.entries if e.state])
-        tx.clear_suspect(blocks=blocks_in, states=states_in)
-    return ImportReport(
-        namespace=bundle.spec.name,
-        blocks=len(hashes),
-        blocks_written=written,
-        blocks_existing=len(hashes) - written,
-        states_written=len(states_in),
-        bytes_written=bytes_written,
-        leaf=hashes[-1],
-        ends_written=ends_in,
-    )
+        write_state = entry.state is not None and not kept_state
+        _import_block(tx, entry, old, i in damaged, rewrite, write_state, done)
+
+
+def _import_block(
+    tx: Transaction,
+    entry: BundleEntry,
+    old: Header | None,
+    damaged: bool,
+    rewrite: bool,
+    write_state: bool,
+    done: _Imported,
+) -> None:
+    """Write one block's payload (`rewrite`) and state (`write_state`), and the header
+    that names what it then holds."""
+    h, key = entry.header, entry.header.chain_hash
+    base = old
+    if rewrite:  # the bundle's payload, under the state the block has (if any)
+        deltas, extra = block_rewrite(tx.store, key, old, damaged, len(entry.payload))
+        done.added += deltas.get("blocks", 0)
+        tx.add(**deltas)
+        tx.extend(extra)
+        tx.put(Family.BLOCKS, key, entry.payload)
+        done.blocks_in.append(key)
+        done.bytes_written += len(entry.payload)
+        base = h.with_state(old.state_digest, old.state_size) if old else h.with_state(None)
+    if write_state and entry.state is not None:
+        assert base is not None
+        tx.put(Family.STATES, key, entry.state)
+        tx.add(**state_write_delta(base, len(entry.state)))
+        base = base.with_state(h.state_digest, h.state_size)
+        done.states_in.append(key)
+        done.bytes_written += len(entry.state)
+    if rewrite or write_state:
+        assert base is not None
+        tx.put(Family.HEADERS, key, base.encode())
+
+
+def _import_ends(tx: Transaction, bundle: Bundle, done: _Imported) -> None:
+    """Write each end record of the bundle the bank does not hold as it is."""
+    olds = tx.store.get_many(Family.ENDS, [k for k, _ in bundle.ends])
+    for (end_key, value), held in zip(bundle.ends, olds, strict=True):
+        if held == value:
+            continue
+        tx.put(Family.ENDS, end_key, value)
+        tx.add(ends=0 if held is not None else 1, end_bytes=len(value) - len(held or b""))
+        done.ends_in += 1
+        done.bytes_written += len(value)
 
 
 def _damaged_records(
