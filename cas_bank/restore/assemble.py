@@ -156,51 +156,57 @@ class Assembler:
         self.spec = spec
         self.block_size = block_size
         self._resources = resources
-        capacity = max(n_blocks * block_size, capacity)
-        shapes = _shapes(resources, spec, block_size, capacity, state)
-        self.capacity = shapes.capacity
-        self.specs, self.dtypes = shapes.specs, shapes.dtypes
-        self.state_shapes, self.state_dtypes = shapes.state_shapes, shapes.state_dtypes
-        self._wanted = shapes.wanted
+        rows = n_blocks * block_size
+        shapes = _shapes(resources, spec, block_size, max(rows, capacity), state)
+        self._keep_shapes(shapes)
         # Every token a restore hands out is written by a block, every state byte by its
         # payload: no zero fill needed. One allocation for all of them, less the spares
         # the bank keeps ready (`cas_bank.restore.spares`).
         # Staged destinations (`arrays.cpu_fillable`: a GPU backend not known, or
         # CAS_BANK_FILL_COPY) take no MLX memory.
         self._spared = cpu_fillable() and resources is not None
-        self._spare_set = shapes.spares
-        self._serial = shapes.serial
-        self._attention_bytes = shapes.attention_bytes
-        n_arrays = len(self.specs)
         # A lease's copy made ahead (`restore.lease_copy`), else spares, else new arrays.
         self._from_lease = lease if self._spared and not state and row_copy.available() else None
-        ahead = self._copied_ahead(n_blocks * block_size)
-        if ahead is not None:
-            everything = ahead
-        else:
-            spares = resources.spares if resources is not None and self._spared else None
-            ready = spares.take(self._spare_set) if spares is not None else {}  # all written
-            everything = Destination.allocate(
-                self._wanted, overwritten=True, ready=ready, sizes=shapes.sizes
-            )
+        ahead = self._copied_ahead(rows)
+        everything = ahead if ahead is not None else self._allocate(shapes.sizes)
+        n_arrays = len(self.specs)
         self.dests = everything[:n_arrays]
         self._state_dests = everything[n_arrays:]
         self._views = [d.view for d in self.dests]
-        self._row_runs = shapes.row_runs
-        self._state_runs = shapes.state_runs
-        self._block_layout, self._state_layout = shapes.block_layout, shapes.state_layout
         self._addresses: np.ndarray | None = None
-        # What each array of a block must be, checked before its copy.
-        self.block_shapes = shapes.block_shapes
-        self._fits = shapes.fits
         # Whether payload files may be read into the views: MLX's own memory, or the
         # staging buffers of a device a CPU pointer cannot fill (`arrays.cpu_fillable`).
         self.direct = all(map(_FILLABLE, self.dests))
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
         self._lease: tuple[HeldArrays, int] | None = None  # copied natively (restore.row_copy)
-        self._ahead_rows = 0 if ahead is None else n_blocks * block_size  # rows made already
+        self._ahead_rows = 0 if ahead is None else rows  # rows made already
         self._handed: int | None = None  # the blocks `layers` handed out
+
+    def _keep_shapes(self, shapes: _Shapes) -> None:
+        """What `shapes` fixes, on this assembler: capacity, specs, dtypes, the arrays
+        wanted, the spares' grouping, the row runs and payload layouts, the block checks."""
+        self.capacity = shapes.capacity
+        self.specs, self.dtypes = shapes.specs, shapes.dtypes
+        self.state_shapes, self.state_dtypes = shapes.state_shapes, shapes.state_dtypes
+        self._wanted = shapes.wanted
+        self._spare_set = shapes.spares
+        self._serial = shapes.serial
+        self._attention_bytes = shapes.attention_bytes
+        self._row_runs = shapes.row_runs
+        self._state_runs = shapes.state_runs
+        self._block_layout, self._state_layout = shapes.block_layout, shapes.state_layout
+        # What each array of a block must be, checked before its copy.
+        self.block_shapes = shapes.block_shapes
+        self._fits = shapes.fits
+
+    def _allocate(self, sizes: tuple[int, ...]) -> list[Destination]:
+        """Destinations of every wanted array: the bank's spares where it keeps them
+        (already written), the rest new and unfilled."""
+        resources = self._resources
+        spares = resources.spares if resources is not None and self._spared else None
+        ready = spares.take(self._spare_set) if spares is not None else {}  # all written
+        return Destination.allocate(self._wanted, overwritten=True, ready=ready, sizes=sizes)
 
     def _copied_ahead(self, rows: int) -> list[Destination] | None:
         """The lease's first `rows` rows in destinations made ahead, if they are."""
