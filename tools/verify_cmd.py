@@ -17,6 +17,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+from rich.text import Text
 
 from cas_bank.index.tree import load_namespaces, namespace_labels
 from cas_bank.maintenance.verify import VerifyReport, verify
@@ -137,13 +139,7 @@ def verify_beside_writer(path: Path) -> tuple[VerifyReport, dict[bytes, ModelSpe
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    looks = 1
-    if args.fix:
-        with open_writer(args.bank) as bank, _progress() as tick:
-            report = verify(bank, fix=True, progress=tick)
-            specs, _ = load_namespaces(bank.store)
-    else:
-        report, specs, looks = verify_beside_writer(args.bank)
+    report, specs, looks = _run_verify(args.bank, fix=args.fix)
     labels = namespace_labels(specs)
     status = 0 if report.ok else 1
     if args.json:
@@ -151,22 +147,44 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return status
     out: list[Any] = []
     if report.problems:
-        out.append(
-            table(
-                ["problem", "block", "namespace", "depth", "detail"],
-                [
-                    (
-                        p.kind,
-                        short(p.chain_hash),
-                        "-" if p.root is None else labels.get(p.root, short(p.root, 8)),
-                        "-" if p.index is None else p.index,
-                        p.detail,
-                    )
-                    for p in report.problems
-                ],
+        out.append(_problems_table(report, labels))
+    out.append(fields(_summary(report, args.bank, looks)))
+    emit(*out)
+    return status
+
+
+def _run_verify(path: Path, *, fix: bool) -> tuple[VerifyReport, dict[bytes, ModelSpec], int]:
+    """The report, the namespaces and the looks taken: `--fix` under the writer's
+    lock (one look), else through a reader's view beside a possible writer."""
+    if not fix:
+        return verify_beside_writer(path)
+    with open_writer(path) as bank, _progress() as tick:
+        report = verify(bank, fix=True, progress=tick)
+        specs, _ = load_namespaces(bank.store)
+    return report, specs, 1
+
+
+def _problems_table(report: VerifyReport, labels: dict[bytes, str]) -> Table | Text:
+    """One row a problem: its kind, block, namespace, depth and detail."""
+    return table(
+        ["problem", "block", "namespace", "depth", "detail"],
+        [
+            (
+                p.kind,
+                short(p.chain_hash),
+                "-" if p.root is None else labels.get(p.root, short(p.root, 8)),
+                "-" if p.index is None else p.index,
+                p.detail,
             )
-        )
-    summary = [
+            for p in report.problems
+        ],
+    )
+
+
+def _summary(report: VerifyReport, path: Path, looks: int) -> list[tuple[str, Any]]:
+    """The summary's fields: what was checked and found, then what was removed or
+    what to run next, and what else a reader should know."""
+    summary: list[tuple[str, Any]] = [
         (
             "checked",
             f"{plural(report.blocks_checked, 'block')}, "
@@ -175,8 +193,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         ),
         ("problems", len(report.problems)),
     ]
+    summary += _next_steps(report, path)
+    if report.indexed:
+        summary.append(("indexed", plural(report.indexed, "record")))
+    if looks > 1:
+        summary.append(("looks", f"{looks} (a writer was busy; problems shown were seen in all)"))
+    for name, (counter, found) in report.counter_drift.items():
+        summary.append((f"counter {name}", f"says {counter}, headers hold {found}"))
+    return summary
+
+
+def _next_steps(report: VerifyReport, path: Path) -> list[tuple[str, Any]]:
+    """What `--fix` removed, or the commands that would remove, salvage or index."""
+    steps: list[tuple[str, Any]] = []
     if report.fixed:
-        summary.append(
+        steps.append(
             (
                 "removed",
                 f"{plural(len(report.removed_blocks), 'block')}, "
@@ -186,23 +217,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         )
     elif any(p.chain_hash for p in report.problems):
-        summary.append(("fix", f"run `cas-bank verify {args.bank} --fix` to remove them"))
+        steps.append(("fix", f"run `cas-bank verify {path} --fix` to remove them"))
     if any(not p.chain_hash for p in report.problems):  # damage --fix cannot name
-        summary.append(("salvage", f"`cas-bank salvage {args.bank} NEW_DIR`: see the problems"))
+        steps.append(("salvage", f"`cas-bank salvage {path} NEW_DIR`: see the problems"))
     if report.unindexed and not report.fixed:
-        summary.append(
+        steps.append(
             (
                 "unindexed",
                 f"{plural(report.unindexed, 'record')} from before the children index "
-                f"(no partial-block reuse): `cas-bank verify {args.bank} --fix` indexes them",
+                f"(no partial-block reuse): `cas-bank verify {path} --fix` indexes them",
             )
         )
-    if report.indexed:
-        summary.append(("indexed", plural(report.indexed, "record")))
-    if looks > 1:
-        summary.append(("looks", f"{looks} (a writer was busy; problems shown were seen in all)"))
-    for name, (counter, found) in report.counter_drift.items():
-        summary.append((f"counter {name}", f"says {counter}, headers hold {found}"))
-    out.append(fields(summary))
-    emit(*out)
-    return status
+    return steps
