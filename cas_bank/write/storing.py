@@ -97,36 +97,77 @@ def store(
     bank = ns.bank
     if bank.read_only:
         raise RuntimeError(f"bank at {bank.path} is open read-only: it cannot store")
+    offer = _checked_offer(ns, tokens, layers, states)
+    existing = read_headers(bank.store, offer.hashes)
+    payloads, deferred = _new_blocks(ns, offer, existing)
+    state_payloads = _new_states(ns, offer, existing, set(payloads))
+    with bank.transaction() as tx:
+        current, done = _write(ns, tx, offer, existing, payloads, state_payloads)
+        kept, kept_states = _record_store(ns, tx, offer, current, done, deferred)
+    _after_commit(ns, offer, done, payloads, state_payloads, kept, kept_states)
+    return _report(offer, done)
+
+
+def _checked_offer(
+    ns: Storable,
+    tokens: Any,
+    layers: Sequence[Any],
+    states: Mapping[int, Sequence[Any]] | None,
+) -> _Offer:
+    """The store's input checked against `ns`'s spec, with its chain hashes."""
     toks = as_token_array(tokens)
     n = len(toks)
-    offer = _Offer(
+    return _Offer(
         toks,
         check_layers(ns.spec, layers, n),
         boundary_states(ns.spec, states, n, ns.block_size),
         ns.chain(toks),
     )
+
+
+def _record_store(
+    ns: Storable,
+    tx: Transaction,
+    offer: _Offer,
+    current: list[Header | None],
+    done: _Written,
+    deferred: int,
+) -> tuple[int, list[int]]:
+    """In `tx`: the store's counters, the last uses of the stored part and the suspect
+    marks the written records clear. Returns the stored part (`_stored_part`): how many
+    leading blocks of the chain are stored, and the offered state boundaries among
+    them whose state is."""
     hashes = offer.hashes
-    existing = read_headers(bank.store, hashes)
-    payloads, deferred = _new_blocks(ns, offer, existing)
-    state_payloads = _new_states(ns, offer, existing, set(payloads))
-    with bank.transaction() as tx:
-        current, done = _write(ns, tx, offer, existing, payloads, state_payloads)
-        tx.add(
-            stores=1,
-            logical_tokens=len(hashes) * ns.block_size,
-            blocks_written=len(done.blocks),
-            blocks_deduplicated=len(hashes) - len(done.blocks),
-            states_written=len(done.states),
-            bytes_written=done.nbytes,
-            blocks_deferred=deferred,
-        )
-        # The stored part of the chain was used now, its stored states offered too
-        # (a block admission left out has no last use: it does not exist).
-        kept, kept_states = _stored_part(current, done.headers, offer.states, ns.block_size)
-        tx.touch(hashes[:kept], [hashes[b // ns.block_size - 1] for b in kept_states])
-        tx.clear_suspect(
-            blocks=[hashes[i] for i in done.blocks], states=[hashes[i] for i in done.states]
-        )
+    tx.add(
+        stores=1,
+        logical_tokens=len(hashes) * ns.block_size,
+        blocks_written=len(done.blocks),
+        blocks_deduplicated=len(hashes) - len(done.blocks),
+        states_written=len(done.states),
+        bytes_written=done.nbytes,
+        blocks_deferred=deferred,
+    )
+    # The stored part of the chain was used now, its stored states offered too
+    # (a block admission left out has no last use: it does not exist).
+    kept, kept_states = _stored_part(current, done.headers, offer.states, ns.block_size)
+    tx.touch(hashes[:kept], [hashes[b // ns.block_size - 1] for b in kept_states])
+    tx.clear_suspect(
+        blocks=[hashes[i] for i in done.blocks], states=[hashes[i] for i in done.states]
+    )
+    return kept, kept_states
+
+
+def _after_commit(
+    ns: Storable,
+    offer: _Offer,
+    done: _Written,
+    payloads: dict[int, bytes],
+    state_payloads: dict[int, bytes],
+    kept: int,
+    kept_states: list[int],
+) -> None:
+    """Once committed: the new records queued for the shared tier, the stored part leased."""
+    bank, hashes = ns.bank, offer.hashes
     if bank.remote is not None:  # committed: queue it, the request never waits on the network
         bank.remote.publish(
             ns.root,
@@ -138,8 +179,13 @@ def store(
         # copies its buffer on its next update: see index.lease).
         flat = [a for layer in offer.arrays for a in layer]
         ns._lease_stored(hashes, kept, flat, {b: offer.states[b] for b in kept_states})
+
+
+def _report(offer: _Offer, done: _Written) -> StoreReport:
+    """What the store of `offer` did, `done` being what its transaction wrote."""
+    hashes = offer.hashes
     return StoreReport(
-        tokens=n,
+        tokens=len(offer.toks),
         blocks=len(hashes),
         blocks_written=len(done.blocks),
         blocks_existing=len(hashes) - len(done.blocks),
