@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cas_bank.runtime import PrefixCache
+from cas_bank.runtime import PrefillCancelled, PrefixCache
 from cas_bank.runtime.engine import Engine
 from cas_bank.runtime.server import create_app
 from cas_bank.tools.cli import main as cli_main
@@ -369,3 +369,29 @@ def test_an_end_record_is_explained_and_counted_as_a_restore_does(tmp_path: Path
         other = [*a[:-1], (a[-1] + 1) % 200]  # the same blocks, another tail
         e = explain(bank, root, other)
         assert e.end_record_tokens is None and e.restorable_tokens == restored(pc, other) == 0
+
+
+def test_a_hybrid_restore_from_an_end_record_is_not_called_nothing_to_restore(
+    tmp_path: Path,
+) -> None:
+    """A cancelled prefill of a hybrid model whose chunks cross the block grid stores its
+    state in an end record between two boundaries (no block holds one): explain says the
+    restore resumes from that record, and what stops it after, not "no_state"."""
+    rng = np.random.default_rng(11)
+    a = random_tokens(rng, 5 * BLOCK + 3)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK)) as bank:
+        pc = PrefixCache(bank, tiny("tiny-hybrid"), chunk_size=24)  # across the grid
+        cache, _ = pc.restore(a)
+        with pytest.raises(PrefillCancelled):
+            pc.prefill(a, cache, cancelled=lambda: True)  # stopped after the first chunk
+        bank.flush()  # committed: explain reads the bank
+        root = pc.namespace.root
+        e = explain(bank, root, a)
+        assert (e.matched_blocks, e.state_at, e.end_record_tokens) == (1, None, 24)
+        assert e.restorable_tokens == restored(pc, a) == 24
+        assert e.stop == "absent"  # block 1 is not stored: the record is all there is
+        said = " ".join(e.summary())
+        assert "the restore resumes from the end record at token 24" in said
+        assert "nothing to restore" not in said
+        e = explain(bank, root, a[:24])  # the cut prompt itself: nothing after the record
+        assert (e.restorable_tokens, e.stop) == (24, "complete")

@@ -17,7 +17,8 @@ restore where it happened:
   removals, `cas_bank.evict.evicted`);
 - the tail: tokens after the last full block are never a block (`tail_tokens`);
 - for a hybrid model, `state_at`: the deepest matched boundary with a stored state
-  (a restore stops there) and `boundaries_without_state`: the matched boundaries
+  (a restore stops there, unless it resumes from an end record's state past the
+  matched chain) and `boundaries_without_state`: the matched boundaries
   below the chain's end that hold none, and of those `states_evicted`: the ones
   whose state was removed on its own (when, why);
 - `corrupt`: matched blocks (and the state a restore would use) whose payload fails
@@ -43,15 +44,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from cas_bank.blocks import codec
-from cas_bank.blocks.hashing import as_token_array, chain_hashes
+from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.evict.evicted import Reason, horizon, lookup, record_key
 from cas_bank.index.chain import Header, longest_chain
-from cas_bank.index.ends import find_end
+from cas_bank.index.ends import EndHeader, find_end
 from cas_bank.index.partial import find_partial
 from cas_bank.index.tree import HeaderIndex
-from cas_bank.index.view import QUEUED_DIGEST, read_view
+from cas_bank.index.view import QUEUED_DIGEST, ReadView, read_view
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -142,8 +143,21 @@ class Explanation:
         lines = [
             f"{self.matched_blocks} of {self.full_blocks} full blocks matched "
             f"({self.matched_blocks * bs} of {self.tokens} tokens); a restore covers "
-            f"{self.restorable_tokens}."
+            f"{self.restorable_tokens}.",
+            *self._missing_lines(stored_tokens),
+            *self._state_lines(),
+            *self._end_lines(),
+            *self._partial_lines(),
         ]
+        for c in self.corrupt:
+            lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
+        if self.tail_tokens:
+            lines.append(f"the last {self.tail_tokens} tokens fill no whole block.")
+        return lines
+
+    def _missing_lines(self, stored_tokens: bool) -> list[str]:
+        """Where the chain leaves what is stored, and what became of the prompt's block."""
+        lines = []
         d = self.divergence
         if d is not None:
             theirs = (
@@ -162,49 +176,61 @@ class Explanation:
             )
         if self.missing_block is not None:
             lines.append(f"the prompt's block {self.matched_blocks} {self._history()}.")
-        if self.hybrid and self.matched_blocks:
-            if self.state_at is None:
-                lines.append(
-                    "no boundary before the first corrupt block holds a recurrent state: "
-                    "nothing to restore."
-                    if any(c.record == "payload" for c in self.corrupt)
-                    else "no matched boundary holds a recurrent state: nothing to restore."
-                )
-            elif self.boundaries_without_state:
-                lines.append(
-                    f"the deepest matched boundary with a state is token {self.state_at}; "
-                    f"boundaries {_ranges(self.boundaries_without_state)} hold none."
-                )
-            for s in self.states_evicted:
-                lines.append(
-                    f"the state at token {s.boundary} was removed {_when(s.at)} {_BY[s.by]}."
-                )
-        if self.end_record_tokens is not None:
-            how = "."
-            if self.end_record_tokens == self.tokens:
-                how = (
-                    ": an exact repeat, restored with no prefill."
-                    if self.end_record_logits
-                    else ": an exact repeat, but without its logits (a runtime runs the "
-                    "last token again)."
-                )
-            lines.append(f"an end record covers {self.end_record_tokens} tokens{how}")
-        if self.partial_child is not None:
-            what = "stored block" if self.partial_kind == "block" else "end record"
-            lines.append(
-                f"a partial block: the {what} {self.partial_child[:16]} after the matched "
-                f"chain shares the next {self.partial_tokens} tokens; "
-                + (
-                    "a restore takes them."
-                    if self.partial_used
-                    else f"not used: {self.partial_refused}."
-                )
-            )
-        for c in self.corrupt:
-            lines.append(f"block {c.block} ({c.chain_hash[:16]}): {c.record} {c.why}.")
-        if self.tail_tokens:
-            lines.append(f"the last {self.tail_tokens} tokens fill no whole block.")
         return lines
+
+    def _state_lines(self) -> list[str]:
+        """A hybrid chain's states: the deepest one a restore uses (or the end record it
+        resumes from instead), the boundaries without one, and the ones evicted."""
+        if not (self.hybrid and self.matched_blocks):
+            return []
+        lines = []
+        if self.state_at is None:
+            where = (
+                "no boundary before the first corrupt block holds a recurrent state"
+                if any(c.record == "payload" for c in self.corrupt)
+                else "no matched boundary holds a recurrent state"
+            )
+            then = (
+                "nothing to restore"
+                if self.end_record_tokens is None
+                else f"the restore resumes from the end record at token {self.end_record_tokens}"
+            )
+            lines.append(f"{where}: {then}.")
+        elif self.boundaries_without_state:
+            lines.append(
+                f"the deepest matched boundary with a state is token {self.state_at}; "
+                f"boundaries {_ranges(self.boundaries_without_state)} hold none."
+            )
+        for s in self.states_evicted:
+            lines.append(f"the state at token {s.boundary} was removed {_when(s.at)} {_BY[s.by]}.")
+        return lines
+
+    def _end_lines(self) -> list[str]:
+        if self.end_record_tokens is None:
+            return []
+        how = "."
+        if self.end_record_tokens == self.tokens:
+            how = (
+                ": an exact repeat, restored with no prefill."
+                if self.end_record_logits
+                else ": an exact repeat, but without its logits (a runtime runs the "
+                "last token again)."
+            )
+        return [f"an end record covers {self.end_record_tokens} tokens{how}"]
+
+    def _partial_lines(self) -> list[str]:
+        if self.partial_child is None:
+            return []
+        what = "stored block" if self.partial_kind == "block" else "end record"
+        return [
+            f"a partial block: the {what} {self.partial_child[:16]} after the matched "
+            f"chain shares the next {self.partial_tokens} tokens; "
+            + (
+                "a restore takes them."
+                if self.partial_used
+                else f"not used: {self.partial_refused}."
+            )
+        ]
 
     def _history(self) -> str:
         if self.missing == "evicted":
@@ -231,36 +257,19 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     k = len(matched)
     raw_spec = store.get(Family.NAMESPACES, root)
     hybrid = raw_spec is not None and ModelSpec.model_validate_json(raw_spec).is_hybrid
-    divergence, missing = None, None
-    if k < len(hashes):
-        missing = hashes[k].hex()
+    missing = hashes[k].hex() if k < len(hashes) else None
+    divergence = None
+    if missing is not None:
         parent = matched[-1].chain_hash if matched else root
         index = index or HeaderIndex.load(store)
         divergence = _divergence(index.children_of(parent), toks[k * bs : (k + 1) * bs], k, bs)
     corrupt, good = _payloads_checked(bank, matched)
-    states = _States(usable=good)
-    if hybrid:
-        states = _states_checked(bank, matched, good, corrupt)
+    states = _states_checked(bank, matched, good, corrupt) if hybrid else _States(usable=good)
     blocks_evicted = bank.counters.values()["blocks_evicted"]
     fate = _fate(store, hashes[k], blocks_evicted) if missing is not None else _Fate()
-    # An end record under the deepest matched block (as a restore looks for one): used
-    # when no payload on the way is corrupt (a restore then stops before it).
-    try:
-        found = None if corrupt else find_end(view, root, hashes, toks, k, bs)
-    except CorruptDataError:  # the ends family unreadable: a restore reads no record either
-        found = None
-    end_tokens = found.header.n_tokens if found is not None else None
-    end_logits = found is not None and found.header.has_logits
+    end = _end_record(view, root, hashes, toks, k, bs, corrupt)
+    end_tokens = end.n_tokens if end is not None else None
     partial = _partial(bank, root, hashes, toks, k, hybrid, corrupt, end_tokens)
-    stop: StopReason = "complete"
-    if corrupt:
-        stop = "corrupt"
-    elif hybrid and states.usable < good:
-        stop = "no_state"
-    elif divergence is not None:
-        stop = "diverged"
-    elif missing is not None:
-        stop = "absent"
     return Explanation(
         tokens=len(toks),
         block_size=bs,
@@ -270,7 +279,9 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         restorable_tokens=max(
             states.usable * bs, end_tokens or 0, k * bs + partial.shared if partial.used else 0
         ),
-        stop=stop,
+        # An end record lies past every matched block: a hybrid restore resumes from its
+        # state, so the boundaries without one do not end it.
+        stop=_stop(corrupt, hybrid and states.usable < good and end is None, divergence, missing),
         hybrid=hybrid,
         divergence=divergence,
         missing_block=missing,
@@ -284,13 +295,52 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
         memory_horizon=fate.horizon,
         states_evicted=_states_evicted(store, states.stateless),
         end_record_tokens=end_tokens,
-        end_record_logits=end_logits,
+        end_record_logits=end is not None and end.has_logits,
         partial_child=partial.child,
         partial_kind=partial.kind,
         partial_tokens=partial.shared,
         partial_used=partial.used,
         partial_refused=partial.refused,
     )
+
+
+def _end_record(
+    view: ReadView,
+    root: bytes,
+    hashes: list[BlockHash],
+    toks: Any,
+    k: int,
+    bs: int,
+    corrupt: list[CorruptRecord],
+) -> EndHeader | None:
+    """The end record under the deepest matched block, as a restore looks for one: used
+    when no payload on the way is corrupt (a restore then stops before it)."""
+    if corrupt:
+        return None
+    try:
+        found = find_end(view, root, hashes, toks, k, bs)
+    except CorruptDataError:  # the ends family unreadable: a restore reads no record either
+        return None
+    return found.header if found is not None else None
+
+
+def _stop(
+    corrupt: list[CorruptRecord],
+    no_state: bool,
+    divergence: Divergence | None,
+    missing: str | None,
+) -> StopReason:
+    """What ended the restore, the first of: a corrupt record, a missing state, the
+    prompt leaving a stored block, its block absent."""
+    if corrupt:
+        return "corrupt"
+    if no_state:
+        return "no_state"
+    if divergence is not None:
+        return "diverged"
+    if missing is not None:
+        return "absent"
+    return "complete"
 
 
 def _payloads_checked(bank: Bank, matched: list[Header]) -> tuple[list[CorruptRecord], int]:
