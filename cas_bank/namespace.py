@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
+import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
@@ -133,24 +134,13 @@ class Namespace:
         """
         writer = self.bank.writer
         if writer is None:
-            done: PendingStore[StoreReport] = PendingStore()
-            store = _skipping_full(
-                lambda: self.store(tokens, layers, states), skip_when_full, _NOTHING_STORED
-            )
-            done._set(store(), None)
-            return done
+            return self._store_now(tokens, layers, states, skip_when_full)
         if self.bank.read_only:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
         if writer.closed:  # as `store` says it: nobody would write this one
             raise RuntimeError(f"bank at {self.bank.path} is closed")
         toks = as_token_array(tokens)
-        n = len(toks)
-        flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
-        kept = {
-            b: [a.reshape(a.shape) for a in st]  # new objects: the caller's are not ours
-            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
-        }
-        mx.eval(flat, list(kept.values()))
+        flat, kept = self._snapshot(toks, layers, states)
         snapshot = group_layers(self.spec, flat, None)
         by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
         hashes = self.chain(toks)
@@ -165,6 +155,42 @@ class Namespace:
         if self.bank.leases is None:
             return writer.submit(store, lambda report: report.bytes_written, queued)
         self.bank.leases.put_chain(hashes, flat, kept)
+        write = self._unleasing_unstored(store, hashes, flat)
+        return writer.submit(write, lambda report: report.bytes_written, queued)
+
+    def _store_now(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None,
+        skip_when_full: bool,
+    ) -> PendingStore[StoreReport]:
+        """`store_later` with no background writer: stored now, on this thread."""
+        done: PendingStore[StoreReport] = PendingStore()
+        store = _skipping_full(
+            lambda: self.store(tokens, layers, states), skip_when_full, _NOTHING_STORED
+        )
+        done._set(store(), None)
+        return done
+
+    def _snapshot(
+        self, toks: np.ndarray, layers: Sequence[Any], states: Mapping[int, Sequence[Any]] | None
+    ) -> tuple[list[mx.array], dict[int, list[mx.array]]]:
+        """The input checked and evaluated, without a copy: the attention arrays flat (cut
+        to the tokens) and the boundary states, as new array objects of our own."""
+        n = len(toks)
+        flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
+        kept = {
+            b: [a.reshape(a.shape) for a in st]  # new objects: the caller's are not ours
+            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
+        }
+        mx.eval(flat, list(kept.values()))
+        return flat, kept
+
+    def _unleasing_unstored(
+        self, store: Callable[[], StoreReport], hashes: list[BlockHash], flat: list[mx.array]
+    ) -> Callable[[], StoreReport]:
+        """`store`, which (failed or skipped) then keeps leased only what the bank holds."""
 
         def write() -> StoreReport:
             # A store that failed or was skipped leases nothing the bank does not hold.
@@ -177,7 +203,7 @@ class Namespace:
                 self._unlease_unstored(hashes, flat)
             return report
 
-        return writer.submit(write, lambda report: report.bytes_written, queued)
+        return write
 
     def _unlease_unstored(self, hashes: list[BlockHash], flat: list[mx.array]) -> None:
         """Keep leased only the leading blocks of `hashes` the bank holds (no states)."""
