@@ -48,6 +48,7 @@ from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.bank import Bank
+    from cas_bank.write.txn import Transaction
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "read_record", "verify"]
 
@@ -296,43 +297,9 @@ def _fix(
     """Delete what `verify` found, in one transaction with the counters it changes."""
     with bank.transaction(budget=False) as tx:
         deltas = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
-        for key in sorted(bad | unreachable):
-            h = index.headers.get(key)
-            if h is not None:
-                payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
-            else:  # an unreadable header: size what is there
-                state = read_record(bank, Family.STATES, key)[0]
-                payload_size = _size(bank, Family.BLOCKS, key)
-                state_size = len(state or b"")
-                has_state = state is not None
-            tx.extend(block_deletes(key))
-            deltas["blocks"] -= 1
-            deltas["payload_bytes"] -= payload_size
-            if has_state:
-                deltas["states"] -= 1
-                deltas["state_bytes"] -= state_size
-            report.removed_blocks.append(key)
-            tx.removed([key], reason="unreachable" if key in unreachable else "damaged")
-        for key in sorted(drop_state):
-            h = index.headers[key]
-            tx.extend(state_deletes(h))
-            deltas["states"] -= 1
-            deltas["state_bytes"] -= h.state_size
-            report.removed_states.append(key)
-            tx.removed(states=[key], reason="damaged")
-        orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
-        for p in orphans:
-            if p.kind == "orphan_access":  # no counter counts last uses
-                drop_use(tx, p.chain_hash)
-                report.removed_orphans += 1
-                continue
-            family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
-            tx.delete(family, p.chain_hash)
-            blocks = family is Family.BLOCKS
-            count, size = ("blocks", "payload_bytes") if blocks else ("states", "state_bytes")
-            orphaned[count] += 1
-            orphaned[size] += _size(bank, family, p.chain_hash)
-            report.removed_orphans += 1
+        _delete_blocks(bank, tx, index, bad, unreachable, deltas, report)
+        _delete_states(tx, index, drop_state, deltas, report)
+        orphaned = _delete_orphans(bank, tx, orphans, report)
         # An unclaimed record was counted if its header was lost after the store (the
         # counters then exceed what the headers hold), not if it was written by hand:
         # take off no more than that excess.
@@ -345,3 +312,71 @@ def _fix(
             blocks=report.removed_blocks, states=[*report.removed_blocks, *report.removed_states]
         )
     report.fixed = True
+
+
+def _delete_blocks(
+    bank: Bank,
+    tx: Transaction,
+    index: HeaderIndex,
+    bad: set[bytes],
+    unreachable: set[bytes],
+    deltas: dict[str, int],
+    report: VerifyReport,
+) -> None:
+    """Delete the damaged and unreachable blocks (with their states), taking what they
+    held off `deltas`."""
+    for key in sorted(bad | unreachable):
+        h = index.headers.get(key)
+        if h is not None:
+            payload_size, state_size, has_state = h.payload_size, h.state_size, h.has_state
+        else:  # an unreadable header: size what is there
+            state = read_record(bank, Family.STATES, key)[0]
+            payload_size = _size(bank, Family.BLOCKS, key)
+            state_size = len(state or b"")
+            has_state = state is not None
+        tx.extend(block_deletes(key))
+        deltas["blocks"] -= 1
+        deltas["payload_bytes"] -= payload_size
+        if has_state:
+            deltas["states"] -= 1
+            deltas["state_bytes"] -= state_size
+        report.removed_blocks.append(key)
+        tx.removed([key], reason="unreachable" if key in unreachable else "damaged")
+
+
+def _delete_states(
+    tx: Transaction,
+    index: HeaderIndex,
+    drop_state: set[bytes],
+    deltas: dict[str, int],
+    report: VerifyReport,
+) -> None:
+    """Delete the damaged states of blocks that stay, taking them off `deltas`."""
+    for key in sorted(drop_state):
+        h = index.headers[key]
+        tx.extend(state_deletes(h))
+        deltas["states"] -= 1
+        deltas["state_bytes"] -= h.state_size
+        report.removed_states.append(key)
+        tx.removed(states=[key], reason="damaged")
+
+
+def _delete_orphans(
+    bank: Bank, tx: Transaction, orphans: list[Problem], report: VerifyReport
+) -> dict[str, int]:
+    """Delete the records no header claims; the payloads and states among them, counted
+    and sized (last uses are counted by no counter)."""
+    orphaned = {"blocks": 0, "states": 0, "payload_bytes": 0, "state_bytes": 0}
+    for p in orphans:
+        if p.kind == "orphan_access":  # no counter counts last uses
+            drop_use(tx, p.chain_hash)
+            report.removed_orphans += 1
+            continue
+        family = Family.BLOCKS if p.kind == "orphan_payload" else Family.STATES
+        tx.delete(family, p.chain_hash)
+        blocks = family is Family.BLOCKS
+        count, size = ("blocks", "payload_bytes") if blocks else ("states", "state_bytes")
+        orphaned[count] += 1
+        orphaned[size] += _size(bank, family, p.chain_hash)
+        report.removed_orphans += 1
+    return orphaned
