@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rich.table import Table
+from rich.text import Text
+
 from cas_bank import Bank, native
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
@@ -194,20 +197,55 @@ _SORTS: dict[str, Callable[[LsRow], Any]] = {
 def cmd_ls(args: argparse.Namespace) -> int:
     if args.ends:
         return _ls_ends(args)
+    labels, index, heads, last, ends = read_bank(
+        args.bank, lambda bank: _read_blocks(bank, args.namespace)
+    )
+    rows = _ls_rows(labels, index, heads, last, ends)
+    if args.sort is not None:
+        rows.sort(key=_SORTS[args.sort])  # stable: ties keep namespace/depth order
+    total = len(rows)
+    if args.limit is not None:
+        rows = rows[: args.limit]
+    if args.json:
+        print_json({"total": total, "blocks": [asdict(r) for r in rows]})
+        return 0
+    out: list[Any] = [_blocks_table(rows)]
+    if len(rows) < total:
+        out.append(f"({len(rows)} of {total} blocks shown)")
+    n_ends = sum(ends.values())
+    if n_ends:
+        out.append(
+            f"({plural(n_ends, 'end record')}: `cas-bank ls {args.bank} --ends` lists them, "
+            f"`cas-bank show {args.bank} END` shows one)"
+        )
+    emit(*out)
+    return 0
 
-    def look(
-        bank: Bank,
-    ) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None], Counter[bytes]]:
-        specs, _ = load_namespaces(bank.store)
-        labels = namespace_labels(specs, bank.config.block_size)
-        index = HeaderIndex.load(bank.store)
-        root = select_namespace(args.namespace, specs, labels) if args.namespace else None
-        heads = [h for h in index.headers.values() if root is None or h.root == root]
-        last = last_use(bank.store, bank.access, [h.chain_hash for h in heads])
-        ends = Counter(k[:32] for k in bank.store.keys(Family.ENDS))
-        return labels, index, heads, last, ends
 
-    labels, index, heads, last, ends = read_bank(args.bank, look)
+def _read_blocks(
+    bank: Bank, namespace: str | None
+) -> tuple[dict[bytes, str], HeaderIndex, list[Header], list[float | None], Counter[bytes]]:
+    """What `ls` reads from the bank: the namespaces' labels, the header index, the
+    headers listed (those of `namespace`, or all), their last uses, and the number of
+    end records hanging from each block."""
+    specs, _ = load_namespaces(bank.store)
+    labels = namespace_labels(specs, bank.config.block_size)
+    index = HeaderIndex.load(bank.store)
+    root = select_namespace(namespace, specs, labels) if namespace else None
+    heads = [h for h in index.headers.values() if root is None or h.root == root]
+    last = last_use(bank.store, bank.access, [h.chain_hash for h in heads])
+    ends = Counter(k[:32] for k in bank.store.keys(Family.ENDS))
+    return labels, index, heads, last, ends
+
+
+def _ls_rows(
+    labels: dict[bytes, str],
+    index: HeaderIndex,
+    heads: list[Header],
+    last: list[float | None],
+    ends: Counter[bytes],
+) -> list[LsRow]:
+    """One row a header, sorted by namespace, depth and hash."""
     rows = [
         LsRow(
             hash=h.chain_hash.hex(),
@@ -222,43 +260,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for h, t in zip(heads, last, strict=True)
     ]
     rows.sort(key=lambda r: (r.namespace, r.depth, r.hash))
-    if args.sort is not None:
-        rows.sort(key=_SORTS[args.sort])  # stable: ties keep namespace/depth order
-    total = len(rows)
-    if args.limit is not None:
-        rows = rows[: args.limit]
-    if args.json:
-        print_json({"total": total, "blocks": [asdict(r) for r in rows]})
-        return 0
-    out: list[Any] = []
-    out.append(
-        table(
-            ["hash", "namespace", "depth", "size", "state", "ends", "chains", "last use"],
-            [
-                (
-                    r.hash[:12],
-                    r.namespace,
-                    r.depth,
-                    human_bytes(r.payload_bytes),
-                    "-" if r.state_bytes is None else human_bytes(r.state_bytes),
-                    r.ends or "-",
-                    r.chains,
-                    when(r.last_use),
-                )
-                for r in rows
-            ],
-        )
+    return rows
+
+
+def _blocks_table(rows: list[LsRow]) -> Table | Text:
+    """The blocks' table as `ls` prints it (hashes cut to 12 hex digits)."""
+    return table(
+        ["hash", "namespace", "depth", "size", "state", "ends", "chains", "last use"],
+        [
+            (
+                r.hash[:12],
+                r.namespace,
+                r.depth,
+                human_bytes(r.payload_bytes),
+                "-" if r.state_bytes is None else human_bytes(r.state_bytes),
+                r.ends or "-",
+                r.chains,
+                when(r.last_use),
+            )
+            for r in rows
+        ],
     )
-    if len(rows) < total:
-        out.append(f"({len(rows)} of {total} blocks shown)")
-    n_ends = sum(ends.values())
-    if n_ends:
-        out.append(
-            f"({plural(n_ends, 'end record')}: `cas-bank ls {args.bank} --ends` lists them, "
-            f"`cas-bank show {args.bank} END` shows one)"
-        )
-    emit(*out)
-    return 0
 
 
 @dataclass(frozen=True, slots=True)
