@@ -26,6 +26,7 @@ import re
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -194,8 +195,10 @@ def _listing(path: Path) -> frozenset[tuple[str, int, int]]:
 
 
 def _look(path: Path, families: dict[str, Options], db_options: Options) -> None:
+    """Refuse `path` (`BankDamagedError`, or `foreign_error`) if a read-only look through
+    a `View` finds its CURRENT or MANIFEST unreadable, files its MANIFEST does not name,
+    or another RocksDB database."""
     view = View(path)
-    db: Any = None
     try:
         try:
             names = set(Rdict.list_cf(str(view.path)))
@@ -203,61 +206,95 @@ def _look(path: Path, families: dict[str, Options], db_options: Options) -> None
             why = f"its CURRENT or MANIFEST is unreadable ({real(e, path, view.path)})"
             raise BankDamagedError(_damaged(path, why)) from None
         check_families(path, names)
+        manifest = _read_manifest(path, view.path, names, families, db_options)
+        if manifest.unmarked:  # before the writer's open adds a bank's families to it
+            raise foreign_error(path, f"its {MARKER_FAMILY} family holds no cas_bank format record")
+        _check_named(path, manifest)
+    finally:
+        view.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Manifest:
+    """What a read-only open of a bank directory says of it."""
+
+    empty: bool  # no family holds a record
+    unmarked: bool  # the marker family holds records, none of them the format record
+    live: set[str]  # the table files its MANIFEST names
+    blobs_named: int  # how many blob files it names
+
+
+def _read_manifest(
+    path: Path, view: Path, names: set[str], families: dict[str, Options], db_options: Options
+) -> _Manifest:
+    """`_Manifest` of the bank at `path`, opened read-only through `view`; one RocksDB
+    cannot open is damaged (`BankDamagedError`) or not a bank (`foreign_error`)."""
+    db: Any = None
+    try:
         try:
             db = Rdict(
-                str(view.path),
+                str(view),
                 options=db_options,
                 column_families={k: v for k, v in families.items() if k in names},
                 access_type=AccessType.read_only(),
             )
-            empty = all(_empty(db.get_column_family(name)) for name in names)
-            meta = db.get_column_family(MARKER_FAMILY)
-            unmarked = not _empty(meta) and meta.get(FORMAT_KEY) is None
-            live = {str(f["name"]).lstrip("/") for f in db.live_files()}
-            blobs_named = 0
-            for name in names:
-                v = db.get_column_family(name).property_int_value("rocksdb.num-blob-files")
-                blobs_named += int(v or 0)
+            return _manifest_of(db, names)
         except BankDamagedError:
             raise
         except Exception as e:
             if is_foreign(e):
-                raise foreign_error(path, real(e, path, view.path)) from None
-            why = f"RocksDB cannot open it ({real(e, path, view.path)})"
+                raise foreign_error(path, real(e, path, view)) from None
+            why = f"RocksDB cannot open it ({real(e, path, view)})"
             raise BankDamagedError(_damaged(path, why)) from None
-        if unmarked:  # before the writer's open adds a bank's families to it
-            raise foreign_error(path, f"its {MARKER_FAMILY} family holds no cas_bank format record")
-        present = sorted(os.listdir(path))
-        tables = _numbered(present, "sst")
-        blobs = _numbered(present, "blob")
-        if empty and not live and (tables or blobs):
-            raise BankDamagedError(
-                _damaged(
-                    path,
-                    f"its MANIFEST names no records but {len(tables)} table and {len(blobs)} "
-                    "blob files are present (a truncated or damaged MANIFEST)",
-                )
-            )
-        newest = max((tables[n] for n in live if n in tables), default=0)
-        # A crash during a flush or compaction leaves its new files unnamed: newer
-        # than every named one, their data is still in the log. Older unnamed files,
-        # or more blob files than a crash leaves, mean the MANIFEST lost them.
-        lost = [n for n, num in tables.items() if n not in live and num < newest]
-        extra_blobs = len(blobs) - blobs_named
-        if lost or extra_blobs > 2:
-            shown = ", ".join(sorted(lost)[:8]) or f"{extra_blobs} of its blob files"
-            raise BankDamagedError(
-                _damaged(
-                    path,
-                    f"its MANIFEST does not name {shown} (a truncated or damaged MANIFEST); "
-                    "opening it for writing would delete them",
-                )
-            )
     finally:
         if db is not None:
             with contextlib.suppress(Exception):
                 db.close()
-        view.close()
+
+
+def _manifest_of(db: Any, names: set[str]) -> _Manifest:
+    """`_Manifest` of `db`, open read-only with its families `names`."""
+    empty = all(_empty(db.get_column_family(name)) for name in names)
+    meta = db.get_column_family(MARKER_FAMILY)
+    unmarked = not _empty(meta) and meta.get(FORMAT_KEY) is None
+    live = {str(f["name"]).lstrip("/") for f in db.live_files()}
+    blobs_named = 0
+    for name in names:
+        v = db.get_column_family(name).property_int_value("rocksdb.num-blob-files")
+        blobs_named += int(v or 0)
+    return _Manifest(empty, unmarked, live, blobs_named)
+
+
+def _check_named(path: Path, manifest: _Manifest) -> None:
+    """Refuse `path` if its MANIFEST does not name table or blob files it holds, which
+    a read-write open would delete."""
+    live = manifest.live
+    present = sorted(os.listdir(path))
+    tables = _numbered(present, "sst")
+    blobs = _numbered(present, "blob")
+    if manifest.empty and not live and (tables or blobs):
+        raise BankDamagedError(
+            _damaged(
+                path,
+                f"its MANIFEST names no records but {len(tables)} table and {len(blobs)} "
+                "blob files are present (a truncated or damaged MANIFEST)",
+            )
+        )
+    newest = max((tables[n] for n in live if n in tables), default=0)
+    # A crash during a flush or compaction leaves its new files unnamed: newer
+    # than every named one, their data is still in the log. Older unnamed files,
+    # or more blob files than a crash leaves, mean the MANIFEST lost them.
+    lost = [n for n, num in tables.items() if n not in live and num < newest]
+    extra_blobs = len(blobs) - manifest.blobs_named
+    if lost or extra_blobs > 2:
+        shown = ", ".join(sorted(lost)[:8]) or f"{extra_blobs} of its blob files"
+        raise BankDamagedError(
+            _damaged(
+                path,
+                f"its MANIFEST does not name {shown} (a truncated or damaged MANIFEST); "
+                "opening it for writing would delete them",
+            )
+        )
 
 
 def _empty(cf: Any) -> bool:
