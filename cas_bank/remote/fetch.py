@@ -52,24 +52,22 @@ def fetch_continuation(
     hashes: Sequence[bytes],
     matched: Sequence[Header],
 ) -> Continuation | None:
+    """The local chain `matched` continued from the shared tier, its payloads (and a
+    hybrid model's state or end record) fetched and checked (see the module); None when
+    the cluster adds nothing usable or cannot be asked."""
     start, root, hybrid = len(matched), ns.root, ns.spec.is_hybrid
     rest = list(hashes[start:])
     # A hybrid model: a state from the cluster is worth asking for past the local one.
     local_state = next((i + 1 for i in range(start - 1, -1, -1) if matched[i].has_state), 0)
-    cmds: list[tuple[Any, ...]] = [("GET", keys.key(root, h, "h")) for h in rest]
-    if hybrid:
-        cmds += [("EXISTS", keys.key(root, h, "s")) for h in hashes[local_state:]]
     # The end records under the prompt's last full block, asked at once: an exact
     # repeat finds its own there (the chain continues to that block).
     whole = ends.candidates(root, hashes[-1] if hashes else root, toks, len(hashes), ns.block_size)
-    cmds += [("GET", k) for _, k in whole]
-    answers = tier.client.run(cmds)
+    answers = _ask_chain(tier, root, rest, hashes[local_state:] if hybrid else [], whole)
     if answers is None:
         return None
     fetched = sum(len(a) for a in answers if isinstance(a, bytes))
     remote = _linked(tier, ns, toks, rest, answers[: len(rest)], matched)
     end = start + len(remote)  # blocks the chain now covers
-    state_at: int | None = None
     found: list[int] = []
     if hybrid:
         exists = answers[len(rest) : len(answers) - len(whole)]
@@ -78,16 +76,47 @@ def fetch_continuation(
     rend = _end_record(tier, ns, toks, hashes, end, whole, answers[len(answers) - len(whole) :])
     if rend is not None and rend.plan.tokens <= floor * ns.block_size:
         rend = None if rend.plan.tokens != len(toks) else rend
+    state_at: int | None = None
     if hybrid and rend is None:
         if not found:
             tier.bank.counters.count(remote_bytes_fetched=fetched)
             return None
         state_at = found[-1]
-        end = state_at + 1
-        remote = remote[: max(0, end - start)]
+        remote = remote[: max(0, state_at + 1 - start)]
     cont = Continuation(start, list(matched) + remote)
     cont.end = rend
-    b, ok = 0, True
+    fetched += _fetch_payloads(tier, root, hashes, remote, state_at, cont)
+    tier.bank.counters.count(remote_bytes_fetched=fetched)
+    return _verified(cont, remote, start, hybrid)
+
+
+def _ask_chain(
+    tier: FetchingTier,
+    root: bytes,
+    rest: Sequence[bytes],
+    state_blocks: Sequence[bytes],
+    whole: Sequence[tuple[bytes, bytes]],
+) -> list[Any] | None:
+    """One pipelined round trip: the headers of `rest`, whether a state exists at each
+    of `state_blocks`, and the end records `whole`; None when no node could be asked."""
+    cmds: list[tuple[Any, ...]] = [("GET", keys.key(root, h, "h")) for h in rest]
+    cmds += [("EXISTS", keys.key(root, h, "s")) for h in state_blocks]
+    cmds += [("GET", k) for _, k in whole]
+    return tier.client.run(cmds)
+
+
+def _fetch_payloads(
+    tier: FetchingTier,
+    root: bytes,
+    hashes: Sequence[bytes],
+    remote: list[Header],
+    state_at: int | None,
+    cont: Continuation,
+) -> int:
+    """Fetch `remote`'s payloads into `cont`, a window of `tier.fetch_bytes` a round
+    trip, with the state at block `state_at` (if any) in the last one; stops at the
+    first that is missing or fails its check. Returns the bytes fetched."""
+    fetched, b, ok = 0, 0, True
     while ok and (b < len(remote) or (b == 0 and state_at is not None)):
         e, size = b, 0  # a window of payloads, one round trip
         while e < len(remote) and (e == b or size + remote[e].payload_size <= tier.fetch_bytes):
@@ -108,7 +137,14 @@ def fetch_continuation(
         b = e
         if last:
             break
-    tier.bank.counters.count(remote_bytes_fetched=fetched)
+    return fetched
+
+
+def _verified(
+    cont: Continuation, remote: list[Header], start: int, hybrid: bool
+) -> Continuation | None:
+    """`cont` cut to the blocks whose payloads arrived and checked out (a hybrid one
+    whole or not at all), or None when that adds nothing."""
     n_ok = sum(1 for h in remote if h.chain_hash in cont.blocks)  # a verified prefix
     if n_ok < len(remote):
         cont.end = None  # its blocks are not all there
