@@ -171,58 +171,91 @@ def run_demo(
     step = progress or (lambda _msg: None)
     with _bank_location(bank_dir) as path:
         loaded = resolve_model(model, seed=seed)
-        tokenizer = loaded.tokenizer
         report = DemoReport(
             model=loaded.name,
             agents=agents,
             turns=turns,
             block_size=block_size,
             bank_dir=str(path) if bank_dir is not None else None,
-            system_prompt_tokens=len(tokenizer.encode(system_prompt())),
+            system_prompt_tokens=len(loaded.tokenizer.encode(system_prompt())),
         )
-        conversations = [[{"role": "system", "content": system_prompt()}] for _ in range(agents)]
-
-        def play(server: BackgroundServer, phase: str, turn: int) -> None:
-            for agent, messages in enumerate(conversations):
-                messages.append({"role": "user", "content": user_message(agent, turn)})
-                reply, row = _chat(
-                    server.url,
-                    messages,
-                    max_tokens,
-                    phase,
-                    agent,
-                    turn,
-                    tokenizer,
-                    server.engine.model_id,
-                )
-                messages.append({"role": "assistant", "content": reply})
-                report.rows.append(row)
-                step(f"{phase}: agent {agent} turn {turn + 1}")
-
-        server = _start(path, block_size, seed, model)
-        for turn in range(turns):
-            play(server, "before restart", turn)
-        t0 = time.perf_counter()
-        server.stop()  # closes the engine and the bank
-        server = _start(path, block_size, seed, model)
-        report.restart_s = time.perf_counter() - t0
-        try:
-            play(server, "after restart", turns)
-            server.engine.bank.flush()  # the last request's store may still be queued
-            stats = server.engine.bank.stats()
-            report.bank_stored_bytes = stats.payload_bytes + stats.state_bytes
-        finally:
-            server.stop()
+        fleet = _Fleet(report, loaded.tokenizer, max_tokens, step, agents)
+        _play_across_a_restart(fleet, path, turns, block_size, seed, model)
         report.bank_disk_bytes = _dir_bytes(path)
-
-        with tempfile.TemporaryDirectory(prefix="cas_bank_snapshots_") as snap_dir:
-            for agent, messages in enumerate(conversations):
-                ids = _conversation_ids(tokenizer, messages)
-                file = Path(snap_dir) / f"agent{agent}.safetensors"
-                report.snapshot_bytes += session_snapshot_bytes(loaded.model, ids, file)
-                report.snapshot_tokens += len(ids)
-                step(f"snapshot of agent {agent}")
+        _measure_snapshots(fleet, loaded.model)
         return report
+
+
+class _Fleet:
+    """The demo's agents: one conversation each (the shared system prompt first), and
+    the report their requests' rows go to."""
+
+    def __init__(
+        self,
+        report: DemoReport,
+        tokenizer: AnyTokenizer,
+        max_tokens: int,
+        step: Progress,
+        agents: int,
+    ) -> None:
+        self.report = report
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.step = step
+        self.conversations = [
+            [{"role": "system", "content": system_prompt()}] for _ in range(agents)
+        ]
+
+    def play(self, server: BackgroundServer, phase: str, turn: int) -> None:
+        """One turn of every agent, in order: a user message, the server's reply."""
+        for agent, messages in enumerate(self.conversations):
+            messages.append({"role": "user", "content": user_message(agent, turn)})
+            reply, row = _chat(
+                server.url,
+                messages,
+                self.max_tokens,
+                phase,
+                agent,
+                turn,
+                self.tokenizer,
+                server.engine.model_id,
+            )
+            messages.append({"role": "assistant", "content": reply})
+            self.report.rows.append(row)
+            self.step(f"{phase}: agent {agent} turn {turn + 1}")
+
+
+def _play_across_a_restart(
+    fleet: _Fleet, path: Path, turns: int, block_size: int, seed: int, model: str | Path | None
+) -> None:
+    """`turns` turns on a server, a restart (timed), one more turn; then what the bank
+    stores, once the last request's store is written."""
+    report = fleet.report
+    server = _start(path, block_size, seed, model)
+    for turn in range(turns):
+        fleet.play(server, "before restart", turn)
+    t0 = time.perf_counter()
+    server.stop()  # closes the engine and the bank
+    server = _start(path, block_size, seed, model)
+    report.restart_s = time.perf_counter() - t0
+    try:
+        fleet.play(server, "after restart", turns)
+        server.engine.bank.flush()  # the last request's store may still be queued
+        stats = server.engine.bank.stats()
+        report.bank_stored_bytes = stats.payload_bytes + stats.state_bytes
+    finally:
+        server.stop()
+
+
+def _measure_snapshots(fleet: _Fleet, model: Any) -> None:
+    """Each agent's whole conversation as a `save_prompt_cache` file: its bytes and tokens."""
+    with tempfile.TemporaryDirectory(prefix="cas_bank_snapshots_") as snap_dir:
+        for agent, messages in enumerate(fleet.conversations):
+            ids = _conversation_ids(fleet.tokenizer, messages)
+            file = Path(snap_dir) / f"agent{agent}.safetensors"
+            fleet.report.snapshot_bytes += session_snapshot_bytes(model, ids, file)
+            fleet.report.snapshot_tokens += len(ids)
+            fleet.step(f"snapshot of agent {agent}")
 
 
 def session_snapshot_bytes(model: Any, tokens: list[int], file: Path) -> int:
