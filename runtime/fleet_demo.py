@@ -91,52 +91,10 @@ def run_fleet_demo(
     servers: list[BackgroundServer] = []
     try:
         with LocalCluster(3) as cluster:
-            for h in range(hosts):
-                engine = Engine.open(
-                    tmp / f"host{h}",
-                    model or DEFAULT_MODEL,
-                    block_size=block_size,
-                    seed=seed,
-                    remote=cluster.url(h % len(cluster.nodes)),
-                    remote_secret=FLEET_SECRET,
-                )
-                try:
-                    servers.append(BackgroundServer(engine).start())
-                except BaseException:
-                    engine.close()
-                    raise
+            _start_hosts(servers, cluster, tmp, hosts, block_size, seed, model)
             step("started the cluster and the hosts")
-            conversations = [
-                [{"role": "system", "content": system_prompt()}] for _ in range(agents)
-            ]
-            for turn in range(turns):
-                for agent, messages in enumerate(conversations):
-                    host = (agent + turn) % hosts
-                    bank = servers[host].engine.bank
-                    before = bank.stats().remote_hit_tokens
-                    messages.append({"role": "user", "content": user_message(agent, turn)})
-                    engine = servers[host].engine
-                    reply, row = _chat(
-                        servers[host].url, messages, max_tokens, f"host {host}", agent, turn,
-                        engine.loaded.tokenizer, engine.model_id,
-                    )  # fmt: skip
-                    messages.append({"role": "assistant", "content": reply})
-                    remote = bank.stats().remote_hit_tokens - before
-                    report.rows.append(
-                        FleetRow(
-                            agent, turn + 1, host, row.prompt_tokens, row.cached_tokens, remote,
-                            row.ttft_s,
-                        )
-                    )  # fmt: skip
-                    step(f"agent {agent} turn {turn + 1} on host {host}")
-            for server in servers:
-                server.engine.bank.flush()
-                s = server.engine.bank.stats().model_dump()
-                report.host_stats.append(
-                    {k: v for k, v in s.items() if k.startswith("remote_") and k != "remote"}
-                )
-            report.cluster_keys = len(cluster.all_keys())
-            report.cluster_bytes = cluster.memory_usage()
+            _move_agents(servers, report, agents, turns, max_tokens, step)
+            _count_shared_tier(servers, cluster, report)
             for server in servers:
                 server.stop()
             servers.clear()
@@ -145,6 +103,81 @@ def run_fleet_demo(
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def _start_hosts(
+    servers: list[BackgroundServer],
+    cluster: LocalCluster,
+    tmp: Path,
+    hosts: int,
+    block_size: int,
+    seed: int,
+    model: str | Path | None,
+) -> None:
+    """Start `hosts` servers into `servers` (the caller stops those started if one
+    fails), each with a bank of its own under `tmp` and the cluster as shared tier."""
+    for h in range(hosts):
+        engine = Engine.open(
+            tmp / f"host{h}",
+            model or DEFAULT_MODEL,
+            block_size=block_size,
+            seed=seed,
+            remote=cluster.url(h % len(cluster.nodes)),
+            remote_secret=FLEET_SECRET,
+        )
+        try:
+            servers.append(BackgroundServer(engine).start())
+        except BaseException:
+            engine.close()
+            raise
+
+
+def _move_agents(
+    servers: list[BackgroundServer],
+    report: FleetReport,
+    agents: int,
+    turns: int,
+    max_tokens: int,
+    step: Callable[[str], None],
+) -> None:
+    """Play `turns` turns of every agent, agent a's turn t on host (a + t) mod N; a row
+    per request, with the tokens its host fetched from the cluster."""
+    conversations = [[{"role": "system", "content": system_prompt()}] for _ in range(agents)]
+    for turn in range(turns):
+        for agent, messages in enumerate(conversations):
+            host = (agent + turn) % len(servers)
+            bank = servers[host].engine.bank
+            before = bank.stats().remote_hit_tokens
+            messages.append({"role": "user", "content": user_message(agent, turn)})
+            engine = servers[host].engine
+            reply, row = _chat(
+                servers[host].url, messages, max_tokens, f"host {host}", agent, turn,
+                engine.loaded.tokenizer, engine.model_id,
+            )  # fmt: skip
+            messages.append({"role": "assistant", "content": reply})
+            remote = bank.stats().remote_hit_tokens - before
+            report.rows.append(
+                FleetRow(
+                    agent, turn + 1, host, row.prompt_tokens, row.cached_tokens, remote,
+                    row.ttft_s,
+                )
+            )  # fmt: skip
+            step(f"agent {agent} turn {turn + 1} on host {host}")
+
+
+def _count_shared_tier(
+    servers: list[BackgroundServer], cluster: LocalCluster, report: FleetReport
+) -> None:
+    """Each host's shared-tier counters (once its stores are written), and what the
+    cluster holds."""
+    for server in servers:
+        server.engine.bank.flush()
+        s = server.engine.bank.stats().model_dump()
+        report.host_stats.append(
+            {k: v for k, v in s.items() if k.startswith("remote_") and k != "remote"}
+        )
+    report.cluster_keys = len(cluster.all_keys())
+    report.cluster_bytes = cluster.memory_usage()
 
 
 def fleet_tables(report: FleetReport) -> list[Table]:
