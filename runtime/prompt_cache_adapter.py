@@ -36,6 +36,15 @@ shared block by block between prompts:
   thread, when mlx-lm inserts: at a chat segment's end, after a request's last
   token); every later prompt sharing the prefix restores it. `capture_states=False`
   stores blocks only, which a hybrid restore cannot use without a state.
+- Hybrid models, an exact repeat: a fetch looks up all of a prompt but its last
+  token. mlx-lm's sequential path (`_serve_single`: a seeded or salted request)
+  inserts the prompt and its answer as one cache, so the states above all sat past
+  that token and a repeat restored nothing. An insert whose tokens extend the prompt
+  of the last fetch (fetch and insert run one request at a time there) is prefilled
+  again first up to that prompt's last token but one, whose end record it stores,
+  unless the bank restores that far already: a repeat restores all but the last
+  token, as after the batched path, whose inserts stop there. (Attention-only models
+  restore it from the blocks: a partial block serves its first tokens.)
 - Quantized KV: a cache whose attention layers are `QuantizedKVCache` goes to the
   namespace of its bits and group size (mlx-lm's `--kv-bits` quantizes a cache once
   it passes `--quantized-kv-start`, so one server may insert both kinds); a fetch
@@ -169,6 +178,7 @@ class BankPromptCache:
         self._counts = {t: 0 for t in CACHE_TYPES}
         self._bytes = {t: 0 for t in CACHE_TYPES}
         self.counters = AdapterStats()
+        self._fetched: list[int] | None = None  # the tokens of the last fetch
 
     def salted(self, salt: str | bytes | None) -> BankPromptCache:
         """This cache for the tenant `salt` (None or empty: no salt): the same bank,
@@ -179,6 +189,7 @@ class BankPromptCache:
             return self
         other = copy.copy(self)
         other.salt = salt
+        other._fetched = None
         other._prefix = {k: pc.salted(salt) for k, pc in self._prefix.items()}
         return other
 
@@ -207,6 +218,8 @@ class BankPromptCache:
         if not self._accepts(model):
             return None, tokens
         self.counters.fetches += 1
+        # The prompt, copied: mlx-lm's sequential path appends its answer to this list.
+        self._fetched = list(tokens) if all(isinstance(t, int) for t in tokens) else None
         try:
             found = self._restore(tokens)
         except Exception:
@@ -325,21 +338,40 @@ class BankPromptCache:
         pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
         held = self._held(pc, cache)
         n = min(held, len(tokens))
-        if n >= pc.block_size:
-            stored = self._store_blocks(pc, tokens, cache, n, held, capture)
-            if stored is not None:
-                stored.when_written(
+        repeat = self._repeat_point(pc, tokens, n) if capture else None
+        if n >= pc.block_size or repeat is not None:
+            stored = self._store_blocks(pc, tokens, cache, n, held, capture, repeat, cache_type)
+            for pending in stored:
+                pending.when_written(
                     lambda r: self._count(cache_type, r.blocks_written, r.bytes_written)
                 )
         if n == held and n > 0:
             # The cache holds exactly tokens[:held]: its end record (KV of the partial
             # block, the recurrent state right there) lets a longer prompt resume here.
-            end_bytes = pc.store_end(list(tokens[:held]), cache, this_model=True)
-            end = pc.last_end_pending if pc.background else None
-            if end is not None:
-                end.when_written(lambda nbytes: self._count(cache_type, 0, nbytes, end=True))
-            else:
-                self._count(cache_type, 0, end_bytes, end=True)
+            self._store_end(pc, tokens[:held], cache, cache_type)
+
+    def _store_end(
+        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], cache_type: str
+    ) -> None:
+        """The end record of `tokens`, which `cache` holds exactly, counted once written."""
+        end_bytes = pc.store_end(list(tokens), cache, this_model=True)
+        end = pc.last_end_pending if pc.background else None
+        if end is not None:
+            end.when_written(lambda nbytes: self._count(cache_type, 0, nbytes, end=True))
+        else:
+            self._count(cache_type, 0, end_bytes, end=True)
+
+    def _repeat_point(self, pc: PrefixCache, tokens: Sequence[int], n: int) -> int | None:
+        """For a hybrid model: the last fetch's prompt less its last token, when the
+        cache of `tokens` goes past it (mlx-lm's sequential path inserts the prompt and
+        its answer) and the bank cannot yet restore that far: what a repeat of the
+        prompt restores once an end record sits there (see the module docstring)."""
+        prompt = self._fetched
+        if not pc.spec.is_hybrid or prompt is None or not 2 <= len(prompt) <= n:
+            return None
+        if list(tokens[: len(prompt)]) != prompt or pc.match(prompt) >= len(prompt) - 1:
+            return None
+        return len(prompt) - 1
 
     def _count(self, cache_type: str, blocks: int, nbytes: int, *, end: bool = False) -> None:
         """What a store wrote (on the writer's thread for a queued one)."""
@@ -358,39 +390,68 @@ class BankPromptCache:
         n: int,
         held: int,
         capture: bool,
-    ) -> PendingStore[StoreReport] | None:
+        repeat: int | None,
+        cache_type: str,
+    ) -> list[PendingStore[StoreReport]]:
+        """Store the full blocks of `tokens[:n]` (and for a hybrid model, the states and
+        the end record at `repeat`: `_repeat_point`); what each store will write."""
         states = None
+        boundary = (n // pc.block_size) * pc.block_size
+        stored: list[PendingStore[StoreReport]] = []
         if pc.spec.is_hybrid:
-            if n == held and n % pc.block_size == 0:
+            on_boundary = n == held and n % pc.block_size == 0
+            if repeat is not None or (capture and not on_boundary):
+                go_on = None if on_boundary else boundary  # on a boundary: its own state
+                stored = self._capture(pc, tokens, go_on, repeat, cache_type)
+                if go_on is not None:
+                    return stored
+            if on_boundary:
                 states = {n: snapshot_states(pc.spec, cache)}  # the cache ends on a boundary
-            elif capture:
-                return self._capture(pc, tokens, (n // pc.block_size) * pc.block_size)
             else:
                 # The recurrent state is at `held`; without a boundary there, a hybrid
                 # restore of these blocks needs the end record stored next.
-                n = (n // pc.block_size) * pc.block_size
+                n = boundary
         # mlx-lm made this cache for the model this adapter serves (`_accepts`).
-        return pc.store(list(tokens[:n]), cache, states, this_model=True)
+        return [*stored, pc.store(list(tokens[:n]), cache, states, this_model=True)]
 
     def _capture(
-        self, pc: PrefixCache, tokens: Sequence[int], boundary: int
-    ) -> PendingStore[StoreReport] | None:
-        """Prefill `tokens[:boundary]` again from the deepest stored state, stopping on the
-        boundaries where states are due (`PrefixCache.prefill`), and store it all: blocks
-        and states of one computation. Runs only over what the bank does not yet cover."""
-        through = list(tokens[: boundary + 1])  # one token past: restore and prefill leave it
-        cache, start = pc.restore(through)
-        if start >= boundary:
-            return None
+        self,
+        pc: PrefixCache,
+        tokens: Sequence[int],
+        boundary: int | None,
+        repeat: int | None,
+        cache_type: str,
+    ) -> list[PendingStore[StoreReport]]:
+        """Prefill the tokens again from the deepest stored state: to `repeat` (and store
+        the end record there), then on to `boundary`, stopping on the boundaries where
+        states are due (`PrefixCache.prefill`); store it all, blocks and states of one
+        computation. Runs only over what the bank does not yet cover."""
+        first = repeat if repeat is not None else boundary
+        assert first is not None
+        cache, start = pc.restore(list(tokens[: first + 1]))  # restores at most `first`
+        stored: list[PendingStore[StoreReport]] = []
+        if repeat is not None and start < repeat:
+            stored += self._prefill(pc, tokens[:repeat], cache, start)
+            self._store_end(pc, tokens[:repeat], cache, cache_type)
+            start = repeat
+        if boundary is not None and start < boundary:
+            # One token past the boundary: prefill states no boundary at its very end.
+            stored += self._prefill(pc, tokens[: boundary + 1], cache, start)
+        return stored
+
+    def _prefill(
+        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], start: int
+    ) -> list[PendingStore[StoreReport]]:
+        """`pc.prefill` of `tokens[start:]` into `cache`, stored; what it will write."""
         pc.last_pending = None
-        pc.prefill(through, cache, start=start)
-        self.counters.recomputed_tokens += len(through) - start
+        pc.prefill(list(tokens), cache, start=start)
+        self.counters.recomputed_tokens += len(tokens) - start
         report = pc.last_prefill.stored if pc.last_prefill is not None else None
         if report is None:  # queued (or not stored: a full disk)
-            return pc.last_pending
+            return [pc.last_pending] if pc.last_pending is not None else []
         done: PendingStore[StoreReport] = PendingStore()
         done._set(report, None)
-        return done
+        return [done]
 
     @staticmethod
     def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:

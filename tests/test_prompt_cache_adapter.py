@@ -72,9 +72,11 @@ def test_a_finished_request_is_restored_for_the_next_and_gives_the_same_logits(
         follow = held + random_tokens(rng, 7)
         restored, rest = pc.fetch_nearest_cache(KEY, follow)
         if loaded.config.get("model_type") == "qwen3_next":
-            # The insert prefilled the hybrid again to capture the state at the last
-            # boundary (mlx-lm's own prefill shows none).
-            assert pc.stats()["recomputed_tokens"] == (len(held) // BLOCK) * BLOCK + 1
+            # The insert prefilled the hybrid again to capture the states at the last
+            # boundary and at the fetched prompt's last token but one (the end record a
+            # repeat restores): mlx-lm's own prefill shows neither.
+            boundary = (len(held) // BLOCK) * BLOCK
+            assert pc.stats()["recomputed_tokens"] == max(boundary + 1, len(prompt) - 1)
         n = len(follow) - len(rest)
         # The end record of the inserted cache: restored to its very end.
         assert n == len(held) and rest == follow[n:]
