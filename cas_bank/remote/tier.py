@@ -60,6 +60,21 @@ class _Publish:
     ends: list[tuple[bytes, bytes, int]] = field(default_factory=list)  # key, value, header
 
 
+@dataclass(slots=True)
+class _Writes:
+    """The commands of one publish; for each, the chain hash it writes for and whether
+    it is the write that makes an entry (a header's, a state's, an end record's)."""
+
+    cmds: list[tuple[Any, ...]] = field(default_factory=list)
+    owners: list[bytes] = field(default_factory=list)
+    counted: list[bool] = field(default_factory=list)
+
+    def add(self, owner: bytes, cmd: tuple[Any, ...], counted: bool) -> None:
+        self.cmds.append(cmd)
+        self.owners.append(owner)
+        self.counted.append(counted)
+
+
 @dataclass
 class _Adopt:
     continuation: Continuation
@@ -265,6 +280,8 @@ class RemoteTier:
             self.bank.counters.count(remote_dropped=1)
 
     def _publish(self, job: _Publish) -> None:
+        """Write what of `job` the cluster lacks (or holds where this host rejected it),
+        in one round trip after one probe, and count what was written."""
         root = job.root
         block_keys = [
             (keys.key(root, h.chain_hash, "h"), keys.key(root, h.chain_hash, "p"))
@@ -277,26 +294,57 @@ class RemoteTier:
         present = self.client.run(probe)
         if present is None:
             return
+        # SET ... NX: two hosts that store the same block at once both see it absent, and
+        # only the first write of each key lands (same key, same bytes: content-addressed).
+        # An entry this host rejected is written over (no NX): these bytes are good.
+        redo = self._to_redo(job)
+        writes = _Writes()
+        self._block_writes(job, block_keys, present, redo, writes)
+        self._single_writes(job, state_keys, end_keys, present[len(block_keys) :], redo, writes)
+        if not writes.cmds:
+            return
+        done = self.client.run(writes.cmds)
+        if done is None:
+            return
+        self._published(redo, writes, done)
+
+    def _to_redo(self, job: _Publish) -> set[bytes]:
+        """The entries of `job` this host rejected from the cluster: written over."""
         with self._rejected_lock:
             redo = {h.chain_hash for h, _ in job.blocks} | {h for h, _ in job.states}
             redo |= {k[32:] for k, _, _ in job.ends}  # an end record's name
             redo &= self._rejected.keys()
-        # SET ... NX: two hosts that store the same block at once both see it absent, and
-        # only the first write of each key lands (same key, same bytes: content-addressed).
-        # An entry this host rejected is written over (no NX): these bytes are good.
-        cmds: list[tuple[Any, ...]] = []
-        counted: list[bool] = []  # the header or state write that makes an entry
-        owners: list[bytes] = []  # the chain hash each command writes for
+        return redo
+
+    def _block_writes(
+        self,
+        job: _Publish,
+        block_keys: list[tuple[bytes, bytes]],
+        present: Sequence[Any],
+        redo: set[bytes],
+        writes: _Writes,
+    ) -> None:
+        """A block's payload, header and child entry, unless both are there already."""
         for (header, payload), (hk, pk), have in zip(job.blocks, block_keys, present, strict=False):
             if have == 2 and header.chain_hash not in redo:
                 continue
-            nx = () if header.chain_hash in redo else ("NX",)
+            h = header.chain_hash
+            nx = () if h in redo else ("NX",)
             # The payload first: a reader that sees the header finds the payload.
-            cmds.append(("SET", pk, keys.seal_payload(self.mkey, pk, payload), *nx))
-            cmds.append(("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx))
-            cmds.append(child_entry(root, header))  # its parent's children (partial blocks)
-            counted += [False, True, False]
-            owners += [header.chain_hash] * 3
+            writes.add(h, ("SET", pk, keys.seal_payload(self.mkey, pk, payload), *nx), False)
+            writes.add(h, ("SET", hk, keys.seal_header(self.mkey, hk, header.encode()), *nx), True)
+            writes.add(h, child_entry(job.root, header), False)  # partial blocks
+
+    def _single_writes(
+        self,
+        job: _Publish,
+        state_keys: list[bytes],
+        end_keys: list[bytes],
+        present: Sequence[Any],
+        redo: set[bytes],
+        writes: _Writes,
+    ) -> None:
+        """A state or an end record (one entry each), unless it is there already."""
         singles = [
             (h, sk, keys.seal_payload(self.mkey, sk, payload))
             for (h, payload), sk in zip(job.states, state_keys, strict=True)
@@ -305,29 +353,28 @@ class RemoteTier:
             (k[32:], ek, ends.seal(self.mkey, ek, value, n))
             for (k, value, n), ek in zip(job.ends, end_keys, strict=True)
         ]
-        for (h, k, entry), have in zip(singles, present[len(block_keys) :], strict=True):
+        for (h, k, entry), have in zip(singles, present, strict=True):
             if have == 1 and h not in redo:
                 continue
             nx = () if h in redo else ("NX",)
-            cmds.append(("SET", k, entry, *nx))
-            counted.append(True)
-            owners.append(h)
-        if not cmds:
-            return
-        done = self.client.run(cmds)
-        if done is None:
-            return
+            writes.add(h, ("SET", k, entry, *nx), True)
+
+    def _published(self, redo: set[bytes], writes: _Writes, done: list[Any]) -> None:
+        """After the writes answered: what was rewritten is no longer to be written over,
+        and what landed is counted."""
         if redo:  # rewritten: no longer to be written over (a write that failed: still)
-            failed = {o for o, a in zip(owners, done, strict=True) if a is None}
+            failed = {o for o, a in zip(writes.owners, done, strict=True) if a is None}
             with self._rejected_lock:
                 for h in redo - failed:
                     self._rejected.pop(h, None)
         # None: refused (a full node), not sent, or already written by another host.
         written = sum(
-            len(c[2]) for c, a in zip(cmds, done, strict=True) if a is not None and c[0] == "SET"
+            len(c[2])
+            for c, a in zip(writes.cmds, done, strict=True)
+            if a is not None and c[0] == "SET"
         )
         self.bank.counters.count(
-            remote_publishes=sum(1 for a, c in zip(done, counted, strict=True) if c and a),
+            remote_publishes=sum(1 for a, c in zip(done, writes.counted, strict=True) if c and a),
             remote_published_bytes=written,
         )
 
