@@ -246,7 +246,7 @@ def file_read_samples(
     sizes = [p.stat().st_size for p in paths]
     dest = np.ones(sum(sizes), dtype=np.uint8)  # touched: the floor is not page faults
     starts = np.cumsum([0, *sizes[:-1]]).tolist()
-    lead = codec._FIXED.size
+    lead = codec.LEAD.size
     work: list[tuple[str, bytes, bytes, memoryview]] = []
     for p, size, at in zip(paths, sizes, starts, strict=True):
         raw = p.read_bytes()

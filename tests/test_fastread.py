@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from cas_bank.arrays import DTYPES, DType
 from cas_bank.blocks import codec
-from cas_bank.blocks.hashing import Check
+from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, Check
 from cas_bank.native import fill_module
 from cas_bank.restore import file_read, row_runs
 from cas_bank.restore.assemble import Assembler
@@ -120,6 +120,32 @@ def test_native_and_python_reads_fill_the_same_rows(
         assert a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("check", CHECKS)
+def test_the_native_reader_finds_the_digest_where_the_codec_puts_it(
+    tmp_path: Path, check: Check
+) -> None:
+    """The lead is defined once (`codec.LEAD`, its digest field last); the native reader
+    (cas_bank/_native/fill.c) is given its size and takes the last `codec.DIGEST_LEN`
+    bytes of it as the digest field. The head `BlockFiles` expects is the codec's own
+    first bytes; a payload `codec.encode` wrote reads with the codec's lead size, and
+    with the lead said to end anywhere else (C and Python disagreeing) it fails its
+    check."""
+    assert codec.LEAD.size == codec.DIGEST_AT + codec.DIGEST_LEN
+    rng = np.random.default_rng(11)
+    shapes, dtypes = _layout(rng, 2, 2, 4, DTYPES["float16"])
+    paths, payloads, _blocks = _write(tmp_path, rng, shapes, dtypes, 1, check)
+    digest = codec.embedded_digest(payloads[0])
+    reader = BlockFiles(_dests(shapes, dtypes, 1, 4), shapes, dtypes, 4)
+    head = reader._head(digest)
+    assert head == payloads[0][: len(head)] and codec.digest_field(payloads[0]) == digest
+    assert fill_module is not None
+    for lead in (codec.LEAD.size - 8, codec.LEAD.size, codec.LEAD.size + 8):
+        code, _errno = fill_module.read_into(
+            os.fsdecode(paths[0]), head, lead, reader._segments, 0, PAYLOAD_CONTEXT
+        )
+        assert code == (0 if lead == codec.LEAD.size else 4), lead  # 4: digest mismatch
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [
@@ -151,18 +177,18 @@ def test_native_and_python_refuse_the_same_damage(
         path.write_bytes(raw)
     elif damage == "flip_head":
         raw = bytearray(payload)
-        raw[codec._FIXED.size + 2] ^= 1  # a descriptor's shape
+        raw[codec.LEAD.size + 2] ^= 1  # a descriptor's shape
         path.write_bytes(raw)
     elif damage == "flip_field":
         raw = bytearray(payload)
-        raw[codec._DIGEST_AT + 20] ^= 1  # in the XXH3 tag, or a blake3 digest's byte
+        raw[codec.DIGEST_AT + 20] ^= 1  # in the XXH3 tag, or a blake3 digest's byte
         path.write_bytes(raw)
     elif damage == "other_kind":  # the same bytes, checked by the other kind
         path.write_bytes(codec.with_check(payload, "blake3" if check == "xxh3" else "xxh3"))
     elif damage == "truncate":
         path.write_bytes(payload[:-10])
     elif damage == "cut_head":
-        path.write_bytes(payload[: codec._FIXED.size + 2])
+        path.write_bytes(payload[: codec.LEAD.size + 2])
     elif damage == "extend":
         path.write_bytes(payload + b"\0")
     elif damage == "missing":

@@ -34,8 +34,13 @@ from cas_bank.errors import CorruptDataError
 MAGIC = b"CASB"
 CODEC_VERSION = 1
 FLAG_LZ4 = 1
-_FIXED = struct.Struct("<4sBBHQQ32s")
-_DIGEST_AT = _FIXED.size - 32
+# The lead: the fixed fields every payload starts with, its digest field last. Defined
+# here only: the file tier takes a payload's digest from it and the restore's readers
+# (restore.file_read, and the native one, given `LEAD.size`: cas_bank/_native/fill.c)
+# check a plain payload's lead against `plain_lead`.
+LEAD = struct.Struct("<4sBBHQQ32s")
+DIGEST_LEN = 32
+DIGEST_AT = LEAD.size - DIGEST_LEN
 _SAMPLE = 64 * 1024
 _LZ4_MAX_RATIO = 255  # an lz4 block expands at most about this much
 _KEEP_RATIO = 0.9  # keep lz4's output only if at most this fraction of the raw size
@@ -84,6 +89,16 @@ def _worth_compressing(pieces: Sequence[memoryview], raw_len: int) -> bool:
     return len(lz4.block.compress(sample, store_size=False)) < _KEEP_RATIO * len(sample)
 
 
+def descriptors(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> bytes:
+    """The array descriptors of a payload of arrays of `shapes` and `dtypes`, with the
+    zero padding after them: what follows the lead."""
+    desc = bytearray()
+    for shape, d in zip(shapes, dtypes, strict=True):
+        desc += struct.pack(f"<BB{len(shape)}I", d.code, len(shape), *shape)
+    desc += b"\0" * (-(len(desc) + LEAD.size) % 8)
+    return bytes(desc)
+
+
 def encode(
     arrays: Sequence[np.ndarray],
     dtypes: Sequence[DType],
@@ -94,14 +109,12 @@ def encode(
     `check`."""
     if len(arrays) != len(dtypes):
         raise ValueError("arrays and dtypes differ in length")
-    desc = bytearray()
     pieces: list[memoryview] = []
     for a, d in zip(arrays, dtypes, strict=True):
         if a.dtype != d.storage:
             raise ValueError(f"array of dtype {a.dtype} given as {d.name}")
-        desc += struct.pack(f"<BB{a.ndim}I", d.code, a.ndim, *a.shape)
         pieces += _pieces(a)
-    desc += b"\0" * (-(len(desc) + _FIXED.size) % 8)
+    desc = descriptors([a.shape for a in arrays], dtypes)
     raw_len = sum(p.nbytes for p in pieces)
     flags = 0
     body: Sequence[bytes | memoryview] = pieces
@@ -110,16 +123,42 @@ def encode(
         if compression == "lz4" or len(packed) < _KEEP_RATIO * raw_len:
             body, flags = [packed], FLAG_LZ4
     body_len = sum(len(p) for p in body)
-    lead = _FIXED.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, bytes(32))
-    field = payload_check(lead[:_DIGEST_AT], desc, *body, check=check)
-    return b"".join([lead[:_DIGEST_AT], field, desc, *body])
+    lead = LEAD.pack(MAGIC, CODEC_VERSION, flags, len(arrays), body_len, raw_len, bytes(32))
+    field = payload_check(lead[:DIGEST_AT], desc, *body, check=check)
+    return b"".join([lead[:DIGEST_AT], field, desc, *body])
+
+
+def is_payload(data: bytes | memoryview) -> bool:
+    """Whether `data` starts as a payload does (its magic): nothing else is checked."""
+    return data[:4] == MAGIC
+
+
+def digest_field(data: bytes | memoryview) -> bytes:
+    """The digest field of a payload's lead, as bytes (not checked: `embedded_digest`
+    checks the magic and the length first)."""
+    return bytes(data[DIGEST_AT : LEAD.size])
+
+
+def plain_lead(n_arrays: int, body_len: int) -> bytes:
+    """The lead, up to its digest field, of an uncompressed payload of `n_arrays` arrays
+    and `body_len` body bytes: what a restore's reader expects a plain payload file to
+    start with."""
+    return LEAD.pack(MAGIC, CODEC_VERSION, 0, n_arrays, body_len, body_len, bytes(32))[:DIGEST_AT]
+
+
+def read_plain_lead(data: bytes | bytearray | memoryview) -> tuple[bool, int, bytes]:
+    """(whether `data`'s lead is a plain payload's, its body length, its digest field):
+    plain is this codec's magic and version, no flag set and the body its raw bytes."""
+    magic, version, flags, _n, body_len, raw_len, claimed = LEAD.unpack_from(data)
+    plain = magic == MAGIC and version == CODEC_VERSION and flags == 0 and body_len == raw_len
+    return plain, body_len, claimed
 
 
 def embedded_digest(data: bytes) -> bytes:
     """The digest a payload claims for itself (not checked)."""
-    if len(data) < _FIXED.size or data[:4] != MAGIC:
+    if len(data) < LEAD.size or not is_payload(data):
         raise CorruptDataError("not a cas_bank payload (bad magic or truncated)")
-    return data[_DIGEST_AT : _FIXED.size]
+    return data[DIGEST_AT : LEAD.size]
 
 
 def verify(data: bytes, expected: bytes | None = None) -> bool:
@@ -131,7 +170,7 @@ def verify(data: bytes, expected: bytes | None = None) -> bool:
     if expected is not None and claimed != expected:
         return False
     view = memoryview(data)
-    return payload_check(view[:_DIGEST_AT], view[_FIXED.size :], check=check_of(claimed)) == claimed
+    return payload_check(view[:DIGEST_AT], view[LEAD.size :], check=check_of(claimed)) == claimed
 
 
 def with_check(data: bytes, check: Check) -> bytes:
@@ -142,8 +181,8 @@ def with_check(data: bytes, check: Check) -> bytes:
     if check_of(embedded_digest(data)) == check:
         return data
     view = memoryview(data)
-    field = payload_check(view[:_DIGEST_AT], view[_FIXED.size :], check=check)
-    return b"".join([view[:_DIGEST_AT], field, view[_FIXED.size :]])
+    field = payload_check(view[:DIGEST_AT], view[LEAD.size :], check=check)
+    return b"".join([view[:DIGEST_AT], field, view[LEAD.size :]])
 
 
 def decode(data: bytes, expected: bytes | None = None) -> Decoded:
@@ -153,12 +192,12 @@ def decode(data: bytes, expected: bytes | None = None) -> Decoded:
     """
     if not verify(data, expected):
         raise CorruptDataError("payload digest mismatch")
-    _magic, version, flags, n, body_len, raw_len, _ = _FIXED.unpack_from(data)
+    _magic, version, flags, n, body_len, raw_len, _ = LEAD.unpack_from(data)
     if version != CODEC_VERSION:
         raise CorruptDataError(
             f"payload format version {version} (this build reads {CODEC_VERSION})"
         )
-    pos = _FIXED.size
+    pos = LEAD.size
     shapes: list[tuple[int, ...]] = []
     dtypes: list[DType] = []
     sizes: list[int] = []

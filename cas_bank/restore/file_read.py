@@ -36,7 +36,6 @@ import array
 import functools
 import math
 import os
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from typing import TypeAlias, cast
 import numpy as np
 
 from cas_bank.arrays import DType
+from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.native import fill_module
 from cas_bank.restore.row_runs import RowRuns, placed, row_runs
@@ -69,27 +69,11 @@ _FAILURES = {
     5: "payload file unreadable",
 }
 
-_LEAD = struct.Struct("<4sBBHQQ32s")  # blocks.codec._FIXED
-_DIGEST_AT = _LEAD.size - 32
-_FIELD = 32  # a key's bytes, and a digest field's
-
-
-def expected_head(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> tuple[bytes, int]:
-    """The descriptors (padded) a payload of these block arrays carries, and its body size."""
-    return _expected_head(tuple(map(tuple, shapes)), tuple(dtypes))
-
-
-@functools.lru_cache(maxsize=64)
-def _expected_head(
-    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]
-) -> tuple[bytes, int]:
-    desc = bytearray()
-    body = 0
-    for shape, d in zip(shapes, dtypes, strict=True):
-        desc += struct.pack(f"<BB{len(shape)}I", d.code, len(shape), *shape)
-        body += math.prod(shape) * d.itemsize
-    desc += b"\0" * (-(len(desc) + _LEAD.size) % 8)
-    return bytes(desc), body
+# The payload's lead (blocks.codec): the native reader is given its size and finds the
+# digest field in its last `codec.DIGEST_LEN` bytes, as the codec puts it.
+_LEAD_SIZE = codec.LEAD.size
+_DIGEST_AT = codec.DIGEST_AT
+_KEY_LEN = 32  # a block's key (its chain hash)
 
 
 def _buffer(scratch: threading.local | None, size: int) -> bytearray:
@@ -128,20 +112,20 @@ def layout_of(shapes: Sequence[tuple[int, ...]], dtypes: Sequence[DType]) -> Lay
 def _layout(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[DType, ...]) -> Layout:
     """`Layout` of block arrays of `shapes` and `dtypes`: the same few each restore of
     a model asks for, made once (a restore of 48 arrays spent ~0.1 ms making it)."""
-    desc, body_len = _expected_head(shapes, dtypes)
+    desc = codec.descriptors(shapes, dtypes)
     parts = []
-    at = _LEAD.size + len(desc)
+    at = _LEAD_SIZE + len(desc)
     for shape, d in zip(shapes, dtypes, strict=True):
         n = math.prod(shape)
         parts.append((at, n, d.storage, shape))
         at += n * d.itemsize
-    lead_prefix = _LEAD.pack(b"CASB", 1, 0, len(parts), body_len, body_len, bytes(32))
+    body_len = at - _LEAD_SIZE - len(desc)
     return Layout(
         desc,
         body_len,
         tuple(parts),
-        lead_prefix[:_DIGEST_AT],
-        _LEAD.size + len(desc) + body_len,
+        codec.plain_lead(len(parts), body_len),
+        at,
         tuple(s[-2] if len(s) >= 2 else 0 for s in shapes),
     )
 
@@ -209,7 +193,7 @@ class BlockFiles:
         code, errno = _read_into(
             os.fsdecode(path),
             self._head(expected),
-            _LEAD.size,
+            _LEAD_SIZE,
             self._segments,
             index,
             PAYLOAD_CONTEXT,
@@ -231,7 +215,7 @@ class BlockFiles:
         array into its rows of the destination. A block is copied into the
         destination only once it is verified.
         """
-        head_len = _LEAD.size + len(self.desc)
+        head_len = _LEAD_SIZE + len(self.desc)
         if size != head_len + self.body_len:  # compressed, or not this layout
             return "not a plain payload"
         buf = _buffer(self._scratch, size)
@@ -254,14 +238,14 @@ class BlockFiles:
             os.close(fd)
         if got != size:
             return "payload file is truncated"
-        magic, version, flags, _n, body_len, raw_len, claimed = _LEAD.unpack_from(buf)
-        if magic != b"CASB" or version != 1 or flags != 0 or body_len != raw_len:
+        plain, body_len, claimed = codec.read_plain_lead(buf)
+        if not plain:
             return "not a plain payload"
-        if view[_LEAD.size : head_len] != self.desc or body_len != self.body_len:
+        if view[_LEAD_SIZE:head_len] != self.desc or body_len != self.body_len:
             return "payload layout does not fit the spec"
         if claimed != expected:
             return "payload digest is not the header's"
-        if payload_check(view[:_DIGEST_AT], view[_LEAD.size :], check=check_of(claimed)) != claimed:
+        if payload_check(view[:_DIGEST_AT], view[_LEAD_SIZE:], check=check_of(claimed)) != claimed:
             return "payload digest mismatch"
         for dest, (at, count, dtype, shape) in zip(self._dests, self._parts, strict=True):
             src = np.frombuffer(buf, dtype=dtype, count=count, offset=at).reshape(shape)
@@ -308,7 +292,7 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         codes = array.array("i", bytes(8 * len(native)))  # (code, errno) a file
         # On this thread and the native partner (cas_bank/_native/pair.h) at once;
         # it says how many files failed.
-        if _read_many(paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, codes):
+        if _read_many(paths, heads, indices, _LEAD_SIZE, segments, PAYLOAD_CONTEXT, codes):
             for j, k in enumerate(native):
                 reader, item = jobs[k]
                 out[k] = reader._failure(codes[2 * j], codes[2 * j + 1], item)
@@ -346,7 +330,7 @@ def read_plain_blocks(
     or cannot fill `reader`'s views: the caller goes `read_files`' way."""
     if _block_jobs is None or _read_many is None or not reader.native:
         return None
-    if len(keys) % _FIELD or len(digests) != len(keys):
+    if len(keys) % _KEY_LEN or len(digests) != len(keys) // _KEY_LEN * codec.DIGEST_LEN:
         return None
     names, heads = _block_jobs(prefix, keys, digests, reader._lead_prefix, reader.desc)
     ahead: list[str | None] = []
@@ -367,12 +351,12 @@ def read_plain_blocks(
             if k == 0:
                 return before
             k -= 1
-        digest = digests[_FIELD * k : _FIELD * (k + 1)]
+        digest = digests[codec.DIGEST_LEN * k : codec.DIGEST_LEN * (k + 1)]
         return reader, (first + k, os.fsdecode(names[k]), reader._file_len, digest)
 
     codes = array.array("i", bytes(8 * len(paths)))  # (code, errno) a file
     out: list[str | None] = [None] * len(paths)
-    if _read_many(paths, heads, indices, _LEAD.size, segments, PAYLOAD_CONTEXT, codes):
+    if _read_many(paths, heads, indices, _LEAD_SIZE, segments, PAYLOAD_CONTEXT, codes):
         for k in range(len(paths)):
             if codes[2 * k]:
                 job_reader, item = job(k)

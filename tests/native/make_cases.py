@@ -51,9 +51,7 @@ def main(out: Path, check: Check) -> None:
     (out / "head.bin").write_bytes(head)
     (out / "rows.bin").write_bytes(b"".join(a.tobytes() for a in arrays))
     sizes = " ".join(str(a.nbytes) for a in arrays)
-    (out / "case.txt").write_text(
-        f"{file_read._LEAD.size} {len(head)} {sizes}\n{PAYLOAD_CONTEXT}\n"
-    )
+    (out / "case.txt").write_text(f"{codec.LEAD.size} {len(head)} {sizes}\n{PAYLOAD_CONTEXT}\n")
 
 
 if __name__ == "__main__":
