@@ -13,7 +13,9 @@ import pytest
 from conftest import layers_bits, prefix_layers, tokens_of
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.blocks.files import STUB_MAGIC, FileTier
+from cas_bank.arrays import DTYPES
+from cas_bank.blocks import codec
+from cas_bank.blocks.files import STUB_MAGIC, FileTier, PayloadFile
 from cas_bank.blocks.hashing import check_of
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
@@ -294,3 +296,62 @@ def test_file_bytes_skips_a_file_renamed_between_the_listing_and_its_stat(tmp_pa
     assert _size_if_there(entry) == 0
     (entry,) = list(os.scandir(tmp_path))
     assert _size_if_there(entry) == 3
+
+
+def test_the_tier_says_where_each_payload_is(tmp_path: Path) -> None:
+    """`file_for` names the file a payload of the tier's size is kept in, without reading
+    its record; `locate` says what the records hold: the file (`PayloadFile`, the same
+    name, its digest and size), the payload itself where the database keeps it, or
+    nothing. A restore asks these instead of reading stubs itself."""
+    rng = np.random.default_rng(9)
+    big = [rng.standard_normal((1, 4, B, 128)).astype(np.float32)]
+    small = [rng.standard_normal((1, 1, 2, 4)).astype(np.float32)]
+    f32 = [DTYPES["float32"]]
+    big_payload, small_payload = codec.encode(big, f32, "none"), codec.encode(small, f32, "none")
+    with RocksStore(tmp_path / "db") as inner:
+        tier = FileTier(inner, tmp_path / "payloads", min_bytes=4096)
+        filed, kept, absent = b"f" * 32, b"k" * 32, b"a" * 32
+        tier.put_batch([(Family.BLOCKS, filed, big_payload), (Family.BLOCKS, kept, small_payload)])
+        digest = codec.embedded_digest(big_payload)
+        assert tier.stores_as_file(len(big_payload)) and not tier.stores_as_file(len(small_payload))
+        name = tier.file_for(Family.BLOCKS, filed, digest, len(big_payload))
+        assert name is not None and Path(name).read_bytes() == big_payload
+        small_digest = codec.embedded_digest(small_payload)
+        assert tier.file_for(Family.BLOCKS, kept, small_digest, len(small_payload)) is None
+        place, record, nothing = tier.locate(Family.BLOCKS, [filed, kept, absent])
+        assert place == PayloadFile(name, digest, len(big_payload))
+        assert place.is_of(digest, len(big_payload))
+        assert not place.is_of(small_digest, len(big_payload))
+        assert record == small_payload and nothing is None
+        tier.close()
+
+
+def test_the_file_tiers_private_parts_and_stub_format_stay_in_its_module() -> None:
+    """Whether a payload is a file, and what its stub looks like, is the file tier's:
+    no module of the package outside blocks/files.py imports its stub helpers or uses
+    an attribute private to it (the restore read stubs and `files.inner` itself)."""
+    import ast
+
+    import cas_bank
+
+    package = Path(cas_bank.__file__).parent
+    tier_module = package / "blocks" / "files.py"
+    private = {
+        n.attr
+        for n in ast.walk(ast.parse(tier_module.read_text()))
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+    }
+    shared = {"FileTier", "PayloadFile", "MIN_FILE_BYTES"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == tier_module:
+            continue
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module == "cas_bank.blocks.files":
+                found += [f"{path.name}: imports {a.name}" for a in n.names if a.name not in shared]
+            if isinstance(n, ast.Attribute) and n.attr in private | {"inner"}:
+                owner = n.value
+                name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if name in ("files", "tier"):  # the tier's names in the package
+                    found.append(f"{path.name}: {name}.{n.attr}")
+    assert not found

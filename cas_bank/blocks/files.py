@@ -10,8 +10,12 @@ RocksDB stays the index and the single commit point:
   in between leaves files no stub names: `sweep` finds and removes them (run at the
   next open after an unclean close, and by `verify`/`gc`).
 - read: `get_many` returns the file's bytes, so everything above (verify, export,
-  eviction, the codec) sees the same payload as before; a restore reads the file
-  into its destination arrays itself (`payload_file`, `restore.file_read`).
+  eviction, the codec) sees the same payload as before. A restore reads a file into
+  its destination arrays itself (`restore.file_read`), asking this tier where each
+  payload is: `file_for` names the file a payload of a header's size and digest is
+  kept in (without reading its record), `locate` says what the records hold (a
+  `PayloadFile`, the payload itself, or nothing). Which payloads are files is decided
+  here only (`stores_as_file`).
 - delete / overwrite: the inner batch first, then the files no stub names any more.
 
 Why: rocksdict's `get` returns a new `bytes` per value and holds the GIL (0.66-1.03
@@ -26,8 +30,10 @@ import os
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from cas_bank.blocks import codec
 from cas_bank.blocks.damage import RESUME_MARGIN, free_bytes, full_error, is_no_space
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
 from cas_bank.errors import BankFullError, CorruptDataError
@@ -35,8 +41,6 @@ from cas_bank.errors import BankFullError, CorruptDataError
 STUB_MAGIC = b"CASF"
 _STUB = struct.Struct("<4s32sQ")
 MIN_FILE_BYTES = 64 * 1024
-_CODEC_MAGIC = b"CASB"
-_DIGEST_AT = 24  # where the codec puts a payload's digest (blocks.codec._FIXED)
 _DIRTY = "OPEN"  # present while a writer has the tier open: a crash leaves it behind
 
 
@@ -46,6 +50,20 @@ def stub_of(value: bytes) -> tuple[bytes, int] | None:
         _, digest, size = _STUB.unpack(value)
         return digest, size
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadFile:
+    """A payload the file tier keeps as a file, as its record (a stub) names it: the
+    file (`FileTier.name`), and the payload's digest field and size."""
+
+    path: str
+    digest: bytes
+    size: int
+
+    def is_of(self, digest: bytes, size: int) -> bool:
+        """Whether this is the payload of that digest field and size (a header's)."""
+        return self.digest == digest and self.size == size
 
 
 class FileTier(BlockStore):
@@ -91,24 +109,40 @@ class FileTier(BlockStore):
     def prefix(self, family: Family) -> bytes:
         """What every `name` of `family` starts with, as bytes: `name` is this, then
         the key in hex, a dot and the digest's first 8 bytes in hex (the native reader
-        names a restore's files so: `fastread.read_plain_blocks`)."""
+        names a restore's files so: `restore.file_read.read_plain_blocks`)."""
         return self._prefixes[family]
 
-    def payload_file(self, family: Family, key: bytes, stub: bytes) -> tuple[Path, int] | None:
-        """The file and size behind a stub read from the inner store, or None."""
+    def _stub_path(self, family: Family, key: bytes, stub: bytes) -> Path | None:
+        """The file behind a stub read from the inner store, or None."""
         found = stub_of(stub)
-        if found is None:
-            return None
-        return self.path(family, key, found[0]), found[1]
+        return None if found is None else self.path(family, key, found[0])
 
-    def file_of(
-        self, family: Family, key: bytes, stub: bytes, digest: bytes, size: int
-    ) -> str | None:
-        """The file behind a stub read from the inner store if the stub names this
-        payload (`digest`, `size`: its header's), as a string (`name`); else None."""
-        if stub_of(stub) != (digest, size):
-            return None
-        return self.name(family, key, digest)
+    # -- where a payload is: for a restore that reads the files itself -----------------
+    def stores_as_file(self, size: int) -> bool:
+        """Whether a payload of `size` bytes is kept as a file (the others in records)."""
+        return size >= self.min_bytes
+
+    def file_for(self, family: Family, key: bytes, digest: bytes, size: int) -> str | None:
+        """The file a payload of `key` with digest field `digest` and `size` bytes (its
+        header's) is kept in, named without reading its record (`name`); None if a
+        payload of that size is kept in the database. A header commits in the same
+        batch as its payload's record, so the file is there unless the payload was
+        evicted, damaged, or written by a bank that kept it in a record: `locate` says
+        which."""
+        return self.name(family, key, digest) if self.stores_as_file(size) else None
+
+    def locate(self, family: Family, keys: Sequence[bytes]) -> list[PayloadFile | bytes | None]:
+        """Where each key's payload is, by its record (the files are not opened): a
+        `PayloadFile`, the payload's bytes where the database keeps it, None where there
+        is no record. Raises `CorruptDataError` where RocksDB's own checks fail."""
+        out: list[PayloadFile | bytes | None] = []
+        for key, value in zip(keys, self.inner.get_many(family, keys), strict=True):
+            found = None if value is None else stub_of(value)
+            if found is None:
+                out.append(value)
+            else:
+                out.append(PayloadFile(self.name(family, key, found[0]), *found))
+        return out
 
     # -- reads ---------------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -116,10 +150,6 @@ class FileTier(BlockStore):
         if family not in PAYLOAD_FAMILIES:
             return values
         return [self._resolve(family, k, v) for k, v in zip(keys, values, strict=True)]
-
-    def get_raw(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The inner store's values: stubs stay stubs (a restore reads the files itself)."""
-        return self.inner.get_many(family, keys)
 
     def _resolve(self, family: Family, key: bytes, value: bytes | None) -> bytes | None:
         if value is None:
@@ -171,7 +201,7 @@ class FileTier(BlockStore):
                 for family, key, value in writes:
                     if self._as_file(family, value):
                         assert value is not None
-                        digest = value[_DIGEST_AT : _DIGEST_AT + 32]
+                        digest = codec.digest_field(value)
                         path = self.path(family, key, digest)
                         self._write_file(path, value)
                         new.append(path)
@@ -203,8 +233,8 @@ class FileTier(BlockStore):
         return (
             family in PAYLOAD_FAMILIES
             and value is not None
-            and len(value) >= self.min_bytes
-            and value[:4] == _CODEC_MAGIC
+            and self.stores_as_file(len(value))
+            and codec.is_payload(value)
         )
 
     def _names(self, touched: list[tuple[Family, bytes]]) -> dict[tuple[Family, bytes], Path]:
@@ -213,9 +243,9 @@ class FileTier(BlockStore):
         for family in PAYLOAD_FAMILIES:
             keys = [k for f, k in touched if f is family]
             for key, value in zip(keys, self._get_each(family, keys), strict=True):
-                found = self.payload_file(family, key, value) if value else None
+                found = self._stub_path(family, key, value) if value else None
                 if found is not None:
-                    out[(family, bytes(key))] = found[0]
+                    out[(family, bytes(key))] = found
         return out
 
     def _get_each(self, family: Family, keys: list[bytes]) -> list[bytes | None]:
@@ -272,8 +302,7 @@ class FileTier(BlockStore):
                     continue  # not ours
             keys = list(by_key)
             for key, value in zip(keys, self._get_each(family, keys), strict=True):
-                found = self.payload_file(family, key, value) if value else None
-                keep = found[0] if found else None
+                keep = self._stub_path(family, key, value) if value else None
                 for path in by_key[key]:
                     if path != keep:
                         with contextlib.suppress(FileNotFoundError):

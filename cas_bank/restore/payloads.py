@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from cas_bank.blocks import codec
-from cas_bank.blocks.files import FileTier, stub_of
+from cas_bank.blocks.files import FileTier, PayloadFile
 from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
@@ -115,39 +115,19 @@ class PayloadReader:
     ) -> tuple[int, int, StateRead | None]:
         """`assemble` of payloads stored in this bank.
 
-        Payloads in the file tier are read, verified and copied into the arrays by `fastread`,
-        on two threads; the others one by one, hot tier first.
+        The payloads the file tier keeps as files are read, verified and copied into the
+        arrays by `restore.file_read`, on two threads (`_read_files`); the others, and
+        those files that did not read as plain payloads, one by one, hot tier first
+        (`_put_the_rest`).
         """
-        files = self.files
-        if files is None or not assembler.direct or len(headers) <= first:
+        if self.files is None or not assembler.direct or len(headers) <= first:
             return (*self._assemble_each(headers, assembler, first), None)
         blocks = assembler.block_files()
         state_job = self._state_file(state, assembler) if state is not None else None
-        located: Collection[int]
-        results = self._read_plain(headers, first, blocks, state_job)
-        if results is not None:  # every block a plain file of the layout, one native call
-            located = range(first, len(headers))
-        else:
-            # Only payloads of the tier's size can be files: the others are not read
-            # twice. Each file is named by its header (`FileTier.name`: the key and the
-            # digest), so the payload records are not read first: a header commits in
-            # the same batch as its payload's record, and the file is checked against
-            # the header's digest. The records are read only for the files that are not
-            # there (`_unfound`).
-            names = {
-                i: files.name(Family.BLOCKS, h.chain_hash, h.payload_digest)
-                for i, h in enumerate(headers)
-                if i >= first and h.payload_size >= files.min_bytes
-            }
-            if not names:
-                return (*self._assemble_each(headers, assembler, first), None)
-            jobs: list[tuple[BlockFiles, Job]] = [
-                (blocks, (i, name, headers[i].payload_size, headers[i].payload_digest))
-                for i, name in names.items()
-            ]
-            if state_job is not None:  # first: the largest file, the one to start early
-                jobs.insert(0, state_job)
-            results, located = read_files(jobs), names
+        read = self._read_files(headers, first, blocks, state_job)
+        if read is None:  # no payload of the file tier's size
+            return (*self._assemble_each(headers, assembler, first), None)
+        located, results = read
         along: StateRead | None = None
         if state is not None and state_job is not None:
             if results[0] is None:
@@ -155,47 +135,52 @@ class PayloadReader:
             results = results[1:]
         if isinstance(located, range) and not any(results):
             return len(headers), 0, along  # all read and verified
-        keys = [h.chain_hash for h in headers]
         failed: dict[int, str | None] = dict(zip(located, results, strict=True))
         try:
-            kept = self._unfound(headers, keys, failed)
+            kept = self._unfound(headers, failed)
         except CorruptDataError:  # RocksDB's own checks, on a record kept in it
             return (*self._assemble_each(headers, assembler, first), along)
         if kept and len(kept) == len(located):  # no payload is a file (a format-1 bank)
             return (*self._assemble_each(headers, assembler, first), along)
-        hot_hits = 0
-        for i, header in enumerate(headers):
-            if i < first:
-                continue
-            why = failed.get(i, "not a file")
-            if why is None:
-                continue
-            missing = why.startswith("payload file missing")  # the native reader adds errno
-            if missing and self._evicted(Family.BLOCKS, keys[i]):
-                return i, hot_hits, along
-            if why not in ("not a file", "not a plain payload"):
-                self._corrupt(Family.BLOCKS, keys[i], why)
-                return i, hot_hits, along
-            # Kept in the database, or compressed: decode it and copy it in.
-            if i in kept:
-                try:
-                    value: codec.Decoded | CorruptDataError | None = codec.decode(
-                        kept[i], header.payload_digest
-                    )
-                except CorruptDataError as e:
-                    value = e
-            else:
-                value, from_hot = self._fetch(Family.BLOCKS, keys[i], header.payload_digest)
-                hot_hits += from_hot
-            block = self._verified(Family.BLOCKS, keys[i], value)
-            if block is None:
-                return i, hot_hits, along
-            try:
-                assembler.put(i, block)
-            except CorruptDataError as e:
-                self._corrupt(Family.BLOCKS, keys[i], str(e))
-                return i, hot_hits, along
-        return len(headers), hot_hits, along
+        return (*self._put_the_rest(headers, assembler, first, failed, kept), along)
+
+    def _read_files(
+        self,
+        headers: Sequence[Header],
+        first: int,
+        blocks: BlockFiles,
+        state_job: tuple[BlockFiles, Job] | None,
+    ) -> tuple[Collection[int], list[str | None]] | None:
+        """`read_files` of the state job (first) and of the payload files of blocks
+        `first`..: the blocks it read (a range where it tried them all) and what it says
+        of each read, the state's first; None if no block is of the file tier's size.
+
+        Only payloads of the tier's size can be files, and the tier names each by its
+        header (`FileTier.file_for`), so the payload records are not read first: a
+        header commits in the same batch as its payload's record, and the file is
+        checked against the header's digest. The records are read only for the files
+        that are not there (`_unfound`).
+        """
+        files = self.files
+        assert files is not None
+        results = self._read_plain(headers, first, blocks, state_job)
+        if results is not None:  # every block a plain file of the layout, one native call
+            return range(first, len(headers)), results
+        names: dict[int, str] = {}
+        for i in range(first, len(headers)):
+            h = headers[i]
+            name = files.file_for(Family.BLOCKS, h.chain_hash, h.payload_digest, h.payload_size)
+            if name is not None:
+                names[i] = name
+        if not names:
+            return None
+        jobs: list[tuple[BlockFiles, Job]] = [
+            (blocks, (i, name, headers[i].payload_size, headers[i].payload_digest))
+            for i, name in names.items()
+        ]
+        if state_job is not None:  # first: the largest file, the one to start early
+            jobs.insert(0, state_job)
+        return names, read_files(jobs)
 
     def _read_plain(
         self,
@@ -205,11 +190,11 @@ class PayloadReader:
         state_job: tuple[BlockFiles, Job] | None,
     ) -> list[str | None] | None:
         """`read_files` of the state job (first) and of blocks `first`.. in one native
-        call (`fastread.read_plain_blocks`), when every one of them is a plain payload
+        call (`file_read.read_plain_blocks`), when every one of them is a plain payload
         file of `blocks`' layout (what a bank of this layout writes); None otherwise."""
         files = self.files
         tail = headers[first:]
-        if files is None or blocks.file_len < files.min_bytes:
+        if files is None or not files.stores_as_file(blocks.file_len):
             return None
         if set(map(_PAYLOAD_SIZE, tail)) != {blocks.file_len}:
             return None
@@ -219,30 +204,73 @@ class PayloadReader:
         return read_plain_blocks(blocks, prefix, keys, digests, first, state_job)
 
     def _unfound(
-        self, headers: Sequence[Header], keys: Sequence[bytes], failed: dict[int, str | None]
+        self, headers: Sequence[Header], failed: dict[int, str | None]
     ) -> dict[int, bytes]:
-        """What the records say of the payload files `read_files` did not find (in
-        `failed`, rewritten in place): a record naming another payload is damage, a
-        payload kept in the database (a format-1 bank's) is returned to be decoded, and
-        a record naming this very file leaves it missing."""
+        """What the file tier's records say of the payload files `read_files` did not
+        find (in `failed`, rewritten in place): a record naming another payload is
+        damage, a payload kept in the database (a format-1 bank's) is returned to be
+        decoded, and a record naming this very file leaves it missing."""
         files = self.files
         assert files is not None
         unfound = [i for i, why in failed.items() if why and why.startswith("payload file missing")]
         if not unfound:
             return {}
         kept: dict[int, bytes] = {}
-        raws = files.get_raw(Family.BLOCKS, [keys[i] for i in unfound])
-        for i, raw in zip(unfound, raws, strict=True):
+        places = files.locate(Family.BLOCKS, [headers[i].chain_hash for i in unfound])
+        for i, place in zip(unfound, places, strict=True):
             h = headers[i]
-            if raw is None:
+            if place is None:
                 failed[i] = "not a file"  # read the usual way: evicted, or missing
-            elif stub_of(raw) is None:
-                kept[i], failed[i] = raw, "not a file"
-            elif (
-                files.file_of(Family.BLOCKS, keys[i], raw, h.payload_digest, h.payload_size) is None
-            ):
+            elif not isinstance(place, PayloadFile):
+                kept[i], failed[i] = place, "not a file"
+            elif not place.is_of(h.payload_digest, h.payload_size):
                 failed[i] = "payload record does not match its header"
         return kept
+
+    def _put_the_rest(
+        self,
+        headers: Sequence[Header],
+        assembler: Assembler,
+        first: int,
+        failed: Mapping[int, str | None],
+        kept: Mapping[int, bytes],
+    ) -> tuple[int, int]:
+        """After `_read_files`: blocks `first`.. that it did not put in, decoded and
+        copied in one at a time, in order, up to the first that is missing or corrupt
+        (counted, unless evicted); returns (blocks assembled, hot-tier hits).
+
+        `failed`: why each file read failed (None: read and verified; a block not in
+        it is not a file); `kept`: payloads the database keeps, by block.
+        """
+        hot_hits = 0
+        for i in range(first, len(headers)):
+            why = failed.get(i, "not a file")
+            if why is None:
+                continue
+            header = headers[i]
+            key = header.chain_hash
+            if why not in ("not a file", "not a plain payload"):
+                # the native reader adds errno to a missing file's why
+                missing = why.startswith("payload file missing")
+                if not (missing and self._evicted(Family.BLOCKS, key)):
+                    self._corrupt(Family.BLOCKS, key, why)
+                return i, hot_hits
+            # Kept in the database, or compressed: decode it and copy it in.
+            value: codec.Decoded | CorruptDataError | None
+            if i in kept:
+                value, from_hot = _decoded(kept[i], header.payload_digest), False
+            else:
+                value, from_hot = self._fetch(Family.BLOCKS, key, header.payload_digest)
+            hot_hits += from_hot
+            block = self._verified(Family.BLOCKS, key, value)
+            if block is None:
+                return i, hot_hits
+            try:
+                assembler.put(i, block)
+            except CorruptDataError as e:
+                self._corrupt(Family.BLOCKS, key, str(e))
+                return i, hot_hits
+        return len(headers), hot_hits
 
     def _assemble_each(
         self, headers: Sequence[Header], assembler: Assembler, first: int = 0
@@ -340,21 +368,20 @@ class PayloadReader:
         its open or last refresh, but payload files as they are now: a file gone under
         the stub its view still holds is the writer's eviction, not damage (that view
         cannot tell them apart; `cas-bank verify` finds damage)."""
-        if self.store.read_only and self._stub_of_a_file(family, key):
+        if self.store.read_only and self._kept_as_file(family, key):
             return True
         header = read_headers(self.store, [key])[0]
         return header is None or (family is Family.STATES and not header.has_state)
 
-    def _stub_of_a_file(self, family: Family, key: bytes) -> bool:
-        """Whether the database holds a payload file's stub under `key`."""
+    def _kept_as_file(self, family: Family, key: bytes) -> bool:
+        """Whether the file tier's record of `key` names a payload file."""
         files = self.files
         if files is None:
             return False
         try:
-            stub = files.inner.get(family, key)
+            return isinstance(files.locate(family, [key])[0], PayloadFile)
         except CorruptDataError:
             return False
-        return stub is not None and stub_of(stub) is not None
 
     def state_in_file(self, header: Header) -> bool:
         """Whether `header`'s boundary state is of the file tier's size (a payload file
@@ -362,7 +389,7 @@ class PayloadReader:
         return (
             self.files is not None
             and header.state_digest is not None
-            and header.state_size >= self.files.min_bytes
+            and self.files.stores_as_file(header.state_size)
         )
 
     def _state_file(self, header: Header, assembler: Assembler) -> tuple[BlockFiles, Job] | None:
@@ -375,10 +402,10 @@ class PayloadReader:
         reader = assembler.state_files()
         if reader is None or not reader.native:
             return None
-        # Named by its header, its record unread (as a block's: `_assemble_local`); a
+        # Named by its header, its record unread (as a block's: `_read_files`); a
         # state that is not there is read the usual way (`read_state`).
-        name = files.name(Family.STATES, header.chain_hash, digest)
-        return reader, (0, name, header.state_size, digest)
+        name = files.file_for(Family.STATES, header.chain_hash, digest, header.state_size)
+        return None if name is None else (reader, (0, name, header.state_size, digest))
 
     def read_state(
         self,
@@ -418,3 +445,11 @@ class PayloadReader:
             key.hex()[:16],
             why,
         )
+
+
+def _decoded(raw: bytes, expected: bytes) -> codec.Decoded | CorruptDataError:
+    """`raw`'s arrays, checked against `expected`, or the error it failed with."""
+    try:
+        return codec.decode(raw, expected)
+    except CorruptDataError as e:
+        return e
