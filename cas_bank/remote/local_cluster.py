@@ -171,6 +171,8 @@ class LocalCluster:
         self.proxy_realtime = line[1:] == [b"realtime"]
 
     def _spawn(self, binary: Path, replica_of: int | None = None) -> Node:
+        """Start one node on free ports (behind a port of the delaying proxy with
+        `rtt`), in a directory of its own named for its port."""
         port, bus = free_port_pair()
         proxy = free_port_pair()[0] if self.rtt else None
         node_dir = self.dir / str(port)
@@ -178,25 +180,10 @@ class LocalCluster:
         # The ACL user goes in a config file: on the command line its rule is one word.
         conf = node_dir / "valkey.conf"
         conf.write_text(f"user {USER} on >{self.password} ~* &* +@all\n")
-        if self.tls is None:
-            listen = ["--port", str(port)]
-        else:
-            t = self.tls
-            listen = [
-                "--port", "0",
-                "--tls-port", str(port),
-                "--tls-cert-file", str(t.cert),
-                "--tls-key-file", str(t.key),
-                "--tls-ca-cert-file", str(t.ca),
-                "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
-                "--tls-replication", "yes",
-            ]  # fmt: skip
-            if self.cluster:
-                listen += ["--tls-cluster", "yes"]
         args = [
             str(binary),
             str(conf),
-            *listen,
+            *self._listen_args(port),
             "--bind", "127.0.0.1",
             "--dir", str(node_dir),
             "--save", "",
@@ -212,25 +199,44 @@ class LocalCluster:
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "allkeys-lru"]
         if self.cluster:
-            args += [
-                "--cluster-enabled", "yes",
-                "--cluster-port", str(bus),
-                "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--cluster-require-full-coverage", "no",
-                "--cluster-allow-reads-when-down", "yes",
-            ]  # fmt: skip
-            if proxy is not None:  # clients (and replicas) are sent through the proxy
-                args += [
-                    "--cluster-announce-port",
-                    str(proxy),
-                    "--cluster-announce-bus-port",
-                    str(bus),
-                ]
+            args += self._cluster_args(node_dir, bus, proxy)
         process = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         return Node(port, bus, process, replica_of=replica_of, proxy_port=proxy)
+
+    def _listen_args(self, port: int) -> list[str]:
+        """Where a node listens: `port` in the clear, or only over TLS (replication and
+        the cluster bus too)."""
+        if self.tls is None:
+            return ["--port", str(port)]
+        t = self.tls
+        listen = [
+            "--port", "0",
+            "--tls-port", str(port),
+            "--tls-cert-file", str(t.cert),
+            "--tls-key-file", str(t.key),
+            "--tls-ca-cert-file", str(t.ca),
+            "--tls-auth-clients", "yes" if self.tls_auth_clients else "no",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+        if self.cluster:
+            listen += ["--tls-cluster", "yes"]
+        return listen
+
+    def _cluster_args(self, node_dir: Path, bus: int, proxy: int | None) -> list[str]:
+        """A cluster node's settings; with a `proxy` port, it announces that one."""
+        args = [
+            "--cluster-enabled", "yes",
+            "--cluster-port", str(bus),
+            "--cluster-config-file", str(node_dir / "nodes.conf"),
+            "--cluster-node-timeout", str(self.node_timeout_ms),
+            "--cluster-require-full-coverage", "no",
+            "--cluster-allow-reads-when-down", "yes",
+        ]  # fmt: skip
+        if proxy is not None:  # clients (and replicas) are sent through the proxy
+            args += ["--cluster-announce-port", str(proxy), "--cluster-announce-bus-port", str(bus)]
+        return args
 
     def client_tls(self) -> dict[str, Any]:
         """The `valkey` client's TLS options for these nodes (empty without TLS): the
