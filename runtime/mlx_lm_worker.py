@@ -42,6 +42,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 log = logging.getLogger("cas_bank.mlx_lm")
@@ -117,6 +118,117 @@ def _install_keeping_batches() -> None:
     mls.BatchGenerator = _keeping_batch_generator(base)
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What a `worker_generator` class was made with."""
+
+    pinned: Any = None  # the `ModelDescription` every request is served with
+    on_death: Callable[[BaseException], None] | None = None
+
+
+# The methods below go before mlx-lm's `ResponseGenerator` in a `worker_generator`
+# class (whose `super()` they reach): typed as a subclass of anything.
+_Base: Any = object
+
+
+class _Worker(_Base):  # type: ignore[misc]
+    """A `worker_generator` class's own methods (see the module docstring)."""
+
+    _settings = _Settings()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before mlx-lm's __init__, which starts the thread that reads them.
+        self._in_flight: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._took_request = False
+        self._batches: set[Any] = set()  # the loop's live BatchGenerators
+        super().__init__(*args, **kwargs)
+
+    def _generate(self) -> None:
+        # mlx-lm deletes its `prompt_cache` attribute when its loop ends.
+        self._cut_cache = self.prompt_cache
+        self._batches = set()
+        _LOOP.owner = self
+        try:
+            super()._generate()
+        finally:
+            _LOOP.owner = None
+            batches, self._batches = self._batches, set()
+        for batch in batches:  # the loop stopped: the prompts still in their prefill
+            batch.keep_prefilling("the server stopped")
+
+    def _keep_cut(self, cut: list[Any], model_key: Any, why: str) -> None:
+        """Insert each (cache, tokens) of a prompt cut short mid-prefill (see the
+        module docstring; `insert_cache` logs its own failures)."""
+        cache = self._cut_cache
+        if not hasattr(cache, "insert_stopped"):  # mlx-lm's own cache (--draft-model)
+            return
+        for prompt_cache, tokens in cut:
+            held = list(tokens)
+            cache.insert_stopped(model_key, held, prompt_cache)
+            log.info(
+                "cas-bank mlx-lm-server: a prefill stopped (%s) after %d tokens; they "
+                "are stored for the next attempt",
+                why,
+                len(held),
+            )
+
+    def generate(self, request: Any, generation_args: Any, *rest: Any, **kw: Any) -> Any:
+        pinned = self._settings.pinned
+        if pinned is not None and generation_args is not None:
+            generation_args.model = pinned
+        try:
+            return super().generate(request, generation_args, *rest, **kw)
+        except OSError as e:  # a model's files: the message names their paths
+            log.warning("cas-bank mlx-lm-server: a model could not be loaded: %s", e)
+            raise RuntimeError(
+                f"the model could not be loaded ({type(e).__name__}; the server's log says why)"
+            ) from None
+
+    def _next_request(self, timeout: Any = None) -> Any:
+        request = super()._next_request(timeout)
+        if request is not None:  # (response queue, request, arguments)
+            self._in_flight.add(request[0])
+            self._took_request = True
+        return request
+
+    def _run_generate(self) -> None:
+        while True:
+            self._took_request = False
+            try:
+                self._generate()
+                return  # stopped
+            except Exception as e:
+                if self._stop:  # stopping anyway
+                    log.exception("cas-bank mlx-lm-server: generation ended in an error")
+                    return
+                if self._took_request:
+                    self._fail_requests(e)
+                    continue
+                self._die(e)
+                return
+
+    def _die(self, error: Exception) -> None:
+        """The loop failed before it took a request: the thread ends (`on_death`)."""
+        log.critical(
+            "cas-bank mlx-lm-server: mlx-lm's generation thread cannot go on",
+            exc_info=True,
+        )
+        self._generation_failed = True
+        if self._settings.on_death is not None:
+            self._settings.on_death(error)
+
+    def _fail_requests(self, error: Exception) -> None:
+        log.error(
+            "cas-bank mlx-lm-server: a request failed in mlx-lm's generation thread; "
+            "the requests it held end with the error, the thread goes on",
+            exc_info=error,
+        )
+        why = type(error).__name__ if isinstance(error, OSError) else repr(error)
+        for queue in list(self._in_flight):
+            queue.put(RuntimeError(f"the request failed in mlx-lm's generation: {why}"))
+        self._in_flight.clear()
+
+
 def worker_generator(
     base: Any,
     *,
@@ -135,92 +247,7 @@ def worker_generator(
 
     _install_keeping_batches()
 
-    class WorkerGenerator(base):  # type: ignore[misc]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            # Before mlx-lm's __init__, which starts the thread that reads them.
-            self._in_flight: weakref.WeakSet[Any] = weakref.WeakSet()
-            self._took_request = False
-            self._batches: set[Any] = set()  # the loop's live BatchGenerators
-            super().__init__(*args, **kwargs)
-
-        def _generate(self) -> None:
-            # mlx-lm deletes its `prompt_cache` attribute when its loop ends.
-            self._cut_cache = self.prompt_cache
-            self._batches = set()
-            _LOOP.owner = self
-            try:
-                super()._generate()
-            finally:
-                _LOOP.owner = None
-                batches, self._batches = self._batches, set()
-            for batch in batches:  # the loop stopped: the prompts still in their prefill
-                batch.keep_prefilling("the server stopped")
-
-        def _keep_cut(self, cut: list[Any], model_key: Any, why: str) -> None:
-            """Insert each (cache, tokens) of a prompt cut short mid-prefill (see the
-            module docstring; `insert_cache` logs its own failures)."""
-            cache = self._cut_cache
-            if not hasattr(cache, "insert_stopped"):  # mlx-lm's own cache (--draft-model)
-                return
-            for prompt_cache, tokens in cut:
-                held = list(tokens)
-                cache.insert_stopped(model_key, held, prompt_cache)
-                log.info(
-                    "cas-bank mlx-lm-server: a prefill stopped (%s) after %d tokens; they "
-                    "are stored for the next attempt",
-                    why,
-                    len(held),
-                )
-
-        def generate(self, request: Any, generation_args: Any, *rest: Any, **kw: Any) -> Any:
-            if pinned is not None and generation_args is not None:
-                generation_args.model = pinned
-            try:
-                return super().generate(request, generation_args, *rest, **kw)
-            except OSError as e:  # a model's files: the message names their paths
-                log.warning("cas-bank mlx-lm-server: a model could not be loaded: %s", e)
-                raise RuntimeError(
-                    f"the model could not be loaded ({type(e).__name__}; the server's log says why)"
-                ) from None
-
-        def _next_request(self, timeout: Any = None) -> Any:
-            request = super()._next_request(timeout)
-            if request is not None:  # (response queue, request, arguments)
-                self._in_flight.add(request[0])
-                self._took_request = True
-            return request
-
-        def _run_generate(self) -> None:
-            while True:
-                self._took_request = False
-                try:
-                    self._generate()
-                    return  # stopped
-                except Exception as e:
-                    if self._stop:  # stopping anyway
-                        log.exception("cas-bank mlx-lm-server: generation ended in an error")
-                        return
-                    if self._took_request:
-                        self._fail_requests(e)
-                        continue
-                    log.critical(
-                        "cas-bank mlx-lm-server: mlx-lm's generation thread cannot go on",
-                        exc_info=True,
-                    )
-                    self._generation_failed = True
-                    if on_death is not None:
-                        on_death(e)
-                    return
-
-        def _fail_requests(self, error: Exception) -> None:
-            log.error(
-                "cas-bank mlx-lm-server: a request failed in mlx-lm's generation thread; "
-                "the requests it held end with the error, the thread goes on",
-                exc_info=error,
-            )
-            why = type(error).__name__ if isinstance(error, OSError) else repr(error)
-            for queue in list(self._in_flight):
-                queue.put(RuntimeError(f"the request failed in mlx-lm's generation: {why}"))
-            self._in_flight.clear()
+    class WorkerGenerator(_Worker, base):  # type: ignore[misc]
+        _settings = _Settings(pinned, on_death)
 
     return WorkerGenerator
