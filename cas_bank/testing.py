@@ -25,7 +25,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -278,60 +278,70 @@ class StoreFactory(ABC):
         return None
 
 
+class _StoreAgainstDict(RuleBasedStateMachine):
+    """Random batches, reads, listings and reopens of a store of `factory`, compared with
+    a dict after every step (`store_machine` binds the factory in a subclass)."""
+
+    factory: ClassVar[StoreFactory]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="cas_bank_sm_"))
+        self.store = self.factory.make(self.dir)
+        self.model: dict[Family, dict[bytes, bytes]] = {Family.HEADERS: {}, Family.BLOCKS: {}}
+
+    @rule(
+        writes=st.lists(
+            st.tuples(FAMILIES, KEYS, st.one_of(st.none(), VALUES)), min_size=0, max_size=8
+        )
+    )
+    def put_batch(self, writes: list[tuple[Family, bytes, bytes | None]]) -> None:
+        self.store.put_batch(writes)
+        for f, k, v in writes:
+            if v is None:
+                self.model[f].pop(k, None)
+            else:
+                self.model[f][k] = v
+
+    @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=6))
+    def get_many(self, family: Family, keys: list[bytes]) -> None:
+        assert self.store.get_many(family, keys) == [self.model[family].get(k) for k in keys]
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data(), family=FAMILIES)
+    def get_stored(self, data: st.DataObject, family: Family) -> None:
+        if self.model[family]:
+            k = data.draw(st.sampled_from(sorted(self.model[family])))
+            assert self.store.get(family, k) == self.model[family][k]
+
+    @rule()
+    def reopen(self) -> None:
+        self.store.close()
+        again = self.factory.reopen(self.dir)
+        if again is None:  # not persistent: a new store starts empty
+            self.store = self.factory.make(self.dir)
+            self.model = {f: {} for f in self.model}
+        else:
+            self.store = again
+
+    @invariant()
+    def listings_agree(self) -> None:
+        for f, d in self.model.items():
+            assert list(self.store.iterate(f)) == sorted(d.items())
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def store_machine(factory: StoreFactory, *, max_examples: int = 25) -> Any:
     """A pytest test class: random operations on a store of `factory`, compared with a
     dict after every step."""
 
-    class StoreAgainstDict(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.dir = Path(tempfile.mkdtemp(prefix="cas_bank_sm_"))
-            self.store = factory.make(self.dir)
-            self.model: dict[Family, dict[bytes, bytes]] = {Family.HEADERS: {}, Family.BLOCKS: {}}
+    class StoreAgainstDict(_StoreAgainstDict):
+        pass
 
-        @rule(
-            writes=st.lists(
-                st.tuples(FAMILIES, KEYS, st.one_of(st.none(), VALUES)), min_size=0, max_size=8
-            )
-        )
-        def put_batch(self, writes: list[tuple[Family, bytes, bytes | None]]) -> None:
-            self.store.put_batch(writes)
-            for f, k, v in writes:
-                if v is None:
-                    self.model[f].pop(k, None)
-                else:
-                    self.model[f][k] = v
-
-        @rule(family=FAMILIES, keys=st.lists(KEYS, max_size=6))
-        def get_many(self, family: Family, keys: list[bytes]) -> None:
-            assert self.store.get_many(family, keys) == [self.model[family].get(k) for k in keys]
-
-        @precondition(lambda self: any(self.model.values()))
-        @rule(data=st.data(), family=FAMILIES)
-        def get_stored(self, data: st.DataObject, family: Family) -> None:
-            if self.model[family]:
-                k = data.draw(st.sampled_from(sorted(self.model[family])))
-                assert self.store.get(family, k) == self.model[family][k]
-
-        @rule()
-        def reopen(self) -> None:
-            self.store.close()
-            again = factory.reopen(self.dir)
-            if again is None:  # not persistent: a new store starts empty
-                self.store = factory.make(self.dir)
-                self.model = {f: {} for f in self.model}
-            else:
-                self.store = again
-
-        @invariant()
-        def listings_agree(self) -> None:
-            for f, d in self.model.items():
-                assert list(self.store.iterate(f)) == sorted(d.items())
-
-        def teardown(self) -> None:
-            self.store.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
-
+    StoreAgainstDict.factory = factory
     StoreAgainstDict.TestCase.settings = settings(
         max_examples=max_examples,
         stateful_step_count=15,
