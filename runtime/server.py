@@ -195,24 +195,33 @@ def _add_status_routes(app: FastAPI, engine: Engine, requests: RequestCounter) -
 
 def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
     """`/v1/chat/completions`, `/v1/completions` and `/v1/explain`."""
+    _add_chat_route(app, engine)
+    _add_completions_route(app, engine)
+    _add_explain_route(app, engine)
 
-    def check_model(name: str) -> None:
-        if name != engine.model_id:
-            # A name that may be a path is not echoed: error bodies name no paths.
-            asked = "the model asked for" if "/" in name or "\\" in name else f"model {name!r}"
-            raise ApiError(
-                404,
-                f"{asked} is not served here; this server serves {engine.model_id!r}",
-                type="invalid_request_error",
-                code="model_not_found",
-                param="model",
-            )
+
+def _check_model(engine: Engine, name: str) -> None:
+    """A 404 unless `name` is the model `engine` serves."""
+    if name != engine.model_id:
+        # A name that may be a path is not echoed: error bodies name no paths.
+        asked = "the model asked for" if "/" in name or "\\" in name else f"model {name!r}"
+        raise ApiError(
+            404,
+            f"{asked} is not served here; this server serves {engine.model_id!r}",
+            type="invalid_request_error",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _add_chat_route(app: FastAPI, engine: Engine) -> None:
+    """`/v1/chat/completions`: the messages through the chat template, with branch hints."""
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(
         body: oa.ChatCompletionRequest, request: Request
     ) -> oa.ChatCompletion | StreamingResponse:
-        check_model(body.model)
+        _check_model(engine, body.model)
         messages = body.message_dicts()
         prompt = _call(engine.chat_prompt, messages)
         hints = engine.branch_hints(messages, prompt)
@@ -234,11 +243,15 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
             usage=usage_of(result),
         )
 
+
+def _add_completions_route(app: FastAPI, engine: Engine) -> None:
+    """`/v1/completions`: a text or token-id prompt, with `echo`."""
+
     @app.post("/v1/completions", response_model=None)
     async def completions(
         body: oa.CompletionRequest, request: Request
     ) -> oa.Completion | StreamingResponse:
-        check_model(body.model)
+        _check_model(engine, body.model)
         prompt = _call(engine.text_prompt, body.prompt)
         run = start_run(engine, _generation(prompt, body, body.token_limit()))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -252,6 +265,10 @@ def _add_generation_routes(app: FastAPI, engine: Engine) -> None:
         return oa.Completion(
             id=rid, created=created, model=engine.model_id, choices=[choice], usage=usage_of(result)
         )
+
+
+def _add_explain_route(app: FastAPI, engine: Engine) -> None:
+    """`/v1/explain`: why a prompt would (not) hit, without generating."""
 
     @app.post("/v1/explain")
     async def explain_prompt(request: Request) -> JSONResponse:
