@@ -48,7 +48,7 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT
 from cas_bank.blocks.rocks_options import db_options, family_options
 from cas_bank.blocks.store import Family
-from cas_bank.restore import row_copy
+from cas_bank.restore import row_runs
 
 MiB = 1 << 20
 GB = 1e9
@@ -149,7 +149,7 @@ def layout_copy_samples(
 ) -> list[float]:
     """A hot restore's copy alone: each of `sources` (`[..., tokens, dim]`) copied into
     the first tokens of a destination with room for `capacity` tokens, on two threads
-    as the restore copies: by the native streamed copy (`cas_bank.restore.row_copy`)
+    as the restore copies: by the native streamed copy (`cas_bank.restore.row_runs`)
     where it is built, else the arrays shared between two threads (`np.copyto`
     releases the GIL). The destinations are `sets` sets taken in turn: resident (touched
     beforehand) but not in cache, as a restore's fresh arrays are, where `memcpy_samples`
@@ -164,13 +164,13 @@ def layout_copy_samples(
     from_addresses = np.array([address_of(a) for a in sources], dtype=np.int64)
     to_addresses = [np.array([address_of(d) for d in ds], dtype=np.int64) for ds in dests]
     # Planned once, as a lease keeps its plan (`restore.lease_copy`): each copy only places it.
-    plan = row_copy.plan_copy(dests[0], sources, from_addresses, rows) if dests else None
+    plan = row_runs.plan_copy(dests[0], sources, from_addresses, rows) if dests else None
 
     def copy() -> None:
         at = next(rounds) % sets
         views = dests[at]
         if plan is not None:
-            row_copy.copy_planned(plan, to_addresses[at], two_threads=True)
+            row_runs.copy_planned(plan, to_addresses[at], two_threads=True)
             return
         arrays = itertools.count()
 

@@ -14,7 +14,7 @@ import pytest
 from cas_bank.runtime import PrefixCache
 from runtime_helpers import straight_logits, temp_bank, tiny
 
-from cas_bank.restore import assemble, restoring, row_copy
+from cas_bank.restore import assemble, restoring, row_runs
 
 BLOCK = 16
 
@@ -118,22 +118,22 @@ def test_a_hot_restore_with_room_copies_the_lease_once_and_without_room_not_at_a
 @pytest.mark.parametrize("native", [True, False])
 def test_a_lease_copied_on_two_threads_arrives_whole(native: bool) -> None:
     """The room copy of a large lease runs on this thread and a helper (forced here for
-    a tiny model's), by the native streamed copy (`restore.row_copy`) where it is built,
+    a tiny model's), by the native streamed copy (`restore.row_runs`) where it is built,
     else by numpy a whole array at a time: every array arrives, once, whole."""
-    if native and not row_copy.available():
+    if native and not row_runs.available():
         pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
         mp.setattr(assemble, "_TWO_THREADS_FROM", 0)
         if not native:
-            mp.setattr(row_copy, "_copy_runs", None)
+            mp.setattr(row_runs, "_copy_runs", None)
         copied: list[bool] = []
-        real = row_copy.copy_planned
+        real = row_runs.copy_planned
 
         def spy(*args: Any, **kwargs: Any) -> None:
             real(*args, **kwargs)
             copied.append(True)
 
-        mp.setattr(row_copy, "copy_planned", spy)
+        mp.setattr(row_runs, "copy_planned", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         cache, n = pc.restore(tokens)
         assert n == 4 * BLOCK
@@ -149,17 +149,17 @@ def test_a_lease_keeps_its_copy_plan_across_restores() -> None:
     """The native copy's plan of a lease into destinations of one capacity is made once
     (`Assembler._lease_plan`, kept by the lease): the next restores with room only place
     it at their own arrays, each bit-exact and in memory of its own."""
-    if not row_copy.available():
+    if not row_runs.available():
         pytest.skip("native helper not loaded")
     with _stored(10, 4 * BLOCK + 1) as (bank, pc, tokens), pytest.MonkeyPatch.context() as mp:
         planned: list[int] = []
-        real = row_copy.plan_copy
+        real = row_runs.plan_copy
 
         def spy(*args: Any, **kwargs: Any) -> Any:
             planned.append(args[3])
             return real(*args, **kwargs)
 
-        mp.setattr(row_copy, "plan_copy", spy)
+        mp.setattr(row_runs, "plan_copy", spy)
         leased = [np.asarray(a) for e in bank.leases._entries.values() for a in e.arrays]
         caches = [pc.restore(tokens)[0] for _ in range(3)]
         assert planned == [4 * BLOCK]  # one plan, for the first restore

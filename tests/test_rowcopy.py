@@ -1,4 +1,4 @@
-"""The native copy of a lease into a restore's destination arrays (`restore.row_copy`):
+"""The native copy of a lease into a restore's destination arrays (`restore.row_runs`):
 byte for byte what numpy copies, on one thread or two, and a clear refusal of what it
 cannot address (the caller then copies with numpy)."""
 
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from cas_bank.arrays import address_of
 from cas_bank.native import fill_module
-from cas_bank.restore import row_copy
+from cas_bank.restore import row_runs
 
-pytestmark = pytest.mark.skipif(not row_copy.available(), reason="native helper not loaded")
+pytestmark = pytest.mark.skipif(not row_runs.available(), reason="native helper not loaded")
 
 
 def _addresses(views: list[np.ndarray]) -> np.ndarray:
@@ -48,9 +48,9 @@ def test_a_planned_copy_is_numpys_copy(
     want = [d.copy() for d in dests]
     for w, s in zip(want, sources, strict=True):
         w[..., :rows, :] = s[..., :rows, :]
-    plan = row_copy.plan_copy(dests, sources, _addresses(sources), rows)
+    plan = row_runs.plan_copy(dests, sources, _addresses(sources), rows)
     assert plan is not None
-    row_copy.copy_planned(plan, _addresses(dests), two_threads=two)
+    row_runs.copy_planned(plan, _addresses(dests), two_threads=two)
     for got, w in zip(dests, want, strict=True):
         assert np.array_equal(got, w)  # the rows copied, and nothing past them written
 
@@ -61,10 +61,10 @@ def test_views_it_cannot_address_are_left_to_numpy() -> None:
     strided = np.zeros((2, 16, 8), dtype=np.float32)[..., ::2]  # rows not contiguous
     before = dest.copy()
     for d, s in [(strided, src), (dest, src.transpose(0, 2, 1).copy().transpose(0, 2, 1))]:
-        assert row_copy.plan_copy([d], [s], _addresses([src]), 8) is None
+        assert row_runs.plan_copy([d], [s], _addresses([src]), 8) is None
     assert np.array_equal(dest, before)
     short = np.zeros((2, 4, 4), dtype=np.float32)  # fewer rows than asked for
-    assert row_copy.plan_copy([short], [src], _addresses([src]), 8) is None
+    assert row_runs.plan_copy([short], [src], _addresses([src]), 8) is None
 
 
 def test_copy_runs_refuses_malformed_runs() -> None:
@@ -82,11 +82,11 @@ def test_one_plan_copies_into_any_destinations_of_its_shapes() -> None:
     rng = np.random.default_rng(3)
     sources = [rng.integers(0, 200, (2, 40, 16)).astype(np.uint16) for _ in range(3)]
     first = [np.zeros((2, 64, 16), dtype=np.uint16) for _ in sources]
-    plan = row_copy.plan_copy(first, sources, _addresses(sources), 33)
+    plan = row_runs.plan_copy(first, sources, _addresses(sources), 33)
     assert plan is not None
     for two in (False, True):
         dests = [np.full((2, 64, 16), 9, dtype=np.uint16) for _ in sources]
-        row_copy.copy_planned(plan, _addresses(dests), two_threads=two)
+        row_runs.copy_planned(plan, _addresses(dests), two_threads=two)
         for d, s in zip(dests, sources, strict=True):
             assert np.array_equal(d[:, :33], s[:, :33]) and (d[:, 33:] == 9).all()
     assert all((f == 0).all() for f in first)  # the views it was planned with: untouched

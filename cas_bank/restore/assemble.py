@@ -6,7 +6,7 @@ once (`_Shapes`, kept by the bank's `Resources`). Its arrays come from a lease's
 made ahead (`restore.lease_copy`), else from the spares the bank keeps (`cas_bank.restore.spares`),
 else fresh and unfilled (`destinations.Destination.allocate`); blocks are copied in as they
 are decoded, payload files read straight into them (`restore.file_read`), a lease by the
-native row copy (`restore.row_copy`). All of that is the bank's (`cas_bank.restore.resources`),
+native row copy (`restore.row_runs`). All of that is the bank's (`cas_bank.restore.resources`),
 handed in: nothing here is kept per process.
 """
 
@@ -27,7 +27,7 @@ from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_num
 from cas_bank.blocks.codec import Decoded
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.layout import group_layers
-from cas_bank.restore import lease_copy, row_copy
+from cas_bank.restore import lease_copy, row_runs
 from cas_bank.restore.destinations import Destination, addresses_of
 from cas_bank.restore.file_read import BlockFiles, Layout, layout_of
 from cas_bank.restore.resources import Resources
@@ -95,7 +95,7 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         *zip(state_shapes, state_dtypes, strict=True),
     )
     block_shapes = tuple(s.with_tokens(block_size) for s in specs)
-    row_runs = contiguous_row_runs(
+    block_runs = contiguous_row_runs(
         [shape for shape, _ in wanted[: len(specs)]],
         [d.itemsize for d in dtypes],
         [block_size] * len(specs),
@@ -120,7 +120,7 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         block_shapes,
         tuple((shape, d.storage) for shape, d in zip(block_shapes, dtypes, strict=True)),
         spare_set(wanted),
-        row_runs,
+        block_runs,
         state_runs,
         layout_of(block_shapes, dtypes),
         layout_of(state_shapes, state_dtypes) if state_shapes else None,
@@ -166,7 +166,7 @@ class Assembler:
         # CAS_BANK_FILL_COPY) take no MLX memory.
         self._spared = cpu_fillable() and resources is not None
         # A lease's copy made ahead (`restore.lease_copy`), else spares, else new arrays.
-        self._from_lease = lease if self._spared and not state and row_copy.available() else None
+        self._from_lease = lease if self._spared and not state and row_runs.available() else None
         ahead = self._copied_ahead(rows)
         everything = ahead if ahead is not None else self._allocate(shapes.sizes)
         n_arrays = len(self.specs)
@@ -179,7 +179,7 @@ class Assembler:
         self.direct = all(map(_FILLABLE, self.dests))
         self._later: list[tuple[int, list[np.ndarray]]] = []  # (first token, arrays)
         self._later_bytes = 0
-        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (restore.row_copy)
+        self._lease: tuple[HeldArrays, int] | None = None  # copied natively (restore.row_runs)
         self._ahead_rows = 0 if ahead is None else rows  # rows made already
         self._handed: int | None = None  # the blocks `layers` handed out
 
@@ -259,12 +259,12 @@ class Assembler:
 
     def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
         """A lease's first `rows` rows into place by the native copy (streamed stores,
-        `restore.row_copy`, planned once per lease: `restore.lease_copy`), or by numpy where
+        `restore.row_runs`, planned once per lease: `restore.lease_copy`), or by numpy where
         it cannot."""
         plan, nbytes = lease_copy.plan(arrays, self._serial, self._views, rows)
         if plan is not None:
             two = nbytes >= _TWO_THREADS_FROM and len(arrays) > 1
-            row_copy.copy_planned(plan, self.addresses(), two_threads=two)
+            row_runs.copy_planned(plan, self.addresses(), two_threads=two)
             return
         self._later.append((0, [v[..., :rows, :] for v in arrays.numpy_views()]))
         self._later_bytes += nbytes
@@ -276,7 +276,7 @@ class Assembler:
         n = n_blocks * self.block_size
         if arrays is self._from_lease and n <= self._ahead_rows:
             return  # copied ahead: these destinations hold them already
-        if isinstance(arrays, HeldArrays) and row_copy.available() and self._lease is None:
+        if isinstance(arrays, HeldArrays) and row_runs.available() and self._lease is None:
             self._lease = (arrays, n)
             return
         whole = arrays.numpy_views() if isinstance(arrays, HeldArrays) else map(to_numpy, arrays)

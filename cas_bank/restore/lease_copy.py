@@ -5,7 +5,7 @@ its cache owns: mlx-lm writes the next tokens in place after it, so two caches n
 share a buffer. The copy is most of such a restore (a 1k-token medium-qwen3 prefix,
 25 MB: ~1.4 ms of ~2.2). Two things keep the rest of it small:
 
-- The native copy's plan (`restore.row_copy.plan_copy`: one run per leading index, the
+- The native copy's plan (`restore.row_runs.plan_copy`: one run per leading index, the
   lease's addresses placed) depends only on the lease and the destinations' shapes,
   so the lease keeps it (`HeldArrays.memo`), one per destination shapes and rows.
 - A lease restored with room a second time is likely restored again (a system prompt
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cas_bank.arrays import HeldArrays
-from cas_bank.restore import row_copy
+from cas_bank.restore import row_runs
 from cas_bank.restore.destinations import Destination, addresses_of
 from cas_bank.restore.spares import Filled, Spares, Wanted
 
@@ -37,17 +37,17 @@ _AHEAD_FROM_USE = 2  # the restore with room of a lease from which its copy is m
 
 def plan(
     arrays: HeldArrays, serial: int, views: Sequence[np.ndarray], rows: int
-) -> tuple[row_copy.CopyPlan | None, int]:
+) -> tuple[row_runs.CopyPlan | None, int]:
     """The native copy's plan of `arrays`' first `rows` rows into destinations like
     `views` (their shapes and strides fixed by the `_Shapes` whose `serial` this is),
     and the bytes it copies; kept by the lease (a 24-array plan cost a restore ~0.1 ms).
     No plan (None) where the native copy cannot address the views."""
     key = ("plan", serial, rows)
-    found: tuple[row_copy.CopyPlan | None, int] | None = arrays.memo.get(key)
+    found: tuple[row_runs.CopyPlan | None, int] | None = arrays.memo.get(key)
     if found is None:
         sources = arrays.numpy_views()
         nbytes = sum(v.nbytes // v.shape[-2] * rows for v in sources)  # no slice each
-        made = row_copy.plan_copy(views, sources, arrays.addresses(), rows)
+        made = row_runs.plan_copy(views, sources, arrays.addresses(), rows)
         if len(arrays.memo) >= 2 * _PLANS_KEPT:
             arrays.memo.clear()
         found = arrays.memo[key] = (made, nbytes)
@@ -90,6 +90,6 @@ def ask_ahead(
     def fill(dests: list[Destination]) -> None:
         assert arrays  # held until copied: the plan holds their addresses, not them
         addresses = addresses_of(dests)
-        row_copy.copy_planned(copy, addresses, two_threads=False)
+        row_runs.copy_planned(copy, addresses, two_threads=False)
 
     return Filled(("lease", arrays.serial, serial, rows), tuple(wanted), fill, nbytes)
