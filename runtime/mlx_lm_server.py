@@ -32,6 +32,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,77 @@ def loaded_model(model_provider: Any) -> LoadedModel:
     )
 
 
+@dataclass(frozen=True)
+class _HandlerSettings:
+    """What a `cas_bank_handler` class was made with (see it)."""
+
+    bank: Bank
+    tier: TierProbe | None = None
+    cache_stats: Callable[[], dict[str, int]] = dict
+    pin: ModelPin | None = None
+    unused: routes.BankUnused | None = None
+
+
+# The methods below go before mlx-lm's `APIHandler` in a `cas_bank_handler` class
+# (whose `super()` they reach): typed as a subclass of anything.
+_Base: Any = object
+
+
+class _BankHandler(_Base):  # type: ignore[misc]
+    """A `cas_bank_handler` class's own methods (see it)."""
+
+    _settings: _HandlerSettings
+    rfile: Any  # the request's stream (BaseHTTPRequestHandler's)
+
+    def do_GET(self) -> None:
+        path = self.path.split("?")[0]
+        got = self._settings
+        if path == "/health":
+            routes.health(self, got.bank, got.tier, got.unused)
+        elif path == "/metrics":
+            routes.metrics(self, got.bank, got.tier, got.cache_stats(), got.unused)
+        elif path.startswith("/v1/models"):
+            routes.models(self, _mlx_lm_server().scan_cache_dir, others=got.pin is None)
+        else:
+            super().do_GET()
+
+    def do_POST(self) -> None:
+        length = self.headers.get("Content-Length", "")
+        if self.path not in COMPLETION_ROUTES or not length.isascii() or not length.isdigit():
+            super().do_POST()  # mlx-lm answers (a 404, a 411, a 400)
+            return
+        raw = self.rfile.read(int(length))
+        try:
+            check_body(raw, self.path, self._settings.pin)
+        except BodyError as e:
+            routes.send_json(self, e.status, {"error": str(e)})
+            return
+        stream = self.rfile
+        self.rfile = io.BytesIO(raw)  # mlx-lm reads the body again
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = stream
+
+    # A factory's ValueError is mlx-lm's own 400: {"error": message}.
+    def handle_text_completions(self) -> Any:
+        salt = self._salt()
+        return _tagged(super().handle_text_completions(), salt)
+
+    def handle_chat_completions(self) -> Any:
+        salt = self._salt()
+        return _tagged(super().handle_chat_completions(), salt)
+
+    def _salt(self) -> str | None:
+        salt = request_salt(self.body)
+        if salt is not None and getattr(self.response_generator.cli_args, "draft_model", None):
+            raise ValueError(
+                "cache_salt is not supported with --draft-model: mlx-lm's own prompt "
+                "cache serves then, and it keeps no tenants apart"
+            )
+        return salt
+
+
 def cas_bank_handler(
     handler: Any,
     bank: Bank,
@@ -119,55 +191,8 @@ def cas_bank_handler(
       request is refused with a 400 saying so.
     """
 
-    class Handler(handler):  # type: ignore[misc]
-        rfile: Any  # the request's stream (BaseHTTPRequestHandler's)
-
-        def do_GET(self) -> None:
-            path = self.path.split("?")[0]
-            if path == "/health":
-                routes.health(self, bank, tier, unused)
-            elif path == "/metrics":
-                routes.metrics(self, bank, tier, cache_stats(), unused)
-            elif path.startswith("/v1/models"):
-                routes.models(self, _mlx_lm_server().scan_cache_dir, others=pin is None)
-            else:
-                super().do_GET()
-
-        def do_POST(self) -> None:
-            length = self.headers.get("Content-Length", "")
-            if self.path not in COMPLETION_ROUTES or not length.isascii() or not length.isdigit():
-                super().do_POST()  # mlx-lm answers (a 404, a 411, a 400)
-                return
-            raw = self.rfile.read(int(length))
-            try:
-                check_body(raw, self.path, pin)
-            except BodyError as e:
-                routes.send_json(self, e.status, {"error": str(e)})
-                return
-            stream = self.rfile
-            self.rfile = io.BytesIO(raw)  # mlx-lm reads the body again
-            try:
-                super().do_POST()
-            finally:
-                self.rfile = stream
-
-        # A factory's ValueError is mlx-lm's own 400: {"error": message}.
-        def handle_text_completions(self) -> Any:
-            salt = self._salt()
-            return _tagged(super().handle_text_completions(), salt)
-
-        def handle_chat_completions(self) -> Any:
-            salt = self._salt()
-            return _tagged(super().handle_chat_completions(), salt)
-
-        def _salt(self) -> str | None:
-            salt = request_salt(self.body)
-            if salt is not None and getattr(self.response_generator.cli_args, "draft_model", None):
-                raise ValueError(
-                    "cache_salt is not supported with --draft-model: mlx-lm's own prompt "
-                    "cache serves then, and it keeps no tenants apart"
-                )
-            return salt
+    class Handler(_BankHandler, handler):  # type: ignore[misc]
+        _settings = _HandlerSettings(bank, tier, cache_stats, pin, unused)
 
     return Handler
 
