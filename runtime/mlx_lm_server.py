@@ -234,34 +234,10 @@ def make_run(
                 "model it is started with"
             )
         model_provider.load_default()
-        prompt_cache: Any
-        unused = None
-        if getattr(args, "draft_model", None):
-            # Speculative decoding's caches hold the draft model's layers after the
-            # model's: the bank keeps one model's, so mlx-lm's own cache serves them.
-            # (A draft model named by a request has another model key: a bank miss.)
-            log.warning(
-                "cas-bank mlx-lm-server: with --draft-model, mlx-lm's own prompt cache "
-                "serves the requests; the bank at %s is not used",
-                bank.path,
-            )
-            prompt_cache = mls.LRUPromptCache(args.prompt_cache_size)
-            unused = routes.BankUnused("draft_model", DRAFT_MODEL_UNUSED)
-        else:
-            prompt_cache = BankPromptCache(
-                bank,
-                loaded_model(model_provider),
-                model_key=model_provider.model_key,
-                kv_bits=args.kv_bits,
-                kv_group_size=args.kv_group_size,
-                capture_states=capture_states,
-                background=None if background else False,
-                store=store,
-            )
-        pin, pinned = None, None
-        if not allow_model_switching:
-            pin = ModelPin.of(args.model, args.draft_model, args.adapter_path)
-            pinned = mls.ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None)
+        prompt_cache, unused = _prompt_cache(
+            bank, model_provider, capture_states=capture_states, background=background, store=store
+        )
+        pin, pinned = _pins(args, allow_model_switching)
         worker = worker_generator(mls.ResponseGenerator, pinned=pinned, on_death=on_death)
         generator = salting_generator(worker)(model_provider, prompt_cache)
         freeze_startup_objects()  # no full collection over the model inside a request
@@ -275,12 +251,7 @@ def make_run(
                 server_class=server_class or announcing_server(json_line),
                 handler_class=handler_class
                 or cas_bank_handler(
-                    mls.APIHandler,
-                    bank,
-                    tier,
-                    lambda: dict(stats()),
-                    pin=pin,
-                    unused=unused,
+                    mls.APIHandler, bank, tier, lambda: dict(stats()), pin=pin, unused=unused
                 ),
             )
         finally:
@@ -288,6 +259,46 @@ def make_run(
                 generator.stop_and_join()
 
     return run
+
+
+def _prompt_cache(
+    bank: Bank, model_provider: Any, *, capture_states: bool, background: bool, store: bool
+) -> tuple[Any, routes.BankUnused | None]:
+    """The server's prompt cache (a `BankPromptCache` on `bank`), and why the bank is
+    not in use when it is not (then mlx-lm's own cache)."""
+    args = model_provider.cli_args
+    if getattr(args, "draft_model", None):
+        # Speculative decoding's caches hold the draft model's layers after the
+        # model's: the bank keeps one model's, so mlx-lm's own cache serves them.
+        # (A draft model named by a request has another model key: a bank miss.)
+        log.warning(
+            "cas-bank mlx-lm-server: with --draft-model, mlx-lm's own prompt cache "
+            "serves the requests; the bank at %s is not used",
+            bank.path,
+        )
+        unused = routes.BankUnused("draft_model", DRAFT_MODEL_UNUSED)
+        return _mlx_lm_server().LRUPromptCache(args.prompt_cache_size), unused
+    prompt_cache = BankPromptCache(
+        bank,
+        loaded_model(model_provider),
+        model_key=model_provider.model_key,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        capture_states=capture_states,
+        background=None if background else False,
+        store=store,
+    )
+    return prompt_cache, None
+
+
+def _pins(args: Any, allow_model_switching: bool) -> tuple[ModelPin | None, Any]:
+    """The model a request must name (None: any) and the `ModelDescription` every
+    request is served with (None: the request's own), from mlx-lm's arguments."""
+    if allow_model_switching:
+        return None, None
+    pin = ModelPin.of(args.model, args.draft_model, args.adapter_path)
+    mls = _mlx_lm_server()
+    return pin, mls.ModelDescription(model=DEFAULT_MODEL, draft=DEFAULT_MODEL, adapter=None)
 
 
 @contextmanager
