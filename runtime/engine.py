@@ -62,6 +62,7 @@ from .models import LoadedModel, model_context_length, resolve_model
 from .prefetch import Prefetcher
 from .prefill import DEFAULT_CHUNK_SIZE, PrefillCancelled
 from .prefix_cache import PrefixCache
+from .state_recorder import StateRecorder
 from .tokenizer import eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")
@@ -94,6 +95,17 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Decoded:
+    """What decoding made: the sampled tokens, why it stopped, the time to the first
+    token (from the request's start) and the logits the last token was sampled from."""
+
+    tokens: list[int]
+    finish: FinishReason
+    ttft: float
+    logits: mx.array
 
 
 class Engine:
@@ -398,21 +410,62 @@ class Engine:
             logits = stored_logits
         else:
             try:
-                logits = pc.prefill(
-                    prompt,
-                    cache,
-                    start=cached,
-                    hints=request.branch_hints,
-                    end=True,
-                    cancelled=lambda: job.cancelled,
-                    store=self.stores != "off",
-                )
+                logits = self._prefill(job, pc, prompt, cache, cached)
             except PrefillCancelled as e:  # its blocks so far are stored
                 log.info("cas_bank: request cancelled during its prefill: %s", e)
                 return self._cancelled_in_prefill(job, cached, started)
         recorder = pc.recorder(cache)
-        sampler = self._sampler(request)
         text = TextStream(self.loaded.tokenizer, request.stop)
+        decoded = self._decode(job, cache, recorder, text, logits, started)
+        generated = decoded.tokens
+        # The last sampled token never went through the model: the cache ends before it.
+        # Its end record holds the logits the last token was sampled from: a next turn
+        # (or the same conversation again) resumes exactly here.
+        through_model = prompt + generated[:-1]
+        if self.stores != "off":
+            self._store_answer(pc, prompt, through_model, cache, recorder, decoded.logits)
+        return GenerationResult(
+            text=text.text,
+            token_ids=generated,
+            finish_reason=decoded.finish,
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            queue_s=started - job.enqueued_at,
+            ttft_s=decoded.ttft,
+            total_s=time.perf_counter() - started,
+        )
+
+    def _prefill(
+        self, job: Job, pc: PrefixCache, prompt: list[int], cache: list[Any], cached: int
+    ) -> mx.array:
+        """The prompt after its `cached` restored tokens through the model (storing its
+        blocks and end record unless stores are off); the last token's logits.
+        Raises `PrefillCancelled` when the job is cancelled between chunks."""
+        return pc.prefill(
+            prompt,
+            cache,
+            start=cached,
+            hints=job.request.branch_hints,
+            end=True,
+            cancelled=lambda: job.cancelled,
+            store=self.stores != "off",
+        )
+
+    def _decode(
+        self,
+        job: Job,
+        cache: list[Any],
+        recorder: StateRecorder,
+        text: TextStream,
+        logits: mx.array,
+        started: float,
+    ) -> _Decoded:
+        """Sample from `logits`, then token by token on `cache`, sending each token's
+        text to the job's sink, until an end token, a stop string, `max_tokens` or a
+        cancel; the state recorder sees every step."""
+        request = job.request
+        assert request.max_tokens is not None, "submit resolves max_tokens"
+        sampler = self._sampler(request)
         generated: list[int] = []
         finish: FinishReason = "length"
         ttft = 0.0
@@ -439,22 +492,7 @@ class Engine:
         tail = text.finish()
         if tail:
             job.sink(TextDelta(generated[-1], tail))
-        # The last sampled token never went through the model: the cache ends before it.
-        # Its end record holds the logits the last token was sampled from: a next turn
-        # (or the same conversation again) resumes exactly here.
-        through_model = prompt + generated[:-1]
-        if self.stores != "off":
-            self._store_answer(pc, prompt, through_model, cache, recorder, logits)
-        return GenerationResult(
-            text=text.text,
-            token_ids=generated,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            cached_tokens=cached,
-            queue_s=started - job.enqueued_at,
-            ttft_s=ttft,
-            total_s=time.perf_counter() - started,
-        )
+        return _Decoded(generated, finish, ttft, logits)
 
     @staticmethod
     def _store_answer(
