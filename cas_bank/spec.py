@@ -107,14 +107,22 @@ class LayerSpec(BaseModel):
         )
 
     @property
+    def per_block(self) -> bool:
+        """Whether this layer's arrays carry tokens (attention KV, plain or quantized):
+        cut into every block, restorable at any token; else (a recurrent state) they are
+        one state, stored only at boundaries. What a bank does with each kind of layer:
+        `cas_bank.index.layer_kinds`."""
+        return self.kind == "attention"
+
+    @property
     def token_bytes(self) -> int:
         """Bytes this layer's KV takes per token (0 for a recurrent layer)."""
-        return sum(a.nbytes for a in self.arrays) if self.kind == "attention" else 0
+        return sum(a.nbytes for a in self.arrays) if self.per_block else 0
 
     @property
     def state_bytes(self) -> int:
         """Bytes of this layer's recurrent state (0 for an attention layer)."""
-        return sum(a.nbytes for a in self.arrays) if self.kind == "recurrent" else 0
+        return 0 if self.per_block else sum(a.nbytes for a in self.arrays)
 
 
 class ModelSpec(BaseModel):
@@ -145,11 +153,21 @@ class ModelSpec(BaseModel):
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.kind == "attention"]
+        return [i for i, layer in enumerate(self.layers) if layer.per_block]
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if layer.kind == "recurrent"]
+        return [i for i, layer in enumerate(self.layers) if not layer.per_block]
+
+    @cached_property
+    def block_arrays(self) -> tuple[ArraySpec, ...]:
+        """The arrays a block payload holds: every attention layer's, in layer order."""
+        return tuple(s for layer in self.layers if layer.per_block for s in layer.arrays)
+
+    @cached_property
+    def state_arrays(self) -> tuple[ArraySpec, ...]:
+        """The arrays a state payload holds: every recurrent layer's, in layer order."""
+        return tuple(s for layer in self.layers if not layer.per_block for s in layer.arrays)
 
     @cached_property
     def is_hybrid(self) -> bool:
