@@ -20,18 +20,9 @@ from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.spec import LayerSpec, ModelSpec
+from cas_bank.spec import ModelSpec
 
-
-def _flatten_kv(layer: Any) -> list[Any]:
-    """(keys, values) -> [keys, values]; quantized ((kq, ks, kb), (vq, vs, vb)) -> 6 arrays."""
-    out: list[Any] = []
-    for part in layer:
-        if isinstance(part, (tuple, list)):
-            out.extend(part)
-        else:
-            out.append(part)
-    return out
+from .layer_kinds import kind_of
 
 
 def _check_array(a: Any, want_shape: tuple[int, ...], want: DType, where: str) -> None:
@@ -55,7 +46,7 @@ def check_layers(spec: ModelSpec, layers: Sequence[Any], n_tokens: int) -> list[
         )
     out: list[list[mx.array]] = []
     for i, (layer, ls) in enumerate(zip(layers, spec.layers, strict=True)):
-        if ls.kind == "recurrent":
+        if not ls.per_block:
             if layer is not None:
                 raise InvalidInputError(
                     f"layer {i} is recurrent: pass None in layers and its state in states"
@@ -63,7 +54,7 @@ def check_layers(spec: ModelSpec, layers: Sequence[Any], n_tokens: int) -> list[
             continue
         if layer is None:
             raise InvalidInputError(f"layer {i} is an attention layer but None was given")
-        arrays = _flatten_kv(layer)
+        arrays = kind_of(ls).flat(layer)
         if len(arrays) != len(ls.arrays):
             raise InvalidInputError(
                 f"layer {i}: {len(arrays)} arrays given, the spec expects {len(ls.arrays)}"
@@ -94,7 +85,7 @@ def check_state(spec: ModelSpec, state: Sequence[Any], where: str) -> list[mx.ar
         )
     out: list[mx.array] = []
     for i, (entry, ls) in enumerate(zip(state, spec.layers, strict=True)):
-        if ls.kind != "recurrent":
+        if ls.per_block:
             if entry is not None:
                 raise InvalidInputError(f"{where}: layer {i} is attention; give None")
             continue
@@ -114,9 +105,7 @@ class BlockCutter:
 
     def __init__(self, spec: ModelSpec, arrays: list[list[mx.array]], block_size: int) -> None:
         self.block_size = block_size
-        self.dtypes = [
-            dtype_named(s.dtype) for ls in spec.layers if ls.kind == "attention" for s in ls.arrays
-        ]
+        self.dtypes = [dtype_named(s.dtype) for s in spec.block_arrays]
         # One evaluation and one zero-copy numpy view of each buffer; blocks are slices.
         flat = [a for layer in arrays for a in layer]
         mx.eval(*flat)
@@ -136,7 +125,9 @@ def encode_state(state_arrays: list[mx.array], compression: Compression, check: 
 def group_layers(
     spec: ModelSpec, attention: list[mx.array] | None, recurrent: list[mx.array] | None
 ) -> list[tuple[Any, ...] | None]:
-    """Flat arrays back into per-layer tuples aligned with spec.layers.
+    """Flat arrays back into per-layer tuples aligned with spec.layers (each kind's
+    `group`): attention layers' from `attention`, recurrent layers' from `recurrent`;
+    None for a layer whose list is None.
 
     Attention layers get (keys, values), or for quantized KV ((kq, ks, kb), (vq, vs, vb)).
     """
@@ -144,28 +135,27 @@ def group_layers(
     att = iter(attention or [])
     rec = iter(recurrent or [])
     for ls in spec.layers:
-        attends = ls.kind == "attention"
-        if (attention if attends else recurrent) is None:
+        per_block = ls.per_block
+        if (attention if per_block else recurrent) is None:
             out.append(None)
             continue
         n = len(ls.arrays)
         # islice: C-level, where a generator a layer cost a cold restore ~1 us each.
-        arrs = tuple(islice(att if attends else rec, n))
+        arrs = tuple(islice(att if per_block else rec, n))
         if len(arrs) != n:
             raise ValueError(f"fewer arrays than {spec.name}'s layers hold")
-        out.append(_kv_tuple(ls, arrs) if attends else arrs)
+        out.append(kind_of(ls).group(arrs))
     return out
 
 
-def _kv_tuple(ls: LayerSpec, arrs: Sequence[mx.array]) -> tuple[Any, ...]:
-    if ls.quantization is not None:
-        return (tuple(arrs[:3]), tuple(arrs[3:]))
-    return tuple(arrs)
-
-
-def flat_attention(layers: Sequence[tuple[Any, ...] | None]) -> list[mx.array]:
+def flat_attention(spec: ModelSpec, layers: Sequence[tuple[Any, ...] | None]) -> list[mx.array]:
     """The attention arrays of per-layer tuples, flat, in spec order (`group_layers`'s inverse)."""
-    return [a for layer in layers if layer is not None for a in _flatten_kv(layer)]
+    return [
+        a
+        for ls, layer in zip(spec.layers, layers, strict=True)
+        if layer is not None
+        for a in kind_of(ls).flat(layer)
+    ]
 
 
 def merge_layers(
@@ -175,7 +165,7 @@ def merge_layers(
 
 
 def decode_state(spec: ModelSpec, block: Decoded) -> list[mx.array]:
-    specs = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    specs = spec.state_arrays
     if len(block.arrays) != len(specs):
         raise CorruptDataError("state payload does not fit the spec")
     out = []

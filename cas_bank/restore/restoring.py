@@ -423,5 +423,5 @@ def _layers(
     kv = assembler.layers(n_blocks, room=room)
     if ns.bank.leases is not None and not capacity:
         # Exact arrays: the first update copies them anyway, so keep them too.
-        ns.bank.leases.put(plan.hashes[:n_blocks], flat_attention(kv))
+        ns.bank.leases.put(plan.hashes[:n_blocks], flat_attention(ns.spec, kv))
     return kv
