@@ -34,10 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from cas_bank.arrays import dtype_of
 from cas_bank.errors import InvalidInputError
 from cas_bank.spec import LayerSpec, ModelSpec
 
+from .cache_kinds import cache_kind_of
 from .models import LoadedModel, weights_digest
 from .tokenizer import ByteTokenizer
 
@@ -110,31 +110,7 @@ _CHECKED_CLASSES: set[tuple[type, ...]] = set()
 def layer_spec_of(entry: Any, index: int) -> LayerSpec:
     """The layout of one cache object that has seen at least one token."""
     check_cache_class(entry, index)
-    # mlx-lm declares its cache arrays as None until the first update: read them as Any.
-    e: Any = entry
-    if isinstance(entry, QuantizedKVCache):
-        kq, ks, _ = e.keys
-        vq, _, _ = e.values
-        per_word = 32 // entry.bits
-        return LayerSpec.quantized_attention(
-            kv_heads=kq.shape[1],
-            head_dim=kq.shape[-1] * per_word,
-            dtype=dtype_of(ks).name,
-            group_size=entry.group_size,
-            bits=entry.bits,
-            v_head_dim=vq.shape[-1] * per_word,
-        )
-    if isinstance(entry, KVCache):
-        return LayerSpec.attention(
-            kv_heads=e.keys.shape[1],
-            head_dim=e.keys.shape[-1],
-            dtype=dtype_of(e.keys).name,
-            v_head_dim=e.values.shape[-1],
-        )
-    arrays = list(entry.cache)
-    if any(a is None for a in arrays):
-        raise InvalidInputError(f"layer {index}: {type(entry).__name__} left a state unset")
-    return LayerSpec.recurrent([(tuple(a.shape), dtype_of(a).name) for a in arrays])
+    return cache_kind_of(entry).describe(entry, index)
 
 
 def probe_model(
