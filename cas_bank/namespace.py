@@ -69,7 +69,13 @@ class Namespace:
         self.spec = spec
         self.root = root
         self._payloads = PayloadReader(
-            spec, bank.store, bank.hot, bank.counters, bank.suspects, bank.files
+            spec,
+            bank.store,
+            bank.hot,
+            bank.counters,
+            bank.suspects,
+            bank.files,
+            resources=bank.resources,
         )
         self.block_size = bank.config.block_size
 

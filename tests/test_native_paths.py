@@ -164,8 +164,9 @@ def test_the_library_runs_without_the_linux_only_calls(tmp_path: Path) -> None:
         from cas_bank.restore import workers
         assert keep_freed_memory() is False
         assert workers._current_cpu is None  # no pinning without the calls
-        work, done = iter(range(1000)), []
-        workers.together(lambda: done.extend(work))
+        work, done, helpers = iter(range(1000)), [], workers.Workers()
+        helpers.together(lambda: done.extend(work))
+        helpers.close()
         assert sorted(done) == list(range(1000))
         sys.argv = ["roundtrip", {str(tmp_path / "bank")!r}, "any"]
         runpy.run_path({str(ROUNDTRIP)!r}, run_name="__main__")

@@ -125,3 +125,57 @@ def test_spare_bytes_is_a_setting_of_non_negative_bytes() -> None:
     assert BankConfig(spare_bytes=0).spare_bytes == 0
     with pytest.raises(ValueError, match="spare_bytes"):
         BankConfig(spare_bytes=-1)
+
+
+def _alive_native_ids() -> set[int | None]:
+    return {t.native_id for t in threading.enumerate()}
+
+
+def test_each_bank_has_its_own_helper_threads_and_close_joins_them(tmp_path: Path) -> None:
+    """A bank's restore shares its copies with that bank's helper threads
+    (`restore.workers`, here: blocks of the hot tier, 8 MiB, copied on two threads);
+    two banks, two sets; closing one joins its threads while the other restores on."""
+    tokens = [int(t) for t in np.arange(1024) % 97]
+    layers = prefix_layers(SPEC, tokens)
+    config = BankConfig(block_size=64, file_min_bytes=None, write_behind=0)
+    for name in "ab":
+        with Bank.open(tmp_path / name, config) as bank:
+            bank.namespace(SPEC).store(tokens, layers)
+    want = kv_prefix_bits(layers, SPEC, 1024)
+    banks = [Bank.open(tmp_path / name, config) for name in "ab"]
+    try:
+        for bank in banks:
+            for _ in range(2):  # the second from the hot tier: copied on two threads
+                hit = bank.namespace(SPEC).restore(tokens, room_for=1100)
+                assert hit is not None and kv_prefix_bits(hit.layers, SPEC, 1024) == want
+        a, b = (set(bank.resources.workers.tids) for bank in banks)
+        assert len(a) == len(b) == 3 and not a & b  # the pool's two and the partner each
+        assert a | b <= _alive_native_ids()
+        banks[0].close()
+        assert not a & _alive_native_ids()  # joined
+        assert b <= _alive_native_ids()
+        hit = banks[1].namespace(SPEC).restore(tokens, room_for=1100)
+        assert hit is not None and kv_prefix_bits(hit.layers, SPEC, 1024) == want
+        assert set(banks[1].resources.workers.tids) == b
+    finally:
+        for bank in banks:
+            bank.close()
+    assert not (a | b) & _alive_native_ids()
+
+
+def test_restore_threads_is_one_or_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CAS_BANK_RESTORE_THREADS=1`: no helper threads at all; anything but 1 or 2 is
+    an error naming the variable."""
+    from cas_bank.restore.resources import Resources
+
+    monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "1")
+    alone = Resources(0)
+    assert alone.threads == 1 and alone.workers.threads == 0
+    alone.close()
+    monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "3")
+    with pytest.raises(ValueError, match="CAS_BANK_RESTORE_THREADS must be 1 or 2"):
+        Resources(0)
+    monkeypatch.delenv("CAS_BANK_RESTORE_THREADS")
+    assert Resources(0).threads == 2
+    with pytest.raises(ValueError, match="threads must be 1 or 2"):
+        Resources(0, threads=0)

@@ -33,7 +33,6 @@ from cas_bank.restore.file_read import BlockFiles, Layout, layout_of
 from cas_bank.restore.resources import Resources
 from cas_bank.restore.row_runs import RowRuns, contiguous_row_runs
 from cas_bank.restore.spares import Filled, SpareSet, spare_set
-from cas_bank.restore.workers import together
 from cas_bank.spec import ArraySpec, ModelSpec
 
 # A destination's field, read by a C-level map (a restore's every array at once).
@@ -255,7 +254,10 @@ class Assembler:
             while (j := next(arrays)) < n:
                 self._copy(blocks, j, j + 1)
 
-        together(copy_arrays)
+        if self._resources is None:
+            copy_arrays()
+        else:  # on this thread and the bank's helper (`restore.workers`)
+            self._resources.workers.together(copy_arrays)
 
     def _copy_lease(self, arrays: HeldArrays, rows: int) -> None:
         """A lease's first `rows` rows into place by the native copy (streamed stores,

@@ -22,7 +22,8 @@ Without it: one `preadv` of the whole file into the reading thread's reused buff
 one check over it (the `xxhash` or `blake3` package), then, once it verified, one
 strided copy per array into its rows of the destination.
 
-Blocks go to a small thread pool on that path: `preadv`, blake3 and `np.copyto` all
+Blocks go to the bank's helper threads on that path (`restore.workers`, handed in by
+the caller; without them, one by one): `preadv`, the checks and `np.copyto` all
 release the GIL.
 
 A payload that is not a plain (uncompressed) payload of the expected layout, whose
@@ -49,7 +50,7 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.native import fill_module
 from cas_bank.restore.row_runs import RowRuns, placed, row_runs
-from cas_bank.restore.workers import helper_pool, keep_helpers_off_this_cpu
+from cas_bank.restore.workers import Workers
 
 FilePath: TypeAlias = str | Path  # a payload file: restores name them as strings
 Job: TypeAlias = tuple[int, FilePath, int, bytes]  # (block index, file, size, digest)
@@ -256,9 +257,10 @@ class BlockFiles:
                 np.copyto(dest[..., index * rows : (index + 1) * rows, :], src)
         return None
 
-    def read_all(self, items: Sequence[Job]) -> list[str | None]:
-        """`read` of every (index, path, size, digest), on both cores; results in order."""
-        return read_files([(self, item) for item in items])
+    def read_all(self, items: Sequence[Job], workers: Workers | None = None) -> list[str | None]:
+        """`read` of every (index, path, size, digest), on both cores; results in order
+        (`read_files`)."""
+        return read_files([(self, item) for item in items], workers)
 
     def _failure(self, code: int, errno: int, item: Job) -> str | None:
         """What a native reader's (code, errno) for `item` means: None if it was good."""
@@ -270,12 +272,15 @@ class BlockFiles:
         return f"{why} ({os.strerror(errno)})" if errno else why
 
 
-def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
+def read_files(
+    jobs: Sequence[tuple[BlockFiles, Job]], workers: Workers | None = None
+) -> list[str | None]:
     """`reader.read(*item)` of every (reader, item), on both cores; results in order.
 
     With the native reader, one C call reads on this thread and on its partner thread,
     both taking the files from a shared counter (no task per file); files it cannot
-    read this way (the Python path's, one of another size) are read one by one after.
+    read this way (the Python path's, one of another size) are read after, on
+    `workers`' pool (the bank's, `restore.resources`), or one by one here without it.
     """
     out: list[str | None] = [None] * len(jobs)
     native = [
@@ -302,12 +307,11 @@ def read_files(jobs: Sequence[tuple[BlockFiles, Job]]) -> list[str | None]:
         rest = [k for k in range(len(jobs)) if k not in done]
     else:
         rest = list(range(len(jobs)))
-    if len(rest) < 2:
+    if len(rest) < 2 or workers is None:
         for k in rest:
             out[k] = jobs[k][0].read(*jobs[k][1])
     else:
-        keep_helpers_off_this_cpu()
-        results = helper_pool().map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
+        results = workers.map(lambda k: jobs[k][0].read(*jobs[k][1]), rest)
         for k, why in zip(rest, results, strict=True):
             out[k] = why
     return out

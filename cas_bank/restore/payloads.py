@@ -28,6 +28,7 @@ from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
     from cas_bank.blocks.hot import HotStore
+    from cas_bank.restore.resources import Resources
     from cas_bank.stats import Counters
     from cas_bank.write.txn import Suspects
 
@@ -50,7 +51,8 @@ class PayloadReader:
 
     Collaborators: the `store` read from (and the `hot` tier in it, if any), the
     `counters` that count hot hits and corrupt reads, the `suspects` a corrupt read
-    marks.
+    marks, the bank's `resources` whose helper threads read payload files beside the
+    restoring thread where the native reader does not (None: it reads them alone).
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class PayloadReader:
         counters: Counters,
         suspects: Suspects,
         files: FileTier | None = None,
+        resources: Resources | None = None,
     ) -> None:
         self.spec = spec
+        self.resources = resources
         self.files = files
         self.store = store
         self.hot = hot
@@ -180,7 +184,8 @@ class PayloadReader:
         ]
         if state_job is not None:  # first: the largest file, the one to start early
             jobs.insert(0, state_job)
-        return names, read_files(jobs)
+        resources = self.resources
+        return names, read_files(jobs, resources.workers if resources is not None else None)
 
     def _read_plain(
         self,

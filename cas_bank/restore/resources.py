@@ -20,7 +20,16 @@ server gets:
   made once (`restore.assemble`: rebuilding it cost ~0.1 ms a restore), the 64 most
   recent;
 - `scratch`: each reading thread's reused buffer of the reader without the native
-  helper (`restore.file_read`).
+  helper (`restore.file_read`);
+- `workers`: the Python helper threads a restore's heavy loops share (`restore.workers`:
+  the pool of the reader without the native helper, the partner of the copies of
+  decoded blocks), made by the first restore that wants them and joined by `close`.
+  `CAS_BANK_RESTORE_THREADS=1` (default 2) leaves them out: every loop runs on the
+  restoring thread alone. MEASURED
+
+The native reader's and row copy's own partner threads (cas_bank/_native/pair.h, one
+per thread that calls them, no Python on their side) are C-level and not here: they
+hold no buffers of a bank's and end with their thread.
 
 What stays process-wide is a runtime's choice, not the library's: glibc's `mallopt`
 (`destinations.keep_freed_memory`) and MLX's allocator settings, set by the servers
@@ -32,6 +41,7 @@ hold no buffers and no threads.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -39,8 +49,21 @@ from typing import Any
 
 from cas_bank.restore.gpu_prefetch import GpuPrefetch
 from cas_bank.restore.spares import Spares
+from cas_bank.restore.workers import THREADS, Workers
 
 _SHAPES_KEPT = 64
+THREADS_ENV = "CAS_BANK_RESTORE_THREADS"  # 1: no helper threads; 2 (default): with them
+
+
+def restore_threads() -> int:
+    """The threads a restore's loops run on, the restoring one counted: 1 or 2
+    (`CAS_BANK_RESTORE_THREADS`, 2 if unset); anything else is an error naming it."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw in ("", "2"):
+        return 2
+    if raw == "1":
+        return 1
+    raise ValueError(f"{THREADS_ENV} must be 1 or 2, got {raw!r}")
 
 
 class ShapeMemo:
@@ -75,18 +98,43 @@ class ShapeMemo:
 
 
 class Resources:
-    """One bank's spares, GPU prefetch state, shape memo and scratch buffers.
+    """One bank's spares, GPU prefetch state, shape memo, scratch buffers and helper
+    threads.
 
-    `spare_bytes`: the spares' bound (0: no spares and no thread). `close` stops the
-    spares' thread (joined) and releases every buffer; a closed one restores as a
-    bank without spares does."""
+    `spare_bytes`: the spares' bound (0: no spares and no thread). `threads`: 2, a
+    restore's loops shared with helper threads, or 1, none (default: `restore_threads()`).
+    `close` stops the spares' thread and the helpers (joined) and releases every
+    buffer; a closed one restores as a bank without spares or helpers does."""
 
-    def __init__(self, spare_bytes: int, *, copy_ahead: bool = True) -> None:
+    def __init__(
+        self, spare_bytes: int, *, copy_ahead: bool = True, threads: int | None = None
+    ) -> None:
+        if threads is None:
+            threads = restore_threads()
+        elif threads not in (1, 2) or isinstance(threads, bool):
+            raise ValueError(f"threads must be 1 or 2, got {threads!r}")
         self.spares = Spares(spare_bytes, copy_ahead=copy_ahead)
         self.gpu = GpuPrefetch()
         self.shapes = ShapeMemo()
         self.scratch = threading.local()
+        self.threads = threads
+        self._workers: Workers | None = None
+        self._making = threading.Lock()
         self.closed = False
+
+    @property
+    def workers(self) -> Workers:
+        """The helper threads (`restore.workers`), this object made by the first call,
+        their threads by the first loop that shares its work; once closed, none (every
+        loop runs on its caller)."""
+        workers = self._workers
+        if workers is None:
+            with self._making:
+                if self._workers is None:
+                    helpers = THREADS if self.threads > 1 and not self.closed else 0
+                    self._workers = Workers(helpers)
+                workers = self._workers
+        return workers
 
     @property
     def held_bytes(self) -> int:
@@ -109,8 +157,13 @@ class Resources:
         self.spares.settle()
 
     def close(self) -> None:
-        """Stop the spares' thread (joined) and release the buffers. Idempotent."""
+        """Stop the spares' thread and the helpers (joined) and release the buffers.
+        Idempotent."""
         self.closed = True
+        with self._making:
+            workers = self._workers
+        if workers is not None:
+            workers.close()
         self.spares.close()
         self.shapes.clear()
         self.scratch = threading.local()  # other threads' buffers go with the old one
