@@ -179,8 +179,7 @@ def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes) -> EndPayload
     """The arrays of an end payload after checking its digest and its fit with `spec`."""
     block = codec.decode(payload, header.payload_digest)
     arrays = block.arrays
-    att = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
-    rec = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    att, rec = spec.block_arrays, spec.state_arrays
     n_state = len(rec) if header.has_state else 0
     want = len(att) + n_state + header.has_logits + header.has_hidden
     if len(arrays) != want or (spec.is_hybrid and not header.has_state):
