@@ -55,7 +55,7 @@ def read_partial(
     views of its verified payload (bf16 as uint16), in spec order; None when it is
     missing or fails (counted and logged by the reader, or here for an end record)."""
     j = plan.shared
-    specs = [s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays]
+    specs = spec.block_arrays
     if plan.header is not None:
         h = plan.header
         block = plan.fetched
@@ -100,9 +100,7 @@ def partial_layers(
     if assembler is not None:
         assembler.put_tail(plan.base, arrays)
         return assembler.layers(plan.blocks, room=room, tokens=plan.tokens)
-    dtypes: list[DType] = [
-        dtype_named(s.dtype) for ls in spec.layers if ls.kind == "attention" for s in ls.arrays
-    ]
+    dtypes: list[DType] = [dtype_named(s.dtype) for s in spec.block_arrays]
     tail = [from_numpy(np.ascontiguousarray(a), d) for a, d in zip(arrays, dtypes, strict=True)]
     if plan.blocks:
         tail = [
