@@ -84,9 +84,9 @@ def _shapes(
 
 
 def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
-    specs = tuple(s for ls in spec.layers if ls.kind == "attention" for s in ls.arrays)
+    specs = spec.block_arrays
     dtypes = tuple(dtype_named(s.dtype) for s in specs)
-    state_specs = [s for ls in spec.layers if ls.kind == "recurrent" for s in ls.arrays]
+    state_specs = spec.state_arrays
     state_shapes = tuple(s.shape for s in state_specs) if state else ()
     state_dtypes = tuple(dtype_named(s.dtype) for s in state_specs) if state else ()
     wanted = (
