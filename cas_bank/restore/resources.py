@@ -33,9 +33,9 @@ server gets:
   records (`file_min_bytes=None`), the hot restore 6.0/3.4 and 27.4/25.8. Starting them
   costs a bank ~3.3 ms once; a `together` call warm, ~5 us.
 
-The native reader's and row copy's own partner threads (cas_bank/_native/pair.h, one
-per thread that calls them, no Python on their side) are C-level and not here: they
-hold no buffers of a bank's and end with their thread.
+The native reader's and row copy's own partner thread (cas_bank/_native/pair.h: one a
+process, started by the native module, no Python on its side) stays C-level and is not
+here: it holds no bank's buffers, only the half of a call it is handed.
 
 What stays process-wide is a runtime's choice, not the library's: glibc's `mallopt`
 (`destinations.keep_freed_memory`) and MLX's allocator settings, set by the servers
