@@ -131,10 +131,14 @@ def _alive_native_ids() -> set[int | None]:
     return {t.native_id for t in threading.enumerate()}
 
 
-def test_each_bank_has_its_own_helper_threads_and_close_joins_them(tmp_path: Path) -> None:
-    """A bank's restore shares its copies with that bank's helper threads
-    (`restore.workers`, here: blocks of the hot tier, 8 MiB, copied on two threads);
-    two banks, two sets; closing one joins its threads while the other restores on."""
+def test_each_bank_has_its_own_helper_threads_and_close_joins_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the helper threads on (`CAS_BANK_RESTORE_THREADS=2`), a bank's restore
+    shares its copies with that bank's helper threads (`restore.workers`, here: blocks
+    of the hot tier, 8 MiB, copied on two threads); two banks, two sets; closing one
+    joins its threads while the other restores on."""
+    monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "2")
     tokens = [int(t) for t in np.arange(1024) % 97]
     layers = prefix_layers(SPEC, tokens)
     config = BankConfig(block_size=64, file_min_bytes=None, write_behind=0)
@@ -164,8 +168,8 @@ def test_each_bank_has_its_own_helper_threads_and_close_joins_them(tmp_path: Pat
 
 
 def test_restore_threads_is_one_or_two(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`CAS_BANK_RESTORE_THREADS=1`: no helper threads at all; anything but 1 or 2 is
-    an error naming the variable."""
+    """`CAS_BANK_RESTORE_THREADS=1` (the default): no helper threads at all; 2 turns
+    them on; anything but 1 or 2 is an error naming the variable."""
     from cas_bank.restore.resources import Resources
 
     monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "1")
@@ -175,7 +179,9 @@ def test_restore_threads_is_one_or_two(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "3")
     with pytest.raises(ValueError, match="CAS_BANK_RESTORE_THREADS must be 1 or 2"):
         Resources(0)
-    monkeypatch.delenv("CAS_BANK_RESTORE_THREADS")
+    monkeypatch.setenv("CAS_BANK_RESTORE_THREADS", "2")
     assert Resources(0).threads == 2
+    monkeypatch.delenv("CAS_BANK_RESTORE_THREADS")
+    assert Resources(0).threads == 1
     with pytest.raises(ValueError, match="threads must be 1 or 2"):
         Resources(0, threads=0)

@@ -24,8 +24,9 @@ server gets:
 - `workers`: the Python helper threads a restore's heavy loops share (`restore.workers`:
   the pool of the reader without the native helper, the partner of the copies of
   decoded blocks), made by the first restore that wants them and joined by `close`.
-  `CAS_BANK_RESTORE_THREADS=1` (default 2) leaves them out: every loop runs on the
-  restoring thread alone. Measured against that (4k-token prompts, medians of 9-11
+  They are off by default (`CAS_BANK_RESTORE_THREADS=1`: every loop runs on the
+  restoring thread alone; 2 turns them on), because they did not earn their place.
+  Measured, on against off (4k-token prompts, medians of 9-11
   interleaved rounds, a shared 2-vCPU machine, on/off in ms): with the native reader
   and payload files (the default) they never start, its own partner doing that work;
   without the native helper (`CAS_BANK_PURE_PYTHON=1`), a reopened restore tiny-qwen3
@@ -58,16 +59,16 @@ from cas_bank.restore.spares import Spares
 from cas_bank.restore.workers import THREADS, Workers
 
 _SHAPES_KEPT = 64
-THREADS_ENV = "CAS_BANK_RESTORE_THREADS"  # 1: no helper threads; 2 (default): with them
+THREADS_ENV = "CAS_BANK_RESTORE_THREADS"  # 1 (default): no helper threads; 2: with them
 
 
 def restore_threads() -> int:
     """The threads a restore's loops run on, the restoring one counted: 1 or 2
-    (`CAS_BANK_RESTORE_THREADS`, 2 if unset); anything else is an error naming it."""
+    (`CAS_BANK_RESTORE_THREADS`, 1 if unset); anything else is an error naming it."""
     raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw in ("", "2"):
+    if raw == "2":
         return 2
-    if raw == "1":
+    if raw in ("", "1"):
         return 1
     raise ValueError(f"{THREADS_ENV} must be 1 or 2, got {raw!r}")
 
