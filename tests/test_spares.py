@@ -126,13 +126,13 @@ import sys, threading, time
 import mlx.core as mx
 from cas_bank.arrays import DTYPES
 from cas_bank.restore.spares import Spares
-SPARES = Spares(1 << 28)
+SHARED_SPARES = Spares(1 << 28)
 wanted = [((1, 4, 256, 64), DTYPES["float16"])] * 16
 stop = time.monotonic() + 2.0
 def refills():
     while time.monotonic() < stop:
-        SPARES.take(wanted, 0)
-        SPARES.refill(wanted, 0)
+        SHARED_SPARES.take(wanted, 0)
+        SHARED_SPARES.refill(wanted, 0)
 thread = threading.Thread(target=refills)
 thread.start()
 x = mx.ones((64, 64))
@@ -140,9 +140,9 @@ while time.monotonic() < stop:
     mx.eval(x @ x)
     mx.clear_cache()
 thread.join()
-SPARES.settle()
-SPARES.close()
-print("made", SPARES.made)
+SHARED_SPARES.settle()
+SHARED_SPARES.close()
+print("made", SHARED_SPARES.made)
 """
 
 

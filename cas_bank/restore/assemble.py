@@ -364,7 +364,7 @@ class Assembler:
         )
 
     def _scratch(self) -> threading.local | None:
-        """The bank's reading threads' reused buffers (`fastread`), where it has them."""
+        """The bank's reading threads' reused buffers (`restore.file_read`), where it has them."""
         return self._resources.scratch if self._resources is not None else None
 
     def state_arrays(self) -> list[mx.array]:
