@@ -337,9 +337,13 @@ class Bank:
 
         Also when a store failed or the disk is full: a store's failure is raised once
         the rest is closed (a full disk's is logged, not raised), and the counters and
-        last uses are saved if there is room (lost otherwise, with a warning)."""
+        last uses are saved if there is room (lost otherwise, with a warning). From the
+        background writer's own thread (a `when_written` callback): `RuntimeError`, and
+        nothing is closed (it would wait for itself)."""
         if self._closed:
             return
+        if self.writer is not None:
+            self.writer.refuse_own_thread("Bank.close()")
         self._closed = True
         failed: Exception | None = None
         try:

@@ -351,3 +351,72 @@ def test_close_raises_a_queued_stores_error_after_persisting_the_counters(
         bank.close()
     with Bank.open(bank_path) as again:
         assert again.stats().restores == 1 and again.stats().blocks == 0
+
+
+def _fails(_: object) -> None:
+    raise ZeroDivisionError("a callback's bug")
+
+
+def test_a_raising_when_written_callback_leaves_the_writer_running(
+    bank_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `when_written` callback or a `measure` that raises is logged, each on its own:
+    the store's result is its own, the next callbacks run, and the writer goes on to
+    write every later store (without it, the thread died and flush waited for ever)."""
+    spec = attention_spec()
+    rng = np.random.default_rng(31)
+    first, second = tokens_of(rng, 2 * B), tokens_of(rng, 3 * B)
+    bank = Bank.open(bank_path, BankConfig(block_size=B, write_behind=4))
+    assert bank.writer is not None
+    ns = bank.namespace(spec)
+    release = _holding_the_writer(bank)  # the callbacks run on the writer's thread
+    job = bank.writer.submit(lambda: 7, measure=_fails)
+    seen: list[int] = []
+    job.when_written(_fails)
+    job.when_written(seen.append)  # after one that raised: still called
+    stored = ns.store_later(first, prefix_layers(spec, first))
+    stored.when_written(_fails)
+    later = ns.store_later(second, prefix_layers(spec, second))
+    release.set()
+    assert later.result(timeout=10).blocks_written == 3  # the writer went on
+    assert job.result() == 7 and seen == [7]
+    assert stored.result().blocks_written == 2
+    bank.flush()
+    assert bank.writer.stats().failed == 0 and bank.writer.stats().written == 4
+    assert sum("when_written callback raised" in r.getMessage() for r in caplog.records) == 3
+    bank.close()
+    with Bank.open(bank_path) as again:
+        assert again.stats().blocks == 5
+
+
+def test_close_from_a_when_written_callback_is_refused_and_closes_nothing(
+    bank_path: Path,
+) -> None:
+    """`Bank.close()` (or the writer's) on the writer's own thread would wait for itself:
+    a clear `RuntimeError`, the bank untouched and its writer writing what is queued."""
+    spec = attention_spec()
+    rng = np.random.default_rng(32)
+    first, second = tokens_of(rng, 2 * B), tokens_of(rng, 3 * B)
+    bank = Bank.open(bank_path, BankConfig(block_size=B, write_behind=4))
+    assert bank.writer is not None
+    ns = bank.namespace(spec)
+    refused: list[Exception] = []
+
+    def close_here(_: object) -> None:
+        for close in (bank.close, bank.writer.close):  # type: ignore[union-attr]
+            try:
+                close()
+            except RuntimeError as e:
+                refused.append(e)
+
+    release = _holding_the_writer(bank)
+    ns.store_later(first, prefix_layers(spec, first)).when_written(close_here)
+    later = ns.store_later(second, prefix_layers(spec, second))
+    release.set()
+    assert later.result(timeout=10).blocks_written == 3
+    assert [str(e).split(" on ")[0] for e in refused] == ["Bank.close()", "close()"]
+    assert all("writer's own thread" in str(e) for e in refused)
+    assert ns.match(second) == 3 * B and not bank.writer.closed
+    bank.close()
+    with Bank.open(bank_path) as again:
+        assert again.stats().blocks == 5

@@ -20,10 +20,13 @@ caller's thread (MTPLX's idle-lane spill).
   committed, or failed: a failed store leaves the view, and `flush()` raises it.
 - `stats()`: how many stores are queued now (waiting or being written) and what the
   writer wrote (stores, bytes, failures) since the bank opened; `/metrics` shows them.
+- A `when_written` callback (or `submit`'s `measure`) that raises is logged, each on its
+  own: the writer goes on, and the store's own result is what its write returned.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import traceback
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("cas_bank")
 
 
 class PendingStore(Generic[T]):
@@ -57,17 +62,18 @@ class PendingStore(Generic[T]):
             callbacks, self._callbacks = self._callbacks, []
         if error is None:
             for fn in callbacks:
-                fn(value)  # type: ignore[arg-type]
+                _call(fn, value)  # type: ignore[arg-type]
 
     def when_written(self, fn: Callable[[T], None]) -> None:
         """Call `fn(report)` once the store is written (now, if it is); never if it
-        failed. On the writer's thread: keep it short."""
+        failed. On the writer's thread: keep it short. What `fn` raises is logged, not
+        raised (the writer goes on; the store's result is its own)."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
                 return
         if self._error is None:
-            fn(self._value)  # type: ignore[arg-type]
+            _call(fn, self._value)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -86,6 +92,15 @@ class PendingStore(Generic[T]):
             raise self._error
         assert self._value is not None
         return self._value
+
+
+def _call(fn: Callable[[T], None], value: T) -> None:
+    """`fn(value)`; what it raises is logged: a callback's bug must not stop the writer
+    (every later store would wait for ever, and `flush()` with them)."""
+    try:
+        fn(value)
+    except Exception:
+        log.exception("cas_bank: a when_written callback raised; the store was written")
 
 
 class Queued:
@@ -230,17 +245,30 @@ class BackgroundWriter:
             error, self._first_error = self._first_error, None
         return error
 
+    def refuse_own_thread(self, what: str) -> None:
+        """`RuntimeError` on the writer's own thread (in a `when_written` callback or a
+        queued job): `what` would wait for that thread to stop, which never comes."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"{what} on the background writer's own thread (a when_written callback"
+                " or a queued job) would wait for that thread itself: call it from"
+                " another thread"
+            )
+
     def close(self) -> None:
         """Flush, then stop the thread; a second close does nothing. The failure it
         raises is the first since the last flush, unless its `result()` already raised
-        it to its caller (a close does not report it twice)."""
+        it to its caller (a close does not report it twice).
+
+        On the writer's own thread (a `when_written` callback): `RuntimeError` before
+        anything is done (`refuse_own_thread`): it would wait for itself."""
+        self.refuse_own_thread("close()")
         with self._gate:  # a submit racing with this one lands before the flush, or fails
             if self._closed:
                 return
             self._closed = True
         try:
-            if threading.current_thread() is not self._thread:
-                self._queue.join()  # what was queued before the gate closed
+            self._queue.join()  # what was queued before the gate closed
             error = self._take_error(wait=False)
             if error is not None and not error[1]._reported:
                 raise error[0]
