@@ -25,11 +25,16 @@ walk of the keys of one whose values are in blob files), so a secondary store re
 the blob families (payloads and end records) through a read-only instance that
 `refresh()` reopens right after catching up: payloads are never older than headers.
 
-Reads and a reopen exclude each other: after a full disk the first store to find room
-reopens the database (`_resume`, on the writer's thread), and `close()` ends it; each
-waits for the reads under way, and a read that comes meanwhile waits for it to end
-(`_enter`, `_alone`), so a restore on another thread sees the database open or the
-bank closed, never a database half reopened.
+Every use of the database and a reopen exclude each other: after a full disk the
+first store to find room reopens the database (`_resume`, on the writer's thread), a
+secondary's `refresh()` swaps its payload reader, and `close()` ends it; each waits for
+the reads and writes under way, and one that comes meanwhile waits for it to end
+(`_enter`, `_alone`). So a restore or a store on another thread sees the database open
+or the bank closed (cas_bank's "bank ... is closed" `RuntimeError`), never a database
+half reopened. A walk (`iterate`, `prefixed`) holds the gate a step at a time (up to
+256 records or 1 MiB), not between steps, so its caller may read and write inside its
+loop: one a reopen or refresh interrupts goes on past its last key in the database as
+reopened; one a close interrupts raises the closed error instead of ending early.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -75,45 +80,20 @@ AccessMode = Literal["read_write", "read_only", "secondary"]
 log = logging.getLogger("cas_bank")
 
 
-def _walk(
-    cf: Any, values: bool, error: Callable[[Exception, Family], Exception], family: Family
-) -> Generator[tuple[bytes, bytes], None, None]:
-    """Every (key, value) of a family, in key order; an error where RocksDB could not go
-    on. rocksdict's `items()` and `keys()` end quietly at a damaged block or blob (a
-    checksum mismatch) as if the family ended there, and a caller that trusted such a
-    walk (verify, salvage, the leaf index) would take the records after it for absent:
-    so the iterator's own status is asked once it stops (~20% slower than `items()`)."""
-    it = cf.iter()
-    try:
-        it.seek_to_first()
-        while it.valid():
-            yield it.key(), it.value() if values else b""
-            it.next()
-        it.status()  # raises if the walk stopped at an error, not at the end
-    except Exception as e:
-        raise error(e, family) from None
-    finally:
-        del it  # the iterator holds the database open
+_STEP_ITEMS, _STEP_BYTES = 256, 1 << 20  # what one gated step of a walk reads at most
 
 
-def _walk_prefix(
-    cf: Any, prefix: bytes, error: Callable[[Exception, Family], Exception], family: Family
-) -> Generator[tuple[bytes, bytes], None, None]:
-    """`_walk` of the keys that start with `prefix` only: one seek, then in order."""
-    it = cf.iter()
-    try:
-        it.seek(prefix)
-        while it.valid():
-            k = it.key()
-            if not k.startswith(prefix):
-                break
-            yield k, it.value()
-            it.next()
-        it.status()
-    except Exception as e:
-        raise error(e, family) from None
-    finally:
-        del it
+class _Place:
+    """Where a walk is: its RocksDB iterator (None before the first step, and once a
+    reopen or close dropped it: an iterator holds the database and its LOCK) and the
+    last key it gave."""
+
+    __slots__ = ("__weakref__", "family", "it", "last")
+
+    def __init__(self, family: Family) -> None:
+        self.family = family
+        self.it: Any = None
+        self.last: bytes | None = None
 
 
 class RocksStore(BlockStore):
@@ -135,7 +115,8 @@ class RocksStore(BlockStore):
         self._gate = threading.Condition(self._gate_lock)
         self._readers = 0
         self._reopening = False
-        self._walks: weakref.WeakSet[Generator[tuple[bytes, bytes], None, None]] = weakref.WeakSet()
+        self._closed = False
+        self._walks: weakref.WeakSet[_Place] = weakref.WeakSet()
         self._durability = durability
         # Why writes are refused right now (a full disk), None while the bank writes.
         self._degraded: str | None = None
@@ -288,29 +269,31 @@ class RocksStore(BlockStore):
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        if self._payload_reader is not None and family in BLOB_FAMILIES:
-            return self._payload_reader.get_many(family, keys)
         self._enter()
         try:
-            if family not in self._cf and self._db is not None:
-                return [None] * len(keys)
-            out: list[bytes | None] = self._family(family).get(list(keys))
-        except Exception as e:
-            raise self._read_error(e, family) from None
+            if self._payload_reader is not None and family in BLOB_FAMILIES:
+                return self._payload_reader.get_many(family, keys)  # its own errors
+            try:
+                if family not in self._cf and self._db is not None:
+                    return [None] * len(keys)
+                out: list[bytes | None] = self._family(family).get(list(keys))
+            except Exception as e:
+                raise self._read_error(e, family) from None
         finally:
             self._leave()
         return out
 
     def get(self, family: Family, key: bytes) -> bytes | None:
-        if self._payload_reader is not None and family in BLOB_FAMILIES:
-            return self._payload_reader.get(family, key)
         self._enter()
         try:
-            if family not in self._cf and self._db is not None:
-                return None
-            out: bytes | None = self._family(family).get(key)
-        except Exception as e:
-            raise self._read_error(e, family) from None
+            if self._payload_reader is not None and family in BLOB_FAMILIES:
+                return self._payload_reader.get(family, key)  # its own errors
+            try:
+                if family not in self._cf and self._db is not None:
+                    return None
+                out: bytes | None = self._family(family).get(key)
+            except Exception as e:
+                raise self._read_error(e, family) from None
         finally:
             self._leave()
         return out
@@ -353,31 +336,92 @@ class RocksStore(BlockStore):
         return None if self._view is None else self._view.path
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
-        if self._payload_reader is not None and family in BLOB_FAMILIES:
-            return self._payload_reader.iterate(family, values=values)
-        if family not in self._cf and self._db is not None:
-            return iter(())
-        walk = _walk(self._family(family), values, self._read_error, family)
-        # A RocksDB iterator keeps the database (and its LOCK) alive: close() ends
-        # every walk still open, so that the directory can be reopened.
-        self._walks.add(walk)
-        return walk
+        return self._walk(family, values, None)
 
     def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        if self._payload_reader is not None and family in BLOB_FAMILIES:
-            return self._payload_reader.prefixed(family, prefix)
-        if family not in self._cf and self._db is not None:
-            return iter(())
-        walk = _walk_prefix(self._family(family), prefix, self._read_error, family)
-        self._walks.add(walk)
-        return walk
+        return self._walk(family, True, prefix)
+
+    def _walk(
+        self, family: Family, values: bool, prefix: bytes | None
+    ) -> Generator[tuple[bytes, bytes], None, None]:
+        """Every (key, value) of a family (or of its keys under `prefix`), in key order,
+        read in steps (`_step`) that each hold the gate."""
+        place = _Place(family)
+        self._walks.add(place)  # a reopen or close drops its iterator (`_drop_walks`)
+        try:
+            while True:
+                items, done = self._step(place, values, prefix)
+                yield from items
+                if done:
+                    return
+        finally:
+            place.it = None
+
+    def _step(
+        self, place: _Place, values: bool, prefix: bytes | None
+    ) -> tuple[list[tuple[bytes, bytes]], bool]:
+        """The walk's next items (up to `_STEP_ITEMS` or `_STEP_BYTES`), and whether it
+        ended. A walk whose iterator a reopen dropped seeks again past its last key; a
+        closed bank raises. rocksdict's `items()` ends quietly at a damaged block or
+        blob as if the family ended there: the iterator's own status is asked instead."""
+        self._enter()
+        try:
+            if place.it is None and not self._seek(place, prefix):
+                return [], True
+            it, out, size = place.it, list[tuple[bytes, bytes]](), 0
+            while it.valid():
+                k = it.key()
+                if prefix is not None and not k.startswith(prefix):
+                    break
+                v = it.value() if values else b""
+                out.append((k, v))
+                it.next()
+                size += len(k) + len(v)
+                if len(out) >= _STEP_ITEMS or size >= _STEP_BYTES:
+                    place.last = k
+                    return out, False
+            it.status()  # raises if the walk stopped at an error, not at the end
+            place.it = None
+            return out, True
+        except Exception as e:
+            place.it = None
+            raise self._read_error(e, place.family) from None
+        finally:
+            self._leave()
+
+    def _seek(self, place: _Place, prefix: bytes | None) -> bool:
+        """A new iterator for the walk at its place (False: the bank has no such
+        family); under the gate."""
+        family, last = place.family, place.last
+        reader = self._payload_reader
+        store = reader if reader is not None and family in BLOB_FAMILIES else self
+        if family not in store._cf and store._db is not None:
+            return False
+        it = store._family(family).iter()  # "bank ... is closed" once closed
+        if last is not None:
+            it.seek(last)
+            if it.valid() and it.key() == last:
+                it.next()
+        elif prefix is not None:
+            it.seek(prefix)
+        else:
+            it.seek_to_first()
+        place.it = it
+        return True
+
+    def _drop_walks(self, families: frozenset[Family] | None = None) -> None:
+        """Drop the iterators of the walks (of `families`, else all) under `_alone`:
+        their next step seeks again, or says the bank is closed."""
+        for place in list(self._walks):
+            if families is None or place.family in families:
+                place.it = None
 
     def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """One seek to `key`, then a step back (docs/design.md, "Partial blocks")."""
-        if self._payload_reader is not None and family in BLOB_FAMILIES:
-            return self._payload_reader.around(family, key, prefix)
         self._enter()
         try:
+            if self._payload_reader is not None and family in BLOB_FAMILIES:
+                return self._payload_reader.around(family, key, prefix)
             return self._around(family, key, prefix)
         finally:
             self._leave()
@@ -417,18 +461,25 @@ class RocksStore(BlockStore):
         with self._write_lock:
             if self._degraded is not None:
                 self._resume(needed)
-            if self._db is None:
-                raise RuntimeError(f"bank at {self.path} is closed")
-            wb = WriteBatch(raw_mode=True)
-            for family, key, value in writes:
-                if value is None:
-                    wb.delete(key, self._handles[family])
-                else:
-                    wb.put(key, value, self._handles[family])
+            self._enter()  # a close waits for the write, or the write finds it closed
             try:
-                self._db.write(wb, self._write_opt)
-            except Exception as e:
-                raise self._write_failed(e, needed) from None
+                self._write(writes, needed)
+            finally:
+                self._leave()
+
+    def _write(self, writes: Sequence[Write], needed: int) -> None:
+        if self._db is None:
+            raise RuntimeError(f"bank at {self.path} is closed")
+        wb = WriteBatch(raw_mode=True)
+        for family, key, value in writes:
+            if value is None:
+                wb.delete(key, self._handles[family])
+            else:
+                wb.put(key, value, self._handles[family])
+        try:
+            self._db.write(wb, self._write_opt)
+        except Exception as e:
+            raise self._write_failed(e, needed) from None
 
     def degraded(self) -> str | None:
         return self._degraded
@@ -447,6 +498,8 @@ class RocksStore(BlockStore):
         if free_bytes(self.path) < needed + RESUME_MARGIN:
             raise full_error(self.path, needed)
         with self._alone():
+            if self._closed:
+                raise RuntimeError(f"bank at {self.path} is closed")
             if self._db is not None and self._durability == "wal":
                 # A close after the error waits ~1 s for RocksDB's background flush
                 # (failing); the write-ahead log holds what the memtables do.
@@ -484,12 +537,28 @@ class RocksStore(BlockStore):
                     raise self._write_failed(e, 0) from None
 
     def refresh(self) -> None:
-        if self.mode == "secondary" and self._db is not None:
-            assert self._view is not None
-            self._view.sync()  # files the writer added since
-            self._db.try_catch_up_with_primary()
-            if self._payload_reader is not None:
-                old, self._payload_reader = self._payload_reader, self._open_payload_reader()
+        """A secondary catches up with the writer, then reopens its payload reader: a
+        read or walk on another thread waits for the swap (walks of the payload
+        families go on past their last key in the new reader); one at a time."""
+        if self.mode != "secondary":
+            return
+        with self._write_lock:  # unused for writes by a secondary: one refresh at a time
+            self._enter()
+            try:
+                if self._db is None:
+                    return
+                assert self._view is not None
+                self._view.sync()  # files the writer added since
+                self._db.try_catch_up_with_primary()
+            finally:
+                self._leave()
+            fresh = self._open_payload_reader()
+            with self._alone():
+                old = self._payload_reader if self._db is not None else fresh
+                if old is not fresh:
+                    self._payload_reader = fresh
+                    self._drop_walks(BLOB_FAMILIES)
+            if old is not None:
                 old.close()
 
     def disk_bytes(self) -> int | None:
@@ -526,6 +595,7 @@ class RocksStore(BlockStore):
         when the last flush fails (a full disk: the write-ahead log holds the stores).
         It waits for the reads under way; a read after it says the bank is closed."""
         with self._alone():
+            self._closed = True
             try:
                 if self._payload_reader is not None:
                     self._payload_reader.close()
@@ -542,10 +612,7 @@ class RocksStore(BlockStore):
     def _close_db(self) -> None:
         if self._db is None:
             return
-        for walk in list(self._walks):
-            # ValueError: running in another thread right now; it ends with the db.
-            with contextlib.suppress(ValueError):
-                walk.close()
+        self._drop_walks()
         for cf in self._cf.values():
             with contextlib.suppress(Exception):
                 cf.close()
