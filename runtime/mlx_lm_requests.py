@@ -6,11 +6,15 @@ mlx-lm 0.32) or reach a tokenizer, a salt's hash, a path or a log. So the handle
 reads the body itself first (`check_body`), and answers mlx-lm's own error shape,
 `{"error": message}`, with the field named:
 
-- 400: a body that is not UTF-8 JSON, a string that is not Unicode text (a lone
-  surrogate, `"\\ud800"`), and fields of the wrong type as OpenAI's API refuses them
-  (`"stream": "yes"`, a prompt of `[true, false]` or `[1.0, 2.0]`: `openai_types`
-  holds the checks both servers share). mlx-lm's server takes no token ids for a
-  prompt, so a list is refused with that said.
+- 400: a `Content-Length` that is not a decimal number of bytes (`body_length`:
+  mlx-lm's `int()` takes `+50` and `5_0`, and reads a negative one as "to the end of
+  the stream"), a body that is not UTF-8 JSON or nests deeper than Python's JSON
+  parser goes, a string that is not Unicode text (a lone surrogate, `"\\ud800"`), and
+  fields of the wrong type as OpenAI's API refuses them (`"stream": "yes"`, a prompt
+  of `[true, false]` or `[1.0, 2.0]`: `openai_types` holds the checks both servers
+  share). mlx-lm's server takes no token ids for a prompt, so a list is refused with
+  that said (an empty one, `[[]]`, as empty).
+- 413: a `Content-Length` over `MAX_BODY_BYTES` (mlx-lm would allocate that much).
 - 404: a `model`, `draft_model` or `adapters` other than what the server was started
   with (`ModelPin`), unless it was started with `--allow-model-switching`: mlx-lm
   would load whatever directory or Hub repo a caller names. The answer echoes neither
@@ -21,7 +25,6 @@ Values are left to mlx-lm's own checks (its ranges, its defaults); only types he
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -36,11 +39,16 @@ from .openai_types import (
     Text,
     described,
     first_bad_text,
-    token_ids_problem,
+    json_text,
+    parsed_json,
+    prompt_ids_problem,
 )
 
 COMPLETION_ROUTES: Final = ("/v1/completions", "/chat/completions", "/v1/chat/completions")
 DEFAULT_MODEL: Final = "default_model"  # mlx-lm's name for the model of --model
+
+
+MAX_BODY_BYTES: Final = 64 << 20  # a prompt of a model's whole context is far less
 
 
 class BodyError(Exception):
@@ -95,7 +103,7 @@ class _Completion(_Sampling):
     @classmethod
     def _a_string(cls, value: Any) -> Any:
         if isinstance(value, list):
-            why = token_ids_problem(value) or "token ids are not taken by mlx-lm's server"
+            why = prompt_ids_problem(value) or "token ids are not taken by mlx-lm's server"
             raise ValueError(f"must be a string ({why})")
         if value == "":  # in mlx-lm 0.32 one ended its generation thread for good
             raise ValueError("the prompt is empty")
@@ -149,13 +157,28 @@ def _names(model: str | None) -> set[str]:
     return {n for n in (model, served_model_id(model)) if n}
 
 
+def body_length(header: str) -> int:
+    """The body's length from its `Content-Length` header: decimal digits, spaces or
+    tabs around them (HTTP's optional whitespace), nothing else (`BodyError`)."""
+    digits = header.strip(" \t")
+    if not (digits.isascii() and digits.isdigit()):
+        raise BodyError(
+            400, f"Content-Length must be a decimal number of bytes, not {json_text(header)}"
+        )
+    if (n := int(digits)) > MAX_BODY_BYTES:
+        raise BodyError(
+            413, f"Content-Length {digits[:30]} is over this server's {MAX_BODY_BYTES} bytes"
+        )
+    return n
+
+
 def check_body(raw: bytes, route: str, pin: ModelPin | None) -> None:
     """Refuse (`BodyError`) a body mlx-lm must not see; `pin`: the model names allowed
     (None: any, `--allow-model-switching`)."""
-    try:
-        body = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # mlx-lm's log decodes it
-        raise BodyError(400, f"the request body is not UTF-8 JSON: {e}") from None
+    try:  # mlx-lm's log decodes it; its parser raises RecursionError past ~1000 levels
+        body = parsed_json(raw)
+    except ValueError as e:
+        raise BodyError(400, str(e)) from None
     if not isinstance(body, dict):
         return  # mlx-lm's own 400 says so
     if (bad := first_bad_text(body)) is not None:

@@ -8,8 +8,9 @@ makes a `BankPromptCache` on the model the provider loaded instead, and uses an 
 server class that prints the address it bound (so `--port 0` works for scripts), a
 handler that takes a request's `cache_salt` and a generator that serves a salted
 request from its salt's namespaces (`mlx_lm_salts`). The handler checks every
-completion body before mlx-lm sees it (`mlx_lm_requests`: Unicode text, OpenAI's
-types, and the model the server was started with, unless `allow_model_switching`),
+completion body before mlx-lm sees it (`mlx_lm_requests`: its `Content-Length`, its
+JSON, Unicode text, OpenAI's types, and the model the server was started with, unless
+`allow_model_switching`),
 and answers `/health`, `/metrics` and `/v1/models` itself (`mlx_lm_routes`). The
 generator outlives a request's error (`mlx_lm_worker`).
 
@@ -42,7 +43,14 @@ from cas_bank.errors import InvalidInputError
 from cas_bank.remote.health import TierProbe
 
 from . import mlx_lm_routes as routes
-from .mlx_lm_requests import COMPLETION_ROUTES, DEFAULT_MODEL, BodyError, ModelPin, check_body
+from .mlx_lm_requests import (
+    COMPLETION_ROUTES,
+    DEFAULT_MODEL,
+    BodyError,
+    ModelPin,
+    body_length,
+    check_body,
+)
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .mlx_lm_worker import worker_generator
 from .models import LoadedModel, weights_digest
@@ -132,14 +140,15 @@ class _BankHandler(_Base):  # type: ignore[misc]
             super().do_GET()
 
     def do_POST(self) -> None:
-        length = self.headers.get("Content-Length", "")
-        if self.path not in COMPLETION_ROUTES or not length.isascii() or not length.isdigit():
-            super().do_POST()  # mlx-lm answers (a 404, a 411, a 400)
+        length = self.headers.get("Content-Length")
+        if self.path not in COMPLETION_ROUTES or length is None:
+            super().do_POST()  # mlx-lm answers (a 404, a 411)
             return
-        raw = self.rfile.read(int(length))
         try:
+            raw = self.rfile.read(body_length(length))
             check_body(raw, self.path, self._settings.pin)
         except BodyError as e:
+            self.close_connection = True  # a body left unread is no next request
             routes.send_json(self, e.status, {"error": str(e)})
             return
         stream = self.rfile
@@ -183,7 +192,8 @@ def cas_bank_handler(
       tier `tier` in the health and the metrics (`cache_stats`: the prompt cache's;
       `unused`: why the bank is not in use, if it is not);
     - a completion body is checked before mlx-lm reads it (`mlx_lm_requests`): a 400
-      names a field of the wrong type or a string that is not Unicode text (an empty
+      names a `Content-Length` that is not a number (413: one too large), a field of
+      the wrong type or a string that is not Unicode text (an empty
       prompt too: in mlx-lm 0.32 one ended its generation thread for good), a 404 a
       model other than the one of `pin` (None: any, as mlx-lm does);
     - a request's `cache_salt` is carried to the generator (`mlx_lm_salts`); with

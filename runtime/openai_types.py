@@ -93,6 +93,33 @@ def token_ids_problem(ids: Sequence[Any]) -> str | None:
     return None
 
 
+def prompt_ids_problem(prompt: list[Any]) -> str | None:
+    """Why a `prompt` sent as a list is not token ids (`[1, 2]`) or one list of them
+    (`[[1, 2]]`): empty (`[]`, `[[]]`) or an id that is not one; None otherwise (a
+    list of strings, or of several lists, is for the caller's own checks)."""
+    nested = len(prompt) == 1 and isinstance(prompt[0], list)
+    ids = prompt[0] if nested else prompt
+    if not ids:
+        return f"the prompt is empty: {'[[]]' if nested else '[]'} holds no token ids"
+    if any(isinstance(t, (str, list)) for t in ids):
+        return None
+    return token_ids_problem(ids)
+
+
+TOO_DEEP: Final = "the request body nests JSON arrays or objects too deeply to be read"
+
+
+def parsed_json(raw: bytes) -> Any:
+    """`raw` read as UTF-8 JSON; a `ValueError` naming the problem (not UTF-8, not
+    JSON, nested deeper than Python's parser goes: it raises `RecursionError`)."""
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the request body is not UTF-8 JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(TOO_DEEP) from None
+
+
 def described(errors: Sequence[Any]) -> tuple[str | None, str]:
     """pydantic's errors as (the field of the first, one message naming it)."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
@@ -292,12 +319,9 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _token_ids(cls, value: Any) -> Any:
-        # Token ids said plainly (the union's own error names its first member only).
-        one = isinstance(value, list) and len(value) == 1 and isinstance(value[0], list)
-        ids = value[0] if one else value
-        if not isinstance(ids, list) or any(isinstance(t, (str, list)) for t in ids):
-            return value
-        if (why := token_ids_problem(ids)) is not None:
+        # Token ids said plainly (the union's own error names its first member only),
+        # and an empty list of them refused here, by the field's name.
+        if isinstance(value, list) and (why := prompt_ids_problem(value)) is not None:
             raise ValueError(why)
         return value
 

@@ -129,7 +129,9 @@ def _add_error_handling(app: FastAPI, requests: RequestCounter) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        err = ApiError(e.status_code, str(e.detail), type=kind)
+        # FastAPI's "There was an error parsing the body" (400) names no problem.
+        too_deep = isinstance(e.__cause__, RecursionError)
+        err = ApiError(e.status_code, oa.TOO_DEEP if too_deep else str(e.detail), type=kind)
         return JSONResponse(err.body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
@@ -274,9 +276,9 @@ def _add_explain_route(app: FastAPI, engine: Engine) -> None:
     async def explain_prompt(request: Request) -> JSONResponse:
         """Why this prompt would (not) hit: see `explain_route`."""
         try:
-            body = await request.json()
+            body = oa.parsed_json(await request.body())
         except ValueError as e:
-            raise ApiError(400, f"not valid JSON: {e}", type="invalid_request_error") from e
+            raise ApiError(400, str(e), type="invalid_request_error") from e
         try:
             return JSONResponse(await asyncio.to_thread(explain_request, engine, body))
         except Exception as e:

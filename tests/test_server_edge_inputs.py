@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +48,25 @@ def post(url: str, route: str, body: Any) -> httpx.Response:
 def error_text(r: httpx.Response) -> str:
     err = r.json()["error"]
     return err if isinstance(err, str) else str(err["message"])
+
+
+def raw_post(url: str, route: str, length: str, body: bytes) -> tuple[int, str]:
+    """POST `body` with the `Content-Length` header given as is (httpx writes its own);
+    (status, body text), status 0 when the server closed without an answer."""
+    u = httpx.URL(url)
+    head = f"POST {route} HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length:{length}\r\nConnection: close\r\n\r\n"
+    with socket.create_connection((u.host, u.port), timeout=20) as s:
+        s.sendall(head.encode() + body)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n\r\n")
+    return (int(status_line.split()[1]) if status_line else 0), rest.decode(errors="replace")
+
+
+# JSON nested past what Python's parser takes (it raises RecursionError)
+TOO_DEEP = [b"[" * 100_000, b'{"a":' * 100_000, b'{"model": "m", "messages": ' + b"[" * 50_000]
 
 
 # -- cas-bank serve ---------------------------------------------------------------------
@@ -115,6 +135,27 @@ def test_serve_names_no_path_in_an_unknown_models_404(serve: srv.Server) -> None
     assert r.status_code == 404 and "/etc" not in r.text, r.text
     ids = post(serve.url, "/v1/completions", _serve_body("/v1/completions", prompt=[5, 6, 7]))
     assert ids.status_code == 200, ids.text
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/explain"])
+def test_serve_refuses_json_nested_too_deeply_by_name(serve: srv.Server, route: str) -> None:
+    for raw in TOO_DEEP:
+        r = post(serve.url, route, raw)
+        assert r.status_code == 400 and "too deeply" in error_text(r), (raw[:30], r.text)
+    ok = post(serve.url, route, _serve_body(route))
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("prompt", [[], [[]]])
+def test_serve_refuses_an_empty_list_of_token_ids_as_such(
+    serve: srv.Server, prompt: list[Any]
+) -> None:
+    route = "/v1/completions"  # refused by the request's model, not later by the engine
+    r = post(serve.url, route, _serve_body(route, prompt=prompt))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert f"{json.dumps(prompt)} holds no token ids" in error_text(r), r.text
+    ok = post(serve.url, route, _serve_body(route, prompt=[5, 6, 7]))
+    assert ok.status_code == 200, ok.text
 
 
 # -- cas-bank mlx-lm-server ---------------------------------------------------------------
@@ -195,6 +236,46 @@ def test_mlx_lm_server_takes_openais_types_strictly(
 ) -> None:
     r = post(mlx_server.url, route, _mlx_body(route, **extra))
     assert r.status_code == 400 and error_text(r).startswith(field), r.text
+
+
+def test_mlx_lm_server_checks_every_body_whatever_its_content_length(
+    mlx_server: mlx.MlxServer,
+) -> None:
+    """mlx-lm reads `Content-Length` with `int()`, which takes `+N`, `N_M` and spaces: a
+    body under such a header went to mlx-lm unchecked (here a lenient type and another
+    model, which it served). A negative length read to the end of the stream, a huge
+    one failed to allocate its size: no answer either way."""
+    raw = json.dumps(_mlx_body("/v1/completions", echo="yes", model="/etc/passwd")).encode()
+    n = str(len(raw))
+    for length in (f"+{n}", f"{n[0]}_{n[1:]}", "-1", f"-{n}", f"{n}.0"):
+        status, text = raw_post(mlx_server.url, "/v1/completions", length, raw)
+        assert status == 400 and "Content-Length" in text, (length, status, text)
+        _answered(mlx_server.url)
+    for length in (f" {n} ", f"\t{n}\t", f"00{n}"):  # spaces and zeros: still N, checked
+        status, text = raw_post(mlx_server.url, "/v1/completions", length, raw)
+        assert status == 400 and "echo" in text, (length, status, text)
+    for length in ("9" * 30, str(1 << 40)):
+        status, text = raw_post(mlx_server.url, "/v1/completions", length, raw)
+        assert status == 413 and "Content-Length" in text, (length, status, text)
+        _answered(mlx_server.url)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_mlx_lm_server_refuses_json_nested_too_deeply_by_name(
+    mlx_server: mlx.MlxServer, route: str
+) -> None:
+    for raw in TOO_DEEP:
+        r = post(mlx_server.url, route, raw)
+        assert r.status_code == 400 and "too deeply" in error_text(r), (raw[:30], r.text)
+        _answered(mlx_server.url)
+
+
+def test_mlx_lm_server_names_an_empty_list_of_token_ids(mlx_server: mlx.MlxServer) -> None:
+    empties: list[list[Any]] = [[], [[]]]
+    for prompt in empties:
+        r = post(mlx_server.url, "/v1/completions", _mlx_body("/v1/completions", prompt=prompt))
+        assert r.status_code == 400 and error_text(r).startswith("prompt"), r.text
+        assert f"the prompt is empty: {json.dumps(prompt)} holds no" in error_text(r), r.text
 
 
 def test_mlx_lm_server_serves_only_its_own_model(
