@@ -158,7 +158,7 @@ class _Worker(_Base):  # type: ignore[misc]
 
     def _keep_cut(self, cut: list[Any], model_key: Any, why: str) -> None:
         """Insert each (cache, tokens) of a prompt cut short mid-prefill (see the
-        module docstring; `insert_cache` logs its own failures)."""
+        module docstring; `insert_stopped` logs its own failures)."""
         cache = self._cut_cache
         if not hasattr(cache, "insert_stopped"):  # mlx-lm's own cache (--draft-model)
             return
