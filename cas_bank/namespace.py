@@ -134,7 +134,8 @@ class Namespace:
         bank's read view (`index.view`: every lookup right after sees the blocks and
         states, from memory, until the write commits or fails) and leased (kept in
         memory after the write too, within `hot_bytes`). `Bank.flush()` waits for the
-        writer.
+        writer. If queueing fails (the bank closed meanwhile, or a `KeyboardInterrupt`
+        while the queue is full), it raises with the store out of the view and unleased.
         `skip_when_full`: a full disk (`BankFullError`) skips the store with a warning
         (its report says nothing was written) instead of failing it.
         """
@@ -162,7 +163,11 @@ class Namespace:
             return writer.submit(store, lambda report: report.bytes_written, queued)
         self.bank.leases.put_chain(hashes, flat, kept)
         write = self._unleasing_unstored(store, hashes, flat)
-        return writer.submit(write, lambda report: report.bytes_written, queued)
+        try:
+            return writer.submit(write, lambda report: report.bytes_written, queued)
+        except BaseException:  # not queued (closed since, or interrupted): never written
+            self.bank.leases.forget(hashes)
+            raise
 
     def _store_now(
         self,
@@ -265,9 +270,9 @@ class Namespace:
     ) -> Callable[[], PendingStore[int]]:
         """`store_end_later` in two steps: the input is checked and copied now, and the
         function returned queues it (in the read view from then on, as `store_later`'s
-        blocks) or, with no writer, writes it. A runtime storing a
-        prompt's blocks and its end record prepares the end first, then queues both:
-        nothing of its own then runs while the writer works on the blocks."""
+        blocks; if queueing raises, not in it) or, with no writer, writes it. A runtime
+        storing a prompt's blocks and its end record prepares the end first, then queues
+        both: nothing of its own then runs while the writer works on the blocks."""
         writer = self.bank.writer
         if writer is None or self.bank.read_only:
 

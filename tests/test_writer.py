@@ -6,13 +6,16 @@ absent."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import pytest
@@ -420,3 +423,70 @@ def test_close_from_a_when_written_callback_is_refused_and_closes_nothing(
     bank.close()
     with Bank.open(bank_path) as again:
         assert again.stats().blocks == 5
+
+
+def _in_queue_put(frame: FrameType | None) -> bool:
+    """Whether `frame` (or a caller of it) is `queue.Queue.put` waiting for room."""
+    while frame is not None:
+        if frame.f_code is queue.Queue.put.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _interrupted_in_put(queue_it: Callable[[], object]) -> None:
+    """`queue_it()` on this (the main) thread, interrupted by a real signal while it
+    waits for room in the writer's full queue: `KeyboardInterrupt` (as a Ctrl-C)."""
+    hit = threading.Event()
+
+    def handler(_: int, frame: FrameType | None) -> None:
+        if _in_queue_put(frame):  # elsewhere: ignored, the signal comes again
+            hit.set()
+            raise KeyboardInterrupt
+
+    def ring() -> None:
+        while not hit.wait(0.02):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    ringer = threading.Thread(target=ring)
+    ringer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            queue_it()
+    finally:
+        hit.set()
+        ringer.join()
+        signal.signal(signal.SIGUSR1, old)
+
+
+@pytest.mark.parametrize("what", ["blocks", "end"])
+def test_a_store_interrupted_while_the_queue_is_full_leaves_no_trace(
+    bank_path: Path, what: str
+) -> None:
+    """A store whose wait for room in the queue raises was never queued: it leaves the
+    read view and its blocks are unleased (before, lookups saw headers that would never
+    be written, and the KV snapshot stayed in memory)."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(33), 3 * B + 2)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=B, write_behind=1)) as bank:
+        assert bank.writer is not None and bank.leases is not None
+        ns = bank.namespace(spec)
+        if what == "end":
+            ns.store(tokens, layers)  # the blocks stored; the end record interrupted
+        release = _holding_the_writer(bank)
+        bank.writer.submit(lambda: None)  # the queue is full
+        if what == "end":
+            _interrupted_in_put(ns.prepare_end_later(tokens, layers))
+        else:
+            _interrupted_in_put(lambda: ns.store_later(tokens, layers))
+        assert bank.writer.queued.entries() == ()
+        assert ns.match([*tokens, 1]) == (3 * B if what == "end" else 0)
+        if what == "blocks":
+            assert bank.leases.probe(ns.chain(tokens))[0] == 0  # the snapshot let go
+            assert ns.restore(tokens) is None
+        release.set()
+        bank.flush()
+        assert bank.stats().stores == (1 if what == "end" else 0)
+        assert bank.stats().ends == 0

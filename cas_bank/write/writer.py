@@ -169,7 +169,8 @@ class BackgroundWriter:
         """Queue `write`; blocks while the queue is full. `RuntimeError` once closed:
         nobody would ever write it. `measure(result)`: the bytes it wrote (`stats`).
         `records`: what it will write, in `queued` from now until its batch has
-        committed or failed (retired before its `PendingStore` says so)."""
+        committed or failed (retired before its `PendingStore` says so), or until the
+        wait for room raises (a `KeyboardInterrupt`): nothing was queued then."""
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed: the bank was closed")
@@ -179,7 +180,12 @@ class BackgroundWriter:
             if records is not None:
                 self.queued.add(records)
                 write = self._retiring(write, records)
-            self._queue.put((write, pending))  # the writer drains: never waits for ever
+            try:
+                self._queue.put((write, pending))  # the writer drains: never waits for ever
+            except BaseException:
+                if records is not None:  # never written: out of the view
+                    self.queued.retire(records)
+                raise
             return pending
 
     def _retiring(self, write: Callable[[], T], records: object) -> Callable[[], T]:
