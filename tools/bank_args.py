@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from cas_bank.config import BankConfig
 
-from .common import CliError
+from .common import CliError, positive_int
 from .gc_cmd import parse_size
 from .remote_args import add_remote_arguments, remote_settings
 
@@ -33,17 +33,6 @@ OPTION_OF = {
     "remote_tls_cert": "--remote-tls-cert",
     "remote_tls_key": "--remote-tls-key",
 }
-
-
-def positive_int(text: str) -> int:
-    """argparse's type for a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_bank_arguments(parser: argparse.ArgumentParser) -> None:

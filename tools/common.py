@@ -100,6 +100,17 @@ def port_number(text: str) -> int:
     return port
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def check_port_arguments(argv: Sequence[str]) -> None:
     """Checks the `--port N` / `--port=N` in a command line passed on to another parser
     (mlx_lm.server's), with `port_number`'s message as a `CliError`."""

@@ -38,6 +38,7 @@ from .common import (
     fields,
     human_bytes,
     plural,
+    positive_int,
     print_json,
     read_bank,
     select_namespace,
@@ -67,22 +68,12 @@ def register(subparsers: Any) -> None:
     add_bank_argument(p)
     p.add_argument("--namespace", metavar="NAME", help="only this namespace (name or root prefix)")
     p.add_argument("--sort", choices=SORT_KEYS, help="sort key")
-    p.add_argument("--limit", type=_positive, metavar="N", help="show at most N rows")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="show at most N rows")
     p.add_argument(
         "--ends",
         action="store_true",
         help="list the end records instead (their end hashes are what `show` takes)",
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
 
 
 # -- stats ---------------------------------------------------------------------------

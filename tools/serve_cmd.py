@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cas_bank.blocks.bankdir import check_directory
 from cas_bank.errors import BankLockedError, BankSettingsError, InvalidInputError
 
-from .bank_args import add_bank_arguments, bank_config, positive_int
+from .bank_args import add_bank_arguments, bank_config
 from .common import (
     CliError,
     add_command,
@@ -33,6 +33,7 @@ from .common import (
     console,
     dump_stacks_on_sigusr1,
     port_number,
+    positive_int,
     print_json,
 )
 
