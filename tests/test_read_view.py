@@ -214,3 +214,33 @@ def test_a_failed_queued_store_leaves_the_view_and_flush_raises_it(tmp_path: Pat
         assert ns.match([*prompt, 1]) == 0  # failed: out of view
         hit = ns.restore([*prompt, 1])
         assert hit is None
+
+
+@pytest.mark.parametrize("stored_logits", [True, False])
+def test_of_a_queued_and_a_stored_end_record_the_one_holding_more_is_found(
+    tmp_path: Path, stored_logits: bool
+) -> None:
+    """The same end record stored with its logits and queued without: a lookup finds the
+    stored one (the write will skip the queued one as held), before and after the write.
+    Stored without and queued with: the queued one, whose write replaces the stored."""
+    spec = attention_spec()
+    rng = np.random.default_rng(42)
+    prompt = tokens_of(rng, 2 * 4 + 1)
+    layers = prefix_layers(spec, prompt)
+    logits = mx.array(rng.standard_normal(50).astype(np.float32))
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=4, write_behind=2)) as bank:
+        assert bank.writer is not None
+        ns = bank.namespace(spec)
+        ns.store(prompt, layers)
+        ns.store_end(prompt, layers, logits=logits if stored_logits else None)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(30))  # the end record stays queued
+        ns.store_end_later(prompt, layers, logits=None if stored_logits else logits)
+        for _ in range(2):  # queued, then written
+            hit = ns.restore(prompt)
+            assert hit is not None and hit.end and hit.logits is not None
+            assert bits(hit.logits) == bits(logits)
+            assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, len(prompt))
+            gate.set()
+            bank.flush()
+        assert bank.stats().ends == 1

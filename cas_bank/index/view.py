@@ -17,7 +17,8 @@ and `index.children` take it as a store), and adds what only memory holds:
 
 - headers of queued blocks, with a placeholder digest (`QUEUED_DIGEST`); a written
   header wins (its digests are real), a queued state is added to it;
-- end records (`end_records`: queued ones with their arrays, `FoundEnd.held`);
+- end records (`end_records`: queued ones with their arrays, `FoundEnd.held`, unless
+  the stored one holds more: logits or a hidden state the queued one lacks);
 - the children index's entries of queued blocks and end records;
 - arrays in memory: a queued chain's or a lease's blocks (`held_blocks`), states
   (`held_state`), a queued block's arrays as a payload would decode (`queued_block`).
@@ -192,25 +193,19 @@ class ReadView:
 
     # -- what only memory holds ------------------------------------------------------
     def end_records(self, keys: Sequence[bytes]) -> list[FoundEnd | None]:
-        """The end records under `keys`: queued ones first, then the store's (one
-        multi-get); a stored one that does not split is None (`verify` reports it)."""
-        out: list[FoundEnd | None] = [None] * len(keys)
-        rest = []
-        for i, key in enumerate(keys):
+        """The end records under `keys` (one multi-get of the store's): a queued one,
+        unless the stored one holds more (`_holds_more`: the write will skip the queued
+        one as held, so the stored one is what stays); a stored one that does not split
+        is None (`verify` reports it)."""
+        values = self.store.get_many(Family.ENDS, list(keys)) if keys else []
+        out: list[FoundEnd | None] = []
+        for key, value in zip(keys, values, strict=True):
+            stored = _stored_end(key, value)
             queued = self._ends.get(bytes(key))
-            if queued is not None:
-                out[i] = FoundEnd(queued.header, None, queued.end)
+            if queued is None or (stored is not None and _holds_more(stored, queued)):
+                out.append(stored)
             else:
-                rest.append(i)
-        values = self.store.get_many(Family.ENDS, [keys[i] for i in rest]) if rest else []
-        for i, value in zip(rest, values, strict=True):
-            if value is None:
-                continue
-            try:
-                header, payload = split_record(keys[i], value)
-            except CorruptDataError:
-                continue
-            out[i] = FoundEnd(header, payload)
+                out.append(FoundEnd(queued.header, None, queued.end))
         return out
 
     def held_blocks(self, hashes: Sequence[bytes]) -> tuple[int, HeldArrays]:
@@ -289,6 +284,26 @@ class ReadView:
         last = bytes(hashes[lo - 1])
         chain = next(c for c in self._chains if last in c.position)
         return lo, chain.arrays
+
+
+def _stored_end(key: bytes, value: bytes | None) -> FoundEnd | None:
+    """The stored end record `value` under `key`; None if absent or it does not split."""
+    if value is None:
+        return None
+    try:
+        header, payload = split_record(key, value)
+    except CorruptDataError:
+        return None
+    return FoundEnd(header, payload)
+
+
+def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:
+    """Whether the stored record holds all the queued one does and more (logits or the
+    hidden state it lacks): `write_end` will skip the queued one as held (the stored one
+    intact; a damaged one reads as a miss until the write replaces it). With the same
+    flags the queued one is read (its arrays are in memory; the two are of one prompt)."""
+    flags, asked = stored.header.flags, queued.header.flags
+    return flags | asked == flags and flags != asked
 
 
 class QueueHolder(Protocol):
