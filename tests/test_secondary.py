@@ -9,6 +9,7 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import PYTHON, TESTS_DIR
 
 CHILD = textwrap.dedent(
@@ -80,3 +81,30 @@ def test_a_reader_missing_a_payload_the_writer_evicted_counts_a_miss_not_damage(
                 assert reader.stats().corrupt_reads == 0
             ns.store(a, prefix_layers(spec, a))  # back for the next mode
             w.flush()
+
+
+def test_a_walk_of_payloads_goes_on_across_a_refresh(tmp_path: Path) -> None:
+    """A secondary walks payloads through its reader of blob files; a refresh that
+    reopens that reader mid-walk leaves the walk going on after its last key (it
+    ended quietly with the old reader), and a close mid-walk says the bank is closed."""
+    from conftest import attention_spec, prefix_layers
+
+    from cas_bank import Bank, BankConfig
+    from cas_bank.blocks.store import Family
+
+    spec, prompt = attention_spec(), list(range(1, 1201))  # 300 blocks: several steps
+    path = tmp_path / "bank"
+    with Bank.open(path, BankConfig(block_size=4, hot_bytes=0)) as w:
+        w.namespace(spec).store(prompt, prefix_layers(spec, prompt))
+        w.flush()
+        keys = list(w.store.keys(Family.BLOCKS))
+        assert len(keys) == 300
+        with Bank.open(path, BankConfig(hot_bytes=0), mode="secondary") as reader:
+            walk = reader.store.keys(Family.BLOCKS)
+            first = next(walk)
+            reader.refresh()
+            assert [first, *walk] == keys
+            walk = reader.store.keys(Family.BLOCKS)
+            next(walk)
+        with pytest.raises(RuntimeError, match="closed"):
+            list(walk)
