@@ -221,8 +221,8 @@ class FoundEnd:
 
 
 class EndRecords(Protocol):
-    """Where end records are looked up (`index.view.ReadView`: the queued ones, then
-    the store's)."""
+    """Where end records are looked up (`index.view.ReadView`: a queued record, or
+    the stored one under the same key where it holds more)."""
 
     def end_records(self, keys: Sequence[bytes]) -> list[FoundEnd | None]: ...
 
