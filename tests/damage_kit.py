@@ -10,6 +10,7 @@ It returns what happened as one word, or raises AssertionError on wrong data.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,23 @@ def check_bank(
         except CasBankError:
             report = "error"
         return f"hits={hits} corrupt={bank.stats().corrupt_reads} verify={report}"
+
+
+def restore_until(
+    bank: Bank,
+    spec: ModelSpec,
+    prompt: list[int],
+    started: threading.Event,
+    stop: threading.Event,
+    errors: list[str],
+) -> None:
+    """Restore `prompt` (all of it) in `spec`'s namespace until `stop` is set, on the
+    caller's thread; what raises goes to `errors` as "module.Type: message"."""
+    ns = bank.namespace(spec)
+    while not stop.is_set():
+        try:
+            hit = ns.restore(prompt)
+            assert hit is not None and hit.tokens == len(prompt)
+        except Exception as e:
+            errors.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
+        started.set()

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import kv_prefix_bits, layers_bits, prefix_layers, tokens_of
-from damage_kit import B, wide_spec
+from damage_kit import B, restore_until, wide_spec
 
 from cas_bank import Bank, BankConfig, BankFullError
 
@@ -242,23 +242,6 @@ def refuse_one_background_store(bank: Bank, disk: Path, rng: np.random.Generator
     return filler
 
 
-def restore_until(
-    bank: Bank,
-    prompt: list[int],
-    started: threading.Event,
-    stop: threading.Event,
-    errors: list[str],
-) -> None:
-    """Restore `prompt` (all of it) until `stop` is set; what raises goes to `errors`."""
-    while not stop.is_set():
-        try:
-            hit = bank.namespace(wide_spec()).restore(prompt)
-            assert hit is not None and hit.tokens == len(prompt)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-        started.set()
-
-
 def test_restores_on_another_thread_while_the_bank_resumes(small_disk: Path) -> None:
     """The first store after space is freed reopens RocksDB on the writer's thread;
     restores on another thread meanwhile wait for it (before: `bank ... is closed`,
@@ -274,7 +257,7 @@ def test_restores_on_another_thread_while_the_bank_resumes(small_disk: Path) -> 
             ns.store(first, prefix_layers(spec, first))
             refuse_one_background_store(bank, small_disk, rng).unlink()
             started, stop = threading.Event(), threading.Event()
-            args = (bank, first, started, stop, errors)
+            args = (bank, spec, first, started, stop, errors)
             thread = threading.Thread(target=restore_until, args=args)
             thread.start()
             started.wait(10)

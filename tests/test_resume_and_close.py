@@ -17,27 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import attention_spec, prefix_layers, tokens_of
+from damage_kit import restore_until
 
 from cas_bank import Bank, BankConfig
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
-
-
-def restore_until(
-    bank: Bank,
-    prompt: list[int],
-    started: threading.Event,
-    stop: threading.Event,
-    errors: list[str],
-) -> None:
-    ns = bank.namespace(attention_spec())
-    while not stop.is_set():
-        try:
-            hit = ns.restore(prompt)
-            assert hit is not None and hit.tokens == len(prompt)
-        except Exception as e:
-            errors.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
-        started.set()
 
 
 def test_a_restore_racing_close_says_closed_and_a_second_close_does_nothing(
@@ -50,7 +34,9 @@ def test_a_restore_racing_close_says_closed_and_a_second_close_does_nothing(
         bank = Bank.open(path, BankConfig(block_size=4, hot_bytes=0))
         bank.namespace(spec).store(prompt, prefix_layers(spec, prompt))
         started, stop, errors = threading.Event(), threading.Event(), list[str]()
-        thread = threading.Thread(target=restore_until, args=(bank, prompt, started, stop, errors))
+        thread = threading.Thread(
+            target=restore_until, args=(bank, spec, prompt, started, stop, errors)
+        )
         thread.start()
         started.wait(10)
         bank.close()
