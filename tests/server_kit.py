@@ -77,6 +77,19 @@ def cached(response: dict[str, Any]) -> int:
     return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+def complete(url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion of `prompt` from mlx-lm's server (its default model)."""
+    body = {"model": "default_model", "prompt": prompt, "max_tokens": max_tokens}
+    body |= {"temperature": 0.0, **extra}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def completion_text(response: dict[str, Any]) -> str:
+    return str(response["choices"][0]["text"])
+
+
 def conversation(user: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 

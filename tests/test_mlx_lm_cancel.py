@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from hf_models import hf_tokenizer, model_dir
+from server_kit import cached, complete, completion_text
 from test_mlx_lm_server import MlxServer, start
 
 STEP = 40  # --prefill-step-size: tokens per forward pass
@@ -50,21 +50,6 @@ def _start(bank: Path, setup_model: Path, log: Path) -> MlxServer:
     return start(bank, setup_model, log, *step, "--log-level", "INFO")
 
 
-def _complete(url: str, prompt: str) -> dict[str, Any]:
-    body = {"model": "default_model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def _cached(response: dict[str, Any]) -> int:
-    return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _text(response: dict[str, Any]) -> str:
-    return str(response["choices"][0]["text"])
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     """The model, a long prompt sized from a measured chunk time, and its answer from a
@@ -76,16 +61,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     try:
         calibration = SENTENCE * 40
         t0 = time.perf_counter()
-        _complete(server.url, "calibrates: " + calibration)
+        complete(server.url, "calibrates: " + calibration, 4)
         chunk_s = (time.perf_counter() - t0) / (len(tok.encode(calibration)) / STEP)
         want = int(WHOLE_PREFILL_S / chunk_s) * STEP
         prompt = "the long prompt: " + SENTENCE * (want // len(tok.encode(SENTENCE)) + 1)
-        reference = _complete(server.url, prompt)
+        reference = complete(server.url, prompt, 4)
     finally:
         assert server.stop() == 0, (root / "reference.log").read_text()
     n = int(reference["usage"]["prompt_tokens"])
     print(f"one {STEP}-token chunk {chunk_s:.3f} s; the long prompt {n} tokens")
-    return Setup(model, root, prompt, n, _text(reference))
+    return Setup(model, root, prompt, n, completion_text(reference))
 
 
 def _keepalives(url: str, prompt: str) -> Iterator[int]:
@@ -114,11 +99,11 @@ def _stopped(log: Path, why: str, timeout: float = 20.0) -> int:
 def _check_retry(setup: Setup, url: str, seen: int, kept: int) -> None:
     """The retry restores exactly what the stopped prefill kept, all of what it
     finished (whole chunks), and answers as a server with an empty bank does."""
-    retry = _complete(url, setup.prompt)
-    print(f"stopped having reported {seen} tokens; kept {kept}; retry cached {_cached(retry)}")
-    assert _cached(retry) == kept, f"the retry restored {_cached(retry)} tokens, kept {kept}"
+    retry = complete(url, setup.prompt, 4)
+    print(f"stopped having reported {seen} tokens; kept {kept}; retry cached {cached(retry)}")
+    assert cached(retry) == kept, f"the retry restored {cached(retry)} tokens, kept {kept}"
     assert seen <= kept < setup.tokens and kept % STEP == 0
-    assert _text(retry) == setup.reference
+    assert completion_text(retry) == setup.reference
 
 
 def test_a_streamed_client_that_goes_away_mid_prefill_leaves_it_all_restorable(

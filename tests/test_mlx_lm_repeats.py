@@ -18,10 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from hf_models import hf_tokenizer, model_dir
-from test_mlx_lm_server import BLOCK, TIMEOUT, start
+from server_kit import cached, complete, completion_text
+from test_mlx_lm_server import BLOCK, start
 
 SENTENCE = "The weather in the city is sunny with a light wind from the west. "
 
@@ -34,21 +34,6 @@ def _prompt(tokenizer: Any) -> str:
     return text
 
 
-def _complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
-    body = {"model": "default_model", "prompt": prompt, "max_tokens": 5, "temperature": 0.0}
-    r = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=TIMEOUT)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def _cached(response: dict[str, Any]) -> int:
-    return int(response["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _text(response: dict[str, Any]) -> str:
-    return str(response["choices"][0]["text"])
-
-
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-qwen3_5", "tiny-qwen3"])
 def test_an_exact_repeat_on_the_sequential_path_restores_all_but_its_last_token(
     name: str, tmp_path: Path
@@ -58,19 +43,19 @@ def test_an_exact_repeat_on_the_sequential_path_restores_all_but_its_last_token(
     log = tmp_path / "server.log"
     empty = start(tmp_path / "empty", model, log, "--stores", "off")
     try:
-        reference = _complete(empty.url, prompt, seed=7)
+        reference = complete(empty.url, prompt, 5, seed=7)
     finally:
         assert empty.stop() == 0, log.read_text()
     server = start(tmp_path / "bank", model, log)
     try:
-        seeded = [_complete(server.url, prompt, seed=7) for _ in range(3)]
-        salted = [_complete(server.url, prompt, cache_salt="tenant-a") for _ in range(3)]
+        seeded = [complete(server.url, prompt, 5, seed=7) for _ in range(3)]
+        salted = [complete(server.url, prompt, 5, cache_salt="tenant-a") for _ in range(3)]
     finally:
         assert server.stop() == 0, log.read_text()
     n = int(reference["usage"]["prompt_tokens"])
-    assert n % BLOCK == 0 and _cached(reference) == 0
+    assert n % BLOCK == 0 and cached(reference) == 0
     # The first of each stores it (a salt shares nothing with no salt); each repeat
     # restores all but the last token, which mlx-lm prefills for its logits.
-    assert [_cached(r) for r in seeded] == [0, n - 1, n - 1], name
-    assert [_cached(r) for r in salted] == [0, n - 1, n - 1], name
-    assert all(_text(r) == _text(reference) for r in seeded + salted)
+    assert [cached(r) for r in seeded] == [0, n - 1, n - 1], name
+    assert [cached(r) for r in salted] == [0, n - 1, n - 1], name
+    assert all(completion_text(r) == completion_text(reference) for r in seeded + salted)

@@ -125,6 +125,17 @@ def split_record(key: bytes, value: bytes) -> tuple[EndHeader, bytes]:
     return header, payload
 
 
+def stored_record(key: bytes, value: bytes | None) -> tuple[EndHeader, bytes] | None:
+    """`split_record` of a value read from the store; None if it is absent or is not
+    an end record."""
+    if value is None:
+        return None
+    try:
+        return split_record(key, value)
+    except CorruptDataError:
+        return None
+
+
 def with_check(key: bytes, value: bytes, check: Check) -> bytes:
     """An end record's value whose payload carries `check` (re-digested if it does not:
     `codec.with_check`), its header naming the new digest; `CorruptDataError` if it is

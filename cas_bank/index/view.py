@@ -45,10 +45,15 @@ from cas_bank.arrays import HeldArrays, dtype_of
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import BlockStore, Family
-from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
 from cas_bank.index.children import KIND_BLOCK, child_key, end_entry
-from cas_bank.index.ends import EndHeader, EndInput, FoundEnd, end_place, split_record
+from cas_bank.index.ends import (
+    EndHeader,
+    EndInput,
+    FoundEnd,
+    end_place,
+    stored_record,
+)
 
 if TYPE_CHECKING:
     from cas_bank.index.lease import Leases
@@ -288,13 +293,8 @@ class ReadView:
 
 def _stored_end(key: bytes, value: bytes | None) -> FoundEnd | None:
     """The stored end record `value` under `key`; None if absent or it does not split."""
-    if value is None:
-        return None
-    try:
-        header, payload = split_record(key, value)
-    except CorruptDataError:
-        return None
-    return FoundEnd(header, payload)
+    split = stored_record(key, value)
+    return None if split is None else FoundEnd(*split)
 
 
 def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:

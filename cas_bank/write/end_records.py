@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.store import Family
-from cas_bank.errors import CorruptDataError
-from cas_bank.index.ends import EndHeader, EndInput, encode_end, end_place, split_record
+from cas_bank.index.ends import EndHeader, EndInput, encode_end, end_place, stored_record
 from cas_bank.owner import Owner
 from cas_bank.spec import ModelSpec
 
@@ -61,10 +60,8 @@ def write_end(
 
 def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
     """Whether a stored end record is intact and holds everything `flags` asks for."""
-    if value is None:
+    split = stored_record(key, value)
+    if split is None:
         return False
-    try:
-        header, payload = split_record(key, value)
-    except CorruptDataError:
-        return False
+    header, payload = split
     return (header.flags | flags) == header.flags and codec.verify(payload, header.payload_digest)
