@@ -86,10 +86,7 @@ class Bank:
         # The hot tier, when `store` is one (Bank.open wraps the backend if hot_bytes > 0).
         self.hot = store if isinstance(store, HotStore) else None
         # The file tier of large payloads, when one is under the store (Bank.open puts it).
-        inner: object = store
-        while not isinstance(inner, FileTier) and hasattr(inner, "inner"):
-            inner = inner.inner
-        self.files = inner if isinstance(inner, FileTier) else None
+        self.files = _file_tier_under(store)
         # The background writer of `Namespace.store_later`, if the config asks for one.
         self.writer = (
             BackgroundWriter(config.write_behind)
@@ -127,12 +124,17 @@ class Bank:
         # The shared tier (config.remote): restores continue from it, stores publish to it.
         self.remote: RemoteTier | None = None
         if config.remote is not None:
-            from cas_bank.remote.tier import RemoteTier
+            self._connect_remote()
 
-            self.remote = RemoteTier(self)
-            if not self.read_only:  # so tools reading the bank later can name it
-                with self.transaction(budget=False) as tx:
-                    tx.put(Family.META, _KEY_REMOTE, self.remote.url.encode())
+    def _connect_remote(self) -> None:
+        """Start the shared tier of `config.remote`, and name it in the bank's meta
+        so that tools reading the bank later can name it."""
+        from cas_bank.remote.tier import RemoteTier
+
+        self.remote = RemoteTier(self)
+        if not self.read_only:
+            with self.transaction(budget=False) as tx:
+                tx.put(Family.META, _KEY_REMOTE, self.remote.url.encode())
 
     @classmethod
     def open(
@@ -458,3 +460,11 @@ def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCo
             f"with block_size={config.block_size}"
         )
     return config
+
+
+def _file_tier_under(store: object) -> FileTier | None:
+    """The file tier of large payloads under `store` (Bank.open puts one), if any."""
+    inner = store
+    while not isinstance(inner, FileTier) and hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner if isinstance(inner, FileTier) else None

@@ -149,60 +149,71 @@ class RocksStore(BlockStore):
                 time.sleep(0.02 * (attempt + 1))
                 self._view.sync()
 
-    def _open(self) -> None:
-        mode, where = self.mode, self.path
-        if self._view is not None:
-            where = self._view.path
-        if mode == "read_write":
-            access = AccessType.read_write()
-        elif mode == "read_only":
-            access = AccessType.read_only()
-        else:
-            assert self._view is not None
-            access = AccessType.secondary(str(self._view.scratch))
+    def _access(self) -> Any:
+        """RocksDB's access type for this store's mode."""
+        if self.mode == "read_write":
+            return AccessType.read_write()
+        if self.mode == "read_only":
+            return AccessType.read_only()
+        assert self._view is not None
+        return AccessType.secondary(str(self._view.scratch))
+
+    def _families_to_open(self, where: Path | str) -> dict[str, Any]:
+        """Each family's options by name: all of them for the writer; for a reader, the
+        families the writer made (an old bank may lack new ones)."""
         families = {f.value: family_options(f) for f in Family}
-        if mode != "read_write":
-            # A reader opens the families the writer made; an old bank may lack new ones.
-            try:
-                existing = set(Rdict.list_cf(str(where)))
-            except Exception as e:
-                why = real(e, self.path, self._view_path())
-                raise CorruptDataError(
-                    f"bank at {self.path} is damaged: its CURRENT or MANIFEST is unreadable ({why})"
-                ) from None
-            bankdir.check_families(self.path, existing)  # the writer's preflight does too
-            families = {k: v for k, v in families.items() if k in existing}
+        if self.mode == "read_write":
+            return families
         try:
-            self._db: Any = self._open_db(where, families, self._durability, access)
+            existing = set(Rdict.list_cf(str(where)))
         except Exception as e:
-            if bankdir.is_foreign(e):
-                why = real(e, self.path, self._view_path())
-                raise bankdir.foreign_error(self.path, why) from None
-            if is_corruption(e):
-                e = Exception(real(e, self.path, self._view_path()))
-                raise CorruptDataError(
-                    f"bank at {self.path} is damaged: {e}. Nothing was changed; `cas-bank "
-                    f"salvage {self.path} NEW_DIR` copies what still verifies into a new bank"
-                ) from None
-            if "Read-only file system" in str(e) or "os error 30" in str(e):
-                raise CasBankError(
-                    f"bank at {self.path} is on a read-only file system: it cannot be "
-                    "opened for writing; open it read-only (mode='read_only')"
-                ) from None
-            if is_no_space(e):
-                raise open_full_error(self.path, real(e, self.path, self._view_path())) from None
-            # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
-            if "/LOCK" not in str(e):
-                raise
-            if "current process" in str(e):
-                raise BankLockedError(
-                    f"bank at {self.path} is already open for writing in this process; "
-                    f"close that Bank first ({e})"
-                ) from None
-            raise BankLockedError(
-                f"bank at {self.path} is held by another writer process; open it "
-                f"read-only or as a secondary to read it ({e})"
+            why = real(e, self.path, self._view_path())
+            raise CorruptDataError(
+                f"bank at {self.path} is damaged: its CURRENT or MANIFEST is unreadable ({why})"
             ) from None
+        bankdir.check_families(self.path, existing)  # the writer's preflight does too
+        return {k: v for k, v in families.items() if k in existing}
+
+    def _open_error(self, e: Exception) -> Exception | None:
+        """The cas_bank error an open that raised `e` means; None: `e` as it is."""
+        if bankdir.is_foreign(e):
+            return bankdir.foreign_error(self.path, real(e, self.path, self._view_path()))
+        if is_corruption(e):
+            return CorruptDataError(
+                f"bank at {self.path} is damaged: {real(e, self.path, self._view_path())}. "
+                f"Nothing was changed; `cas-bank salvage {self.path} NEW_DIR` copies what "
+                "still verifies into a new bank"
+            )
+        if "Read-only file system" in str(e) or "os error 30" in str(e):
+            return CasBankError(
+                f"bank at {self.path} is on a read-only file system: it cannot be "
+                "opened for writing; open it read-only (mode='read_only')"
+            )
+        if is_no_space(e):
+            return open_full_error(self.path, real(e, self.path, self._view_path()))
+        # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
+        if "/LOCK" not in str(e):
+            return None
+        if "current process" in str(e):
+            return BankLockedError(
+                f"bank at {self.path} is already open for writing in this process; "
+                f"close that Bank first ({e})"
+            )
+        return BankLockedError(
+            f"bank at {self.path} is held by another writer process; open it "
+            f"read-only or as a secondary to read it ({e})"
+        )
+
+    def _open(self) -> None:
+        where = self._view.path if self._view is not None else self.path
+        families = self._families_to_open(where)
+        try:
+            self._db: Any = self._open_db(where, families, self._durability, self._access())
+        except Exception as e:
+            translated = self._open_error(e)
+            if translated is None:
+                raise
+            raise translated from None
         self._cf: dict[Family, Any] = {}
         self._handles: dict[Family, Any] = {}
         for f in Family:
@@ -214,7 +225,7 @@ class RocksStore(BlockStore):
         self._write_opt: Any = cast(Any, WriteOptions())
         self._write_opt.disable_wal = self._durability == "fast"  # a property at run time
         self._payload_reader: RocksStore | None = None
-        if mode == "secondary":
+        if self.mode == "secondary":
             try:
                 self._payload_reader = self._open_payload_reader()
             except BaseException:
