@@ -269,7 +269,7 @@ def explain(bank: Bank, root: bytes, tokens: Any, index: HeaderIndex | None = No
     fate = _fate(store, hashes[k], blocks_evicted) if missing is not None else _Fate()
     end = _end_record(view, root, hashes, toks, k, bs, corrupt)
     end_tokens = end.n_tokens if end is not None else None
-    partial = _partial(bank, root, hashes, toks, k, hybrid, corrupt, end_tokens)
+    partial = _partial(bank, view, root, hashes, toks, k, hybrid, corrupt, end_tokens)
     return Explanation(
         tokens=len(toks),
         block_size=bs,
@@ -428,6 +428,7 @@ class _Partial:
 
 def _partial(
     bank: Bank,
+    view: ReadView,
     root: bytes,
     hashes: list[Any],
     toks: Any,
@@ -436,11 +437,12 @@ def _partial(
     corrupt: list[CorruptRecord],
     end_tokens: int | None,
 ) -> _Partial:
-    """The partial block after the `k` matched blocks, as a restore weighs it."""
+    """The partial block after the `k` matched blocks, as a restore weighs it (in the
+    same view of the bank the chain was matched in)."""
     if corrupt:
         return _Partial()  # a restore stops before the corrupt block
     bs = bank.config.block_size
-    plan = find_partial(read_view(bank), root, hashes, toks, k, bs)
+    plan = find_partial(view, root, hashes, toks, k, bs)
     if plan is None:
         return _Partial()
     child = plan.child
