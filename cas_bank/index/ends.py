@@ -83,6 +83,11 @@ class EndHeader:
     def has_state(self) -> bool:
         return bool(self.flags & FLAG_STATE)
 
+    def holds(self, flags: int) -> bool:
+        """Whether this record holds everything `flags` asks for (state, logits,
+        hidden state)."""
+        return self.flags | flags == self.flags
+
     def key(self) -> bytes:
         return end_key(self.parent, self.tail)
 

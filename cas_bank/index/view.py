@@ -302,8 +302,7 @@ def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:
     hidden state it lacks): `write_end` will skip the queued one as held (the stored one
     intact; a damaged one reads as a miss until the write replaces it). With the same
     flags the queued one is read (its arrays are in memory; the two are of one prompt)."""
-    flags, asked = stored.header.flags, queued.header.flags
-    return flags | asked == flags and flags != asked
+    return stored.header.holds(queued.header.flags) and stored.header.flags != queued.header.flags
 
 
 class QueueHolder(Protocol):

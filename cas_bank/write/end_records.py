@@ -64,4 +64,4 @@ def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
     if split is None:
         return False
     header, payload = split
-    return (header.flags | flags) == header.flags and codec.verify(payload, header.payload_digest)
+    return header.holds(flags) and codec.verify(payload, header.payload_digest)
