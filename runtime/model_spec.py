@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,19 +31,16 @@ from typing import Any
 import blake3
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from cas_bank.errors import InvalidInputError
 from cas_bank.spec import LayerSpec, ModelSpec
 
-from .cache_kinds import cache_kind_of
+from .cache_io import cache_kind_of, check_cache_class, new_cache
 from .models import LoadedModel, weights_digest
 from .tokenizer import ByteTokenizer
 
 # Bumped when the bytes hashed by `config_digest` change.
 _CONFIG_CONTEXT = "cas_bank 2026-11-29 model config digest v1"
-
-SUPPORTED_CACHES: tuple[type, ...] = (KVCache, QuantizedKVCache, ArraysCache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,45 +62,6 @@ def unwrap(model: nn.Module | LoadedModel) -> tuple[nn.Module, LoadedModel | Non
     raise InvalidInputError(
         f"expected an mlx-lm model (nn.Module) or a LoadedModel, got {type(model).__name__}"
     )
-
-
-def check_cache_class(entry: Any, index: int) -> None:
-    """Refuse a cache object whose layout the bank cannot store, naming its class."""
-    cls = type(entry)
-    if cls in SUPPORTED_CACHES:
-        return
-    # Subclasses of ArraysCache (Mamba's) keep the same `cache` list; Batch ones do not.
-    if isinstance(entry, ArraysCache) and not cls.__name__.startswith("Batch"):
-        return
-    raise InvalidInputError(
-        f"layer {index} uses {cls.__name__}, which cas_bank cannot store: supported cache "
-        f"classes are {', '.join(c.__name__ for c in SUPPORTED_CACHES)} "
-        f"(a sliding-window, chunked, batched or nested cache is not a function of the "
-        f"token prefix alone, or holds more than one sequence)"
-    )
-
-
-def new_cache(model: nn.Module, kv_bits: int | None, kv_group_size: int) -> list[Any]:
-    """A fresh prompt cache for `model`; with `kv_bits`, attention layers are quantized.
-
-    Quantized from the first token on (mlx-lm's `quantized_kv_start=0`), so every
-    attention read sees the same quantized KV whether it was restored or computed.
-    """
-    cache = make_prompt_cache(model)
-    classes = tuple(map(type, cache))
-    if classes not in _CHECKED_CLASSES:  # a restore's every new cache: checked once
-        for i, entry in enumerate(cache):
-            check_cache_class(entry, i)
-        _CHECKED_CLASSES.add(classes)
-    if kv_bits is not None:
-        for i, entry in enumerate(cache):
-            if type(entry) is KVCache:
-                cache[i] = QuantizedKVCache(group_size=kv_group_size, bits=kv_bits)
-    return cache
-
-
-# The layer classes of caches `new_cache` checked: a model makes the same ones each time.
-_CHECKED_CLASSES: set[tuple[type, ...]] = set()
 
 
 def layer_spec_of(entry: Any, index: int) -> LayerSpec:
@@ -220,11 +177,3 @@ def _tokenizer_name(loaded: LoadedModel | None) -> str | None:
         # Absolute, so `cas-bank show` finds the model's own tokenizer from anywhere.
         return str(Path(str(path)).resolve())
     return str(path) if path else type(tok).__name__
-
-
-def cache_layer_counts(cache: Sequence[Any]) -> str:
-    """A short description of a cache list, for error messages."""
-    names: dict[str, int] = {}
-    for c in cache:
-        names[type(c).__name__] = names.get(type(c).__name__, 0) + 1
-    return ", ".join(f"{n}×{k}" for k, n in names.items())

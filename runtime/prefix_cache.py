@@ -84,11 +84,12 @@ from .cache_io import (
     cache_layers,
     check_cache,
     fill_cache,
+    new_cache,
     snapshot_states,
     tag_cache,
     vouch_for,
 )
-from .model_spec import new_cache, probe_model, unwrap
+from .model_spec import probe_model, unwrap
 from .models import LoadedModel
 from .prefill import (
     DEFAULT_CHUNK_SIZE,

@@ -89,8 +89,7 @@ from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.write.storing import StoreReport
 from cas_bank.write.writer import PendingStore
 
-from .cache_io import snapshot_states
-from .model_spec import check_cache_class
+from .cache_io import check_cache_class, snapshot_states
 from .models import LoadedModel
 from .prefix_cache import PrefixCache
 

@@ -1,6 +1,6 @@
 """The per-kind protocols: each kind's arrays round-trip through flat/group, and a real
 mlx-lm cache object of each kind through blocks-or-snapshot/fill, checked by the same
-class (`cas_bank.index.layer_kinds`, `cas_bank.runtime.cache_kinds`)."""
+class (`cas_bank.index.layer_kinds`, `cas_bank.runtime.cache_io`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from cas_bank.runtime.cache_io import cache_layers
-from cas_bank.runtime.cache_kinds import cache_kind, cache_kind_of
-from cas_bank.runtime.model_spec import new_cache, probe_model
+from cas_bank.runtime.cache_io import cache_kind, cache_kind_of, cache_layers, new_cache
+from cas_bank.runtime.model_spec import probe_model
 from runtime_helpers import wide
 
 from cas_bank.index.layer_kinds import ATTENTION_KV, QUANTIZED_KV, RECURRENT_STATE, kind_of

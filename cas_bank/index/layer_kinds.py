@@ -11,7 +11,7 @@ flat arrays in spec order (its `flat` form). Each kind says which it is:
 - `group(arrays)`: the layer's tuple from its flat arrays (mlx-lm's `from_state`).
 
 `kind_of(layer_spec)` picks a layer's class (from `LayerSpec.per_block` and its
-quantization); the mlx-lm cache objects of each kind: `cas_bank.runtime.cache_kinds`.
+quantization); the mlx-lm cache objects of each kind: `cas_bank.runtime.cache_io`.
 """
 
 from __future__ import annotations
