@@ -111,7 +111,7 @@ class LayerSpec(BaseModel):
         """Whether this layer's arrays carry tokens (attention KV, plain or quantized):
         cut into every block, restorable at any token; else (a recurrent state) they are
         one state, stored only at boundaries. What a bank does with each kind of layer:
-        `cas_bank.index.layer_kinds`."""
+        `cas_bank.index.layout`."""
         return self.kind == "attention"
 
     @property

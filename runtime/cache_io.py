@@ -39,7 +39,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_pro
 
 from cas_bank.arrays import dtype_named, dtype_of
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.layer_kinds import (
+from cas_bank.index.layout import (
     ATTENTION_KV,
     QUANTIZED_KV,
     RECURRENT_STATE,

@@ -1,6 +1,6 @@
 """The per-kind protocols: each kind's arrays round-trip through flat/group, and a real
 mlx-lm cache object of each kind through blocks-or-snapshot/fill, checked by the same
-class (`cas_bank.index.layer_kinds`, `cas_bank.runtime.cache_io`)."""
+class (`cas_bank.index.layout`, `cas_bank.runtime.cache_io`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ from cas_bank.runtime.cache_io import cache_kind, cache_kind_of, cache_layers, n
 from cas_bank.runtime.model_spec import probe_model
 from runtime_helpers import wide
 
-from cas_bank.index.layer_kinds import ATTENTION_KV, QUANTIZED_KV, RECURRENT_STATE, kind_of
-from cas_bank.index.layout import flat_attention, group_layers
+from cas_bank.index.layout import (
+    ATTENTION_KV,
+    QUANTIZED_KV,
+    RECURRENT_STATE,
+    flat_attention,
+    group_layers,
+    kind_of,
+)
 
 TOKENS = 5
 

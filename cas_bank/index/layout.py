@@ -1,10 +1,24 @@
-"""What is stored where: the caller's arrays checked against a `ModelSpec`, cut into
-block payloads, and grouped back into layers (a restore's arrays are assembled by
-`restore.assemble`).
+"""What is stored where: each kind of cache layer, the caller's arrays checked against
+a `ModelSpec`, cut into block payloads, and grouped back into layers (a restore's
+arrays are assembled by `restore.assemble`).
 
 A block payload holds, for every attention layer in order, that layer's arrays sliced
 to the block's tokens. A state payload holds, for every recurrent layer in order, its
 state arrays. Both go through `blocks.codec`.
+
+What the bank does with each kind of layer is one small class per kind (`LayerKind`),
+picked by `kind_of(layer_spec)` (from `LayerSpec.per_block` and its quantization). A
+layer is given and restored as a tuple (its `layer` form); the bank stores it as flat
+arrays in spec order (its `flat` form):
+
+- `per_block`: its arrays carry tokens on axis -2 and are cut into every block
+  payload (attention KV, plain or quantized); restorable at any token. Otherwise its
+  arrays are one state, stored only at block boundaries and in end records (a
+  recurrent layer), never cut;
+- `flat(layer)`: the layer's arrays in spec order (mlx-lm's `state`, flattened);
+- `group(arrays)`: the layer's tuple from its flat arrays (mlx-lm's `from_state`).
+
+The mlx-lm cache objects of each kind: `cas_bank.runtime.cache_io`.
 """
 
 from __future__ import annotations
@@ -20,9 +34,7 @@ from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks.codec import Compression, Decoded, encode
 from cas_bank.blocks.hashing import Check
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.spec import ModelSpec
-
-from .layer_kinds import kind_of
+from cas_bank.spec import LayerSpec, ModelSpec
 
 
 def _check_array(a: Any, want_shape: tuple[int, ...], want: DType, where: str) -> None:
@@ -196,3 +208,52 @@ def boundary_states(
             raise InvalidInputError(f"states given but {spec.name!r} has no recurrent layers")
         out[b] = check_state(spec, state, f"state at {b}")
     return out
+
+
+class LayerKind:
+    """The shared base: a layer is a flat tuple of arrays, stored per block."""
+
+    per_block = True
+
+    def flat(self, layer: Any) -> list[Any]:
+        """The layer's arrays in spec order; nested tuples are flattened (a bad layout is
+        then refused by the count and shape checks with the arrays named)."""
+        out: list[Any] = []
+        for part in layer:
+            if isinstance(part, (tuple, list)):
+                out.extend(part)
+            else:
+                out.append(part)
+        return out
+
+    def group(self, arrays: Sequence[mx.array]) -> tuple[Any, ...]:
+        return tuple(arrays)
+
+
+class AttentionKV(LayerKind):
+    """mlx-lm `KVCache`: `(keys, values)`, each `[1, kv_heads, T, dim]`."""
+
+
+class QuantizedKV(LayerKind):
+    """mlx-lm `QuantizedKVCache`: `((kq, ks, kb), (vq, vs, vb))`, tokens on axis -2."""
+
+    def group(self, arrays: Sequence[mx.array]) -> tuple[Any, ...]:
+        return (tuple(arrays[:3]), tuple(arrays[3:]))
+
+
+class RecurrentState(LayerKind):
+    """mlx-lm `ArraysCache` (Gated DeltaNet, Mamba): its state arrays, no token axis."""
+
+    per_block = False
+
+
+ATTENTION_KV = AttentionKV()
+QUANTIZED_KV = QuantizedKV()
+RECURRENT_STATE = RecurrentState()
+
+
+def kind_of(ls: LayerSpec) -> LayerKind:
+    """The kind of the layer `ls` describes."""
+    if not ls.per_block:
+        return RECURRENT_STATE
+    return ATTENTION_KV if ls.quantization is None else QUANTIZED_KV
