@@ -17,7 +17,7 @@ import numpy as np
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
-from cas_bank.index.chain import Header, longest_chain, read_headers, stored_prefix
+from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
 from cas_bank.index.ends import find_end, prepare_end
 from cas_bank.index.layout import (
     boundary_states,
@@ -25,7 +25,6 @@ from cas_bank.index.layout import (
     group_layers,
 )
 from cas_bank.index.partial import find_partial
-from cas_bank.index.states import plan_boundaries
 from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.restore import restoring
 from cas_bank.restore.payloads import PayloadReader

@@ -66,7 +66,7 @@ def resume_point(
     `pos`: on a block boundary, a hybrid model's recurrent state there (added to
     `states`); between two, an end record of the `pos` tokens (the KV after the last
     full block and, hybrid, the state at `pos`). Returns whether the end record is due.
-    A state lives only on a boundary or in an end record (`cas_bank.index.states`,
+    A state lives only on a boundary or in an end record (`cas_bank.index.chain`,
     `cas_bank.index.ends`)."""
     if pos % block_size:
         return True

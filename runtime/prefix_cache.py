@@ -18,7 +18,7 @@ stores the new full blocks and the states in one batch when the prompt is done.
 
 State policy for hybrid models (Gated DeltaNet layers; docs/design.md, "State capture
 policy", implemented by `Namespace.plan_states` /
-`cas_bank.index.states.plan_boundaries`). A state costs as much as many blocks of KV, so
+`cas_bank.index.chain.plan_boundaries`). A state costs as much as many blocks of KV, so
 a prefill captures it only at:
   1. the deepest boundary strictly before the prompt's last token: the same prompt
      again, or its next turn, restores all of it but the tail;

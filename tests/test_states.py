@@ -5,8 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cas_bank.index.chain import Header
-from cas_bank.index.states import plan_boundaries, restore_blocks
+from cas_bank.index.chain import Header, plan_boundaries, restore_blocks
 
 
 @st.composite

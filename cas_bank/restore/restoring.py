@@ -25,7 +25,7 @@ import numpy as np
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index.chain import Header, longest_chain, restore_blocks
 from cas_bank.index.ends import EndPlan, plan_end
 from cas_bank.index.layout import flat_attention, group_layers, merge_layers
 from cas_bank.index.partial import (
@@ -33,7 +33,6 @@ from cas_bank.index.partial import (
     find_partial,
     remote_partial,
 )
-from cas_bank.index.states import restore_blocks
 from cas_bank.index.view import ReadView, is_queued, read_view
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.tails import end_layers, partial_layers, read_partial
