@@ -358,7 +358,7 @@ class Namespace:
 
         `hints`: token positions where later prompts are likely to branch (e.g. the end
         of a system prompt; None: none). Empty for attention-only models. See
-        `index.states`.
+        `index.chain`.
         """
         if not self.spec.is_hybrid:
             return []
