@@ -5,7 +5,7 @@ report comes from, and kept in every report rendered after it.
 The same benchmarks (`benchmarks.restore`, `benchmarks.ttft`) ran there twice: `before`,
 restores filling numpy staging buffers that `mx.array` copied into MLX; `after`, filling
 MLX's arrays in place (`cas_bank.arrays.fill_stream`). A later session ran them again
-with and without moving the filled arrays to the GPU (`prefetch`: `cas_bank.restore.gpu_prefetch`).
+with and without moving the filled arrays to the GPU (`prefetch`: `cas_bank.restore.resources`).
 """
 
 from __future__ import annotations

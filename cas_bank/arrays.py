@@ -188,7 +188,7 @@ def fill_stream() -> mx.Device | None:
     On CUDA, the CPU: MLX places what its CPU stream makes in unified memory that the
     restore's CPU writes reach without a move, where an array made on the GPU would be
     in device memory and copied into unified memory at its first CPU pointer. Once
-    filled, the restore moves them to the GPU in one go (`cas_bank.restore.gpu_prefetch`).
+    filled, the restore moves them to the GPU in one go (`cas_bank.restore.resources`).
     """
     return mx.Device(mx.cpu) if mlx_backend() == "cuda" else None
 

@@ -1,5 +1,5 @@
 """On MLX's CUDA build a restore moves the arrays it filled from the CPU (unified
-memory) to the GPU before handing them out (`cas_bank.restore.gpu_prefetch`, the bank's
+memory) to the GPU before handing them out (`cas_bank.restore.resources`, the bank's
 `GpuPrefetch` in its `Resources`: a failure turns it off for that bank). Here MLX runs on
 the CPU: the backend is named CUDA where a test needs it, and what the prefetch is
 asked to move is checked against the arrays the restore hands out; the driver calls
@@ -15,14 +15,14 @@ from conftest import BLOCK_SIZE, attention_spec, layers_bits, prefix_layers
 
 from cas_bank import Bank, BankConfig, arrays
 from cas_bank.arrays import address_of, to_numpy
-from cas_bank.restore import gpu_prefetch
-from cas_bank.restore.gpu_prefetch import GpuPrefetch
+from cas_bank.restore import resources
+from cas_bank.restore.resources import GpuPrefetch
 
 
 @pytest.fixture(autouse=True)
 def _fresh_driver(monkeypatch: pytest.MonkeyPatch) -> None:
-    gpu_prefetch._driver.cache_clear()
-    monkeypatch.delenv(gpu_prefetch.PREFETCH_ENV, raising=False)
+    resources._driver.cache_clear()
+    monkeypatch.delenv(resources.PREFETCH_ENV, raising=False)
 
 
 def test_prefetch_applies_on_cuda_only_and_can_be_turned_off(
@@ -35,7 +35,7 @@ def test_prefetch_applies_on_cuda_only_and_can_be_turned_off(
     assert gpu.prefetcher() is None  # unified memory: nothing to move
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     assert gpu.prefetcher() == gpu.prefetch
-    monkeypatch.setenv(gpu_prefetch.PREFETCH_ENV, "0")
+    monkeypatch.setenv(resources.PREFETCH_ENV, "0")
     assert gpu.prefetcher() is None
 
 
@@ -68,7 +68,7 @@ def test_no_cuda_driver_logs_once_and_moves_nothing(
     def no_library(name: str) -> None:
         raise OSError(f"{name}: cannot open shared object file")
 
-    monkeypatch.setattr(gpu_prefetch.ctypes, "CDLL", no_library)
+    monkeypatch.setattr(resources.ctypes, "CDLL", no_library)
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
     gpu = GpuPrefetch()
     with caplog.at_level(logging.WARNING, logger="cas_bank"):
@@ -94,7 +94,7 @@ def test_a_failed_prefetch_turns_it_off_for_its_bank(
             raise OSError("cuMemPrefetchAsync returned CUDA error 1")
 
     monkeypatch.setattr(arrays, "mlx_backend", lambda: "cuda")
-    monkeypatch.setattr(gpu_prefetch, "_driver", lambda: Refusing())
+    monkeypatch.setattr(resources, "_driver", lambda: Refusing())
     gpu = GpuPrefetch()
     with caplog.at_level(logging.WARNING, logger="cas_bank"):
         gpu.prefetch([(4096, 4096)])

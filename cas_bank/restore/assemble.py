@@ -288,7 +288,7 @@ class Assembler:
 
     def handed_out(self) -> None:
         """Once this restore's arrays are evaluated: on CUDA, move them to the GPU
-        (`gpu_prefetch`: the CPU filled them in unified memory); then have the next
+        (`resources.GpuPrefetch`: the CPU filled them in unified memory); then have the next
         restore's arrays made off its path (`cas_bank.restore.spares`; a runtime's restore
         holds them until its forward pass is done, `Spares.holding`)."""
         resources = self._resources
