@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig
-from cas_bank.blocks.budget import MemoryBudget
+from cas_bank.blocks.hot import MemoryBudget
 
 B = 4
 BUDGET = 12 * 1024  # a few prompts' worth: stores and restores keep evicting

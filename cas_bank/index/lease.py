@@ -33,7 +33,7 @@ from operator import attrgetter
 import mlx.core as mx
 
 from cas_bank.arrays import HeldArrays
-from cas_bank.blocks.budget import MemoryBudget
+from cas_bank.blocks.hot import MemoryBudget
 
 _NBYTES = attrgetter("nbytes")  # an array's bytes, read by a C-level map
 
