@@ -1,4 +1,4 @@
-"""One memory budget (`blocks.budget`): the hot tier and the leases share
+"""One memory budget (`blocks.hot.MemoryBudget`): the hot tier and the leases share
 `BankConfig.hot_bytes`, so what they hold together never passes it, whatever a caller
 stores, restores or is handed out; the least recently used entry of either goes first."""
 

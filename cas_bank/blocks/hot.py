@@ -70,7 +70,7 @@ AROUND_ENTRIES = 1024
 class _Entry:
     raw: bytes
     size: int  # bytes charged against the bound
-    tick: int  # the budget's clock at its last use (blocks.budget)
+    tick: int  # the budget's clock at its last use (`blocks.hot.MemoryBudget`)
     decoded: Decoded | None = None
     digest: bytes | None = None  # the digest `decoded` was verified against
     absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
@@ -377,7 +377,7 @@ class HotStore(BlockStore):
         if entry is not None:
             self._bytes -= entry.size
 
-    # -- a tenant of the budget (blocks.budget) -------------------------------------
+    # -- a tenant of the budget (`blocks.hot.MemoryBudget`) -------------------------------------
     def oldest_tick(self) -> int | None:
         with self._lock:
             return next(iter(self._entries.values())).tick if self._entries else None

@@ -18,7 +18,7 @@ hash names its whole prefix, so an entry that holds block k of a prompt holds bl
 entry holds. A hybrid model's recurrent state at a boundary is leased the same way,
 by the chain hash of the block that ends there (`put_state`, `state`). Bounded by
 bytes (the buffers held, chains and states together), least recently used first out:
-the bank's leases share one budget with its hot tier (`blocks.budget`,
+the bank's leases share one budget with its hot tier (`blocks.hot.MemoryBudget`,
 `BankConfig.hot_bytes`), so the two together stay within it.
 """
 
@@ -43,7 +43,7 @@ class _Entry:
     hashes: list[bytes]  # empty for a state
     arrays: HeldArrays  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
-    tick: int = 0  # the budget's clock at its last use (blocks.budget)
+    tick: int = 0  # the budget's clock at its last use (`blocks.hot.MemoryBudget`)
 
 
 def _state_key(chain_hash: bytes) -> bytes:
@@ -207,7 +207,7 @@ class Leases:
         self._entries.move_to_end(key)
         self._entries[key].tick = self.budget.tick()
 
-    # -- a tenant of the budget (blocks.budget) -------------------------------------
+    # -- a tenant of the budget (`blocks.hot.MemoryBudget`) -------------------------------------
     def oldest_tick(self) -> int | None:
         with self._lock:
             return next(iter(self._entries.values())).tick if self._entries else None
