@@ -21,9 +21,8 @@ from cas_bank.errors import (
 )
 from cas_bank.namespace import Namespace
 from cas_bank.restore.restoring import Hit
-from cas_bank.restore.timings import RestoreTimings, RestoreTotals
 from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
-from cas_bank.stats import BankStats
+from cas_bank.stats import BankStats, RestoreTimings, RestoreTotals
 from cas_bank.write.storing import StoreReport
 
 __all__ = [

@@ -37,9 +37,8 @@ from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
 from cas_bank.restore.resources import Resources
-from cas_bank.restore.timings import RestoreClock, RestoreTotals
 from cas_bank.spec import ModelSpec
-from cas_bank.stats import BankStats, Counters
+from cas_bank.stats import BankStats, Counters, RestoreClock, RestoreTotals
 from cas_bank.write.admission import SeenBlocks
 from cas_bank.write.txn import Suspects, Transaction
 from cas_bank.write.writer import BackgroundWriter

@@ -22,8 +22,7 @@ from cas_bank.evict.access import AccessLog
 from cas_bank.index.continuation import ChainTier
 from cas_bank.index.lease import Leases
 from cas_bank.restore.resources import Resources
-from cas_bank.restore.timings import RestoreClock
-from cas_bank.stats import Counters
+from cas_bank.stats import Counters, RestoreClock
 from cas_bank.write.admission import SeenBlocks
 from cas_bank.write.txn import Suspects, Transaction
 from cas_bank.write.writer import BackgroundWriter

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from cas_bank import native
-from cas_bank.restore.timings import RestoreTotals
-from cas_bank.stats import BankStats
+from cas_bank.stats import BankStats, RestoreTotals
 from cas_bank.write.writer import WriterStats
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from cas_bank.index.partial import (
 from cas_bank.index.view import ReadView, is_queued, read_view
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.tails import end_layers, partial_layers, read_partial
-from cas_bank.restore.timings import RestoreTimings
+from cas_bank.stats import RestoreTimings
 
 if TYPE_CHECKING:
     from cas_bank.index.continuation import Continuation
