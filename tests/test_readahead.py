@@ -18,10 +18,11 @@ from conftest import kv_prefix_bits, layers_bits, prefix_layers, tokens_of
 from test_bank_corruption import _corrupt
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import Family
 from cas_bank.index.chain import read_headers
 from cas_bank.restore.assemble import _TWO_THREADS_FROM
+from cas_bank.restore.payloads import worth_reading_ahead
+from cas_bank.restore.workers import ReadAhead
 
 BIG = 64  # tokens per block: 2 arrays x 64 tokens x 8 heads x 128 x fp16 = 256 KiB
 

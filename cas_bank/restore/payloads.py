@@ -17,13 +17,13 @@ import mlx.core as mx
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.files import FileTier, PayloadFile
-from cas_bank.blocks.readahead import ReadAhead, worth_reading_ahead
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.layout import decode_state
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.file_read import BlockFiles, Job, read_files, read_plain_blocks
+from cas_bank.restore.workers import ReadAhead
 from cas_bank.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -44,6 +44,13 @@ log = logging.getLogger("cas_bank")
 _CHAIN_HASH = attrgetter("chain_hash")
 _PAYLOAD_SIZE = attrgetter("payload_size")
 _PAYLOAD_DIGEST = attrgetter("payload_digest")
+
+READ_AHEAD_FROM = 256 * 1024  # bytes per item; below, the thread costs more than it hides
+
+
+def worth_reading_ahead(sizes: Sequence[int]) -> bool:
+    """Whether items of these sizes (bytes) are enough, and large enough, to read ahead."""
+    return len(sizes) >= 2 and sum(sizes) >= READ_AHEAD_FROM * len(sizes)
 
 
 class PayloadReader:
