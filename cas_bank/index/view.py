@@ -313,6 +313,7 @@ class QueueHolder(Protocol):
 
 
 class Entries(Protocol):
+    @property
     def entries(self) -> tuple[object, ...]: ...
 
 
@@ -330,5 +331,5 @@ class Viewed(Protocol):
 def read_view(bank: Viewed) -> ReadView:
     """The view of `bank` now: what its background writer holds, then its store."""
     writer = bank.writer
-    queued = writer.queued.entries() if writer is not None else ()
+    queued = writer.queued.entries if writer is not None else ()
     return ReadView(bank.store, queued, bank.leases)

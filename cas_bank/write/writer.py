@@ -106,23 +106,20 @@ def _call(fn: Callable[[T], None], value: T) -> None:
 class Queued:
     """The records of the stores the writer has not finished, as their submitters
     registered them (`index.view` says what they are), oldest first. Read without a
-    lock: `entries()` is an immutable tuple, replaced whole by `add` and `retire`, so
+    lock: `entries` is an immutable tuple, replaced whole by `add` and `retire`, so
     a reader holds one state of the overlay however long it reads."""
 
     def __init__(self) -> None:
-        self._entries: tuple[object, ...] = ()
+        self.entries: tuple[object, ...] = ()  # replaced whole, never changed in place
         self._lock = threading.Lock()
-
-    def entries(self) -> tuple[object, ...]:
-        return self._entries
 
     def add(self, entry: object) -> None:
         with self._lock:
-            self._entries = (*self._entries, entry)
+            self.entries = (*self.entries, entry)
 
     def retire(self, entry: object) -> None:
         with self._lock:
-            self._entries = tuple(e for e in self._entries if e is not entry)
+            self.entries = tuple(e for e in self.entries if e is not entry)
 
 
 @dataclass(frozen=True, slots=True)
