@@ -481,7 +481,7 @@ def test_a_store_interrupted_while_the_queue_is_full_leaves_no_trace(
             _interrupted_in_put(ns.prepare_end_later(tokens, layers))
         else:
             _interrupted_in_put(lambda: ns.store_later(tokens, layers))
-        assert bank.writer.queued.entries() == ()
+        assert bank.writer.queued.entries == ()
         assert ns.match([*tokens, 1]) == (3 * B if what == "end" else 0)
         if what == "blocks":
             assert bank.leases.probe(ns.chain(tokens))[0] == 0  # the snapshot let go
