@@ -1,4 +1,4 @@
-"""The state capture policy (`index.states.plan_boundaries`) and the restore-point rule."""
+"""The state capture policy (`index.chain.plan_boundaries`) and the restore-point rule."""
 
 from __future__ import annotations
 
