@@ -3,7 +3,9 @@
 The measure of issue 42's "a newcomer follows a restore": a stored prompt restored
 with `PrefixCache.restore` after the bank is reopened, and an inline `prefill` that
 stores, each traced with `sys.setprofile`; every distinct function of cas_bank's
-own code that runs is counted, with the files it lives in.
+own code that runs is counted, with the files it lives in. Comprehensions and lambdas
+are code objects of their own to `sys.setprofile`; the count of named functions (a
+`def` a reader opens) leaves them out.
 
     python -m benchmarks.trace_paths [--model tiny-qwen3] [--list]
 """
@@ -11,6 +13,7 @@ own code that runs is counted, with the files it lives in.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -62,6 +65,9 @@ def measure(model_name: str) -> dict[str, set[tuple[str, str]]]:
     return out
 
 
+_ANONYMOUS = re.compile(r"<(listcomp|genexpr|dictcomp|setcomp|lambda)>")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3")
@@ -70,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(ROOTS[0]).parent
     for name, seen in measure(args.model).items():
         files = sorted({Path(f).relative_to(root).as_posix() for f, _ in seen})
-        print(f"{name}: {len(seen)} functions in {len(files)} files")
+        named = [q for _, q in seen if not _ANONYMOUS.search(q)]
+        print(f"{name}: {len(seen)} functions ({len(named)} named) in {len(files)} files")
         if args.list:
             for f in files:
                 print(f"    {f}")
