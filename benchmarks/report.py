@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks.plot import write_plot
 from benchmarks.report_cuda import cuda_section
+from benchmarks.report_first_token import first_token_section, prefill_or_restore_section
 from benchmarks.report_remote import remote_fleet_sections
 from benchmarks.report_restore import restore_section, ttft_section
 from benchmarks.report_workloads import (
@@ -41,6 +42,8 @@ def render(r: dict[str, Any]) -> list[str]:
         *_ceilings_section(r),
         *ttft_section(r),
         *restore_section(r),
+        *first_token_section(r),
+        *prefill_or_restore_section(r),
         *_overhead_section(r),
         *server_store_section(r),
         *fleet_section(r),

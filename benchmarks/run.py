@@ -2,6 +2,7 @@
 
     python -m benchmarks.run            # the default sizes: < 10 min on 2 cores
     python -m benchmarks.run --large    # + 16k prompts, the medium models, 1k-token overhead
+                                        # (and the first-token anchor at 16k)
     python -m benchmarks.run --quick --out /tmp/x   # the smoke test's tiny sizes
 
 Writes `RESULTS.md` (tables, the machine, the date), `results.json` (every figure)
@@ -37,6 +38,7 @@ from typing import Any
 from cas_bank.runtime.process import server_settings
 
 from benchmarks import (
+    first_token,
     fleet,
     remote_load,
     remote_prefetch,
@@ -118,6 +120,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "ttft": ttft.tiny_settings(),
             "restore": restore.tiny_settings(),
+            "first_token": first_token.tiny_settings(),
             "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
             "fleet": fleet.tiny_settings(),
             "admission": fleet.tiny_settings(),
@@ -142,6 +145,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     r = restore.RestoreSettings()
     if args.large:
         r = replace(r, lengths=(1024, 4096, 16384))
+    ft = first_token.large_settings() if args.large else first_token.FirstTokenSettings()
     overhead: dict[str, Any] | None = (
         {"model": "medium-qwen3", "tokens": 1024, "repeats": 3}
         if args.large
@@ -154,6 +158,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "ttft": t,
         "restore": r,
+        "first_token": ft,
         "overhead": overhead,
         "fleet": f,
         "admission": fleet.admission_settings(),
@@ -172,6 +177,7 @@ PARTS = (
     "ceilings",
     "ttft",
     "restore",
+    "first_token",
     "store_overhead",
     "server_store",
     "fleet",
@@ -201,6 +207,7 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
     part("ceilings", lambda: machine_ceilings(workdir / "ceilings", **p["ceilings"]))
     part("ttft", lambda: ttft.run(workdir / "ttft", p["ttft"]))
     part("restore", lambda: restore.run(workdir / "restore", p["restore"]))
+    part("first_token", lambda: first_token.run(workdir / "first_token", p["first_token"]))
     if p["overhead"] is not None:
         o = p["overhead"]
         part(

@@ -17,7 +17,7 @@ from conftest import REPO_ROOT
 if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level package beside cas_bank
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import ceilings, fleet, restore, run, scale, ttft
+from benchmarks import ceilings, first_token, fleet, restore, run, scale, ttft
 
 
 def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path: Path) -> None:
@@ -35,6 +35,17 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     rs = restore.main(["--tiny"])
     for case in rs["cases"]:
         assert case["restored"] == case["tokens"] and case["hot_hits_per_request"] >= 1
+
+    ft = first_token.main(["--tiny"])  # every way's logits are the limit's, all restored
+    assert ft["problems"] == []
+    for case in ft["cases"]:
+        prefix, talk = case["tokens"], case["tokens"] + case["answer_tokens"]
+        assert case["shared_prefix"]["mlx_lm_lru"]["restored"] == prefix
+        assert case["next_turn"]["mlx_lm_lru"]["restored"] == talk
+        assert prefix <= case["next_turn"]["bank"]["restored"] <= talk
+        assert case["after_restart"]["bank_reopened"]["restored"] == prefix
+    for layout in ft["prefill_or_restore"]:
+        assert layout["points"][0]["prefill_s"] > 0 and len(layout["apple_estimate"]) >= 3
 
     f = fleet.main(["--tiny"])
     s = f["settings"]
@@ -69,6 +80,8 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     st = res["server_store"]["modes"]  # what each mode wrote: the store is really off
     assert st["off"]["bytes_written"] == 0 < st["inline"]["bytes_written"]
     assert st["background"]["bytes_written"] == st["inline"]["bytes_written"]
+    assert "## The first token against mlx-lm's in-memory cache" in md
+    assert "## Where prefilling beats restoring" in md and "Apple silicon est." in md
     assert "## Partial blocks: agents branching at arbitrary points" in md
     runs = res["branching"]["runs"]  # the same requests: partial blocks never prefill more
     for bs in run.fleet.tiny_branch_settings().block_sizes:
