@@ -121,7 +121,11 @@ class Engine:
     `stores`: `background` (the default: through the bank's background writer, so no
     request waits for a store, before its first token or after its last; inline on a
     bank opened with `write_behind=0`), `inline` (written before the request goes on) or
-    `off` (nothing is stored; restores still run).
+    `off` (nothing is stored; restores still run). `keep_end` (default True): every
+    prompt and every answer keeps its exact end, an end record (`PrefixCache`'s
+    `keep_end`), so an exact repeat needs no prefill and the next turn of a
+    conversation restores all of the last prompt and answer; False: whole blocks and
+    boundary states only.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class Engine:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         prefetch: bool = True,
         stores: str = "background",
+        keep_end: bool = True,
     ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -151,6 +156,7 @@ class Engine:
             skip_store_when_full=True,
             chunk_size=chunk_size,
             background=stores != "inline",
+            keep_end=keep_end,
         )
         self.eos_ids = eos_token_ids(loaded.tokenizer)
         self._owns_bank = owns_bank
@@ -184,6 +190,7 @@ class Engine:
         remote_tls_cert: str | None = None,
         remote_tls_key: str | None = None,
         stores: str = "background",
+        keep_end: bool = True,
     ) -> Engine:
         """Open (or create) the bank at `bank_dir` and serve `model` from it.
 
@@ -196,7 +203,7 @@ class Engine:
         URL, `remote_secret` its fleet secret (required with it), `remote_tls_*` its TLS
         files (`BankConfig.remote_tls_ca` and the client certificate and key).
         `seed`: the embedded model's weights. `chunk_size`: prompt tokens per forward
-        pass. `stores`: see the class.
+        pass. `stores`, `keep_end`: see the class.
         """
         given = {
             "block_size": block_size,
@@ -217,6 +224,7 @@ class Engine:
                 owns_bank=True,
                 chunk_size=chunk_size,
                 stores=stores,
+                keep_end=keep_end,
             )
         except BaseException:
             bank.close()
@@ -439,14 +447,14 @@ class Engine:
         self, job: Job, pc: PrefixCache, prompt: list[int], cache: list[Any], cached: int
     ) -> mx.array:
         """The prompt after its `cached` restored tokens through the model (storing its
-        blocks and end record unless stores are off); the last token's logits.
+        blocks and, with `keep_end`, its end record, unless stores are off); the last
+        token's logits.
         Raises `PrefillCancelled` when the job is cancelled between chunks."""
         return pc.prefill(
             prompt,
             cache,
             start=cached,
             hints=job.request.branch_hints,
-            end=True,
             cancelled=lambda: job.cancelled,
             store=self.stores != "off",
         )
@@ -503,12 +511,12 @@ class Engine:
         recorder: Any,
         logits: mx.array,
     ) -> None:
-        """Store what decoding added: its new full blocks and the end record."""
+        """Store what decoding added: its new full blocks and (`keep_end`) the end record."""
         block = pc.block_size
         try:
             if len(through_model) // block > len(prompt) // block:
-                pc.store(through_model, cache, states=recorder)
-            if len(through_model) > len(prompt):
+                pc.store(through_model, cache, states=recorder, logits=logits)
+            elif len(through_model) > len(prompt) and pc.keep_end:
                 pc.store_end(through_model, cache, logits=logits)
         except BankFullError as e:  # degraded: the answer still goes out
             log.warning("cas_bank: answer not stored: %s", e)

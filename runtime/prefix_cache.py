@@ -10,11 +10,18 @@ A runtime's whole integration is two calls per prompt:
 (the runtime needs its logits). `restore_exact` looks up all of `tokens` and also
 returns the logits of the last one when an end record (docs/design.md, "End records")
 holds them: an exact repeat of a prompt then needs no forward pass at all.
-`prefill(..., end=True)` and `store_end` store such records (the engine does after
-every prefill and at the end of every request). `prefill` runs the model over `tokens[start:]` in
-chunks that end on the grid of `chunk_size` and on every boundary where a recurrent
-state must be captured, copies the states there before the next forward pass, and
-stores the new full blocks and the states in one batch when the prompt is done.
+`prefill` runs the model over `tokens[start:]` in chunks that end on the grid of
+`chunk_size` and on every boundary where a recurrent state must be captured, copies
+the states there before the next forward pass, and stores the new full blocks and the
+states in one batch when the prompt is done.
+
+Exact ends (the default, `keep_end=True`): `prefill` and `store` also store the end
+record of their tokens: the KV of the partial last block, a hybrid model's recurrent
+states at exactly that position, and the last token's logits where known. So the next
+turn of a conversation (the last prompt, its answer, new tokens) restores all of the
+last prompt and answer and prefills only its new tokens, on a hybrid model too. Off:
+`PrefixCache(..., keep_end=False)`, or `end=False` on one call; whole blocks and
+boundary states are stored either way. `store_end` stores an end record alone.
 
 State policy for hybrid models (Gated DeltaNet layers; docs/design.md, "State capture
 policy", implemented by `Namespace.plan_states` /
@@ -34,8 +41,13 @@ never combines KV of length n with a state from another position: it stops at th
 deepest matched boundary that has a state.
 
 Decoding: `pc.store(prompt + response, cache, states=recorder)` stores the blocks a
-generation produced; a `StateRecorder` (`pc.recorder(cache)`, `observe()` after each
-forward pass) supplies the state at the last boundary decoding crossed.
+generation produced and its end record; a `StateRecorder` (`pc.recorder(cache)`,
+`observe()` after each forward pass) supplies the state at the last boundary decoding
+crossed. `tokens` are the tokens that went through the model: mlx-lm's
+`generate_step` has fed every token it yielded, so the cache holds prompt + response;
+a loop that samples a last token and stops without feeding it stores prompt +
+response[:-1] with `logits=` the ones that token was sampled from (as the engine
+does): the next turn then prefills from that token on.
 
 Throughput: by default (a bank opened with default settings has a background writer,
 `BankConfig.write_behind`) stores are off the caller's thread: `prefill` and `store`
@@ -118,7 +130,10 @@ class PrefixCache:
     where `prefill`, `store` and `store_end` write. None (the default): through the
     bank's background writer when it has one (every bank opened with default
     settings), else inline; False: always inline (written when the call returns);
-    True: through the writer (inline on a bank without one).
+    True: through the writer (inline on a bank without one). `keep_end` (default
+    True): `prefill` and `store` keep their tokens' exact end, an end record (see the
+    module docstring), so the next turn restores all of them; False: whole blocks and
+    boundary states only, unless a call passes `end=True`.
     """
 
     def salted(self, salt: str | bytes | None) -> PrefixCache:
@@ -143,6 +158,7 @@ class PrefixCache:
         salt: str | bytes | None = None,
         skip_store_when_full: bool = False,
         background: bool | None = None,
+        keep_end: bool = True,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -153,6 +169,7 @@ class PrefixCache:
         self.namespace: Namespace = bank.namespace(self.info.spec, salt=salt)
         self.chunk_size = chunk_size
         self.skip_store_when_full = skip_store_when_full
+        self.keep_end = keep_end  # prefill and store write their end record by default
         # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
         # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.
         self.background = bank.writer is not None if background is None else background
@@ -254,7 +271,7 @@ class PrefixCache:
         store: bool = True,
         hints: Sequence[int] | None = (),
         this_model: bool = False,
-        end: bool = False,
+        end: bool | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> mx.array:
         """Run `tokens[start:]` through the model into `cache`; the last position's logits.
@@ -265,16 +282,19 @@ class PrefixCache:
         (and a writable bank), the full blocks and states are stored. Returns the
         logits of the last token, shape `[vocab]`. Bad input raises
         `InvalidInputError` before any forward pass; nothing is stored then. With
-        `end` (and `store`), the end record of `tokens` is stored too, with the logits:
-        the same prompt again restores with no forward pass (`restore_exact`).
+        `end` (and `store`; None, the default: this PrefixCache's `keep_end`, True
+        unless set), the end record of `tokens` is stored too, with the logits: the same
+        prompt again restores with no forward pass (`restore_exact`), and a prompt that
+        extends it restores all of it.
         `cancelled`: asked after every forward pass but the last; when it says True the
         prefill stops there, stores the tokens done so far so that the next attempt
         restores all of them (their full blocks, and a hybrid model's state there: on a
         boundary in the chain, else in an end record without logits) and raises
         `PrefillCancelled` (a server stops a request nobody waits for).
         """
+        keep = self.keep_end if end is None else end
         try:
-            return self._prefill(tokens, cache, start, store, hints, this_model, end, cancelled)
+            return self._prefill(tokens, cache, start, store, hints, this_model, keep, cancelled)
         finally:  # the refill the restore held (the next restore's spares) may start
             self.bank.resources.release()
 
@@ -385,9 +405,12 @@ class PrefixCache:
         cache: Sequence[Any],
         states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
         *,
+        end: bool | None = None,
+        logits: mx.array | None = None,
         this_model: bool = False,
     ) -> PendingStore[StoreReport]:
-        """Store the full blocks of `tokens` from `cache` (which holds at least them).
+        """Store the full blocks of `tokens` from `cache` (which holds at least them),
+        and their exact end.
 
         `states`: recurrent states by boundary (per-layer lists, None for attention
         layers), or a `StateRecorder` that captured them while decoding. The cache must
@@ -395,16 +418,72 @@ class PrefixCache:
         refused unless `this_model=True` says that it holds this model's KV. Bad input
         raises here in either mode.
 
+        `end` (None, the default: this PrefixCache's `keep_end`, True unless set): also
+        store the end record of `tokens` (docs/design.md, "End records"): the KV after
+        the last full block, a hybrid model's recurrent states at exactly `len(tokens)`
+        and the last token's `logits` when given, so that a prompt extending `tokens`
+        (the next turn) restores all of them. A hybrid cache that holds more than
+        `tokens` has no state at their end: no end record then. `tokens` are the tokens
+        that went through the model (see the module docstring on decoding).
+        `pc.last_end_pending` is the end record's store (its bytes written).
+
         In the background (see the class) the store is queued and this returns at
         once; inline it is written before this returns. Either way the answer is a
         `PendingStore`: `.result()` is the `StoreReport` (it waits for the write), and
         the report's fields read through it (`pc.store(...).blocks_written`).
         """
+        keep = self.keep_end if end is None else end
+        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
         if self.background:
-            return self.store_later(tokens, cache, states, this_model=this_model)
+            # The end record is checked and copied before anything is queued (as a
+            # prefill's): bad input queues nothing, and the writer works meanwhile.
+            queue_end = self._end_later_for_store(toks, cache, logits) if keep else None
+            pending = self.namespace.store_later(
+                toks, layers, by_boundary, skip_when_full=self.skip_store_when_full
+            )
+            if queue_end is not None:
+                self.last_end_pending = queue_end()
+            return pending
+        ends = self._end_for_store(toks, cache, logits) if keep else None
         done: PendingStore[StoreReport] = PendingStore()
-        done._set(self._store_inline(tokens, cache, states, this_model=this_model), None)
+        done._set(self.namespace.store(toks, layers, by_boundary), None)
+        if ends is not None:
+            end_toks, end_layers, state = ends
+            end_done: PendingStore[int] = PendingStore()
+            end_done._set(
+                self.namespace.store_end(end_toks, end_layers, state, logits=logits), None
+            )
+            self.last_end_pending = end_done
         return done
+
+    def _end_for_store(
+        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
+    ) -> tuple[np.ndarray, list[Any], list[Any] | None] | None:
+        """The end record `store` keeps of `toks` from `cache` (both checked by
+        `_store_input`), or None where there is none worth keeping: a hybrid cache past
+        `toks` (its state is not theirs), or an attention-only one ending on a block
+        boundary without logits (it would hold nothing the blocks do not)."""
+        n = len(toks)
+        if n == 0:
+            return None
+        if self.spec.is_hybrid:
+            if self._offset(cache, n) != n:
+                return None
+        elif n % self.block_size == 0 and logits is None:
+            return None
+        return self._end_input(toks, cache, True, longer=not self.spec.is_hybrid)
+
+    def _end_later_for_store(
+        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
+    ) -> Callable[[], PendingStore[int]] | None:
+        """`_end_for_store`, copied now; the function returned queues it."""
+        end = self._end_for_store(toks, cache, logits)
+        if end is None:
+            return None
+        end_toks, layers, state = end
+        return self.namespace.prepare_end_later(
+            end_toks, layers, state, logits=logits, skip_when_full=self.skip_store_when_full
+        )
 
     def _store_inline(
         self,
@@ -459,19 +538,21 @@ class PrefixCache:
         return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
 
     def _end_input(
-        self, tokens: Any, cache: Sequence[Any], this_model: bool
+        self, tokens: Any, cache: Sequence[Any], this_model: bool, *, longer: bool = False
     ) -> tuple[np.ndarray, list[Any], list[Any] | None]:
-        """An end record's tokens, layers and state from `cache`, checked."""
+        """An end record's tokens, layers and state from `cache`, checked. `longer`: an
+        attention-only cache may hold more than the tokens (their KV is its first
+        rows); else it must hold exactly them."""
         toks = self.tokens(tokens)
         n = len(toks)
         if n == 0:
             raise InvalidInputError("an end record needs at least one token")
         offset = self._offset(cache, n)
-        if offset != n:
+        if offset != n and not (longer and offset > n):
             raise InvalidInputError(
                 f"an end record needs a cache of exactly its {n} tokens; this one holds {offset}"
             )
-        check_cache(self.spec, cache, n)
+        check_cache(self.spec, cache, offset)
         vouch_for(self.spec, cache, this_model)
         layers = cache_layers(self.spec, cache, n)
         state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None

@@ -21,7 +21,8 @@ shared block by block between prompts:
   is what mlx-lm's cache holds at an insert. So a prompt that extends an inserted
   one (the next turn of a chat, the next segment) restores up to its very end, also
   on a hybrid model whose boundary states were never captured. Blocks and end
-  records already stored are not written again. mlx-lm passes no logits, so these
+  records already stored are not written again. `keep_end=False` stores whole blocks
+  (and boundary states) only. mlx-lm passes no logits, so these
   end records carry none, and mlx-lm's own contract for an exact match (`rest=[]`)
   is not used: `generate_step` refuses an empty prompt, so a fetch always leaves at
   least one token to prefill.
@@ -143,7 +144,9 @@ class BankPromptCache:
     none) share none. `salted(salt)` is this cache for another tenant.
     `background`: `PrefixCache`'s (None: the bank's writer when it has one; False:
     inline stores). `store`: False stores nothing (`insert_cache` is a no-op; restores
-    still run).
+    still run). `keep_end` (default True): an insert keeps the exact end of its cache,
+    an end record (see the module docstring), so the next turn restores all of it;
+    False: whole blocks and boundary states only.
     """
 
     def __init__(
@@ -159,9 +162,11 @@ class BankPromptCache:
         salt: str | bytes | None = None,
         background: bool | None = None,
         store: bool = True,
+        keep_end: bool = True,
     ) -> None:
         self.bank = bank
         self.store = store
+        self.keep_end = keep_end
         self.capture_states = capture_states
         self.background = background
         self._count_lock = threading.Lock()  # the writer's thread counts what it wrote
@@ -170,7 +175,9 @@ class BankPromptCache:
         self.name = name
         self.salt = salt or None
         self._prefix: dict[QuantKey, PrefixCache] = {
-            None: PrefixCache(bank, model, name=name, salt=self.salt, background=background)
+            None: PrefixCache(
+                bank, model, name=name, salt=self.salt, background=background, keep_end=keep_end
+            )
         }
         if kv_bits is not None:
             self._prefix_for((kv_bits, kv_group_size))
@@ -311,6 +318,7 @@ class BankPromptCache:
                 name=self.name,
                 salt=self.salt,
                 background=self.background,
+                keep_end=self.keep_end,
             )
             self._prefix[key] = pc
         return pc
@@ -337,14 +345,14 @@ class BankPromptCache:
         pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
         held = self._held(pc, cache)
         n = min(held, len(tokens))
-        repeat = self._repeat_point(pc, tokens, n) if capture else None
+        repeat = self._repeat_point(pc, tokens, n) if capture and self.keep_end else None
         if n >= pc.block_size or repeat is not None:
             stored = self._store_blocks(pc, tokens, cache, n, held, capture, repeat, cache_type)
             for pending in stored:
                 pending.when_written(
                     lambda r: self._count(cache_type, r.blocks_written, r.bytes_written)
                 )
-        if n == held and n > 0:
+        if n == held and n > 0 and self.keep_end:
             # The cache holds exactly tokens[:held]: its end record (KV of the partial
             # block, the recurrent state right there) lets a longer prompt resume here.
             self._store_end(pc, tokens[:held], cache, cache_type)
@@ -410,8 +418,9 @@ class BankPromptCache:
                 # The recurrent state is at `held`; without a boundary there, a hybrid
                 # restore of these blocks needs the end record stored next.
                 n = boundary
-        # mlx-lm made this cache for the model this adapter serves (`_accepts`).
-        return [*stored, pc.store(list(tokens[:n]), cache, states, this_model=True)]
+        # mlx-lm made this cache for the model this adapter serves (`_accepts`); its end
+        # record is `_store`'s (counted there).
+        return [*stored, pc.store(list(tokens[:n]), cache, states, end=False, this_model=True)]
 
     def _capture(
         self,
@@ -443,7 +452,7 @@ class BankPromptCache:
     ) -> list[PendingStore[StoreReport]]:
         """`pc.prefill` of `tokens[start:]` into `cache`, stored; what it will write."""
         pc.last_pending = None
-        pc.prefill(list(tokens), cache, start=start)
+        pc.prefill(list(tokens), cache, start=start, end=False)  # end records: `_store`'s
         self.counters.recomputed_tokens += len(tokens) - start
         report = pc.last_prefill.stored if pc.last_prefill is not None else None
         if report is None:  # queued (or not stored: a full disk)

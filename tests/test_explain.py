@@ -34,7 +34,7 @@ def stored_bank(path: Path, model: str, tokens: list[int]) -> PrefixCache:
     bank = Bank.open(path, BankConfig(block_size=BLOCK))
     pc = PrefixCache(bank, tiny(model))
     cache, _ = pc.restore(tokens)
-    pc.prefill(tokens, cache)
+    pc.prefill(tokens, cache, end=False)  # the chain alone (end records: their own test)
     bank.flush()  # stored: committed by the background writer
     return pc
 

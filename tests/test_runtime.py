@@ -146,7 +146,9 @@ def test_store_after_decoding_with_a_state_recorder() -> None:
             rec.observe()
         assert rec.captured == [48, 64]
         full = prompt + response
-        report = pc.store(full, cache, states=rec).result()  # waits for the writer
+        # Without the end record (the default keeps it: all of `full` restores, as
+        # below with generate_step), the next turn restores from the recorder's state.
+        report = pc.store(full, cache, states=rec, end=False).result()  # waits for the writer
         assert report.blocks == 4 and report.blocks_written == 2 and report.states_written == 1
 
         turn = [*full, *random_tokens(rng, 5)]
@@ -183,7 +185,7 @@ def test_state_recorder_under_mlx_lm_generate_step() -> None:
 
         turn = [*full, *random_tokens(rng, 3)]
         cache2, n = pc.restore(turn)
-        assert n == 64
+        assert n == len(full)  # its end record (the recorder's state is at 64)
         restored = pc.prefill(turn, cache2, n, store=False)
         ref = pc.new_cache()
         forward(pc, ref, prompt, 0, [32, 40])
@@ -218,7 +220,7 @@ def test_attention_only_store_after_generation() -> None:
         full = prompt + response
         report = pc.store(full, cache).result()  # waits for the writer
         assert (report.blocks, report.blocks_written) == (2, 1)
-        assert pc.match([*full, 1]) == 32
+        assert pc.match([*full, 1]) == len(full)  # whole blocks and the end record
 
 
 # -- bad input ---------------------------------------------------------------------
@@ -323,7 +325,7 @@ def test_a_read_only_bank_restores_and_stores_nothing(tmp_path: Any) -> None:
         pc = PrefixCache(bank, tiny("tiny-hybrid"))
         longer = [*toks, 1, 2, 3, 4, 5, 6, 7, 8, 9]
         cache, n = pc.restore(longer)
-        assert n == 32
+        assert n == 40  # the prefill's end record
         pc.prefill(longer, cache, n)
         assert pc.last_prefill is not None and pc.last_prefill.stored is None
         assert counters(bank) == before

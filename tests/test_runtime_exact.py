@@ -57,14 +57,24 @@ ATTENTION = {
 
 
 def expected_restore(
-    a: list[int], b: list[int], captured: list[int], hybrid: bool, block: int = BLOCK
+    a: list[int],
+    b: list[int],
+    captured: list[int],
+    hybrid: bool,
+    block: int = BLOCK,
+    *,
+    end: bool = False,
 ) -> int:
-    """Tokens a restore of b covers after only a was stored (with states at `captured`)."""
+    """Tokens a restore of b covers after only a was stored (with states at `captured`,
+    and with `end` a's end record)."""
     common = next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
     reach = min(common, len(a), len(b) - 1)
     full = reach // block * block
+    if end and (reach == len(a) or not hybrid):
+        # All of a, or (attention) the first tokens of its last block or end record.
+        return reach
     if not hybrid:
         # A partial block: the first tokens of a's next stored block, when a has one.
         return reach if len(a) >= full + block else full
@@ -72,19 +82,20 @@ def expected_restore(
 
 
 def check_restored_prefill(
-    pc: PrefixCache, a: list[int], b: list[int], dtype: str, chunk_size: int
+    pc: PrefixCache, a: list[int], b: list[int], dtype: str, chunk_size: int, end: bool = False
 ) -> int:
-    """Store a, restore and prefill b; compare with the same passes without the bank."""
+    """Store a (its end record with `end`; without, whole blocks and states only),
+    restore and prefill b; compare with the same passes without the bank."""
     cache, n0 = pc.restore(a)
     assert n0 == 0
-    pc.prefill(a, cache, n0)
+    pc.prefill(a, cache, n0, end=end)
     pc.bank.flush()  # committed by the background writer: b restores from the bank
     stored = pc.last_prefill
     assert stored is not None
     assert all(c % chunk_size == 0 or c in stored.captured for c in stored.chunk_ends[:-1])
 
     cache, n = pc.restore(b)
-    assert n == expected_restore(a, b, stored.captured, pc.spec.is_hybrid)
+    assert n == expected_restore(a, b, stored.captured, pc.spec.is_hybrid, end=end)
     assert n < len(b)
     logits = pc.prefill(b, cache, n)
     report = pc.last_prefill
@@ -98,6 +109,8 @@ def check_restored_prefill(
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_next_turn_restores_all_but_the_tail_exactly(variant: str) -> None:
+    """Without an end record (`end=False`): whole blocks, and states where captured.
+    With one (the default) it restores all of a: tests/test_next_turn.py."""
     factory, dtype, options = VARIANTS[variant]
     rng = np.random.default_rng(7)
     a = random_tokens(rng, 70)
@@ -161,7 +174,7 @@ def test_shared_prefix_restores_are_exact(variant: str, data: st.DataObject) -> 
     b = [*a[:shared], *random_tokens(rng, tail)]
     with temp_bank(BLOCK, state_stride=stride) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=chunk, **options)
-        check_restored_prefill(pc, a, b, dtype, chunk)
+        check_restored_prefill(pc, a, b, dtype, chunk, end=True)
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION))
@@ -188,7 +201,7 @@ def test_a_prompt_diverging_inside_a_block_keeps_its_first_tokens_exactly(
     a = random_tokens(rng, 3 * BLOCK + 5)
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=chunk, **options)
-        pc.prefill(a, pc.new_cache())
+        pc.prefill(a, pc.new_cache(), end=False)  # blocks only: their partial restore
         pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None
@@ -213,7 +226,7 @@ def test_a_state_from_the_wrong_boundary_is_caught() -> None:
     b = [*a, *random_tokens(rng, 30)]
     with temp_bank(BLOCK, state_stride=1) as bank:
         pc = PrefixCache(bank, tiny("tiny-hybrid"), chunk_size=512)
-        pc.prefill(a, pc.new_cache())
+        pc.prefill(a, pc.new_cache(), end=False)  # restores from a boundary's state
         pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None and stored.captured == list(range(16, 100, 16))
@@ -249,7 +262,7 @@ def test_generate_step_from_a_restored_cache(variant: str) -> None:
     b = [*a, *random_tokens(rng, 9)]
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, factory(), chunk_size=32, **options)
-        pc.prefill(a, pc.new_cache())
+        pc.prefill(a, pc.new_cache(), end=False)  # restores from a boundary
         pc.bank.flush()  # committed: a hybrid restores from the bank
         stored = pc.last_prefill
         assert stored is not None

@@ -346,7 +346,7 @@ def _long_holds(bank: Bank) -> Spares:
 
 def _stored(bank: Bank, prompt: list[int]) -> tuple[PrefixCache, mx.array]:
     """A tiny model's PrefixCache on `bank`, `prompt` stored, and its cold logits."""
-    pc = PrefixCache(bank, tiny("tiny-qwen3"))
+    pc = PrefixCache(bank, tiny("tiny-qwen3"), keep_end=False)  # whole blocks, leased
     cold = pc.prefill(prompt, pc.new_cache())
     bank.flush()
     return pc, cold
