@@ -229,6 +229,6 @@ def machine_settings(examples: int) -> settings:
 
 
 ReadViewMachine.TestCase.settings = machine_settings(25)
-HybridReadViewMachine.TestCase.settings = machine_settings(60)
+HybridReadViewMachine.TestCase.settings = machine_settings(35)
 test_read_view_machine = ReadViewMachine.TestCase
 test_read_view_machine_hybrid = HybridReadViewMachine.TestCase

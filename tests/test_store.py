@@ -254,7 +254,7 @@ class MemoryFactory(StoreFactory):
         return MemoryStore()
 
 
-TestRocksAgainstDict = store_machine(RocksFactory())
+TestRocksAgainstDict = store_machine(RocksFactory(), max_examples=15)
 TestHotOverRocksAgainstDict = store_machine(HotOverRocksFactory(), max_examples=15)
 TestMemoryAgainstDict = store_machine(MemoryFactory(), max_examples=15)
 TestFileTierOverRocksAgainstDict = store_machine(FileTierOverRocksFactory(), max_examples=15)
