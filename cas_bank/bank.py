@@ -280,6 +280,7 @@ class Bank:
             disk_bytes=self.store.disk_bytes(),
             hot_tier_bytes=self.hot.used_bytes if self.hot is not None else 0,
             leased_bytes=self.leases.used_bytes if self.leases is not None else 0,
+            live_bytes=self.leases.live_bytes if self.leases is not None else 0,
             hot_bytes=self.config.hot_bytes,
             spare_held_bytes=self.resources.held_bytes,
             spare_bytes=self.config.spare_bytes,

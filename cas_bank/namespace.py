@@ -18,7 +18,7 @@ from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
-from cas_bank.index.ends import find_end, prepare_end
+from cas_bank.index.ends import EndInput, end_place, find_end, prepare_end
 from cas_bank.index.layout import (
     boundary_states,
     check_layers,
@@ -238,7 +238,10 @@ class Namespace:
         if self.bank.read_only:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
         end = prepare_end(self.spec, self.block_size, tokens, layers, state, logits, hidden)
-        return write_end(self.bank, self.spec, self.root, self.chain(end.tokens), end)
+        hashes = self.chain(end.tokens)
+        written = write_end(self.bank, self.spec, self.root, hashes, end)
+        self._lease_live(hashes, end, layers)
+        return written
 
     def store_end_later(
         self,
@@ -297,7 +300,24 @@ class Namespace:
         )
         # In the read view from the moment it is queued (`index.view`).
         queued = QueuedEnd(self.root, hashes, end, self.block_size)
-        return lambda: writer.submit(job, lambda nbytes: nbytes, queued)
+
+        def submit() -> PendingStore[int]:
+            pending = writer.submit(job, lambda nbytes: nbytes, queued)
+            self._lease_live(hashes, end, layers)
+            return pending
+
+        return submit
+
+    def _lease_live(self, hashes: list[BlockHash], end: EndInput, layers: Sequence[Any]) -> None:
+        """Keep the caller's own arrays (`layers`, whole buffers and all) as the live
+        lease of the end record of `end.tokens` (`index.lease`): the next turn of the
+        conversation takes them back without a copy, once a restore finds that record."""
+        leases = self.bank.leases
+        if leases is None:
+            return
+        key = end_place(self.root, hashes, end.tokens, self.block_size)[2]
+        kept = [None if layer is None else tuple(layer) for layer in layers]
+        leases.put_live(key, kept, len(end.tokens), end.state)
 
     # -- lookup --------------------------------------------------------------------
     def view(self) -> ReadView:

@@ -69,6 +69,7 @@ ACTIVITY = (
     "end_hits",
     "partial_hits",
     "partial_tokens",
+    "live_hits",
     *REMOTE,
 )
 NAMES = STORED + ACTIVITY
@@ -112,11 +113,13 @@ class BankStats(BaseModel):
     end_hits: int = 0  # restores that resumed from an end record short of the prompt's end
     partial_hits: int = 0  # restores that took the first tokens of a partial block
     partial_tokens: int = 0  # tokens restored from partial blocks (in hit_tokens too)
+    live_hits: int = 0  # restores that took a conversation's live cache back, no copy
     disk_bytes: int | None = None
     # Memory of this process (not persisted): what the hot tier and the leases hold now,
     # and the one bound they share (BankConfig.hot_bytes).
     hot_tier_bytes: int = 0
     leased_bytes: int = 0
+    live_bytes: int = 0  # of leased_bytes: conversations' live caches (`index.lease`)
     hot_bytes: int = 0
     # Destination arrays made ahead of the next restores, held now, and their bound
     # (BankConfig.spare_bytes).

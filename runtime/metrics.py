@@ -123,6 +123,11 @@ _BANK_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Tokens restored from partial blocks (counted in the hit tokens too).",
         "partial_tokens",
     ),
+    (
+        "prefix_live_hits_total",
+        "Restores that took a conversation's live cache back without a copy.",
+        "live_hits",
+    ),
     ("remote_hits_total", "Restores that took blocks from the shared tier.", "remote_hits"),
     ("remote_hit_blocks_total", "KV blocks restored from the shared tier.", "remote_hit_blocks"),
     (
@@ -181,6 +186,11 @@ _BANK_GAUGES: tuple[tuple[str, str, str], ...] = (
         "leased_bytes",
         "Bytes of MLX arrays leased in memory (chains stored or restored here).",
         "leased_bytes",
+    ),
+    (
+        "live_bytes",
+        "Of the leased bytes, conversations' live caches (whole buffers, room included).",
+        "live_bytes",
     ),
     (
         "hot_budget_bytes",

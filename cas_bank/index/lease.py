@@ -20,6 +20,16 @@ by the chain hash of the block that ends there (`put_state`, `state`). Bounded b
 bytes (the buffers held, chains and states together), least recently used first out:
 the bank's leases share one budget with its hot tier (`blocks.hot.MemoryBudget`,
 `BankConfig.hot_bytes`), so the two together stay within it.
+
+A live lease (`put_live`, `take_live`) is a conversation's cache as its runtime left
+it: every layer's whole buffers (room included) at the exact end of what it stored,
+with a hybrid model's recurrent state there, under the key of that end's record. The
+next turn of the conversation takes it whole (the seed's live-reference lease): no
+byte is copied, and once the lease has let go of it (a take removes it, with any
+lease of whole blocks over the same buffers), the new cache is the buffers' only
+holder, so mlx-lm's next update writes into them in place. Where anything else
+still holds them (the runtime's own cache object, a restore handed the same
+blocks), MLX copies before it writes: two requests never see each other's tokens.
 """
 
 from __future__ import annotations
@@ -29,10 +39,11 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
 import mlx.core as mx
 
-from cas_bank.arrays import HeldArrays
+from cas_bank.arrays import HeldArrays, address_of, to_numpy
 from cas_bank.blocks.hot import MemoryBudget
 
 _NBYTES = attrgetter("nbytes")  # an array's bytes, read by a C-level map
@@ -44,6 +55,28 @@ class _Entry:
     arrays: HeldArrays  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
     tick: int = 0  # the budget's clock at its last use (`blocks.hot.MemoryBudget`)
+    live: Live | None = None  # a live lease's layers (`put_live`)
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A live lease taken (`Leases.take_live`): per layer, the cache's whole arrays (new
+    objects over its buffers; None for a recurrent layer), the tokens they hold, and
+    the recurrent state at exactly that end (flat, None without recurrent layers)."""
+
+    layers: list[tuple[mx.array, ...] | None]
+    tokens: int
+    state: list[mx.array] | None
+
+
+def _live_key(end_key: bytes) -> bytes:
+    """A live lease's entry key: never a chain's nor a state's."""
+    return b"l" + bytes(end_key)
+
+
+def _buffers(arrays: Sequence[mx.array]) -> set[int]:
+    """Where the buffers under evaluated arrays begin (a view starts inside them)."""
+    return {address_of(to_numpy(a)) for a in arrays}
 
 
 def _state_key(chain_hash: bytes) -> bytes:
@@ -170,6 +203,55 @@ class Leases:
         mx.eval(out)
         return out
 
+    def put_live(
+        self,
+        end_key: bytes,
+        layers: Sequence[tuple[mx.array, ...] | None],
+        tokens: int,
+        state: Sequence[mx.array] | None,
+    ) -> None:
+        """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
+        recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
+        the live lease of the end record `end_key`. New array objects over the same
+        buffers: no copy, and the runtime's objects are never the bank's."""
+        if self.max_bytes <= 0:
+            return
+        kept: list[tuple[mx.array, ...] | None] = [
+            None if layer is None else tuple(_view(a) for a in layer) for layer in layers
+        ]
+        flat_state = [a.reshape(a.shape) for a in state] if state is not None else None
+        flat = [a for layer in kept if layer is not None for a in _flat(layer)]
+        mx.eval(flat, flat_state or [])
+        nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
+        if not self.budget.fits(nbytes):
+            return
+        live = Live(kept, tokens, flat_state)
+        with self._lock:
+            self._insert(_live_key(end_key), _Entry([], HeldArrays(flat), nbytes, live=live))
+        self.budget.balance()
+
+    def take_live(self, end_key: bytes, tokens: int) -> Live | None:
+        """The live lease of the end record `end_key` if it holds exactly `tokens`
+        tokens, removed from the leases with every other lease over the same buffers
+        (whole blocks, another end of the same cache), so that the taker holds them
+        alone; None if there is none."""
+        with self._lock:
+            entry = self._entries.get(_live_key(end_key))
+            if entry is None or entry.live is None or entry.live.tokens != tokens:
+                return None
+            self._drop(_live_key(end_key))
+            mine = _buffers(entry.arrays)
+            for key in [k for k, e in self._entries.items() if e.hashes or e.live is not None]:
+                if _buffers(self._entries[key].arrays[:1]) & mine:
+                    self._drop(key)
+        return entry.live
+
+    @property
+    def live_bytes(self) -> int:
+        """The bytes live leases hold now (in `used_bytes` too)."""
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.live is not None)
+
     def forget(self, hashes: Sequence[bytes]) -> None:
         """Drop every entry holding any of these blocks, and their states (evicted or
         rewritten)."""
@@ -227,3 +309,15 @@ class Leases:
         for h in entry.hashes:
             if self._blocks.get(h, (None,))[0] == last:
                 del self._blocks[h]
+
+
+def _view(a: mx.array | tuple[mx.array, ...]) -> Any:
+    """A new object over the same buffer (a quantized layer's parts each)."""
+    if isinstance(a, tuple):
+        return tuple(x.reshape(x.shape) for x in a)
+    return a.reshape(a.shape)
+
+
+def _flat(layer: tuple[Any, ...]) -> list[mx.array]:
+    """A layer's arrays, a quantized layer's parts flattened."""
+    return [x for a in layer for x in (a if isinstance(a, tuple) else (a,))]

@@ -142,6 +142,9 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     comes back)."""
     started = time.perf_counter()
     plan = _plan(ns, as_token_array(tokens))
+    live = _live_hit(ns, plan, started)
+    if live is not None:
+        return live
     leased, in_memory, capacity = _probe_memory(plan, room_for)
     looked_up = time.perf_counter()
     filling = _fill(ns, plan, leased, in_memory, capacity)
@@ -190,6 +193,39 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
         hidden=hidden,
         end=end is not None,
         partial=plan.part.shared if plan.part is not None else 0,
+        timings=timings,
+    )
+
+
+def _live_hit(ns: Restorable, plan: _Plan, started: float) -> Hit | None:
+    """The conversation's live cache, where the end record the plan resumes from was
+    stored from it in this process and nothing has taken it since (`Leases.take_live`):
+    handed back whole, room and all, with no byte copied."""
+    end, leases = plan.end, ns.bank.leases
+    if end is None or leases is None or plan.cont is not None:
+        return None
+    live = leases.take_live(end.header.key(), end.tokens)
+    if live is None:
+        return None
+    looked_up = time.perf_counter()
+    kv: list[tuple[Any, ...] | None] = list(live.layers)
+    if ns.spec.is_hybrid:
+        state = live.state if live.state is not None else end.payload.state
+        kv = merge_layers(kv, group_layers(ns.spec, None, state))
+    exact = end.tokens == len(plan.toks)
+    logits = end.payload.logits if exact else None
+    hidden = end.payload.hidden if exact else None
+    mx.eval([a for a in (logits, hidden) if a is not None])  # the layers were at `put_live`
+    ns.bank.counters.count(live_hits=1)
+    _account(ns, plan, end.tokens, plan.n_blocks, ns.spec.is_hybrid)
+    timings = _clocked(ns, started, looked_up, looked_up, time.perf_counter())
+    return Hit(
+        tokens=end.tokens,
+        layers=kv,
+        blocks=plan.hashes[: plan.n_blocks],
+        logits=logits,
+        hidden=hidden,
+        end=True,
         timings=timings,
     )
 

@@ -1,0 +1,111 @@
+"""The live lease (issue 43, item 2): the next turn of a conversation takes the last
+turn's cache back whole, with no byte copied, and writes into its buffers in place;
+where another holder shares them, MLX copies before it writes, so two requests
+branching from one live cache never see each other's tokens. Exactness as everywhere:
+the next turn's logits are bit-identical to the same forward passes on a fresh cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cas_bank.runtime import PrefixCache
+from runtime_helpers import bit_equal, forward, random_tokens, temp_bank, tiny
+from test_next_turn import BLOCK, NEW, turn_one
+
+from cas_bank.arrays import address_of, to_numpy
+
+MODELS = ["tiny-qwen3", "tiny-hybrid"]
+
+
+def buffer_of(cache: list[Any], pc: PrefixCache) -> int:
+    """Where the keys of the first attention layer's buffer begin."""
+    return address_of(to_numpy(cache[pc.spec.attention_layers[0]].keys))
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["queued", "inline"])
+@pytest.mark.parametrize("name", MODELS)
+def test_the_next_turn_takes_the_live_cache_back_without_a_copy(
+    name: str, background: bool
+) -> None:
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny(name), chunk_size=BLOCK, background=background)
+        rng = np.random.default_rng(21)
+        finished, cache, ends, _, recorder = turn_one(pc, rng)
+        pc.store(finished, cache, states=recorder)
+        live_bytes = bank.stats().live_bytes
+        assert live_bytes > 0
+        where = buffer_of(cache, pc)
+        del cache, recorder  # the runtime is done with turn 1
+        # Written by the time the user answers: a store still queued holds views of the
+        # buffers (the read view hands them out), so the next write would copy them.
+        bank.flush()
+
+        turn = finished + random_tokens(rng, NEW)
+        cache, n = pc.restore(turn)
+        assert n == len(finished)
+        assert buffer_of(cache, pc) == where  # handed back, not copied
+        stats = bank.stats()
+        assert stats.live_hits == 1 and stats.live_bytes < live_bytes
+        logits = pc.prefill(turn, cache, n, end=False)
+        assert buffer_of(cache, pc) == where  # the new tokens written in place
+        reference = forward(pc, pc.new_cache(), turn, 0, ends + pc.last_prefill.chunk_ends)
+        assert bit_equal(logits, reference)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_two_agents_branching_from_one_live_cache_never_see_each_others_tokens(
+    name: str,
+) -> None:
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny(name), chunk_size=BLOCK)
+        rng = np.random.default_rng(22)
+        finished, cache, ends, _, recorder = turn_one(pc, rng)
+        pc.store(finished, cache, states=recorder)
+        # The runtime keeps its own cache of turn 1: the lease shares its buffers.
+        attention = pc.spec.attention_layers[0]
+        kept = np.array(to_numpy(cache[attention].keys))
+
+        turns = [finished + random_tokens(rng, NEW) for _ in range(2)]
+        caches, got = [], []
+        for turn in turns:  # both restored before either prefills
+            c, n = pc.restore(turn)
+            assert n == len(finished)
+            caches.append(c)
+        assert bank.stats().live_hits == 1  # one took the live cache, the other a copy
+        for turn, c in zip(turns, caches, strict=True):
+            got.append(pc.prefill(turn, c, len(finished), end=False))
+        for turn, logits in zip(turns, got, strict=True):
+            reference = forward(pc, pc.new_cache(), turn, 0, ends + pc.last_prefill.chunk_ends)
+            assert bit_equal(logits, reference)
+        a, b = (np.array(to_numpy(c[attention].keys)) for c in caches)
+        at = len(finished)
+        assert not np.array_equal(a[..., at : at + NEW, :], b[..., at : at + NEW, :])
+        assert np.array_equal(np.array(to_numpy(cache[attention].keys)), kept)  # untouched
+
+
+def test_a_live_lease_is_taken_once_and_stays_in_the_memory_budget() -> None:
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny("tiny-qwen3"), chunk_size=BLOCK)
+        rng = np.random.default_rng(23)
+        finished, cache, _, _, recorder = turn_one(pc, rng)
+        pc.store(finished, cache, states=recorder)
+        stats = bank.stats()
+        assert 0 < stats.live_bytes <= stats.leased_bytes <= stats.hot_bytes
+        del cache
+        turn = finished + random_tokens(rng, NEW)
+        assert pc.restore(turn)[1] == len(finished)
+        assert pc.restore(turn)[1] == len(finished)  # the second from the end record
+        assert bank.stats().live_hits == 1
+
+    with temp_bank(BLOCK, hot_bytes=0) as bank:  # no memory for leases: none kept
+        pc = PrefixCache(bank, tiny("tiny-qwen3"), chunk_size=BLOCK)
+        finished, cache, _, _, recorder = turn_one(pc, rng)
+        pc.store(finished, cache, states=recorder)
+        assert bank.stats().live_bytes == 0
+        assert pc.restore(finished + random_tokens(rng, NEW))[1] == len(finished)
+        assert bank.stats().live_hits == 0
+        mx.eval(cache[0].keys)
