@@ -317,7 +317,8 @@ class Namespace:
             return
         key = end_place(self.root, hashes, end.tokens, self.block_size)[2]
         kept = [None if layer is None else tuple(layer) for layer in layers]
-        leases.put_live(key, kept, len(end.tokens), end.state)
+        full = hashes[: len(end.tokens) // self.block_size]
+        leases.put_live(key, full, kept, len(end.tokens), end.state)
 
     # -- lookup --------------------------------------------------------------------
     def view(self) -> ReadView:

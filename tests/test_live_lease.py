@@ -95,6 +95,8 @@ def test_a_live_lease_is_taken_once_and_stays_in_the_memory_budget() -> None:
         pc.store(finished, cache, states=recorder)
         stats = bank.stats()
         assert 0 < stats.live_bytes <= stats.leased_bytes <= stats.hot_bytes
+        # The live lease is the lease of its whole blocks too: the buffers charged once.
+        assert stats.leased_bytes == stats.live_bytes
         del cache
         turn = finished + random_tokens(rng, NEW)
         assert pc.restore(turn)[1] == len(finished)

@@ -43,7 +43,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from cas_bank.arrays import HeldArrays, address_of, to_numpy
+from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hot import MemoryBudget
 
 _NBYTES = attrgetter("nbytes")  # an array's bytes, read by a C-level map
@@ -55,7 +55,7 @@ class _Entry:
     arrays: HeldArrays  # flat attention arrays, each holding len(hashes) blocks
     nbytes: int
     tick: int = 0  # the budget's clock at its last use (`blocks.hot.MemoryBudget`)
-    live: Live | None = None  # a live lease's layers (`put_live`)
+    live: Live | None = None  # a live lease's cache (`put_live`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +74,10 @@ def _live_key(end_key: bytes) -> bytes:
     return b"l" + bytes(end_key)
 
 
-def _buffers(arrays: Sequence[mx.array]) -> set[int]:
-    """Where the buffers under evaluated arrays begin (a view starts inside them)."""
-    return {address_of(to_numpy(a)) for a in arrays}
+def _buffers(entry: _Entry) -> set[int]:
+    """Where the buffers of a live lease's arrays begin (a chain's lease over them
+    begins where they do: its arrays are their first tokens)."""
+    return {int(a) for a in entry.arrays.addresses()}
 
 
 def _state_key(chain_hash: bytes) -> bytes:
@@ -206,6 +207,7 @@ class Leases:
     def put_live(
         self,
         end_key: bytes,
+        hashes: Sequence[bytes],
         layers: Sequence[tuple[mx.array, ...] | None],
         tokens: int,
         state: Sequence[mx.array] | None,
@@ -213,7 +215,9 @@ class Leases:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
         recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
         the live lease of the end record `end_key`. New array objects over the same
-        buffers: no copy, and the runtime's objects are never the bank's."""
+        buffers: no copy, and the runtime's objects are never the bank's. The entry is
+        also the lease of its whole blocks (`hashes`), in place of one over the same
+        buffers: the memory is charged once."""
         if self.max_bytes <= 0:
             return
         kept: list[tuple[mx.array, ...] | None] = [
@@ -225,9 +229,11 @@ class Leases:
         nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
         if not self.budget.fits(nbytes):
             return
-        live = Live(kept, tokens, flat_state)
+        entry = _Entry([bytes(h) for h in hashes], HeldArrays(flat), nbytes)
+        entry.live = Live(kept, tokens, flat_state)
         with self._lock:
-            self._insert(_live_key(end_key), _Entry([], HeldArrays(flat), nbytes, live=live))
+            self._drop_over(_buffers(entry), lives=False)
+            self._insert(_live_key(end_key), entry)
         self.budget.balance()
 
     def take_live(self, end_key: bytes, tokens: int) -> Live | None:
@@ -240,11 +246,16 @@ class Leases:
             if entry is None or entry.live is None or entry.live.tokens != tokens:
                 return None
             self._drop(_live_key(end_key))
-            mine = _buffers(entry.arrays)
-            for key in [k for k, e in self._entries.items() if e.hashes or e.live is not None]:
-                if _buffers(self._entries[key].arrays[:1]) & mine:
-                    self._drop(key)
+            self._drop_over(_buffers(entry), lives=True)
         return entry.live
+
+    def _drop_over(self, buffers: set[int], *, lives: bool) -> None:
+        """Drop the leases of chains (and, with `lives`, the live leases) over any of
+        these buffers. Under the lock."""
+        for key in [k for k, e in self._entries.items() if e.hashes or e.live is not None]:
+            entry = self._entries[key]
+            if (lives or entry.live is None) and entry.arrays.addresses()[0] in buffers:
+                self._drop(key)
 
     @property
     def live_bytes(self) -> int:
