@@ -12,7 +12,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from cas_bank.runtime import PrefixCache
+from cas_bank.runtime import BankPromptCache, PrefixCache
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
 from runtime_helpers import bit_equal, forward, random_tokens, temp_bank, tiny
 from test_next_turn import BLOCK, NEW, turn_one
 
@@ -111,3 +114,29 @@ def test_a_live_lease_is_taken_once_and_stays_in_the_memory_budget() -> None:
         assert pc.restore(finished + random_tokens(rng, NEW))[1] == len(finished)
         assert bank.stats().live_hits == 0
         mx.eval(cache[0].keys)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_mlx_lms_next_request_gets_the_inserted_cache_back_without_a_copy(name: str) -> None:
+    """mlx-lm's server inserts the cache of a request when it ends and lets it go; the
+    next turn's `fetch_nearest_cache` hands that very cache back."""
+    loaded = tiny(name)
+    rng = np.random.default_rng(24)
+    prompt = random_tokens(rng, 2 * BLOCK + 10)
+    with temp_bank(BLOCK) as bank:
+        adapter = BankPromptCache(bank, loaded)
+        cache = make_prompt_cache(loaded.model)
+        steps = generate_step(
+            mx.array(prompt), loaded.model, prompt_cache=cache, max_tokens=9,
+            sampler=make_sampler(0.0),
+        )  # fmt: skip
+        finished = prompt + [int(t) for t, _ in steps]
+        adapter.insert_cache("model", finished, cache)
+        where = buffer_of(cache, adapter.prefix_cache)
+        del cache, steps
+        bank.flush()
+
+        restored, rest = adapter.fetch_nearest_cache("model", finished + random_tokens(rng, 3))
+        assert restored is not None and len(rest) == 3
+        assert buffer_of(restored, adapter.prefix_cache) == where
+        assert bank.stats().live_hits == 1
