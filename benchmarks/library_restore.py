@@ -70,7 +70,7 @@ def _prepare(layout: str, workdir: Path) -> tuple[LoadedModel, np.ndarray, Path,
     with Bank.open(path, BankConfig(write_behind=0)) as bank:
         pc = PrefixCache(bank, lm)
         cache, states = synthetic_cache(pc, length, rng)
-        pc.store(prompt[:-1], cache, states)
+        pc.store(prompt[:-1], cache, states, end=False)
         save_prompt_cache(str(file), cache)
     return lm, prompt, path, file, kv_bytes(cache)
 

@@ -99,7 +99,7 @@ def run(workdir: Path, s: PrefetchSettings) -> dict[str, Any]:
                 pc = PrefixCache(a, lm)
                 for i in range(s.clients - 1):
                     cache, states = synthetic_cache(pc, s.tokens, np.random.default_rng(i))
-                    pc.store(_prompt(i, s.tokens), cache, states)
+                    pc.store(_prompt(i, s.tokens), cache, states, end=False)
                 a.flush()
             name = "prefetch_on" if prefetch else "prefetch_off"
             out[name] = _serve(workdir, s, lm, cluster.url(1), prefetch=prefetch)

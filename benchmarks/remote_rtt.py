@@ -80,7 +80,7 @@ def _restores(workdir: Path, s: RttSettings, lm: Any, url: str, n: int) -> dict[
     with Bank.open(workdir / f"source{n}", bank_config(s.block_size, url)) as src:
         pc = PrefixCache(src, lm, chunk_size=PREFILL_STEP)
         cache, states = synthetic_cache(pc, n, np.random.default_rng(n))  # no prefill
-        pc.store(prompt[:-1], cache, states)
+        pc.store(prompt[:-1], cache, states, end=False)
         src.flush()
         local = []
         for _ in range(s.repeats):

@@ -186,7 +186,7 @@ def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> Resto
         cache, states = synthetic_cache(pc, length, rng)
         nbytes = kv_bytes(cache)
         t0 = time.perf_counter()
-        pc.store(prompt[:-1], cache, states)
+        pc.store(prompt[:-1], cache, states, end=False)
         store_s = time.perf_counter() - t0
         save_prompt_cache(str(file), cache)
         keys = pc.namespace.chain(prompt[:-1])
@@ -200,7 +200,7 @@ def _prepare(name: str, length: int, s: RestoreSettings, workdir: Path) -> Resto
     hot_bytes = max(BankConfig().hot_bytes, 2 * nbytes)
     hot_bank = Bank.open(hot_path, BankConfig(block_size=s.block_size, hot_bytes=hot_bytes))
     hpc = PrefixCache(hot_bank, lm)
-    hpc.store(prompt[:-1], cache, states)
+    hpc.store(prompt[:-1], cache, states, end=False)
     later = store_later_samples(
         workdir / f"later-{name}-{length}", lm, prompt[:-1], cache, states, s
     )
