@@ -55,14 +55,18 @@ RESTORE_REPEATS = 5
 
 
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through (x, y) points; through the
-    origin when there is one point."""
-    if len(points) == 1:
-        x, y = points[0]
-        return 0.0, y / x
+    """(intercept, slope) of the least-squares line through (x, y) points, neither
+    below zero (no time is negative, and none falls with the length: noise on two
+    cores draws such lines through a few points): through the origin where the
+    intercept would be negative, flat where the slope would."""
     xs, ys = np.array([p[0] for p in points]), np.array([p[1] for p in points])
-    slope, intercept = np.polyfit(xs, ys, 1)
-    return float(intercept), float(slope)
+    if len(points) > 1:
+        slope, intercept = (float(v) for v in np.polyfit(xs, ys, 1))
+        if intercept >= 0 and slope >= 0:
+            return intercept, slope
+        if slope < 0:
+            return float(ys.mean()), 0.0
+    return 0.0, float((xs * ys).sum() / (xs * xs).sum())
 
 
 def _stored(

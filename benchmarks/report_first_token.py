@@ -34,7 +34,10 @@ _FIRST_TOKEN_INTRO = (
     "the prompt, below), mlx-lm's prompt-cache file of the prefix is loaded, and the "
     "bank is opened again before each request (page cache warm for both). The "
     "forward-only limit: the cache already in memory, with room, and only the tokens "
-    "left through the model (in (b): turn 1's live cache and the 64 new tokens). Prefixes "
+    "left through the model (in (b): turn 1's live cache and the 64 new tokens). The "
+    "bank's `own` time is its request's but for its forward pass (the restore, the "
+    "store's snapshot, the bookkeeping): on a busy host the forward passes' speed "
+    "varies more than that. Prefixes "
     "are random KV of each layout's shapes; every way's logits are compared with the "
     "limit's on the same request. One of each way per round, their order rotated each "
     "round; ratios are medians of each round's ratio. mlx-lm's ways prefill what is "
@@ -53,7 +56,7 @@ _FIRST_TOKEN_COLUMNS = (
     "mlx-lm / bank",
     "bank / limit",
     "tokens restored: mlx-lm / bank",
-    "bank ms: restore / prefill (forward)",
+    "bank ms: restore / prefill (forward) / own",
     "mlx-lm ms: copy or load / forward",
     "logits vs limit: mlx-lm / bank",
 )
@@ -105,7 +108,8 @@ def _situation_row(
         f"{s['ratios'][f'{other}_over_{bank}']:.2f}x",
         f"{s['ratios'][f'{bank}_over_limit']:.2f}x",
         f"{o['restored']:.0f} / {k['restored']:.0f}",
-        f"{_ms(k['restore_s'])} / {_ms(k['prefill_s'])} ({_ms(k['forward_s'])})",
+        f"{_ms(k['restore_s'])} / {_ms(k['prefill_s'])} ({_ms(k['forward_s'])}) / "
+        f"{_ms(k.get('own_s'))}",
         f"{_ms(o.get('fetch_s', o.get('load_s')))} / {_ms(o['forward_s'])}",
         f"{o['logits_max_diff']:.1e} / {k['logits_max_diff']:.1e}",
     ]

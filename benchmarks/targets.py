@@ -314,11 +314,19 @@ def _first_token(r: dict[str, Any], rows: _Rows) -> None:
         )
         talk = c["tokens"] + c["answer_tokens"]
         over_limit = b["ratios"]["bank_over_limit"]
+        own = b["bank"].get("own_s")
         rows.add(
             "the next turn: first token <= 1.05x the forward-only limit",
             f"{over_limit:.2f}x ({ms(b['bank']['ttft_s'])} vs {ms(b['limit']['ttft_s'])} ms; "
             f"restored {b['bank']['restored']:.0f} of {talk} tokens, prefilled "
-            f"{b['bank']['prefilled']:.0f})",
+            f"{b['bank']['prefilled']:.0f}"
+            + (
+                f"; the bank's own time beside its forward pass {ms(own)} ms, "
+                f"{own / b['limit']['ttft_s']:.1%} of the limit"
+                if own is not None
+                else ""
+            )
+            + ")",
             over_limit <= 1.05,
             where,
             _where_time_goes(b, "mlx_lm_lru"),
@@ -363,8 +371,9 @@ def _where_time_goes(sit: dict[str, Any], other: str, bank: str = "bank") -> str
     its store's share), the mlx-lm way's copy or load and forward pass, the limit."""
     k, o = sit[bank], sit[other]
     got = "fetch (a deep copy)" if "fetch_s" in o else "load"
+    hits = f", {k['hot_hits']:.0f} blocks from memory" if "hot_hits" in k else ""
     return (
-        f"bank: restore {ms(k['restore_s'])} ms ({k['restored']:.0f} tokens), prefill "
+        f"bank: restore {ms(k['restore_s'])} ms ({k['restored']:.0f} tokens{hits}), prefill "
         f"{ms(k['prefill_s'])} ms of {k['prefilled']:.0f} tokens (forward "
         f"{ms(k['forward_s'])}, store {ms(k['store_s'])}); mlx-lm: {got} "
         f"{ms(o.get('fetch_s', o.get('load_s')))} ms, forward {ms(o['forward_s'])} ms of "
