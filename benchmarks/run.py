@@ -14,8 +14,11 @@ Default sizes and why (measured on the 2-core machine this was written on, while
 other work shared it): TTFT on the tiny models at 1k and 4k tokens (a cold prefill
 of 4k tokens takes ~7-9 s there, and each size needs ~5 of them); the store
 overhead on the medium model at 256 tokens, 2 interleaved pairs (one 1k-token
-prefill of it takes ~60-90 s, so 1k is behind --large); the fleet at 100 agents x
-2 turns; the scale bank at 1M blocks (~1 min to write).
+prefill of it takes ~60-90 s, so 1k is behind --large); the first token against
+mlx-lm's in-memory cache at 1k and 4k tokens of the medium layouts and fp32-100mb
+(16k behind --large: its next turns pass 64 tokens through the model, seconds each,
+three ways a round; ~8 min in all with the team's work beside it, 14 with --large);
+the fleet at 100 agents x 2 turns; the scale bank at 1M blocks (~1 min to write).
 """
 
 from __future__ import annotations
