@@ -1,1 +1,19 @@
-def chain(root: bytes, data: bytes, step: int, context: str, /) -> list[bytes]: ...
+from typing import Any
+
+from typing_extensions import Buffer
+
+def chain(root: bytes, data: Buffer, step: int, context: str, /) -> list[bytes]: ...
+def max_id(ids: Buffer, /) -> int: ...
+def set_header_type(cls: type, /) -> None: ...
+def header(chain_hash: bytes, raw: Buffer, /) -> Any: ...
+def run(
+    record: Buffer,
+    offset: int,
+    first: int,
+    count: int,
+    root: bytes,
+    hashes: Any,
+    tokens: Buffer,
+    step: int,
+    /,
+) -> list[Any]: ...

@@ -21,7 +21,7 @@ from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, Check, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode
-from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.config import BankConfig
 from cas_bank.errors import (
     BankDamagedError,
@@ -32,6 +32,7 @@ from cas_bank.errors import (
 from cas_bank.evict.access import AccessLog
 from cas_bank.evict.evicted import EvictionMemory
 from cas_bank.evict.eviction import EvictionReport, evict_to_budget
+from cas_bank.index.chain import run_writes
 from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
@@ -237,7 +238,7 @@ class Bank:
                 self.access,
                 self.suspects,
                 self.evictions,
-                follow=index_writes,  # the children index follows every batch
+                follow=_indexes,  # the children index and chain records follow it
             )
             self._in_transaction = True
             try:
@@ -398,6 +399,12 @@ def _version_for(check: str) -> int:
     """The format version a bank whose writer writes `check` payloads is marked with:
     the oldest that reads them."""
     return FORMAT_VERSION if check == "xxh3" else BLAKE3_ONLY_VERSION
+
+
+def _indexes(store: BlockStore, writes: list[Write]) -> list[Write]:
+    """The writes that keep the bank's indexes true to a batch: the children index
+    (`index.children`) and the chain records (`index.chain`)."""
+    return [*index_writes(store, writes), *run_writes(store, writes)]
 
 
 def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:

@@ -91,8 +91,16 @@ def test_overwritten_table_bytes_are_misses_or_refusals_never_a_crash(
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
     results = [line.split(maxsplit=2)[2] for line in done.stdout.splitlines()]
     assert len(results) == len(VARIANTS)
-    # Damage is seen: as misses counted by restores, or as a refusal to open.
-    assert all(r == "refused" or "corrupt=0" not in r for r in results), results
+    # Damage is seen: as misses counted by restores, or as a refusal to open. A damaged
+    # headers table may be seen by `verify` alone: restores take the headers' copies in
+    # the chain records (`index.chain`) and never read them (every restore is exact:
+    # `check_bank` checks each against the truth).
+    for (family, _), r in zip(VARIANTS, results, strict=True):
+        assert (
+            r == "refused"
+            or "corrupt=0" not in r
+            or (family == "headers" and r.endswith("verify=bad"))
+        ), results
 
 
 def test_truncated_manifest_is_refused_and_nothing_is_deleted(built: Path, tmp_path: Path) -> None:

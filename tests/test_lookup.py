@@ -9,20 +9,32 @@ fresh random hashes), the store a bank reads its headers from.
 from __future__ import annotations
 
 import os
+import sys
+import tarfile
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from conftest import TESTS_DIR, attention_spec, hybrid_spec, random_layers, random_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cas_bank import Bank, BankConfig, Namespace
 from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index import chain
 from cas_bank.index.chain import Header, longest_chain
+
+sys.path.insert(0, str(TESTS_DIR / "fixtures"))
+from make_bank_v3 import PROMPT_DB, PROMPT_FILES
+
+FIXTURE_V3 = TESTS_DIR / "fixtures" / "bank_v3_blake3.tar.gz"
 
 MiB = 1 << 20
 
@@ -95,3 +107,230 @@ def test_a_header_that_does_not_link_ends_the_chain(rocks: RocksStore) -> None:
     assert longest_chain(rocks, root, hashes) == headers[:7]
     rocks.put_batch([(Family.HEADERS, bytes(hashes[7]), headers[7].encode())])
     assert longest_chain(rocks, root, hashes) == headers[:12]
+
+
+# -- chain records (`index.chain`: `read_runs`, kept by `run_writes`) ------------------
+B = 4  # tokens a block in the banks below
+
+
+def _query(ns: Namespace, tokens: list[int]) -> tuple[list[Header], list[Header]]:
+    """`longest_chain` of `tokens` with the chain records, and from the headers alone."""
+    toks = np.asarray(tokens, dtype=np.uint32)
+    hashes = ns.chain(toks)
+    view = ns.view()
+    with_records = longest_chain(view, ns.root, hashes, toks[: len(hashes) * B])
+    return with_records, longest_chain(view, ns.root, hashes)
+
+
+def _records(bank: Bank) -> int:
+    return sum(1 for k in bank.store.keys(Family.CHAINS) if len(k) == 32)
+
+
+class _Counting:
+    """A store that counts the header keys and chain-record reads asked of it."""
+
+    def __init__(self, inner: BlockStore) -> None:
+        self.inner = inner
+        self.headers = 0
+        self.record_reads = 0
+
+    def get(self, family: Family, key: bytes) -> bytes | None:
+        self.headers += family is Family.HEADERS
+        return self.inner.get(family, key)
+
+    def get_parsed(self, family: Family, keys: Any, parse: Any) -> Any:
+        self.headers += len(keys) if family is Family.HEADERS else 0
+        self.record_reads += family is Family.CHAINS
+        return self.inner.get_parsed(family, keys, parse)
+
+
+@st.composite
+def _program(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    """Stores of prompts that share prefixes (a tiny vocabulary), states stored on
+    blocks already there (headers rewritten in place), evictions to a random share of
+    what is stored (leaves, and states on their own, go), reopens."""
+    ops: list[tuple[Any, ...]] = []
+    for _ in range(draw(st.integers(2, 10))):
+        kind = draw(st.sampled_from(["store"] * 3 + ["state"] * 2 + ["evict", "reopen"]))
+        if kind == "store":
+            extra = st.lists(st.integers(0, 2), min_size=B, max_size=40 * B)
+            ops.append(("store", draw(st.integers(0, 99)), draw(st.floats(0, 1)), draw(extra)))
+        elif kind == "state":
+            ops.append(("state", draw(st.integers(0, 99)), draw(st.floats(0, 1))))
+        elif kind == "evict":
+            ops.append(("evict", draw(st.floats(0, 1))))
+        else:
+            ops.append(("reopen",))
+    return ops
+
+
+@given(program=_program(), segment=st.sampled_from([3, 64]), hybrid=st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_the_chain_records_give_exactly_what_the_headers_say(
+    program: list[tuple[Any, ...]], segment: int, hybrid: bool
+) -> None:
+    """Whatever stores, in-place rewrites (a state added), evictions (leaves, states on
+    their own) and reopens came before, a lookup through the chain records returns the
+    very headers the headers alone give, for every stored prompt, its extensions and
+    its prefixes and prompts that leave it inside a block: never a block not stored,
+    never a stale digest or state. (Segments of 3 blocks: many records in small
+    chains.)"""
+    spec = hybrid_spec() if hybrid else attention_spec()
+    stored: list[list[int]] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(chain, "SEGMENT", segment)
+        path = Path(tmp) / "bank"
+        bank = Bank.open(path, BankConfig(block_size=B, file_min_bytes=None))
+        try:
+            for op in program:
+                ns = bank.namespace(spec)
+                if op[0] == "store":
+                    base = stored[op[1] % len(stored)] if stored else []
+                    tokens = base[: int(op[2] * len(base))] + op[3]
+                    if len(tokens) >= B:
+                        n = len(tokens) // B * B
+                        states = {n: random_state(spec, n)} if hybrid else None
+                        ns.store(tokens, random_layers(spec, len(tokens)), states)
+                        stored.append(tokens)
+                elif op[0] == "state" and hybrid and stored:
+                    tokens = stored[op[1] % len(stored)]
+                    blocks = len(tokens) // B
+                    at = max(1, int(op[2] * blocks)) * B
+                    ns.store(tokens[:at], random_layers(spec, at), {at: random_state(spec, at)})
+                elif op[0] == "evict":
+                    evict_to_budget(bank, int(op[1] * bank.stats().payload_bytes))
+                elif op[0] == "reopen":
+                    bank.close()
+                    bank = Bank.open(path, BankConfig(block_size=B, file_min_bytes=None))
+                ns = bank.namespace(spec)
+                for tokens in stored:
+                    for q in (tokens, [*tokens, *[7] * 9 * B], tokens[: len(tokens) // 2],
+                              [*tokens[:-B], 7, *tokens[-B + 1 :]]):  # fmt: skip
+                        got, want = _query(ns, q)
+                        assert got == want
+        finally:
+            bank.close()
+
+
+def test_a_stored_chain_is_read_from_its_records_alone(tmp_path: Path) -> None:
+    """300 blocks stored in one go, then extended: the lookup of either reads their
+    records (one multi-get), no header; a prompt going 100 blocks past the stored
+    chain reads the header after the last whole segment's record, the records of that
+    segment (the chain ends inside it), and the headers past them (none stored); a
+    header rewritten in place (a state added) makes the records stale: the lookup then
+    reads the headers, and finds the same."""
+    spec = hybrid_spec()
+    rng = np.random.default_rng(1)
+    first = [int(t) for t in rng.integers(0, 1000, 300 * B)]
+    longer = first + [int(t) for t in rng.integers(0, 1000, 50 * B)]
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(first, random_layers(spec, len(first)), {len(first): random_state(spec)})
+        ns.store(longer, random_layers(spec, len(longer)), {len(longer): random_state(spec)})
+        assert _records(bank) == 300 // 64 + 1 + 1 + 1  # segment ends, the two chain ends
+        for tokens, extra in ((first, []), (longer, []), (longer, [5] * 100 * B)):
+            toks = np.asarray(tokens + extra, dtype=np.uint32)
+            hashes = ns.chain(toks)
+            counting = _Counting(ns.view().store)
+            got = longest_chain(counting, ns.root, hashes, toks[: len(hashes) * B])
+            assert got == longest_chain(ns.view(), ns.root, hashes)
+            assert len(got) == len(tokens) // B
+            assert counting.record_reads == 1 + bool(extra)  # the chain ends in a segment
+            # Past the records: the next block's header (present: the segment's records
+            # are read), then the headers after the deepest record (none stored).
+            assert counting.headers == (1 + len(hashes) - len(got) if extra else 0)
+        # A state added to block 99 in place: every record of the namespace is stale.
+        ns.store(first[: 100 * B], random_layers(spec, 100 * B), {100 * B: random_state(spec)})
+        toks = np.asarray(longer, dtype=np.uint32)
+        hashes = ns.chain(toks)
+        counting = _Counting(ns.view().store)
+        got = longest_chain(counting, ns.root, hashes, toks)
+        assert got == longest_chain(ns.view(), ns.root, hashes)
+        assert got[99].has_state and counting.headers >= len(hashes) - 64
+
+
+def test_a_damaged_or_foreign_record_is_not_taken(tmp_path: Path) -> None:
+    """A record whose bytes do not hold up (truncated, another version, an entry for
+    another block) gives nothing: the lookup reads the headers."""
+    spec = attention_spec()
+    tokens = list(range(130 * B))
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, random_layers(spec, len(tokens)))
+        hashes = ns.chain(tokens)
+        want = longest_chain(ns.view(), ns.root, hashes)
+        key = bytes(hashes[63])
+        good = bank.store.get(Family.CHAINS, key)
+        assert good is not None
+        other = bank.store.get(Family.CHAINS, bytes(hashes[127]))
+        assert other is not None
+        for bad in (good[:-1], b"\x02" + good[1:], good[:16] + other[16 + 152 :] + other[16:168]):
+            bank.store.put_batch([(Family.CHAINS, key, bad)])
+            assert _query(ns, tokens) == (want, want)
+
+
+def test_a_bank_written_before_the_records_opens_and_restores(tmp_path: Path) -> None:
+    """The version-3 bank of `tests/fixtures` has no `chains` family: read-only it
+    restores from its headers; opened to write, the family is made, a store extending
+    one of its chains records the new blocks' segments (the old headers read for the
+    walk), and every lookup gives what its headers say."""
+    with tarfile.open(FIXTURE_V3) as tar:
+        tar.extractall(tmp_path, filter="data")
+    path = tmp_path / "bank"
+    spec = attention_spec()
+    with Bank.open(path, BankConfig(block_size=B), mode="read_only") as bank:
+        ns = bank.namespace(spec)
+        hit = ns.restore(PROMPT_DB)
+        assert hit is not None and hit.tokens == len(PROMPT_DB)
+        assert _query(ns, PROMPT_DB)[0] == _query(ns, PROMPT_DB)[1]
+    with Bank.open(path, BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(spec)
+        assert _records(bank) == 0
+        longer = PROMPT_DB + list(range(70 * B))
+        ns.store(longer, random_layers(spec, len(longer)))
+        assert _records(bank) == 2  # block 63's segment, the chain's end
+        for q in (PROMPT_DB, longer, PROMPT_FILES):
+            got, want = _query(ns, q)
+            assert got == want and len(got) == len(q) // B
+        hit = ns.restore(longer)
+        assert hit is not None and hit.tokens == len(longer) // B * B
+
+
+@given(
+    n=st.integers(1, 80),
+    step=st.sampled_from([4, 16, 64]),
+    cuts=st.lists(st.integers(0, 10**6), max_size=3),
+    short=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_native_records_decoder_is_the_python_one(
+    n: int, step: int, cuts: list[int], short: bool, seed: int
+) -> None:
+    """`cas_bank._chain.run` makes the very headers `_python_run` makes of any record
+    bytes, damaged ones too (a flipped bit ends the list at its entry)."""
+    if chain._decode_run is chain._python_run:
+        pytest.skip("the native helper is not built")
+    rng = np.random.default_rng(seed)
+    root = rng.bytes(32)
+    hashes = [BlockHash(rng.bytes(32)) for _ in range(n)]
+    tokens = rng.bytes(n * step)
+    first = int(rng.integers(0, n))
+    count = int(rng.integers(0, n - first + 1))
+    fixed = []
+    for i in range(first, first + count):
+        state = rng.bytes(32) if rng.random() < 0.3 else None
+        h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
+                   int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
+                   int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
+        fixed.append(h.encode()[: chain._FIXED.size])
+    raw = bytearray(chain.encode_run(first, 0, fixed))
+    for c in cuts:
+        if len(raw) > 16:
+            raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
+    data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
+    args = (bytes(raw), 16, first, count, root, hashes, data, step)
+    assert chain._decode_run(*args) == chain._python_run(*args)

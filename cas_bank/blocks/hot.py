@@ -3,10 +3,11 @@ the byte budget it shares with the leases.
 
 A wrapper store (docs/design.md, "Store interface and put_batch promise": cross-cutting
 concerns wrap a store, they are not flags inside a backend). It caches the families a
-restore reads: headers, block payloads, states and end records, and remembers the
-end-record keys it found absent (a restore looks up a few candidates that mostly do
-not exist; a write of such a key drops the absence). A restore of a prefix whose
-headers and payloads are all hot reads nothing from the store below.
+restore reads: headers, block payloads, states, end records and chain records, and
+remembers the end-record and chain-record keys it found absent (a restore looks up a
+few candidates that mostly do not exist; a write of such a key drops the absence). A
+restore of a prefix whose records and payloads are all hot reads nothing from the
+store below.
 
 Two levels per entry:
 - the raw value (what `get_many` returns), filled on a read miss and on every put
@@ -56,10 +57,13 @@ from typing import Protocol
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.store import BlockStore, Family, Write
 
-CACHED_FAMILIES = frozenset({Family.HEADERS, Family.BLOCKS, Family.STATES, Family.ENDS})
-# Families whose absent keys are remembered too: a restore looks up end records that
-# mostly do not exist, and a hot restore must not read below (dropped by any write).
-NEGATIVE_FAMILIES = frozenset({Family.ENDS})
+CACHED_FAMILIES = frozenset(
+    {Family.HEADERS, Family.BLOCKS, Family.STATES, Family.ENDS, Family.CHAINS}
+)
+# Families whose absent keys are remembered too: a restore looks up end records and
+# chain records that mostly do not exist, and a hot restore must not read below
+# (dropped by any write).
+NEGATIVE_FAMILIES = frozenset({Family.ENDS, Family.CHAINS})
 _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
 # Answers of `around` on the children index kept (a restore seeks it once: a hot
 # restore must not read below either); any write to that family drops them all.

@@ -50,6 +50,7 @@ class Family(str, Enum):
     ENDS = "ends"
     EVICTED = "evicted"
     CHILDREN = "children"
+    CHAINS = "chains"
 
 
 PAYLOAD_FAMILIES = (Family.BLOCKS, Family.STATES)

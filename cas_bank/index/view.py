@@ -155,6 +155,12 @@ class ReadView:
         self._ends = {e.key: e for e in queued if isinstance(e, QueuedEnd)}  # the last wins
 
     # -- as a store, where lookups read ---------------------------------------------
+    @property
+    def queued_blocks(self) -> bool:
+        """Whether a queued store holds blocks: a lookup then reads headers (the chain
+        records of `index.chain` name written blocks only)."""
+        return bool(self._chains)
+
     def get(self, family: Family, key: bytes) -> bytes | None:
         raw = self.store.get(family, key)
         if raw is None and family is Family.HEADERS and self._chains:

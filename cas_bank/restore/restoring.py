@@ -237,7 +237,7 @@ def _plan(ns: Restorable, toks: np.ndarray) -> _Plan:
     hashes = ns.chain(toks)
     view = read_view(ns.bank)
     try:
-        matched = longest_chain(view, ns.root, hashes)
+        matched = longest_chain(view, ns.root, hashes, toks[: len(hashes) * ns.block_size])
     except CorruptDataError as e:  # a damaged headers table: a counted miss
         ns._payloads.damaged_headers(str(e))
         matched = []

@@ -1,0 +1,241 @@
+"""The lookup of a restore right after a reopen: chain records against headers.
+
+    .venv/bin/python -m benchmarks.lookup [--rounds 15] [--others 256] [--parts] [--json]
+
+Every restore first looks its prompt up (`Hit.timings.lookup_s`: the chain's hashes,
+the index reads, the end record and partial block, the probe of memory). After a
+reopen nothing is cached: each record it reads comes from RocksDB's files. This stores
+conversations of 1k, 4k and 16k tokens at the default block size (64) in a bank that
+also holds `--others` other prompts of 1k tokens (so that a chain's headers lie apart
+in the table, as in a bank in use; 0: a bank of those three alone), closes it, and
+then, each round and for each length, opens it and restores the conversation as
+`PrefixCache.restore` does (`Namespace.restore(prompt[:-1], room_for=len(prompt))`),
+taking the lookup's time:
+
+- `records`: as a restore does now: the chain records first (`index.chain.read_runs`,
+  one multi-get of the segments' records), headers only past them;
+- `headers`: as it did before the chain records, and does in a bank written before
+  them: one multi-get of every header (a chain over `WHOLE_CHAIN_READ` blocks cut to
+  its stored length by a binary search of point reads first).
+
+The two ways alternate, their order rotated each round, on the same bank. Medians side
+by side (and their ratio), and beside them the lookup of the restore that follows in
+the same process (hot: what the first one read is in the hot tier). `--parts` adds
+where a reopened 16k-token lookup's time goes, phase by phase, as
+`restore.restoring._plan` runs them.
+
+The payloads are small (one attention layer, one KV head of dim 32, fp16): this is
+about the index, not about bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.ceilings import median
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.index import chain
+from cas_bank.index.ends import plan_end
+from cas_bank.index.partial import find_partial
+from cas_bank.index.view import read_view
+
+SPEC = ModelSpec(
+    name="lookup-bench",
+    layers=(LayerSpec.attention(kv_heads=1, head_dim=32, dtype="float16"),),
+    weights_digest="lookup-bench-weights",
+)
+BLOCK = 64
+LENGTHS = (1024, 4096, 16384)
+WAYS = ("records", "headers")
+
+
+def _kv(tokens: int, rng: np.random.Generator) -> list[Any]:
+    k = mx.array(rng.standard_normal((1, 1, tokens, 32)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, 1, tokens, 32)).astype(np.float16))
+    mx.eval(k, v)
+    return [(k, v)]
+
+
+def build(path: Path, lengths: Sequence[int], others: int) -> dict[int, np.ndarray]:
+    """The bank: `others` prompts of 1k tokens, then one conversation of each length
+    (its prompt one token longer: the token a restore leaves to prefill)."""
+    rng = np.random.default_rng(0)
+    prompts: dict[int, np.ndarray] = {}
+    with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
+        ns = bank.namespace(SPEC)
+        kv = _kv(max([*lengths, 1024]), rng)
+        for _ in range(others):
+            toks = rng.integers(0, 1 << 17, 1024, dtype=np.uint32)
+            ns.store(toks, [(k[..., :1024, :], v[..., :1024, :]) for k, v in kv])
+        for n in lengths:
+            prompt = rng.integers(0, 1 << 17, n + 1, dtype=np.uint32)
+            ns.store(prompt[:-1], [(k[..., :n, :], v[..., :n, :]) for k, v in kv])
+            prompts[n] = prompt
+    return prompts
+
+
+@contextmanager
+def headers_only() -> Iterator[None]:
+    """The lookup as before the chain records: `longest_chain` finds none."""
+    runs = chain.read_runs
+    chain.read_runs = lambda *args: ([], False)
+    try:
+        yield
+    finally:
+        chain.read_runs = runs
+
+
+def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, float]:
+    """Seconds of a restore's lookup right after opening the bank, and of the next
+    restore's (hot: what the first one read is in the hot tier)."""
+    with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
+        ns = bank.namespace(SPEC)
+        took = []
+        for _ in range(2):
+            bank.resources.settle()  # the spares the restore before asked for: made
+            if way == "headers":
+                with headers_only():
+                    hit = ns.restore(prompt[:-1], room_for=len(prompt))
+            else:
+                hit = ns.restore(prompt[:-1], room_for=len(prompt))
+            if hit is None or hit.timings is None or hit.tokens != len(prompt) - 1:
+                raise RuntimeError(f"restored {hit and hit.tokens} of {len(prompt) - 1} tokens")
+            took.append(hit.timings.lookup_s)
+            del hit
+        return took[0], took[1]
+
+
+def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]:
+    """A reopened lookup's phases, as `restore.restoring._plan` runs them (each on
+    what the phases before it left warm)."""
+    parts: dict[str, float] = {}
+    with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
+        ns = bank.namespace(SPEC)
+        toks = prompt[:-1]
+
+        def timed(name: str, fn: Callable[[], Any]) -> Any:
+            t0 = time.perf_counter()
+            out = fn()
+            parts[name] = time.perf_counter() - t0
+            return out
+
+        hashes = timed("chain hashes", lambda: ns.chain(toks))
+        view = timed("read view", lambda: read_view(bank))
+        blocks = toks[: len(hashes) * BLOCK]
+        runs: list[chain.Header] = []
+        ended = False
+        if way == "records":
+            runs, ended = timed(
+                "chain records", lambda: chain.read_runs(view, ns.root, hashes, blocks)
+            )
+        parent = runs[-1].chain_hash if runs else ns.root
+        rest: list[chain.Header] = []
+        if not ended:  # the headers past the records (all of them: the `headers` way)
+            rest = timed("headers", lambda: chain.headers_after(view, parent, hashes, len(runs)))
+        m = len(runs) + len(rest)
+        if m != len(hashes):
+            raise RuntimeError(f"matched {m} of {len(hashes)} blocks")
+        timed(
+            "end record",
+            lambda: plan_end(
+                view, ns.spec, ns.root, hashes, toks, m, BLOCK, m * BLOCK, bank.counters
+            ),
+        )
+        timed("partial block", lambda: find_partial(view, ns.root, hashes, toks, m, BLOCK))
+        parts["total"] = sum(parts.values())
+    return parts
+
+
+def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
+    """Build the bank and measure every length both ways; returns the figures."""
+    path = workdir / "bank"
+    t0 = time.perf_counter()
+    prompts = build(path, LENGTHS, others)
+    built_s = time.perf_counter() - t0
+    samples: dict[tuple[int, str], list[float]] = {(n, w): [] for n in LENGTHS for w in WAYS}
+    hot: dict[tuple[int, str], list[float]] = {(n, w): [] for n in LENGTHS for w in WAYS}
+    phases: dict[str, dict[str, list[float]]] = {w: {} for w in WAYS}
+    for r in range(rounds):
+        order = WAYS[r % 2 :] + WAYS[: r % 2]
+        for n in LENGTHS:
+            for way in order:
+                reopened, again = reopened_lookup(path, prompts[n], way)
+                samples[(n, way)].append(reopened)
+                hot[(n, way)].append(again)
+        if parts:
+            for way in order:
+                for name, s in reopened_parts(path, prompts[LENGTHS[-1]], way).items():
+                    phases[way].setdefault(name, []).append(s)
+    rows = []
+    for n in LENGTHS:
+        rec, hdr = median(samples[(n, "records")]), median(samples[(n, "headers")])
+        rows.append(
+            {
+                "tokens": n,
+                "blocks": n // BLOCK,
+                "records_ms": 1e3 * rec,
+                "headers_ms": 1e3 * hdr,
+                "speedup": hdr / rec,
+                "hot_records_ms": 1e3 * median(hot[(n, "records")]),
+                "hot_headers_ms": 1e3 * median(hot[(n, "headers")]),
+                "records_range_ms": _range_ms(samples[(n, "records")]),
+                "headers_range_ms": _range_ms(samples[(n, "headers")]),
+            }
+        )
+    return {
+        "rounds": rounds,
+        "others": others,
+        "build_s": built_s,
+        "rows": rows,
+        "parts_ms": {w: {k: 1e3 * median(v) for k, v in p.items()} for w, p in phases.items() if p},
+    }
+
+
+def _range_ms(xs: Sequence[float]) -> tuple[float, float]:
+    return 1e3 * min(xs), 1e3 * max(xs)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Print the medians of a reopened restore's lookup, with chain records and without."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lookup", description=main.__doc__)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--others", type=int, default=256, help="other 1k-token prompts in the bank")
+    p.add_argument("--parts", action="store_true", help="where a 16k-token lookup's time goes")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cas_bank_lookup_") as tmp:
+        out = run(Path(tmp), args.rounds, args.others, args.parts)
+    print(
+        f"lookup after a reopen, block size {BLOCK}, {args.others} other prompts in the bank, "
+        f"medians of {args.rounds} rounds (ms)"
+    )
+    print(
+        f"{'tokens':>7} {'blocks':>6} {'headers (before)':>17} {'records (now)':>14} "
+        f"{'ratio':>6} {'hot: headers':>13} {'records':>8}"
+    )
+    for row in out["rows"]:
+        print(
+            f"{row['tokens']:>7} {row['blocks']:>6} {row['headers_ms']:>17.3f} "
+            f"{row['records_ms']:>14.3f} {row['speedup']:>5.2f}x "
+            f"{row['hot_headers_ms']:>13.3f} {row['hot_records_ms']:>8.3f}"
+        )
+    for way, phases in out["parts_ms"].items():
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        print(f"  16k parts ({way}), ms: {shown}")
+    if args.json:
+        print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
