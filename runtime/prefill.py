@@ -75,6 +75,30 @@ def resume_point(
     return False
 
 
+Body = Callable[[mx.array, list[Any]], mx.array]
+Head = Callable[[mx.array], mx.array]
+
+
+def hidden_parts(model: nn.Module) -> tuple[Body, Head] | None:
+    """The model's body (tokens -> the hidden state its LM head reads, after the final
+    norm: what a multi-token-prediction head drafts from) and its head, where it
+    exposes them as mlx-lm's models do (`model.model`, then `lm_head` or the tied
+    embeddings; a multimodal model's `language_model`); None where it does not. `head(
+    body(x, cache))` is the model's own `model(x, cache)`, the same operations."""
+    inner = getattr(model, "language_model", model)
+    body, args = getattr(inner, "model", None), getattr(inner, "args", None)
+    if not isinstance(body, nn.Module) or args is None:
+        return None
+    if getattr(args, "tie_word_embeddings", False):
+        embed = getattr(body, "embed_tokens", None)
+        head = getattr(embed, "as_linear", None)
+    else:
+        head = getattr(inner, "lm_head", None)
+    if head is None:
+        return None
+    return (lambda x, cache: body(x, cache)), head
+
+
 def forward_chunks(
     model: nn.Module,
     spec: ModelSpec,
@@ -84,15 +108,23 @@ def forward_chunks(
     ends: Sequence[int],
     boundaries: Sequence[int],
     cancelled: Callable[[], bool] | None,
-) -> tuple[dict[int, list[Any]], mx.array, int]:
+    parts: tuple[Body, Head] | None = None,
+) -> tuple[dict[int, list[Any]], mx.array, int, mx.array | None]:
     """The forward passes of `model` over `toks[start:]` into `cache`, one chunk to each
-    of `ends`: the states snapshotted at `boundaries`, the last chunk's logits, and
-    where it stopped (before the end when `cancelled` said so)."""
+    of `ends`: the states snapshotted at `boundaries`, the last chunk's logits, where
+    it stopped (before the end when `cancelled` said so) and, with `parts`
+    (`hidden_parts`), the last token's hidden state (its last pass through them)."""
     states: dict[int, list[Any]] = {}
     logits: mx.array | None = None
+    hidden: mx.array | None = None
     pos, n = start, len(toks)
     for stop in ends:
-        logits = model(mx.array(toks[pos:stop])[None], cache=cache)
+        x = mx.array(toks[pos:stop])[None]
+        if parts is not None and stop == ends[-1]:
+            h = parts[0](x, cache)
+            logits, hidden = parts[1](h), h[0, -1]
+        else:
+            logits = model(x, cache=cache)
         if stop in boundaries:
             states[stop] = snapshot_states(spec, cache)  # evaluates the chunk
         else:
@@ -101,4 +133,4 @@ def forward_chunks(
         if pos < n and cancelled is not None and cancelled():
             break
     assert logits is not None
-    return states, logits, pos
+    return states, logits, pos, hidden if pos == n else None

@@ -78,7 +78,7 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -109,6 +109,7 @@ from .prefill import (
     PrefillReport,
     chunk_ends,
     forward_chunks,
+    hidden_parts,
     resume_point,
 )
 from .state_recorder import StateRecorder
@@ -133,7 +134,11 @@ class PrefixCache:
     True: through the writer (inline on a bank without one). `keep_end` (default
     True): `prefill` and `store` keep their tokens' exact end, an end record (see the
     module docstring), so the next turn restores all of them; False: whole blocks and
-    boundary states only, unless a call passes `end=True`.
+    boundary states only, unless a call passes `end=True`. `keep_hidden` (default
+    False: it costs a hidden state's bytes per record): the end records `prefill`
+    writes also hold the last token's hidden state, which
+    `restore_exact(..., with_hidden=True)` returns (a multi-token-prediction head
+    drafts from it); refused for a model that does not expose it.
     """
 
     def salted(self, salt: str | bytes | None) -> PrefixCache:
@@ -159,6 +164,7 @@ class PrefixCache:
         skip_store_when_full: bool = False,
         background: bool | None = None,
         keep_end: bool = True,
+        keep_hidden: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidInputError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -170,6 +176,15 @@ class PrefixCache:
         self.chunk_size = chunk_size
         self.skip_store_when_full = skip_store_when_full
         self.keep_end = keep_end  # prefill and store write their end record by default
+        # The last token's hidden state in the end records prefill writes (for a runtime
+        # whose multi-token-prediction head drafts from it): off unless asked, it costs
+        # a hidden state's bytes per record.
+        self.hidden_parts = hidden_parts(self.model) if keep_hidden else None
+        if keep_hidden and self.hidden_parts is None:
+            raise InvalidInputError(
+                f"keep_hidden: {type(self.model).__name__} does not expose its hidden state "
+                f"(an mlx-lm model's body `model.model` and its LM head)"
+            )
         # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
         # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.
         self.background = bank.writer is not None if background is None else background
@@ -233,14 +248,38 @@ class PrefixCache:
         fill_cache(self.spec, cache, hit.layers, hit.tokens)
         return cache, hit.tokens
 
-    def restore_exact(self, tokens: Any) -> tuple[list[Any], int, mx.array | None]:
+    @overload
+    def restore_exact(
+        self, tokens: Any, *, with_hidden: Literal[False] = False
+    ) -> tuple[list[Any], int, mx.array | None]: ...
+
+    @overload
+    def restore_exact(
+        self, tokens: Any, *, with_hidden: Literal[True]
+    ) -> tuple[list[Any], int, mx.array | None, mx.array | None]: ...
+
+    def restore_exact(
+        self, tokens: Any, *, with_hidden: bool = False
+    ) -> (
+        tuple[list[Any], int, mx.array | None]
+        | tuple[list[Any], int, mx.array | None, mx.array | None]
+    ):
         """`restore` that may cover the whole prompt: `(cache, n, logits)`.
 
         With `logits` (an end record of exactly `tokens` that holds them), the cache
         holds all of `tokens` and `logits` are the last token's, shape `[vocab]`: sample
         from them, no prefill. Otherwise `logits` is None and `(cache, n)` is what
         `restore` returns (n < len(tokens)).
+
+        `with_hidden`: `(cache, n, logits, hidden)`, with the last token's hidden state
+        (the one the LM head reads, shape `[hidden_size]`) where the end record holds
+        it: a prefill of a `PrefixCache(keep_hidden=True)` stored it, for a runtime
+        whose multi-token-prediction head drafts from it. None otherwise.
         """
+        cache, n, logits, hidden = self._restore_exact(tokens)
+        return (cache, n, logits, hidden) if with_hidden else (cache, n, logits)
+
+    def _restore_exact(self, tokens: Any) -> tuple[list[Any], int, mx.array | None, Any]:
         toks = self.tokens(tokens)
         if len(toks) == 0:
             raise InvalidInputError("restore needs at least one token")
@@ -250,16 +289,16 @@ class PrefixCache:
             self.bank.resources.release()  # no pass: the first token is sampled from `logits`
             cache = self.new_cache()
             fill_cache(self.spec, cache, hit.layers, hit.tokens)
-            return cache, hit.tokens, hit.logits
+            return cache, hit.tokens, hit.logits, hit.hidden
         if hit is not None and hit.tokens == len(toks):
             # Covered, but without the last token's logits: it is prefilled again.
             cache, n = self.restore(toks)
-            return cache, n, None
+            return cache, n, None, None
         cache = self.new_cache()
         if hit is None:
-            return cache, 0, None
+            return cache, 0, None, None
         fill_cache(self.spec, cache, hit.layers, hit.tokens)
-        return cache, hit.tokens, None
+        return cache, hit.tokens, None, None
 
     # -- prefill -------------------------------------------------------------------
     def prefill(
@@ -317,8 +356,9 @@ class PrefixCache:
         )
         ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
         t0 = time.perf_counter()
-        states, logits, pos = forward_chunks(
-            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled
+        parts = self.hidden_parts if store and end else None
+        states, logits, pos, hidden = forward_chunks(
+            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled, parts
         )
         total = len(toks)
         last = logits[0, -1]
@@ -329,7 +369,7 @@ class PrefixCache:
             end = resume_point(self.spec, self.block_size, cache, pos, states)
         t1 = time.perf_counter()
         storing = store and not self.bank.read_only
-        report = self._store_prefill(toks, cache, states, kept, end) if storing else None
+        report = self._store_prefill(toks, cache, states, kept, end, hidden) if storing else None
         self.last_prefill = PrefillReport(
             start=start,
             tokens=len(toks),
@@ -370,13 +410,15 @@ class PrefixCache:
         states: dict[int, list[Any]],
         last: mx.array | None,
         end: bool,
+        hidden: mx.array | None = None,
     ) -> StoreReport | None:
         """Store what a prefill computed: queued for the background writer, or inline
-        (then its report); with `end`, the end record (with the logits `last`) too."""
+        (then its report); with `end`, the end record (with the logits `last` and the
+        `hidden` state) too."""
         if self.background:
             # The end record is copied before anything is queued: the writer then
             # works while this thread goes on to the first token.
-            queue_end = self._end_later(toks, cache, last) if end else None
+            queue_end = self._end_later(toks, cache, last, hidden=hidden) if end else None
             self.last_pending = self.store_later(toks, cache, states)
             if queue_end is not None:
                 self.last_end_pending = queue_end()
@@ -385,7 +427,7 @@ class PrefixCache:
         try:
             report = self._store_inline(toks, cache, states)
             if end:
-                self.store_end(toks, cache, logits=last)
+                self.store_end(toks, cache, logits=last, hidden=hidden)
         except BankFullError as e:
             if not self.skip_store_when_full:
                 raise
