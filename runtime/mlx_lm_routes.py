@@ -2,12 +2,14 @@
 
 - `/health`: mlx-lm's (`ok`, or 503 `unavailable` once its generation thread died),
   plus the bank and the shared tier: `degraded` (still 200: answers go out) with the
-  reason while the bank is not in use (`BankUnused`: with `--draft-model`, mlx-lm's
-  own prompt cache serves), refuses stores, or the shared tier does not serve
-  (`cas_bank.remote.health`); `bank_in_use`, and the tier's state under `remote`.
+  reason while the bank refuses stores or the shared tier does not serve
+  (`cas_bank.remote.health`); `bank_in_use` (always true: with `--draft-model` too,
+  whose caches the bank keeps beside the model's, `draft_model`), and the tier's
+  state under `remote`.
 - `/metrics`: Prometheus text of the bank's counters, where restores spent their time,
-  the prompt cache's counters, whether the bank is in use (`bank_in_use`, 0 with the
-  reason as a label) and the shared tier's state (mlx-lm has no metrics).
+  the prompt cache's counters (a draft model's among them: `draft_bytes_written`,
+  `trimmed_tokens`), `bank_in_use` (1) and the shared tier's state (mlx-lm has no
+  metrics).
 - `/v1/models`: the model served; with `--allow-model-switching` also the mlx-lm
   models in the local Hugging Face cache as mlx-lm lists them (a server pinned to its
   model lists no others: they are not a caller's to probe). The listing is made before
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from cas_bank.bank import Bank
@@ -50,25 +51,16 @@ def send_json(handler: Any, status: int, body: Any) -> None:
     handler.wfile.flush()
 
 
-@dataclass(frozen=True)
-class BankUnused:
-    """Why the server does not use its bank: `code` (a metric label), `why` (a sentence)."""
-
-    code: str
-    why: str
-
-
-def health(
-    handler: Any, bank: Bank, tier: TierProbe | None, unused: BankUnused | None = None
-) -> None:
+def health(handler: Any, bank: Bank, tier: TierProbe | None, *, draft_model: bool = False) -> None:
     alive = bool(handler.response_generator.is_healthy)
     remote = tier.check() if tier is not None else None
-    degraded = unused.why if unused is not None else degraded_reason(bank.degraded, remote)
+    degraded = degraded_reason(bank.degraded, remote)
     status = "unavailable" if not alive else "ok" if degraded is None else "degraded"
     body = {
         "status": status,
         "degraded": degraded,
-        "bank_in_use": unused is None,
+        "bank_in_use": True,
+        "draft_model": draft_model,
         "remote": None if remote is None else remote.as_dict(),
         "bank": str(bank.path),
         "block_size": bank.config.block_size,
@@ -81,7 +73,6 @@ def metrics(
     bank: Bank,
     tier: TierProbe | None,
     cache_stats: dict[str, int],
-    unused: BankUnused | None = None,
 ) -> None:
     families = [*bank_metrics(bank.stats()), *restore_metrics(bank.restore_times())]
     families.append(
@@ -92,16 +83,13 @@ def metrics(
             0 if bank.degraded is None else 1,
         )
     )
-    in_use: dict[tuple[tuple[str, str], ...], float] = (
-        {(): 1.0} if unused is None else {(("reason", unused.code),): 0.0}
-    )
     families.append(
-        Metric(
+        Metric.single(
             "bank_in_use",
-            "1 while the bank is the prompt cache; 0 (the reason as a label) while mlx-lm's "
-            "own cache serves instead (--draft-model).",
+            "1: the bank is the prompt cache (with --draft-model too: the draft model's "
+            "caches beside the model's).",
             "gauge",
-            in_use,
+            1,
         )
     )
     families += [

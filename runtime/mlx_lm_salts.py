@@ -70,7 +70,7 @@ def salting_generator(base: Any) -> Any:
             if salt is None:
                 return super()._serve_single(request, stream)
             shared = self.prompt_cache
-            if not hasattr(shared, "salted"):  # mlx-lm's own cache (the handler refuses)
+            if not hasattr(shared, "salted"):  # a cache without tenants (mlx-lm's own)
                 request[0].put(ValueError("cache_salt needs the bank as the prompt cache"))
                 return None
             try:  # an error here is this request's, never the generation thread's

@@ -4,7 +4,8 @@ This runs `mlx_lm.server.main` itself: its argument parser, `ModelProvider`,
 `ResponseGenerator` (the sequential and the batched generation paths), `APIHandler`
 and HTTP server, all unchanged. The one thing swapped is `mlx_lm.server.run`, the
 seven-line function that makes an `LRUPromptCache` and starts the generator: ours
-makes a `BankPromptCache` on the model the provider loaded instead, and uses an HTTP
+makes a `BankPromptCache` on the model the provider loaded instead (and its
+`--draft-model`, whose caches the bank keeps beside the model's), and uses an HTTP
 server class that prints the address it bound (so `--port 0` works for scripts), a
 handler that takes a request's `cache_salt` and a generator that serves a salted
 request from its salt's namespaces (`mlx_lm_salts`). The handler checks every
@@ -28,7 +29,6 @@ import contextlib
 import importlib
 import io
 import json
-import logging
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -57,14 +57,7 @@ from .models import LoadedModel, weights_digest
 from .process import freeze_startup_objects, server_settings
 from .prompt_cache_adapter import BankPromptCache
 
-log = logging.getLogger("cas_bank")
-
 READY = "cas-bank mlx-lm-server: listening on"
-DRAFT_MODEL_UNUSED = (
-    "the bank is not in use: with --draft-model, mlx-lm's own in-memory prompt cache "
-    "serves (speculative decoding's caches hold the draft model's layers too, and the "
-    "bank keeps one model's)"
-)
 
 
 def _mlx_lm_server() -> Any:
@@ -89,13 +82,15 @@ def announcing_server(json_line: bool) -> type[ThreadingHTTPServer]:
     return AnnouncingServer
 
 
-def loaded_model(model_provider: Any) -> LoadedModel:
-    """The provider's model as a `LoadedModel`: the namespace then records its
-    tokenizer's directory, and `cas-bank show` decodes blocks through it."""
-    path = Path(str(model_provider.cli_args.model))
+def loaded_model(model_provider: Any, *, draft: bool = False) -> LoadedModel:
+    """The provider's model (`draft`: its draft model) as a `LoadedModel`: the namespace
+    then records its tokenizer's directory, and `cas-bank show` decodes blocks through
+    it (a draft model shares the model's tokenizer)."""
+    args = model_provider.cli_args
+    path = Path(str(args.draft_model if draft else args.model))
     config_file = path / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    model = model_provider.model
+    model = model_provider.draft_model if draft else model_provider.model
     return LoadedModel(
         model=model,
         config=config,
@@ -113,7 +108,7 @@ class _HandlerSettings:
     tier: TierProbe | None = None
     cache_stats: Callable[[], dict[str, int]] = dict
     pin: ModelPin | None = None
-    unused: routes.BankUnused | None = None
+    draft_model: bool = False
 
 
 # The methods below go before mlx-lm's `APIHandler` in a `cas_bank_handler` class
@@ -131,9 +126,9 @@ class _BankHandler(_Base):  # type: ignore[misc]
         path = self.path.split("?")[0]
         got = self._settings
         if path == "/health":
-            routes.health(self, got.bank, got.tier, got.unused)
+            routes.health(self, got.bank, got.tier, draft_model=got.draft_model)
         elif path == "/metrics":
-            routes.metrics(self, got.bank, got.tier, got.cache_stats(), got.unused)
+            routes.metrics(self, got.bank, got.tier, got.cache_stats())
         elif path.startswith("/v1/models"):
             routes.models(self, _mlx_lm_server().scan_cache_dir, others=got.pin is None)
         else:
@@ -160,21 +155,12 @@ class _BankHandler(_Base):  # type: ignore[misc]
 
     # A factory's ValueError is mlx-lm's own 400: {"error": message}.
     def handle_text_completions(self) -> Any:
-        salt = self._salt()
+        salt = request_salt(self.body)
         return _tagged(super().handle_text_completions(), salt)
 
     def handle_chat_completions(self) -> Any:
-        salt = self._salt()
-        return _tagged(super().handle_chat_completions(), salt)
-
-    def _salt(self) -> str | None:
         salt = request_salt(self.body)
-        if salt is not None and getattr(self.response_generator.cli_args, "draft_model", None):
-            raise ValueError(
-                "cache_salt is not supported with --draft-model: mlx-lm's own prompt "
-                "cache serves then, and it keeps no tenants apart"
-            )
-        return salt
+        return _tagged(super().handle_chat_completions(), salt)
 
 
 def cas_bank_handler(
@@ -184,25 +170,24 @@ def cas_bank_handler(
     cache_stats: Callable[[], dict[str, int]] = dict,
     *,
     pin: ModelPin | None = None,
-    unused: routes.BankUnused | None = None,
+    draft_model: bool = False,
 ) -> Any:
     """mlx-lm's request handler, with what the bank adds:
 
     - `/health`, `/metrics` and `/v1/models` (`mlx_lm_routes`): the bank and the shared
       tier `tier` in the health and the metrics (`cache_stats`: the prompt cache's;
-      `unused`: why the bank is not in use, if it is not);
+      `draft_model`: the health says the bank keeps a draft model's caches too);
     - a completion body is checked before mlx-lm reads it (`mlx_lm_requests`): a 400
       names a `Content-Length` that is not a number (413: one too large), a field of
       the wrong type or a string that is not Unicode text (an empty
       prompt too: in mlx-lm 0.32 one ended its generation thread for good), a 404 a
       model other than the one of `pin` (None: any, as mlx-lm does);
-    - a request's `cache_salt` is carried to the generator (`mlx_lm_salts`); with
-      `--draft-model` (mlx-lm's own cache, which keeps no tenants apart) a salted
-      request is refused with a 400 saying so.
+    - a request's `cache_salt` is carried to the generator (`mlx_lm_salts`), with or
+      without a draft model.
     """
 
     class Handler(_BankHandler, handler):  # type: ignore[misc]
-        _settings = _HandlerSettings(bank, tier, cache_stats, pin, unused)
+        _settings = _HandlerSettings(bank, tier, cache_stats, pin, draft_model)
 
     return Handler
 
@@ -244,7 +229,7 @@ def make_run(
                 "model it is started with"
             )
         model_provider.load_default()
-        prompt_cache, unused = _prompt_cache(
+        prompt_cache = _prompt_cache(
             bank, model_provider, capture_states=capture_states, background=background, store=store
         )
         pin, pinned = _pins(args, allow_model_switching)
@@ -252,7 +237,6 @@ def make_run(
         generator = salting_generator(worker)(model_provider, prompt_cache)
         freeze_startup_objects()  # no full collection over the model inside a request
         tier = TierProbe(bank.remote) if bank.remote is not None else None
-        stats = getattr(prompt_cache, "stats", dict)  # mlx-lm's own cache (draft): none
         try:
             mls._run_http_server(
                 host,
@@ -261,7 +245,12 @@ def make_run(
                 server_class=server_class or announcing_server(json_line),
                 handler_class=handler_class
                 or cas_bank_handler(
-                    mls.APIHandler, bank, tier, lambda: dict(stats()), pin=pin, unused=unused
+                    mls.APIHandler,
+                    bank,
+                    tier,
+                    lambda: dict(prompt_cache.stats()),
+                    pin=pin,
+                    draft_model=prompt_cache.draft_prefix_cache is not None,
                 ),
             )
         finally:
@@ -273,22 +262,17 @@ def make_run(
 
 def _prompt_cache(
     bank: Bank, model_provider: Any, *, capture_states: bool, background: bool, store: bool
-) -> tuple[Any, routes.BankUnused | None]:
-    """The server's prompt cache (a `BankPromptCache` on `bank`), and why the bank is
-    not in use when it is not (then mlx-lm's own cache)."""
+) -> BankPromptCache:
+    """The server's prompt cache: a `BankPromptCache` on `bank` for the provider's model
+    and, with `--draft-model`, its draft model (speculative decoding's caches are the
+    model's followed by the draft model's: each kept in its own namespace, restored to
+    the same length). mlx-lm serves every request of a server with a draft model on
+    its sequential path: its provider marks such a model not batchable. (A draft model
+    named by a request, with `--allow-model-switching`, is another model key: served
+    uncached.)"""
     args = model_provider.cli_args
-    if getattr(args, "draft_model", None):
-        # Speculative decoding's caches hold the draft model's layers after the
-        # model's: the bank keeps one model's, so mlx-lm's own cache serves them.
-        # (A draft model named by a request has another model key: a bank miss.)
-        log.warning(
-            "cas-bank mlx-lm-server: with --draft-model, mlx-lm's own prompt cache "
-            "serves the requests; the bank at %s is not used",
-            bank.path,
-        )
-        unused = routes.BankUnused("draft_model", DRAFT_MODEL_UNUSED)
-        return _mlx_lm_server().LRUPromptCache(args.prompt_cache_size), unused
-    prompt_cache = BankPromptCache(
+    draft = loaded_model(model_provider, draft=True) if model_provider.draft_model else None
+    return BankPromptCache(
         bank,
         loaded_model(model_provider),
         model_key=model_provider.model_key,
@@ -297,8 +281,8 @@ def _prompt_cache(
         capture_states=capture_states,
         background=None if background else False,
         store=store,
+        draft_model=draft,
     )
-    return prompt_cache, None
 
 
 def _pins(args: Any, allow_model_switching: bool) -> tuple[ModelPin | None, Any]:

@@ -51,6 +51,21 @@ shared block by block between prompts:
   it passes `--quantized-kv-start`, so one server may insert both kinds); a fetch
   restores from whichever namespace covers more of the prompt.
 
+- A draft model (speculative decoding, `draft_model=`): mlx-lm's cache list is then the
+  model's caches followed by the draft model's. The draft model's go to a namespace
+  of its own (its own spec: weights digest and layout), beside the model's in the same
+  bank, through `PrefixCache`s of its own (per quantized-KV kind too); a fetch restores
+  both to the same length, as far as both hold the prompt (`draft_cache.
+  restore_together`: the longer trimmed; a hybrid side only where it holds a state),
+  and an insert stores each up to the tokens it holds (after speculative decoding the
+  draft's may hold one token less than the model's). mlx-lm cannot trim a hybrid
+  draft model's cache (its recurrent state), so after speculative decoding it may
+  hold rejected draft tokens: for a hybrid draft model an insert prefills the draft
+  again over the tokens the bank lacks (with `capture_states` off too), and stores
+  that, up to where the model's part ends. A cache holding only the
+  model's layers (no draft part) stores the model's; it restores nothing until the
+  draft model's caches are stored too. Salts salt both.
+
 What the interface cannot carry (said in the README too): the states inside mlx-lm's
 own prefill (recomputed instead, above), and a prompt with nothing to prefill.
 `trim_to(n_sequences=...)` has no meaning for a bank of blocks (it holds no
@@ -91,6 +106,8 @@ from cas_bank.write.storing import StoreReport
 from cas_bank.write.writer import PendingStore
 
 from .cache_io import check_cache_class, snapshot_states
+from .draft_cache import held as tokens_held
+from .draft_cache import restore_together
 from .models import LoadedModel
 from .prefix_cache import PrefixCache
 
@@ -124,6 +141,8 @@ class AdapterStats:
     recomputed_tokens: int = 0  # hybrid models: tokens prefilled again to capture states
     end_bytes_written: int = 0  # end records written by inserts
     failures: int = 0  # fetches or inserts that failed (logged), served uncached
+    draft_bytes_written: int = 0  # of bytes_written, the draft model's (a draft model)
+    trimmed_tokens: int = 0  # restored by one model past what the other held, dropped
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -143,10 +162,13 @@ class BankPromptCache:
     cache reads and writes: the same salt shares every block, different salts (or
     none) share none. `salted(salt)` is this cache for another tenant.
     `background`: `PrefixCache`'s (None: the bank's writer when it has one; False:
-    inline stores). `store`: False stores nothing (`insert_cache` is a no-op; restores
-    still run). `keep_end` (default True): an insert keeps the exact end of its cache,
-    an end record (see the module docstring), so the next turn restores all of it;
-    False: whole blocks and boundary states only.
+    inline stores). `draft_model`: speculative decoding's draft model (or its
+    `LoadedModel`): caches are the model's followed by the draft model's, each kept in
+    its own namespace and restored to the same length (`draft_name`: its namespace's
+    name; see the module docstring). `store`: False stores nothing (`insert_cache` is
+    a no-op; restores still run). `keep_end` (default True): an insert keeps the exact
+    end of its cache, an end record (see the module docstring), so the next turn
+    restores all of it; False: whole blocks and boundary states only.
     """
 
     def __init__(
@@ -163,6 +185,8 @@ class BankPromptCache:
         background: bool | None = None,
         store: bool = True,
         keep_end: bool = True,
+        draft_model: Module | LoadedModel | None = None,
+        draft_name: str | None = None,
     ) -> None:
         self.bank = bank
         self.store = store
@@ -174,13 +198,19 @@ class BankPromptCache:
         self.model_key = model_key
         self.name = name
         self.salt = salt or None
-        self._prefix: dict[QuantKey, PrefixCache] = {
-            None: PrefixCache(
-                bank, model, name=name, salt=self.salt, background=background, keep_end=keep_end
-            )
-        }
+        self.draft_model = draft_model
+        self.draft_name = draft_name
+        self._prefix: dict[QuantKey, PrefixCache] = {}
+        self._prefix_for(None)
+        # The draft model's namespaces, by quantized-KV kind (None: no draft model).
+        self._draft: dict[QuantKey, PrefixCache] | None = None
+        if draft_model is not None:
+            self._draft = {}
+            self._prefix_for(None, draft=True)
         if kv_bits is not None:
             self._prefix_for((kv_bits, kv_group_size))
+            if draft_model is not None:
+                self._prefix_for((kv_bits, kv_group_size), draft=True)
         self._counts = {t: 0 for t in CACHE_TYPES}
         self._bytes = {t: 0 for t in CACHE_TYPES}
         self.counters = AdapterStats()
@@ -197,12 +227,19 @@ class BankPromptCache:
         other.salt = salt
         other._fetched = None
         other._prefix = {k: pc.salted(salt) for k, pc in self._prefix.items()}
+        if self._draft is not None:
+            other._draft = {k: pc.salted(salt) for k, pc in self._draft.items()}
         return other
 
     @property
     def prefix_cache(self) -> PrefixCache:
         """The `PrefixCache` of unquantized KV (the model's own spec)."""
         return self._prefix[None]
+
+    @property
+    def draft_prefix_cache(self) -> PrefixCache | None:
+        """The draft model's `PrefixCache` of unquantized KV (None: no draft model)."""
+        return None if self._draft is None else self._draft[None]
 
     @property
     def block_size(self) -> int:
@@ -305,31 +342,45 @@ class BankPromptCache:
         self.counters.other_model += 1
         return False
 
-    def _prefix_for(self, key: QuantKey) -> PrefixCache:
-        pc = self._prefix.get(key)
+    def _prefix_for(self, key: QuantKey, *, draft: bool = False) -> PrefixCache:
+        """The model's (`draft`: the draft model's) `PrefixCache` of KV kind `key`."""
+        made = self._draft if draft else self._prefix
+        assert made is not None
+        pc = made.get(key)
         if pc is None:
-            assert key is not None
-            bits, group = key
+            bits, group = key if key is not None else (None, 64)
             pc = PrefixCache(
                 self.bank,
-                self.model,
+                self.draft_model if draft else self.model,  # type: ignore[arg-type]
                 kv_bits=bits,
                 kv_group_size=group,
-                name=self.name,
+                name=self.draft_name if draft else self.name,
                 salt=self.salt,
                 background=self.background,
                 keep_end=self.keep_end,
             )
-            self._prefix[key] = pc
+            made[key] = pc
         return pc
+
+    @staticmethod
+    def _best(made: dict[QuantKey, PrefixCache], tokens: Sequence[int]) -> PrefixCache:
+        """The namespace that covers most of `tokens` (looked at, not read)."""
+        candidates = list(made.values())
+        if len(candidates) == 1:
+            return candidates[0]
+        return max(candidates, key=lambda pc: pc.match(tokens))
 
     def _restore(self, tokens: Sequence[int]) -> tuple[list[Any], int] | None:
         if len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
             return None  # nothing to restore, or a key that is not token ids (vision)
-        candidates = list(self._prefix.values())
-        if len(candidates) > 1:  # look before reading: restore only the best one
-            candidates = [max(candidates, key=lambda pc: pc.match(tokens))]
-        cache, n = candidates[0].restore(tokens)
+        pc = self._best(self._prefix, tokens)
+        if self._draft is None:
+            cache, n = pc.restore(tokens)
+        else:  # both to the same length: as far as both hold the prompt
+            sides = [pc, self._best(self._draft, tokens)]
+            (model, draft), n, trimmed = restore_together(sides, tokens)
+            cache = [*model, *draft]
+            self.counters.trimmed_tokens += trimmed
         # mlx-lm's server prefills on its own and calls back (`insert_cache`) only
         # once the answer is done: the refill the restore held starts now, as before
         # `PrefixCache` held them, rather than 2 s into the answer or after it.
@@ -341,10 +392,12 @@ class BankPromptCache:
     ) -> None:
         for i, entry in enumerate(cache):
             check_cache_class(entry, i)  # refuses what the bank cannot hold, by name
-        quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
-        pc = self._prefix_for(None if quant is None else (quant.bits, quant.group_size))
+        cache, draft = self._split(cache)
+        pc = self._prefix_for(self._quant_key(cache))
         held = self._held(pc, cache)
         n = min(held, len(tokens))
+        if draft is not None:
+            self._store_draft(tokens, draft, n, cache_type)
         repeat = self._repeat_point(pc, tokens, n) if capture and self.keep_end else None
         if n >= pc.block_size or repeat is not None:
             stored = self._store_blocks(pc, tokens, cache, n, held, capture, repeat, cache_type)
@@ -357,16 +410,90 @@ class BankPromptCache:
             # block, the recurrent state right there) lets a longer prompt resume here.
             self._store_end(pc, tokens[:held], cache, cache_type)
 
+    @staticmethod
+    def _quant_key(cache: Sequence[Any]) -> QuantKey:
+        quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
+        return None if quant is None else (quant.bits, quant.group_size)
+
+    def _split(self, cache: list[Any]) -> tuple[list[Any], list[Any] | None]:
+        """The model's caches and the draft model's (None: no draft part)."""
+        if self._draft is None:
+            return cache, None
+        n, d = len(self.prefix_cache.spec.layers), len(self._draft[None].spec.layers)
+        if len(cache) == n + d:
+            return cache[:n], cache[n:]
+        if len(cache) == n:  # the model's alone (no speculative decoding in this one)
+            return cache, None
+        raise InvalidInputError(
+            f"a cache of {len(cache)} layers is neither the model's {n} nor the model's "
+            f"and the draft model's {n} + {d}"
+        )
+
+    def _store_draft(
+        self, tokens: Sequence[int], cache: list[Any], model_n: int, cache_type: str
+    ) -> None:
+        """The draft model's part of an insert: its blocks and end record up to the tokens
+        it holds; a hybrid draft model's prefilled again up to `model_n`, the tokens the
+        model's part holds, so that both end there (see the module docstring)."""
+        pc = self._prefix_for(self._quant_key(cache), draft=True)
+        if pc.spec.is_hybrid:
+            if model_n > 0:
+                self._prefill_draft(pc, list(tokens), model_n, cache_type)
+            return
+        n = min(tokens_held(pc, cache), len(tokens))
+        if n == 0:
+            return
+        pc.last_end_pending = None
+        pending = pc.store(list(tokens[:n]), cache, end=self.keep_end, this_model=True)
+        pending.when_written(
+            lambda r: self._count(cache_type, r.blocks_written, r.bytes_written, draft=True)
+        )
+        end = pc.last_end_pending
+        if end is not None:
+            end.when_written(
+                lambda nbytes: self._count(cache_type, 0, nbytes, end=True, draft=True)
+            )
+
+    def _prefill_draft(self, pc: PrefixCache, tokens: list[int], n: int, cache_type: str) -> None:
+        """A hybrid draft model's cache after speculative decoding may hold rejected draft
+        tokens (mlx-lm cannot trim its recurrent state): prefill the draft model over
+        the tokens of `tokens[:n]` the bank does not restore yet, and store that (blocks,
+        the planned states, the end record at `n`, and, as for a hybrid model, the one
+        a repeat of the last fetched prompt restores: `_repeat_point`)."""
+        repeat = self._repeat_point(pc, tokens, n) if self.keep_end else None
+        if repeat is None and pc.match([*tokens[:n], 0]) >= n:
+            return  # stored already
+        stops = [n] if repeat is None else [repeat, n]
+        cache, start = pc.restore(tokens[: stops[0] + 1])  # at most the first stop
+        for stop in stops:
+            if start >= stop:
+                continue
+            for pending in self._prefill(pc, tokens[:stop], cache, start):
+                pending.when_written(
+                    lambda r: self._count(cache_type, r.blocks_written, r.bytes_written, draft=True)
+                )
+            if self.keep_end:
+                self._store_end(pc, tokens[:stop], cache, cache_type, draft=True)
+            start = stop
+
     def _store_end(
-        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], cache_type: str
+        self,
+        pc: PrefixCache,
+        tokens: Sequence[int],
+        cache: list[Any],
+        cache_type: str,
+        *,
+        draft: bool = False,
     ) -> None:
         """The end record of `tokens`, which `cache` holds exactly, counted once written."""
         end_bytes = pc.store_end(list(tokens), cache, this_model=True)
         end = pc.last_end_pending if pc.background else None
         if end is not None:
-            end.when_written(lambda nbytes: self._count(cache_type, 0, nbytes, end=True))
+            end.when_written(
+                lambda nbytes: self._count(cache_type, 0, nbytes, end=True, draft=draft)
+            )
         else:
-            self._count(cache_type, 0, end_bytes, end=True)
+            self._count(cache_type, 0, end_bytes, end=True, draft=draft)
 
     def _repeat_point(self, pc: PrefixCache, tokens: Sequence[int], n: int) -> int | None:
         """For a hybrid model: the last fetch's prompt less its last token, when the
@@ -380,13 +507,17 @@ class BankPromptCache:
             return None
         return len(prompt) - 1
 
-    def _count(self, cache_type: str, blocks: int, nbytes: int, *, end: bool = False) -> None:
+    def _count(
+        self, cache_type: str, blocks: int, nbytes: int, *, end: bool = False, draft: bool = False
+    ) -> None:
         """What a store wrote (on the writer's thread for a queued one)."""
         with self._count_lock:
             self.counters.blocks_written += blocks
             self.counters.bytes_written += nbytes
             if end:
                 self.counters.end_bytes_written += nbytes
+            if draft:
+                self.counters.draft_bytes_written += nbytes
             self._bytes[cache_type] += nbytes
 
     def _store_blocks(
@@ -464,13 +595,9 @@ class BankPromptCache:
     @staticmethod
     def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:
         """Tokens the cache holds: its attention layers' offset."""
-        layers = pc.spec.attention_layers
-        if not layers:
-            raise InvalidInputError(f"{pc.spec.name!r} has no attention layer to read a length")
-        offset = getattr(cache[layers[0]], "offset", None)
-        if not isinstance(offset, int):
-            raise InvalidInputError("the cache's first attention layer has no int offset")
-        return offset
+        return tokens_held(pc, cache)
 
     def __repr__(self) -> str:
-        return f"BankPromptCache({self.bank!r}, {self.prefix_cache.spec.name!r})"
+        draft = self.draft_prefix_cache
+        also = "" if draft is None else f", draft={draft.spec.name!r}"
+        return f"BankPromptCache({self.bank!r}, {self.prefix_cache.spec.name!r}{also})"

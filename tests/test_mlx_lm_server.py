@@ -7,7 +7,8 @@ restores the full blocks of its longest common prefix with what earlier requests
 stored, less its last token (mlx-lm needs one token to prefill).
 
 mlx-lm's server answers chat requests on its batched path (`BatchGenerator`) unless a
-request brings a seed or the server quantizes KV (`--kv-bits`): both paths are run.
+request brings a seed or the server quantizes KV (`--kv-bits`): both paths are run. A
+draft model (`--draft-model`, speculative decoding) is test_draft_model.py's.
 """
 
 from __future__ import annotations
@@ -235,33 +236,6 @@ def test_a_hybrid_model_restores_shared_prompts_from_captured_states(
     assert cached(r2) % BLOCK == 0 or cached(r2) == len(e1)
     assert cached(r3) == restorable(p1, [p1], [e1, p1[:-1]], partial=False) == len(p1) - 1
     assert answer(r3) == answer(r1)
-
-
-def test_a_draft_model_is_served_by_mlx_lms_own_cache(
-    models: dict[str, Path], tmp_path: Path
-) -> None:
-    """Speculative decoding's caches hold the draft model's layers too: the bank keeps
-    one model's, so with --draft-model mlx-lm's own prompt cache serves (a bank cache
-    would miss the draft's layers, and mlx-lm fails on it)."""
-    bank, log = tmp_path / "bank", tmp_path / "server.log"
-    one = conversation("what is the weather in city 1?")
-    server = start(bank, models["plain"], log)
-    try:
-        first = chat(server.url, one)  # the bank holds this conversation now
-    finally:
-        assert server.stop() == 0, log.read_text()
-    draft = ("--draft-model", str(models["plain"]), "--num-draft-tokens", "2")
-    server = start(bank, models["plain"], log, *draft)
-    try:
-        again = [chat(server.url, one) for _ in range(2)]
-        # mlx-lm's own cache keeps no tenants apart: a salted request is refused.
-        body = {"model": "default_model", "messages": one, "cache_salt": "tenant-a"}
-        salted = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
-        assert salted.status_code == 400 and "cache_salt" in salted.json()["error"]
-    finally:
-        assert server.stop() == 0, log.read_text()
-    assert [answer(r) for r in again] == [answer(first)] * 2
-    assert "the bank at" in log.read_text() and "is not used" in log.read_text()
 
 
 def test_a_stop_right_after_the_ready_line_is_a_clean_exit(
