@@ -31,7 +31,7 @@ from cas_bank.errors import (
 )
 from cas_bank.evict.access import AccessLog
 from cas_bank.evict.evicted import EvictionMemory
-from cas_bank.evict.eviction import EvictionReport, evict_to_budget
+from cas_bank.evict.eviction import EvictionReport, evict_to_budget, leaf_index
 from cas_bank.index.chain import run_writes
 from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.lease import Leases
@@ -112,7 +112,11 @@ class Bank:
         # memo, scratch buffers, GPU prefetch): the bank's own, stopped by `close`.
         self.resources = Resources(config.spare_bytes)
         # Last uses, recorded in memory and written in batches (see evict.eviction).
-        self.access = AccessLog(config.access_flush_interval, enabled=not self.read_only)
+        self.access = AccessLog(
+            config.access_flush_interval,
+            enabled=not self.read_only,
+            policy=config.eviction_policy,
+        )
         # What was removed, when and why (for explain), written with the removals.
         self.evictions = EvictionMemory(config.eviction_memory)
         if not self.read_only:
@@ -266,6 +270,8 @@ class Bank:
         limit = self.config.max_bytes
         if limit is None:
             return None
+        if self.access.index is None and self.access.policy == "lfu":
+            leaf_index(self.store, self.access)  # lfu counts uses from the first store on
         v = self.counters.values()
         if v["payload_bytes"] + v["state_bytes"] + v["end_bytes"] <= limit:
             return None

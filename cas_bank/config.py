@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MiB = 1 << 20
 
+EvictionPolicy = Literal["lfu", "lru"]
+"""The order eviction removes candidates in (docs/design.md, "Eviction order")."""
+
 
 class BankConfig(BaseModel):
     """Settings of one bank, frozen; pass it to `Bank.open`."""
@@ -33,6 +36,19 @@ class BankConfig(BaseModel):
 
     max_bytes: int | None = Field(default=None, ge=0, strict=True)
     """Disk budget for payloads, states and end records; None means unbounded."""
+
+    eviction_policy: EvictionPolicy = "lfu"
+    """The order eviction to `max_bytes` (and `cas-bank gc`) removes leaves in.
+    `lfu`: least frequently used first, with dynamic aging (a use counts one; a new use
+    starts from the rank of the last victim, so what was popular once ages out), least
+    recently used among equals; what many prompts share outlives one-off prompts stored
+    later. `lru`: least recently used first. Use counts live in the process's memory
+    (a reopened bank starts every count at one); last uses are on disk either way."""
+
+    pin_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """The share of `max_bytes` pinned prefixes may hold together (`Namespace.pin`,
+    `cas-bank pin`): a pin that would take the pinned bytes past it is refused, naming
+    the numbers. Without `max_bytes` pins are not limited."""
 
     file_min_bytes: int | None = Field(default=64 * 1024, ge=0, strict=True)
     """Payloads of at least this many bytes are kept as files beside the database and

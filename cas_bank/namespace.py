@@ -17,6 +17,7 @@ import numpy as np
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError, CorruptDataError
+from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
 from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
 from cas_bank.index.ends import EndInput, end_place, find_end, prepare_end
 from cas_bank.index.layout import (
@@ -319,6 +320,33 @@ class Namespace:
         kept = [None if layer is None else tuple(layer) for layer in layers]
         full = hashes[: len(end.tokens) // self.block_size]
         leases.put_live(key, full, kept, len(end.tokens), end.state)
+
+    # -- pins ----------------------------------------------------------------------
+    def pin(self, tokens: Any) -> PinReport:
+        """Keep the stored prefix `tokens` (a system prompt, say) through every eviction:
+        its blocks, their states and its end record with those beside it, until `unpin`.
+        Queued stores are written first; every full block must then be stored. Pins
+        count against `max_bytes`: one that would take them past `pin_share` of it is
+        refused (`InvalidInputError`, with the numbers). Survives restarts
+        (`evict.pins`)."""
+        toks = as_token_array(tokens)
+        if self.bank.writer is not None:
+            self.bank.writer.flush()
+        config = self.bank.config
+        return pin_prefix(
+            self.bank,
+            self.root,
+            toks,
+            self.chain(toks),
+            block_size=self.block_size,
+            max_bytes=config.max_bytes,
+            share=config.pin_share,
+        )
+
+    def unpin(self, tokens: Any) -> bool:
+        """Let the pin of `tokens` go (False if there was none): evicted as any other
+        prefix from now on."""
+        return unpin_prefix(self.bank, self.root, as_token_array(tokens))
 
     # -- lookup --------------------------------------------------------------------
     def view(self) -> ReadView:

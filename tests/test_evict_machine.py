@@ -39,12 +39,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cas_bank import Bank, BankConfig
+from cas_bank import Bank, BankConfig, InvalidInputError
 from cas_bank.blocks.hashing import end_hash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.evicted import Removal, horizon
-from cas_bank.evict.eviction import evict_to_budget
+from cas_bank.evict.eviction import evict_to_budget, pins
 from cas_bank.evict.leaves import LeafIndex
 from cas_bank.index.chain import Header
 from cas_bank.index.children import expected_entries
@@ -406,3 +406,184 @@ EvictionMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEvictionMachine = EvictionMachine.TestCase
+
+
+class PinnedEvictionMachine(EvictionMachine):
+    """The machine above with pins: `pin` a stored prompt's prefix, `unpin` one.
+
+    Every invariant above holds, the budget as pins allow it: over `max_bytes` only when
+    everything left is pinned. And after every step (reopens included): what a pin
+    holds is stored (its blocks, each state stored on them since the pin, its end
+    records), and the leaf index holds exactly the pins on disk.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pins: dict[tuple[int, ...], tuple[list[bytes], bytes | None]] = {}
+        self.held_states: set[bytes] = set()  # pinned blocks seen with a state
+        self.held_ends: set[bytes] = set()  # end records seen under a pinned parent
+
+    @initialize(
+        block_size=st.integers(2, 4),
+        max_bytes=st.integers(2000, 8000),
+        hot_bytes=st.sampled_from([0, 3000, 1 << 20]),
+        memory=st.integers(0, 6) | st.just(1 << 19),
+        share=st.sampled_from([0.3, 0.9]),
+        policy=st.sampled_from(["lfu", "lru"]),
+    )
+    def open_bank(  # type: ignore[override]
+        self,
+        block_size: int,
+        max_bytes: int,
+        hot_bytes: int,
+        memory: int,
+        share: float,
+        policy: str,
+    ) -> None:
+        self.config = BankConfig(
+            block_size=block_size,
+            max_bytes=max_bytes,
+            hot_bytes=hot_bytes,
+            eviction_memory=memory,
+            pin_share=share,
+            eviction_policy=policy,  # type: ignore[arg-type]
+        )
+        self._open()
+
+    @precondition(lambda self: bool(self.stored))
+    @rule(data=st.data(), cut=st.none() | st.integers(1, 12))
+    def pin(self, data: st.DataObject, cut: int | None) -> None:
+        """A prompt stored before (maybe evicted since), or a prefix of it."""
+        self._pin(data.draw(st.sampled_from(self.stored))[:cut])
+
+    @rule(
+        tokens=st.lists(st.integers(0, 2), min_size=2, max_size=12),
+        picks=st.sets(st.integers(1, 6), max_size=3),
+        end=st.booleans(),
+        cut=st.none() | st.integers(2, 12),
+    )
+    def store_then_pin(
+        self, tokens: list[int], picks: set[int], end: bool, cut: int | None
+    ) -> None:
+        """A system prompt: stored (with its deepest state), then pinned."""
+        self.store(tokens, picks, False, end)
+        self._pin(tokens[:cut])
+
+    def _pin(self, tokens: list[int]) -> None:
+        bs = self.config.block_size
+        chain = [bytes(h) for h in self.ns.chain(tokens)]
+        hs = self._headers()
+        stored = 0
+        for h in chain:
+            if h not in hs:
+                break
+            stored += 1
+        want = self._pinned_bytes_with(tokens, chain)
+        limit = int(self.config.pin_share * self.config.max_bytes)  # type: ignore[operator]
+        try:
+            report = self.ns.pin(tokens)
+        except InvalidInputError as e:
+            if not chain:
+                event("pin: refused, no block")
+                assert "no full block" in str(e)
+            elif stored < len(chain):
+                event("pin: refused, not stored")
+                assert f"only {stored * bs} of" in str(e)
+            else:
+                event("pin: refused, over the share")
+                assert want > limit and f"pins would hold {want} bytes" in str(e)
+            return
+        event("pin: held")
+        assert chain and stored == len(chain) and report.pinned_bytes == want
+        assert want <= limit or not report.new  # what a pin holds may grow after it
+        parent = chain[-1]
+        end_key = parent + end_hash(parent, np.array(tokens[len(chain) * bs :], "<u4"))
+        self.pins[tuple(tokens)] = (chain, parent if end_key in self._ends() else None)
+        self._note_held()
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        tokens = data.draw(st.sampled_from(sorted(self.pins)))
+        with self._step():  # what no pin holds now goes, down to the budget
+            assert self.ns.unpin(list(tokens)) is True
+        assert self.ns.unpin(list(tokens)) is False
+        del self.pins[tokens]
+        blocks, parents = self._held()
+        self.held_states &= blocks
+        self.held_ends = {k for k in self.held_ends if k[:32] in parents}
+
+    @rule(budget=st.integers(0, 8000))
+    def evict(self, budget: int) -> None:
+        before = self._stored_bytes()
+        with self._step():
+            report = evict_to_budget(self.b, budget)
+        assert report.bytes_before == before
+        assert report.bytes_after == self._stored_bytes()
+        assert report.bytes_after <= budget or self._unpinned_bytes() == 0
+
+    # -- invariants ----------------------------------------------------------------
+    @invariant()
+    def within_budget(self) -> None:
+        if self.bank is None:
+            return
+        over = self._stored_bytes() > self.config.max_bytes  # type: ignore[operator]
+        assert not over or self._unpinned_bytes() == 0
+
+    @invariant()
+    def pins_hold_what_they_pinned(self) -> None:
+        if self.bank is None:
+            return
+        self._note_held()
+        hs, ends = self._headers(), self._ends()
+        blocks, _ = self._held()
+        assert blocks <= set(hs), "a pinned block was removed"
+        assert all(hs[b].has_state for b in self.held_states), "a pinned state was removed"
+        assert self.held_ends <= set(ends), "a pinned end record was removed"
+        on_disk = {p.tokens for p in pins(disk(self.b))}
+        assert on_disk == set(self.pins)
+        index = self.b.access.index
+        if index is not None:
+            assert set(index.pins) == {p.key for p in pins(disk(self.b))}
+
+    # -- helpers ---------------------------------------------------------------------
+    def _held(self) -> tuple[set[bytes], set[bytes]]:
+        blocks = {b for chain, _ in self.pins.values() for b in chain}
+        parents = {p for _, p in self.pins.values() if p is not None}
+        return blocks, parents
+
+    def _note_held(self) -> None:
+        """What pins hold now: states and end records stored since count from then on."""
+        blocks, parents = self._held()
+        hs = self._headers()
+        self.held_states |= {b for b in blocks if b in hs and hs[b].has_state}
+        self.held_ends |= {k for k in self._ends() if k[:32] in parents}
+
+    def _pinned_bytes_with(self, tokens: list[int], chain: list[bytes]) -> int:
+        blocks, parents = self._held()
+        blocks |= set(chain)
+        if chain:
+            parent, bs = chain[-1], self.config.block_size
+            end_key = parent + end_hash(parent, np.array(tokens[len(chain) * bs :], "<u4"))
+            if end_key in self._ends():
+                parents.add(parent)
+        hs = self._headers()
+        total = sum(hs[b].payload_size + hs[b].state_size for b in blocks if b in hs)
+        return total + sum(len(v) for k, v in self._ends().items() if k[:32] in parents)
+
+    def _unpinned_bytes(self) -> int:
+        blocks, parents = self._held()
+        total = sum(
+            (0 if k in blocks else h.payload_size) + (0 if k in blocks else h.state_size)
+            for k, h in self._headers().items()
+        )
+        return total + sum(len(v) for k, v in self._ends().items() if k[:32] not in parents)
+
+
+PinnedEvictionMachine.TestCase.settings = settings(
+    max_examples=15,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPinnedEvictionMachine = PinnedEvictionMachine.TestCase

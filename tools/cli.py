@@ -22,6 +22,7 @@ from . import (
     gc_cmd,
     inspect_cmds,
     mlx_lm_cmd,
+    pin_cmd,
     salvage_cmd,
     serve_cmd,
     show_cmd,
@@ -48,6 +49,7 @@ COMMAND_MODULES: list[ModuleType] = [
     salvage_cmd,
     bundle,
     gc_cmd,
+    pin_cmd,
 ]
 
 

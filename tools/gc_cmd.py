@@ -1,8 +1,9 @@
 """`cas-bank gc BANK --max-bytes N`: evict offline until the bank fits a budget.
 
 The same eviction a writer runs after a store when `BankConfig.max_bytes` is set
-(`cas_bank.evict.eviction`: least recently used first, leaf blocks only, states on their
-own before blocks of the same age), then a compaction so the disk space is released.
+(`cas_bank.evict.eviction`: the policy's order, least frequently used first by
+default; leaf blocks only, states on their own before blocks of the same rank; pinned
+prefixes kept), then a compaction so the disk space is released.
 It needs the bank's writer lock: stop a server on the bank first.
 """
 
@@ -64,11 +65,13 @@ def register(subparsers: Any) -> None:
         subparsers,
         "gc",
         cmd_gc,
-        "evict least recently used leaves and states until the bank fits --max-bytes",
+        "evict leaves and states, least frequently used first, until the bank fits --max-bytes",
         "Evict until payload, state and end-record bytes fit --max-bytes, in the bank's "
-        "eviction order: least recently used first; only leaf blocks (no chain ever gets a "
-        "hole); a state on its own before a block of the same age. Then compact, so the "
-        "disk space is released. Needs the bank's writer lock.",
+        "eviction order (BankConfig.eviction_policy, lfu: least frequently used first, "
+        "what was popular once aging out); only leaf blocks (no chain ever gets a hole); a "
+        "state on its own before a block of the same rank; pinned prefixes (cas-bank pin) "
+        "are kept. Then compact, so the disk space is released. Needs the bank's writer "
+        "lock.",
     )
     add_bank_argument(p)
     p.add_argument(
@@ -103,6 +106,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 ("states evicted", report.states_evicted),
                 ("end records evicted", report.ends_evicted),
                 ("bytes evicted", human_bytes(report.bytes_evicted)),
+                ("pinned (kept)", human_bytes(report.pinned_bytes)),
                 ("disk before", human_bytes(disk_before)),
                 ("disk after", human_bytes(disk_after)),
             ]
@@ -142,6 +146,7 @@ def report_json(
         "states_evicted": report.states_evicted,
         "ends_evicted": report.ends_evicted,
         "bytes_evicted": report.bytes_evicted,
+        "pinned_bytes": report.pinned_bytes,
         "disk_bytes_before": disk_before,
         "disk_bytes_after": disk_after,
         "removed": [

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.config import EvictionPolicy
 from cas_bank.index.records import TIME, access_key, end_access_key, read_times
 
 if TYPE_CHECKING:
@@ -40,9 +41,11 @@ class AccessLog:
         *,
         enabled: bool = True,
         clock: Callable[[], float] = time.time,
+        policy: EvictionPolicy,
     ) -> None:
         self.flush_interval = flush_interval
         self.enabled = enabled
+        self.policy: EvictionPolicy = policy  # the order of the leaf index it builds
         self.clock = clock  # injectable: eviction-order tests use a fake clock
         self.index: LeafIndex | None = None
         self._pending: dict[bytes, float] = {}  # access key -> last use, not yet written

@@ -11,38 +11,49 @@ restore. A block with no access record (an older bank) counts as used at time 0.
 Eviction order (`evict_to_budget`)
 ----------------------------------
 While payload + state + end-record bytes exceed the budget, remove the first of
-these candidates, ordered by (last use, states before end records before blocks,
-chain hash):
+these candidates, ordered by (rank, last use, states before end records before
+blocks, chain hash):
 1. every stored state, on its own: the block stays, only its restore point goes;
 2. the end records under a block (or a namespace root), together (`index.ends`: an
    end record is a leaf, used when its group was last stored or restored from);
 3. every leaf block (no stored child), together with its state if it has one and
    the end records under it.
-So the least recently used thing goes first; a state is a candidate on its own
-and goes before end records and a block of the same age, and a state whose boundary is rarely
-restored (intermediate boundaries, branch points nobody resumes from) ages out
-long before the blocks it sits on, which restores keep touching. A block with a
-stored child is never a candidate: only after its last child goes does it become a
-leaf, with its own last use. So no chain ever has a hole. Evicting a state alone
-also rewrites its block's header without the state flag. Every pass is one atomic
-batch holding the deletes and the counters they change.
+The rank is the policy's (`BankConfig.eviction_policy`, `evict.leaves`): `lfu`
+(LFU with dynamic aging) ranks a candidate at the aging floor plus its uses, the
+floor being the last victim's rank, so what is used often outlives what was used
+once more recently, and what was popular once ages out; `lru` ranks all alike, so
+the least recently used thing goes first. Within a rank the least recently used
+goes first; a state is a candidate on its own and goes before end records and a
+block of the same rank and age, and a state whose boundary is rarely restored
+(intermediate boundaries, branch points nobody resumes from) goes long before the
+blocks it sits on, which restores keep touching. A block with a stored child is
+never a candidate: only after its last child goes does it become a leaf, with its
+own last use and uses. So no chain ever has a hole. Pinned blocks, their states
+and pinned end records are never candidates (`pin_prefix`, `evict.pins`). Evicting
+a state alone also rewrites its block's header without the state flag. Every pass
+is one atomic batch holding the deletes and the counters they change.
 
-The leaves come from `evict.leaves.LeafIndex`, built on the first eviction of an
-open bank (a walk of the small headers and access families, never at open) and
+The leaves come from `evict.leaves.LeafIndex`, built (a walk of the small headers,
+ends and access families, never at open) at the first store under a budget for
+`lfu`, whose use counts start there, else at the first eviction of an open bank;
 kept current from then on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cas_bank.blocks.hashing import BlockHash
+import numpy as np
+
+from cas_bank.blocks.hashing import BlockHash, end_hash
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import InvalidInputError
 from cas_bank.evict.access import AccessLog
 from cas_bank.evict.evicted import Reason
 from cas_bank.evict.leaves import EndGroup, LeafIndex, Node
+from cas_bank.evict.pins import Pin, pin_key, pin_writes, read_pins
 from cas_bank.index.chain import Header
 from cas_bank.index.records import block_deletes, end_deletes, state_deletes
 from cas_bank.owner import Writer
@@ -50,10 +61,13 @@ from cas_bank.write.txn import Transaction
 
 
 def leaf_index(store: BlockStore, access: AccessLog) -> LeafIndex:
-    """The bank's leaf index, built on first use by walking headers and access records."""
+    """The bank's leaf index, built on first use by walking headers and access records,
+    in the access log's policy, with the bank's pins."""
     if access.index is None:
-        index = LeafIndex()
+        index = LeafIndex(access.policy)
         index.load(store)
+        for pin in read_pins(store):
+            index.pin(pin.key, pin.blocks, pin.end_parent)
         access.index = index  # touches from now on reach it directly
         index.touch_each(access.pending_items())  # and those from before
     return access.index
@@ -91,6 +105,7 @@ class EvictionReport:
     bytes_before: int
     bytes_after: int
     evicted: list[Evicted]
+    pinned_bytes: int = 0  # held by pins, never evicted (bytes_after may exceed the budget)
 
     @property
     def blocks_evicted(self) -> int:
@@ -133,7 +148,7 @@ def evict_to_budget(bank: Writer, max_bytes: int, *, reason: Reason = "budget") 
         _count_evicted(tx, evicted)
         if not evicted:
             tx.abort()  # nothing to write: the pending uses stay pending
-    return EvictionReport(max_bytes, before, index.total, evicted)
+    return EvictionReport(max_bytes, before, index.total, evicted, index.pinned_bytes)
 
 
 def _evict(
@@ -222,3 +237,124 @@ def _count_evicted(tx: Transaction, evicted: list[Evicted]) -> None:
         ends_evicted=ends,
         bytes_evicted=payload_bytes + state_bytes + end_bytes,
     )
+
+
+# -- pins ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PinReport:
+    """What `pin_prefix` holds."""
+
+    tokens: int  # tokens of the prefix held: its full blocks (and its tail, with ends)
+    blocks: int
+    bytes: int  # what this prefix holds now: its blocks, their states, its end records
+    pinned_bytes: int  # what every pin holds together, this one included
+    limit: int | None  # pin_share x max_bytes; None: no budget, no limit
+    new: bool  # False: the prefix was pinned already (nothing changed)
+
+
+def pin_prefix(
+    bank: Writer,
+    root: bytes,
+    tokens: np.ndarray,
+    hashes: Sequence[BlockHash],
+    *,
+    block_size: int,
+    max_bytes: int | None,
+    share: float,
+) -> PinReport:
+    """Pin the stored prefix `tokens` (a uint32 array; `hashes` its full blocks' chain
+    hashes under `root`): from now on eviction keeps its blocks, their states and, when
+    its own end record is stored, the end records under its last block (`evict.pins`).
+
+    Every full block must be stored (`InvalidInputError` says how much is). Refused
+    (`InvalidInputError`, with the numbers) when the pinned bytes would pass `share` of
+    `max_bytes`. Idempotent; written in one batch, so it survives a restart.
+    """
+    if not hashes:
+        raise InvalidInputError(
+            f"nothing to pin: a prefix of {len(tokens)} tokens holds no full block "
+            f"(a block is {block_size} tokens)"
+        )
+    with bank.transaction(budget=False) as tx:
+        index = leaf_index(tx.store, bank.access)
+        stored, parent = 0, root
+        for h in hashes:
+            node = index.nodes.get(h)
+            if node is None or node.parent != parent:
+                break
+            stored, parent = stored + 1, h
+        if stored < len(hashes):
+            raise InvalidInputError(
+                f"only {stored * block_size} of the prefix's {len(hashes) * block_size} "
+                "full-block tokens are stored: store the prefix (and flush) before pinning it"
+            )
+        last = bytes(hashes[-1])
+        tail = tokens[len(hashes) * block_size :]
+        group = index.ends.get(last)
+        ends = group is not None and last + end_hash(last, tail) in group.sizes
+        pin = Pin(
+            bytes(root),
+            tuple(int(t) for t in tokens),
+            tuple(bytes(h) for h in hashes),
+            ends,
+            bank.access.clock(),
+        )
+        key = pin.key
+        limit = None if max_bytes is None else int(share * max_bytes)
+        before = index.pinned_bytes
+        new = index.pin(key, pin.blocks, pin.end_parent)
+        own = sum(index.nodes[h].payload_size + index.nodes[h].state_size for h in pin.blocks)
+        own += group.size if ends and group is not None else 0
+        total = index.pinned_bytes
+        report = PinReport(
+            len(tokens) if ends else len(hashes) * block_size,
+            len(hashes),
+            own,
+            total,
+            limit,
+            new,
+        )
+        if not new:
+            tx.abort()
+            return report
+        if limit is not None and total > limit:
+            index.unpin(key)
+            raise InvalidInputError(
+                f"pin refused: pins would hold {total} bytes ({before} pinned now + "
+                f"{total - before} for this prefix of {len(tokens)} tokens, {own} bytes in "
+                f"all), over pin_share {share:g} x max_bytes {max_bytes} = {limit} bytes"
+            )
+
+        def undo() -> None:
+            index.unpin(key)
+
+        tx.on_abort(undo)
+        tx.extend(pin_writes([pin]))
+    return report
+
+
+def unpin_prefix(bank: Writer, root: bytes, tokens: np.ndarray) -> bool:
+    """Let the pin of `tokens` under `root` go: what no other pin holds is evicted
+    like anything else from now on (at once, down to the bank's budget). False if it
+    was not pinned."""
+    key = pin_key(root, tokens)
+    with bank.transaction() as tx:
+        if tx.store.get(Family.META, key) is None:
+            tx.abort()
+            return False
+        tx.delete(Family.META, key)
+        index = bank.access.index
+        held = index.pins.get(key) if index is not None else None
+        if index is not None and held is not None:
+            index.unpin(key)
+
+            def undo() -> None:
+                index.pin(key, *held)
+
+            tx.on_abort(undo)
+    return True
+
+
+def pins(store: BlockStore) -> list[Pin]:
+    """The bank's pins (`evict.pins`)."""
+    return read_pins(store)

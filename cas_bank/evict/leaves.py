@@ -5,9 +5,13 @@ index is built on the first eviction of an open bank by walking the headers and
 access families (small records, never the payloads; never at open) and is kept
 current afterwards from every batch the bank writes (`observe`) and every use it
 records (`touch`). Candidates wait in a heap with lazy updates: an entry whose node
-was used since it was pushed is pushed again with the newer time when it surfaces,
+was used since it was pushed is pushed again with its newer key when it surfaces,
 so a restore costs a dict update per block and never a heap operation. The order
-itself is documented in `evict.eviction`.
+itself (the policies `lru` and `lfu`) is documented in `evict.eviction`.
+
+Pins (`evict.pins`) are kept here too: a pinned block, its state and a pinned group
+of end records never come out of `pop_victim` (an entry that surfaces while pinned
+is dropped, and queued again when its last pin goes).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import heapq
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from cas_bank.blocks.store import BlockStore, Family, Write
+from cas_bank.config import EvictionPolicy
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header
 from cas_bank.index.records import END_SUFFIX, access_key, end_access_key, parse_time, read_times
@@ -36,6 +41,8 @@ def _damaged(e: CorruptDataError) -> None:
 # Heap kinds: a state goes before the end records and a block of the same age.
 _STATE, _ENDS, _BLOCK = 0, 1, 2
 
+POLICIES: tuple[EvictionPolicy, ...] = get_args(EvictionPolicy)
+
 
 @dataclass(slots=True)
 class Node:
@@ -46,6 +53,10 @@ class Node:
     children: int = 0
     used: float = 0.0
     state_used: float = 0.0
+    uses: int = 0  # uses seen by this index (a use at a newer time than the last)
+    state_uses: int = 0
+    prio: float = 0.0  # the policy's rank: 0 for lru; the aging clock + uses for lfu
+    state_prio: float = 0.0
     queued: bool = False  # the block has an entry in the heap
     state_queued: bool = False
 
@@ -56,6 +67,8 @@ class EndGroup:
 
     sizes: dict[bytes, int]  # record key -> bytes
     used: float = 0.0
+    uses: int = 0
+    prio: float = 0.0
     queued: bool = False
 
     @property
@@ -64,15 +77,29 @@ class EndGroup:
 
 
 class LeafIndex:
-    """Every stored block's parent, child count, sizes and last uses; a candidate heap."""
+    """Every stored block's parent, child count, sizes and last uses; a candidate heap.
 
-    def __init__(self) -> None:
+    `policy` orders the heap (a bank's index takes `BankConfig.eviction_policy`);
+    `lru` ranks every candidate alike.
+    """
+
+    def __init__(self, policy: EvictionPolicy = "lru") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"no eviction policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.nodes: dict[bytes, Node] = {}
         self.ends: dict[bytes, EndGroup] = {}  # by parent
         self.payload_bytes = 0
         self.state_bytes = 0
         self.end_bytes = 0
-        self._heap: list[tuple[float, int, bytes]] = []
+        # lfu's aging clock: the rank of the last victim (LFU with dynamic aging).
+        self.age = 0.0
+        self._heap: list[tuple[float, float, int, bytes]] = []
+        # Pins: by pin key, its blocks and the parent of its end records (or None);
+        # and how many pins hold each block and each group of end records.
+        self.pins: dict[bytes, tuple[tuple[bytes, ...], bytes | None]] = {}
+        self._pinned: dict[bytes, int] = {}
+        self._pinned_ends: dict[bytes, int] = {}
 
     @property
     def total(self) -> int:
@@ -117,19 +144,31 @@ class LeafIndex:
         for k, t in pairs:
             self._touch_one(k, t)
 
+    def _rank(self, uses: int) -> float:
+        """The policy's rank after `uses` uses, now: the first part of a heap key."""
+        return self.age + uses if self.policy == "lfu" else 0.0
+
     def _touch_one(self, key: bytes, t: float) -> None:
+        # A use counts once: the same time written again (a restore's use, drained
+        # into a later batch) is no second use.
         if key[32:] == END_SUFFIX:
             group = self.ends.get(key[:32])
             if group is not None and t > group.used:
                 group.used = t
+                group.uses += 1
+                group.prio = self._rank(group.uses)
         elif len(key) > 32:
             node = self.nodes.get(key[:32])
             if node is not None and t > node.state_used:
                 node.state_used = t
+                node.state_uses += 1
+                node.state_prio = self._rank(node.state_uses)
         else:
             node = self.nodes.get(key)
             if node is not None and t > node.used:
                 node.used = t
+                node.uses += 1
+                node.prio = self._rank(node.uses)
 
     def observe(self, writes: Sequence[Write]) -> None:
         """Apply a written batch: headers added, changed or deleted; access times."""
@@ -229,51 +268,114 @@ class LeafIndex:
         node = self.nodes[key]
         self.state_bytes -= node.state_size
         node.state_size, node.has_state, node.state_used = 0, False, 0.0
+        node.state_uses, node.state_prio = 0, 0.0
 
     def _queue_ends(self, parent: bytes, group: EndGroup) -> None:
         if not group.queued:
             group.queued = True
-            heapq.heappush(self._heap, (group.used, _ENDS, parent))
+            heapq.heappush(self._heap, (group.prio, group.used, _ENDS, parent))
 
     def _queue(self, key: bytes, node: Node) -> None:
         if node.has_state and not node.state_queued:
             node.state_queued = True
-            heapq.heappush(self._heap, (node.state_used, _STATE, key))
+            heapq.heappush(self._heap, (node.state_prio, node.state_used, _STATE, key))
         if node.children == 0 and not node.queued:
             node.queued = True
-            heapq.heappush(self._heap, (node.used, _BLOCK, key))
+            heapq.heappush(self._heap, (node.prio, node.used, _BLOCK, key))
+
+    # -- pins ----------------------------------------------------------------------
+    def pin(self, key: bytes, blocks: Sequence[bytes], ends: bytes | None) -> bool:
+        """Hold `blocks` (with their states) and the end records under `ends` (a parent,
+        or None) for the pin `key`; False if that pin is already held."""
+        if key in self.pins:
+            return False
+        held = tuple(bytes(b) for b in blocks)
+        self.pins[key] = (held, ends)
+        for b in held:
+            self._pinned[b] = self._pinned.get(b, 0) + 1
+        if ends is not None:
+            self._pinned_ends[ends] = self._pinned_ends.get(ends, 0) + 1
+        return True
+
+    def unpin(self, key: bytes) -> bool:
+        """Let the pin `key` go; what no other pin holds is a candidate again."""
+        held = self.pins.pop(key, None)
+        if held is None:
+            return False
+        blocks, ends = held
+        for b in blocks:
+            n = self._pinned[b] - 1
+            if n:
+                self._pinned[b] = n
+                continue
+            del self._pinned[b]
+            node = self.nodes.get(b)
+            if node is not None:
+                self._queue(b, node)
+        if ends is not None:
+            n = self._pinned_ends[ends] - 1
+            if n:
+                self._pinned_ends[ends] = n
+            else:
+                del self._pinned_ends[ends]
+                group = self.ends.get(ends)
+                if group is not None:
+                    self._queue_ends(ends, group)
+        return True
+
+    def pinned(self, key: bytes) -> bool:
+        """Whether a pin holds the block `key` (and so its state)."""
+        return key in self._pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes the pins hold now: their stored blocks, states and end records."""
+        blocks = sum(
+            n.payload_size + n.state_size for k in self._pinned if (n := self.nodes.get(k))
+        )
+        return blocks + sum(g.size for p in self._pinned_ends if (g := self.ends.get(p)))
 
     # -- choosing ----------------------------------------------------------------
     def pop_victim(self) -> tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup] | None:
-        """The next candidate in eviction order (not yet removed), or None."""
+        """The next candidate in eviction order (not yet removed, not pinned), or None."""
         heap = self._heap
         while heap:
-            t, kind, key = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            prio, t, kind, key = entry
             if kind == _ENDS:
                 group = self.ends.get(key)
                 if group is None:
                     continue
                 group.queued = False
-                if group.used > t:
+                if key in self._pinned_ends:
+                    continue  # queued again when its last pin goes
+                if (group.prio, group.used) != (prio, t):  # used since: at its new key
                     self._queue_ends(key, group)
                     continue
-                return "ends", key, group
+                return self._chosen(prio, ("ends", key, group))
             node = self.nodes.get(key)
             if node is None:
                 continue
             if kind == _STATE:
                 node.state_queued = False
-                if not node.has_state:
+                if not node.has_state or key in self._pinned:
                     continue
-                if node.state_used > t:  # used since it was queued: requeue at its new age
+                if (node.state_prio, node.state_used) != (prio, t):
                     self._queue(key, node)
                     continue
-                return "state", key, node
+                return self._chosen(prio, ("state", key, node))
             node.queued = False
-            if node.children:
-                continue  # no longer a leaf; queued again when its last child goes
-            if node.used > t:
+            if node.children or key in self._pinned:
+                continue  # no longer a leaf (or pinned); queued again when that changes
+            if (node.prio, node.used) != (prio, t):
                 self._queue(key, node)
                 continue
-            return "block", key, node
+            return self._chosen(prio, ("block", key, node))
         return None
+
+    def _chosen(
+        self, prio: float, victim: tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup]
+    ) -> tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup]:
+        if prio > self.age:  # lfu ages: what is used from now on starts at this rank
+            self.age = prio
+        return victim
