@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .draft_cache import DraftPrefixCache
     from .model_spec import spec_for_model
     from .models import LoadedModel, build_model, load_model, save_model
     from .prefill import PrefillCancelled, PrefillReport
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "BankPromptCache": "prompt_cache_adapter",
+    "DraftPrefixCache": "draft_cache",
     "spec_for_model": "model_spec",
     "LoadedModel": "models",
     "build_model": "models",
@@ -35,6 +37,7 @@ _HOMES = {
 
 __all__ = [
     "BankPromptCache",
+    "DraftPrefixCache",
     "LoadedModel",
     "PrefillCancelled",
     "PrefillReport",

@@ -160,7 +160,7 @@ class _Worker(_Base):  # type: ignore[misc]
         """Insert each (cache, tokens) of a prompt cut short mid-prefill (see the
         module docstring; `insert_stopped` logs its own failures)."""
         cache = self._cut_cache
-        if not hasattr(cache, "insert_stopped"):  # mlx-lm's own cache (--draft-model)
+        if not hasattr(cache, "insert_stopped"):  # a cache without it (not a bank's)
             return
         for prompt_cache, tokens in cut:
             held = list(tokens)
