@@ -52,6 +52,7 @@ def render(r: dict[str, Any]) -> list[str]:
         *_remote_section(r),
         *remote_fleet_sections(r),
         *scale_section(r),
+        *_eviction_section(r),
         *cuda_section(),
         *_notes(r),
     ]
@@ -198,6 +199,52 @@ def _remote_section(r: dict[str, Any]) -> list[str]:
         ],
     )  # fmt: skip
     return L
+
+
+def _eviction_section(r: dict[str, Any]) -> list[str]:
+    ev = r.get("eviction_policy")
+    if not ev:
+        return []
+    s = ev["settings"]
+    L = [
+        "## Eviction order on a mixed workload",
+        "",
+        f"`benchmarks/eviction_policy.py`: {s['requests']} requests (agents on a few shared "
+        "system prompts that change halfway, one-off long prompts, multi-turn "
+        "conversations) on a real bank under a disk budget, each order "
+        "(`BankConfig.eviction_policy`) on the same requests. Hit rate: restored / prompt "
+        "tokens; prefilled: prompt tokens not restored.",
+        "",
+    ]
+    rows = []
+    for res in ev["results"]:
+        k = res["by_kind"]
+        rows.append(
+            [
+                str(res["budget_tokens"]),
+                res["policy"],
+                f"{res['token_hit_rate']:.3f}",
+                f"{res['request_hit_rate']:.3f}",
+                str(res["prefilled_tokens"]),
+                f"{k['agent']['token_hit_rate']:.3f}",
+                f"{k['one_off']['token_hit_rate']:.3f}",
+                f"{k['conversation']['token_hit_rate']:.3f}",
+            ]
+        )
+    L += _table(
+        [
+            "budget tokens",
+            "order",
+            "hit rate",
+            "requests hit",
+            "prefilled",
+            "agents",
+            "one-off",
+            "conversations",
+        ],
+        rows,
+    )
+    return [*L, ""]
 
 
 def _overhead_section(r: dict[str, Any]) -> list[str]:

@@ -41,6 +41,7 @@ from typing import Any
 from cas_bank.runtime.process import server_settings
 
 from benchmarks import (
+    eviction_policy,
     first_token,
     fleet,
     remote_load,
@@ -134,6 +135,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "remote_prefetch": remote_prefetch.tiny_settings(),
             "scale": scale.tiny_settings(),
             "server_store": server_store.tiny_settings(),
+            "eviction_policy": eviction_policy.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
     t = ttft.TTFTSettings()
@@ -172,6 +174,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "remote_prefetch": remote_prefetch.PrefetchSettings(),
         "scale": s,
         "server_store": server_store.ServerStoreSettings(),
+        # 2000 requests at the tightest and the loosest budget (~2 min); --large: 4000 at 3.
+        "eviction_policy": eviction_policy.Settings()
+        if args.large
+        else eviction_policy.Settings(requests=2000, budgets_tokens=(16_384, 65_536)),
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
 
@@ -191,6 +197,7 @@ PARTS = (
     "remote_load",
     "remote_prefetch",
     "scale",
+    "eviction_policy",
 )
 
 
@@ -231,6 +238,10 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
         lambda: remote_prefetch.run(workdir / "remote_prefetch", p["remote_prefetch"]),
     )
     part("scale", lambda: scale.run(workdir / "scale", p["scale"]))
+    part(
+        "eviction_policy",
+        lambda: eviction_policy.run(p["eviction_policy"], workdir),
+    )
     return out
 
 

@@ -71,6 +71,7 @@ def evaluate_targets(r: dict[str, Any]) -> list[dict[str, Any]]:
         _remote,
         _scale,
         _overheads,
+        _eviction_policy,
     ):
         section(r, rows)
     return list(rows)
@@ -481,4 +482,33 @@ def _overheads(r: dict[str, Any], rows: _Rows) -> None:
             f"not storing (inline {inline['ttft_over_off']:.3f}x)",
             bg["store_on_path_s"] <= 0.1 * inline["store_on_path_s"],
             f"{ss['settings']['model']}, {ss['settings']['tokens']} tokens",
+        )
+
+
+def _eviction_policy(r: dict[str, Any], rows: _Rows) -> None:
+    """The default eviction order against the others, on the mixed workload."""
+    ev = r.get("eviction_policy")
+    if not ev:
+        return
+    from cas_bank.config import BankConfig
+
+    default = BankConfig().eviction_policy
+    by_budget: dict[int, dict[str, dict[str, Any]]] = {}
+    for res in ev["results"]:
+        by_budget.setdefault(res["budget_tokens"], {})[res["policy"]] = res
+    for budget, policies in sorted(by_budget.items()):
+        mine = policies[default]
+        others = {p: v for p, v in policies.items() if p != default}
+        worst = max(others.values(), key=lambda v: v["prefilled_tokens"], default=None)
+        best_other = min(others.values(), key=lambda v: v["prefilled_tokens"], default=None)
+        if best_other is None or worst is None:
+            continue
+        rows.add(
+            f"eviction order (default {default}) prefills no more than the others",
+            f"{mine['prefilled_tokens'] / best_other['prefilled_tokens']:.3f}x "
+            f"({mine['prefilled_tokens']} vs {best_other['prefilled_tokens']} tokens, "
+            f"{best_other['policy']}; hit rate {mine['token_hit_rate']:.3f} vs "
+            f"{best_other['token_hit_rate']:.3f})",
+            mine["prefilled_tokens"] <= best_other["prefilled_tokens"],
+            f"budget {budget} tokens, {ev['settings']['requests']} requests",
         )

@@ -83,6 +83,9 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert "## The first token against mlx-lm's in-memory cache" in md
     assert "## Where prefilling beats restoring" in md and "Apple silicon est." in md
     assert "## Partial blocks: agents branching at arbitrary points" in md
+    assert "## Eviction order on a mixed workload" in md  # each order on the same requests
+    ev = res["eviction_policy"]["results"]
+    assert {r["policy"] for r in ev} == {"lru", "lfu"} and all(r["requests"] > 0 for r in ev)
     runs = res["branching"]["runs"]  # the same requests: partial blocks never prefill more
     for bs in run.fleet.tiny_branch_settings().block_sizes:
         assert runs[f"{bs}/partial"]["prefilled_tokens"] <= runs[f"{bs}/whole"]["prefilled_tokens"]
