@@ -41,6 +41,16 @@ mlx-lm ways here run the tokens left in one pass, as the limit does, which favou
 The answer goes through the model in one pass (decoding feeds it a token at a time):
 every way starts from the cache it leaves.
 
+And in `cas-bank serve` (`benchmarks.first_token_serve`): the same three situations
+through the server's app in this process, on the same bank (its Engine on the very
+LoadedModel the prefix was stored with): way `serve` in (a) and (b), `serve_restarted`
+in (c) (a fresh server on the bank's directory per request). Its requests are timed
+beside the other ways of the first `serve_rounds` rounds of (a) and (c) (2 at default
+sizes) and `serve_turn_rounds` of (b) (1: a 65-token pass), so its ratios are per-round
+ones against the other ways of the same rounds. In (b) the server's turn 1 is its own
+greedy answer to the prefix and one new token (untimed), and it prefills the answer's
+last token too (sampled, never through the model): 65 tokens against the limit's 64.
+
 Also measured: a restore with room in the same process (the bank's way in (a), alone),
 as the defaults run it (a lease restored again is copied ahead by the spares' thread,
 off the restore's path) and with its copy on its path, against a memcpy of the same
@@ -55,7 +65,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +74,7 @@ import numpy as np
 from cas_bank.runtime import LoadedModel, PrefixCache, build_model
 from mlx_lm.models.cache import KVCache, LRUPromptCache, load_prompt_cache, save_prompt_cache
 
+from benchmarks import first_token_serve as serve
 from benchmarks import prefill_or_restore
 from benchmarks.ceilings import median, memcpy_samples, profile_top
 from benchmarks.library_restore import _fp32_100mb
@@ -90,6 +101,11 @@ class FirstTokenSettings:
     turn_rounds: int = 3  # (b): a 64-token pass each way (seconds on the medium models)
     prefill_lengths: tuple[int, ...] = (64, 128)  # prefilled here (`prefill_or_restore`)
     logits_atol: float = 1e-3
+    # `cas-bank serve`'s ways (`first_token_serve`): in the first rounds only. (a), (c):
+    # a single-token pass each (~0.1-0.5 s on the medium models at 4k); (b): turn 1's
+    # 16-token answer and a 65-token pass (5-26 s on the medium models). 0: not run.
+    serve_rounds: int = 2
+    serve_turn_rounds: int = 1
 
 
 def large_settings() -> FirstTokenSettings:
@@ -104,6 +120,8 @@ def tiny_settings() -> FirstTokenSettings:
         rounds=1,
         turn_rounds=1,
         prefill_lengths=(64,),
+        serve_rounds=1,
+        serve_turn_rounds=1,
     )
 
 
@@ -217,13 +235,16 @@ def _rounds(
     rounds: int,
     prepare: Callable[[int], dict[str, Any]],
     settle: Callable[[], None],
+    only: dict[str, int] | None = None,
 ) -> list[dict[str, dict[str, Any]]]:
     """`rounds` rounds of every way, their order rotated each round; each round's state
-    made first (untimed) by `prepare`. Returns each round's samples by way."""
-    order = list(ways)
+    made first (untimed) by `prepare`. A way in `only` runs in that many first rounds
+    only. Returns each round's samples by way."""
+    only = only or {}
     out = []
     for r in range(rounds):
         state = prepare(r)
+        order = [w for w in ways if r < only.get(w, rounds)]
         got = {}
         for way in order[r % len(order) :] + order[: r % len(order)]:
             settle()
@@ -235,18 +256,27 @@ def _rounds(
 def _summary(samples: list[dict[str, dict[str, Any]]], ref: str = "limit") -> dict[str, Any]:
     """Medians of every way's figures, each way's logits against `ref`'s of the same
     round (the largest difference, and whether every round was bit-identical), and the
-    per-round ratios of TTFTs (`"x_over_y"`: the median of x's TTFT / y's)."""
-    ways = list(samples[0])
+    per-round ratios of TTFTs (`"x_over_y"`: the median of x's TTFT / y's, over the
+    rounds both ran in). A way without logits (the server's) has no difference; one
+    that ran in fewer rounds says how many (`"rounds"`)."""
+    ways = list(dict.fromkeys(w for s in samples for w in s))
     out: dict[str, Any] = {}
     for w in ways:
-        keys = [k for k, v in samples[0][w].items() if isinstance(v, (int, float))]
-        fig = {k: median([s[w][k] for s in samples]) for k in keys}
-        if w != ref:
-            diffs = [float(mx.max(mx.abs(s[w]["logits"] - s[ref]["logits"]))) for s in samples]
+        mine = [s[w] for s in samples if w in s]
+        keys = [k for k, v in mine[0].items() if isinstance(v, (int, float))]
+        fig = {k: median([m[k] for m in mine]) for k in keys}
+        if w != ref and "logits" in mine[0]:
+            diffs = [
+                float(mx.max(mx.abs(s[w]["logits"] - s[ref]["logits"]))) for s in samples if w in s
+            ]
             fig["logits_max_diff"] = max(diffs)
+        if len(mine) < len(samples):
+            fig["rounds"] = len(mine)
         out[w] = fig
     out["ratios"] = {
-        f"{x}_over_{y}": median([s[x]["ttft_s"] / s[y]["ttft_s"] for s in samples])
+        f"{x}_over_{y}": median(
+            [s[x]["ttft_s"] / s[y]["ttft_s"] for s in samples if x in s and y in s]
+        )
         for x in ways
         for y in ways
         if x != y
@@ -272,9 +302,21 @@ class _Case:
     bank: Bank
     pc: PrefixCache
     rng: np.random.Generator
+    server: Any = None  # `cas-bank serve`'s app on `bank` (`first_token_serve`), or None
+    used: set[int] = field(default_factory=set)  # the tokens after the prompt so far
 
     def tokens(self, n: int) -> np.ndarray:
         return self.rng.integers(0, 256, n).astype(np.uint32)
+
+    def after_prompt(self) -> np.ndarray:
+        """The prompt and a token no request of this case put after it before: every
+        way's request is new to the bank (an end record of the same request, stored by
+        an earlier way or round, would be restored whole, with its logits)."""
+        t = int(self.rng.integers(0, 256))
+        while t in self.used:
+            t = (t + 1) % 256
+        self.used.add(t)
+        return np.concatenate([self.prompt, np.array([t], dtype=self.prompt.dtype)])
 
     def settle(self) -> None:
         self.bank.resources.settle()
@@ -300,18 +342,22 @@ def _shared_prefix(case: _Case, s: FirstTokenSettings) -> dict[str, Any]:
     lru.insert_cache(MODEL_KEY, prompt.tolist(), copy.deepcopy(case.base))
 
     def prepare(r: int) -> dict[str, Any]:
-        return {
-            "request": np.concatenate([prompt, case.tokens(1)]),
-            "cache": with_room(case.base, KVCache.step),
-        }
+        st = {"request": case.after_prompt(), "cache": with_room(case.base, KVCache.step)}
+        if r < only.get("serve", 0):  # the server's own: the bank way stores `request`
+            st["serve_request"] = case.after_prompt()
+        return st
 
     ways: dict[str, Way] = {
         "limit": lambda st: _limit(model, st["cache"], st["request"][-1:]),
         "mlx_lm_lru": lambda st: _lru_way(lru, model, st["request"]),
         "bank": lambda st: _bank_way(case.pc, st["request"]),
     }
-    _rounds(ways, 1, prepare, case.settle)  # warm-up, uncounted
-    out = _summary(_rounds(ways, s.rounds, prepare, case.settle))
+    only: dict[str, int] = {}
+    if case.server is not None and s.serve_rounds > 0:
+        ways["serve"] = lambda st: serve.serve_way(case.server, st["serve_request"])
+        only["serve"] = s.serve_rounds
+    _rounds(ways, 1, prepare, case.settle, only)  # warm-up, uncounted
+    out = _summary(_rounds(ways, s.rounds, prepare, case.settle, only))
     request = prepare(0)["request"]
     out["restore_on_path_s"] = _restore_on_path(case, request, s.rounds)
     out["profile_restore"] = profile_top(lambda: eval_cache(case.pc.restore(request)[0]), 2, 6)
@@ -354,26 +400,35 @@ def _next_turn(case: _Case, s: FirstTokenSettings) -> dict[str, Any]:
         limit_cache = copy.deepcopy(live)
         case.pc.store(talk, live, case.states)  # after the answer, as the README's caller
         case.bank.flush()  # the user reads the answer: the writer is done by the next turn
-        return {"request": np.concatenate([talk, new]), "lru": lru, "cache": limit_cache}
+        st = {"request": np.concatenate([talk, new]), "lru": lru, "cache": limit_cache}
+        if r < only.get("serve", 0):  # the server's turn 1 and its own answer, untimed
+            turn1 = case.after_prompt()
+            said = serve.server_answer(case.server, turn1, s.answer_tokens)
+            st["serve_request"] = np.concatenate([turn1, said, new])
+        return st
 
     ways: dict[str, Way] = {
         "limit": lambda st: _limit(model, st["cache"], st["request"][-s.new_tokens :]),
         "mlx_lm_lru": lambda st: _lru_way(st["lru"], model, st["request"]),
         "bank": lambda st: _bank_way(case.pc, st["request"]),
     }
-    return _summary(_rounds(ways, s.turn_rounds, prepare, case.settle))
+    only: dict[str, int] = {}
+    if case.server is not None and s.serve_turn_rounds > 0:
+        ways["serve"] = lambda st: serve.serve_way(case.server, st["serve_request"])
+        only["serve"] = min(s.serve_turn_rounds, s.turn_rounds)
+    return _summary(_rounds(ways, s.turn_rounds, prepare, case.settle, only))
 
 
 def _after_restart(case: _Case, s: FirstTokenSettings) -> dict[str, Any]:
     """(c): after a restart: the file, and the bank reopened before each request (its
     open and close untimed). Call with the case's bank closed."""
-    model, prompt, length = case.lm.model, case.prompt, len(case.prompt)
+    model, length = case.lm.model, len(case.prompt)
 
     def prepare(r: int) -> dict[str, Any]:
-        return {
-            "request": np.concatenate([prompt, case.tokens(1)]),
-            "cache": with_room(case.base, KVCache.step),
-        }
+        st = {"request": case.after_prompt(), "cache": with_room(case.base, KVCache.step)}
+        if r < only.get("serve_restarted", 0):
+            st["serve_request"] = case.after_prompt()
+        return st
 
     def reopened(st: dict[str, Any]) -> dict[str, Any]:
         with Bank.open(case.path) as bank:
@@ -387,8 +442,14 @@ def _after_restart(case: _Case, s: FirstTokenSettings) -> dict[str, Any]:
         "mlx_lm_file": lambda st: _file_way(case.file, model, st["request"], length),
         "bank_reopened": reopened,
     }
-    _rounds(ways, 1, prepare, lambda: None)  # warm-up, uncounted
-    return _summary(_rounds(ways, s.rounds, prepare, lambda: None))
+    only: dict[str, int] = {}
+    if s.serve_rounds > 0:  # a fresh `cas-bank serve` on the same bank per request
+        ways["serve_restarted"] = lambda st: serve.restarted_way(
+            case.lm, case.path, st["serve_request"]
+        )
+        only["serve_restarted"] = s.serve_rounds
+    _rounds(ways, 1, prepare, lambda: None, only)  # warm-up, uncounted
+    return _summary(_rounds(ways, s.rounds, prepare, lambda: None, only))
 
 
 def measure(
@@ -398,8 +459,14 @@ def measure(
     a memcpy of the same bytes."""
     case = _prepare(lm, layout, length, workdir)
     try:
-        shared = _shared_prefix(case, s)
-        turn = _next_turn(case, s)
+        if s.serve_rounds > 0 or s.serve_turn_rounds > 0:  # the prefix stored: serve it
+            case.server = serve.start_server(lm, case.bank)
+        try:
+            shared = _shared_prefix(case, s)
+            turn = _next_turn(case, s)
+        finally:
+            if case.server is not None:
+                case.server.stop()  # its engine closed, the bank flushed (not closed)
     finally:
         case.bank.close()
     restart = _after_restart(case, s)
@@ -445,12 +512,23 @@ def check(c: dict[str, Any], atol: float) -> list[str]:
             d = fig.get("logits_max_diff") if isinstance(fig, dict) else None
             if d is not None and not d <= atol:
                 problems.append(f"{where}: {situation} {way} logits differ by {d:.2e}")
-    for situation, way in (("shared_prefix", "bank"), ("after_restart", "bank_reopened")):
-        if c[situation][way]["restored"] < c["tokens"]:
+    for situation, way in (
+        ("shared_prefix", "bank"),
+        ("after_restart", "bank_reopened"),
+        ("shared_prefix", "serve"),
+        ("after_restart", "serve_restarted"),
+    ):
+        if way in c[situation] and c[situation][way]["restored"] < c["tokens"]:
             problems.append(
                 f"{where}: {situation} {way} restored {c[situation][way]['restored']:.0f} "
                 f"of {c['tokens']} tokens"
             )
+    turn = c["next_turn"].get("serve")
+    talk = c["tokens"] + 1 + c["answer_tokens"] - 1  # turn 1's prompt, its answer but the last
+    if turn is not None and turn["restored"] < talk:
+        problems.append(
+            f"{where}: next_turn serve restored {turn['restored']:.0f} of {talk} tokens"
+        )
     return problems
 
 
@@ -494,6 +572,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--large", action="store_true", help="with the medium models at 16k tokens")
     p.add_argument("--rounds", type=int, help="rounds of (a) and (c)")
     p.add_argument("--turn-rounds", type=int, help="rounds of (b)")
+    p.add_argument("--serve-rounds", type=int, help="rounds of (a) and (c) with the server")
+    p.add_argument("--serve-turn-rounds", type=int, help="rounds of (b) with the server")
     p.add_argument("--tiny", action="store_true", help="the smoke test's sizes")
     p.add_argument("--server-settings", action="store_true", help="as `make bench` runs")
     args = p.parse_args(argv)
@@ -504,6 +584,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = replace(s, rounds=args.rounds)
     if args.turn_rounds:
         s = replace(s, turn_rounds=args.turn_rounds)
+    if args.serve_rounds is not None:
+        s = replace(s, serve_rounds=args.serve_rounds)
+    if args.serve_turn_rounds is not None:
+        s = replace(s, serve_turn_rounds=args.serve_turn_rounds)
     if args.server_settings:
         from cas_bank.runtime.process import server_settings
 

@@ -1,0 +1,172 @@
+"""The first token through `cas-bank serve` (`benchmarks.first_token`'s serve ways).
+
+The server's app runs in this process (`BackgroundServer` around an `Engine` of the
+very LoadedModel the layout's prefix was stored with, so its namespace is the same and
+it restores that prefix), and each request is a token-id prompt streamed through
+`/v1/completions`, greedy; the client times the first chunk (TTFT: the HTTP request,
+the engine's queue, its restore, the prefill of the rest with its store queued for
+the background writer, the sampling, the chunk back). `usage` (`include_usage`) says
+how many prompt tokens the server restored (`cached_tokens`); the engine's own result
+(its queue wait and its time to the first token, restore and prefill) is read off
+its sink, so `http_s`, the TTFT but for the engine's, is the HTTP and event-loop
+share. The client (`httpx.Client`) is made before the clock starts, as an agent's is,
+and each request opens its own connection: a connection kept alive costs ~40 ms
+more per request here (httpx writes a request's headers and body apart, and the
+body waits for the server's delayed ACK), which is no part of the server.
+
+- (a) another agent: the server on the bank the prefix was stored into by the
+  library (`PrefixCache.store`, before the server started); the request is the
+  prefix and one new token, `max_tokens=1`.
+- (b) the next turn: turn 1 (the prefix and one new token) goes through the same
+  engine untimed (`Engine.generate`, greedy, end tokens banned so the answer is
+  `answer_tokens` long); the engine stores prompt + answer with its end record, as it
+  does after every request, and the writer is drained (the user reads the answer);
+  the request is turn 1's prompt, the server's answer and `new_tokens` new tokens.
+  The server restores all that went through the model (prompt + answer but its last
+  token, which was sampled and never passed), so it prefills `new_tokens + 1`.
+- (c) after a restart: a fresh server (a new `Engine` on `Bank.open` of the same
+  directory; its start and stop untimed) for each request, the prefix and one token.
+
+What it costs at default sizes (2 cores): (a) and (c) a single-token pass per request
+(0.1-0.5 s on the medium models at 4k); (b) per round, turn 1's 16 tokens (one pass
+each) and one pass of 65 tokens (5-26 s on the medium models), so (b) runs
+`serve_turn_rounds` (1) rounds only; a server start is ~0.1 s, untimed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from cas_bank.runtime import LoadedModel
+from cas_bank.runtime.engine import Engine
+from cas_bank.runtime.generation import Event, GenerationRequest, GenerationResult, Sink
+from cas_bank.runtime.server import BackgroundServer
+
+from cas_bank import Bank
+
+
+@dataclass
+class Served:
+    """A running server, and the engine's results of its requests (read off their sinks)."""
+
+    server: BackgroundServer
+    results: list[GenerationResult] = field(default_factory=list)
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def stop(self) -> None:
+        self.server.stop()  # closes the engine (and the bank if it owns it)
+
+
+def start_server(lm: LoadedModel, bank: Bank, *, owns_bank: bool = False) -> Served:
+    """`cas-bank serve`'s app on `bank` (the defaults: background stores, end records)."""
+    engine = Engine(lm, bank, owns_bank=owns_bank)
+    served = Served(BackgroundServer(engine))
+    submit = engine.submit
+
+    def watched(request: GenerationRequest, sink: Sink) -> Any:
+        def tee(event: Event) -> None:
+            if isinstance(event, GenerationResult):
+                served.results.append(event)
+            sink(event)
+
+        return submit(request, tee)
+
+    engine.submit = watched  # type: ignore[method-assign]
+    served.server.start()
+    return served
+
+
+def _post(served: Served, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion: TTFT (first chunk), total, and the usage."""
+    server = served.server
+    body = {
+        "model": server.engine.model_id,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first, usage = None, None
+    with httpx.Client(timeout=600) as client:  # made before the clock starts
+        t0 = time.perf_counter()
+        with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                usage = json.loads(data).get("usage") or usage
+        total = time.perf_counter() - t0
+    if first is None or usage is None:
+        raise RuntimeError("the stream carried no chunk or no usage")
+    return {"ttft_s": first, "total_s": total, "usage": usage}
+
+
+def serve_way(served: Served, request: np.ndarray) -> dict[str, Any]:
+    """A request through the server: its first token (`max_tokens=1`). `own_s`: the
+    TTFT but for the prefill's forward pass (HTTP, queue, restore, store's snapshot,
+    sampling); `engine_s`: the engine's queue wait and time to the first token;
+    `http_s`: the rest."""
+    engine = served.engine
+    hits = engine.bank.stats().hot_hits
+    before = len(served.results)
+    got = _post(served, [int(t) for t in request], 1)
+    rep = engine.prefix_cache.last_prefill
+    cached = int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+    forward = rep.forward_s if rep is not None else 0.0
+    result = served.results[-1] if len(served.results) > before else None
+    engine_s = result.queue_s + result.ttft_s if result is not None else float("nan")
+    return {
+        "ttft_s": got["ttft_s"],
+        "total_s": got["total_s"],
+        "own_s": got["ttft_s"] - forward,
+        "engine_s": engine_s,
+        "http_s": got["ttft_s"] - engine_s,
+        "forward_s": forward,
+        "store_s": rep.store_s if rep is not None else 0.0,
+        "hot_hits": engine.bank.stats().hot_hits - hits,
+        "restored": cached,
+        "prefilled": len(request) - cached,
+    }
+
+
+def restarted_way(lm: LoadedModel, path: Path, request: np.ndarray) -> dict[str, Any]:
+    """(c): a fresh server on the bank at `path` (start and stop untimed), one request."""
+    served = start_server(lm, Bank.open(path), owns_bank=True)
+    try:
+        return serve_way(served, request)
+    finally:
+        served.engine.bank.resources.settle()
+        served.stop()  # closes the engine and its bank (the writer drained)
+
+
+def server_answer(served: Served, prompt: np.ndarray, tokens: int) -> np.ndarray:
+    """(b)'s turn 1 through the server's engine, untimed: its greedy answer of `tokens`
+    tokens (end tokens banned), stored by the engine with its end record; the writer
+    drained before the next turn, as a user's reading time would."""
+    engine = served.engine
+    ban = {int(t): -100.0 for t in engine.eos_ids if 0 <= int(t) < engine.prefix_cache.vocab_size}
+    result = engine.generate(
+        GenerationRequest(
+            prompt=[int(t) for t in prompt],
+            max_tokens=tokens,
+            temperature=0.0,
+            logit_bias=ban or None,
+        )
+    )
+    engine.bank.flush()
+    return np.asarray(result.token_ids, dtype=prompt.dtype)
