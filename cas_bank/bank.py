@@ -32,6 +32,19 @@ from cas_bank.errors import (
 from cas_bank.evict.access import AccessLog
 from cas_bank.evict.evicted import EvictionMemory
 from cas_bank.evict.eviction import EvictionReport, evict_to_budget, leaf_index
+from cas_bank.evict.tenants import (
+    TENANT_PREFIX,
+    RevokeReport,
+    TenantEviction,
+    Tenants,
+    TenantStats,
+    clear_quota,
+    enforce_quotas,
+    revoke,
+    set_quota,
+    tenant_record,
+    tenant_stats,
+)
 from cas_bank.index.chain import run_writes
 from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.lease import Leases
@@ -125,6 +138,8 @@ class Bank:
             except BankFullError as e:  # recording begins at the next open with room
                 log.warning("cas_bank: %s; removals are not recorded yet", e)
         self._namespaces: dict[str, Namespace] = {}
+        # Tenants (salts): their namespaces and quotas (evict.tenants), read on first use.
+        self.tenants = Tenants(config.block_size, config.tenant_quotas)
         # The shared tier (config.remote): restores continue from it, stores publish to it.
         self.remote: RemoteTier | None = None
         if config.remote is not None:
@@ -213,9 +228,17 @@ class Bank:
         ns = self._namespaces.get(key)
         if ns is None:
             root = namespace_root(spec.fingerprint, self.config.block_size, salted)
-            if not self.read_only and self.store.get(Family.NAMESPACES, root) is None:
-                with self.transaction(budget=False) as tx:
-                    tx.put(Family.NAMESPACES, root, spec.model_dump_json().encode())
+            if not self.read_only:
+                # The namespace record (for tools) and its tenant's (`evict.tenants`).
+                record = self.store.get(Family.NAMESPACES, root)
+                tenant = self.store.get(Family.META, TENANT_PREFIX + root)
+                if record is None or tenant is None:
+                    with self.transaction(budget=False) as tx:
+                        if record is None:
+                            tx.put(Family.NAMESPACES, root, spec.model_dump_json().encode())
+                        if tenant is None:
+                            tx.extend([tenant_record(root, salted)])
+                self.tenants.noted(root, salted)
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
         return ns
@@ -267,6 +290,8 @@ class Bank:
 
     def _enforce_budget(self) -> EvictionReport | None:
         """Evict if the counters say the bank is over `config.max_bytes`."""
+        if self.tenants.quotas(self.store):
+            enforce_quotas(self, self.tenants)  # each tenant down to its quota first
         limit = self.config.max_bytes
         if limit is None:
             return None
@@ -293,6 +318,46 @@ class Bank:
             spare_bytes=self.config.spare_bytes,
             remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
+        )
+
+    # -- tenants ---------------------------------------------------------------------
+    def set_quota(self, salt: str | bytes | None, limit_bytes: int) -> list[TenantEviction]:
+        """Store a byte quota for the tenant of `salt` (None: unsalted data), kept across
+        restarts and winning over `BankConfig.tenant_quotas`; enforced at once (what
+        it evicted) and after every store (`evict.tenants`)."""
+        self.flush()
+        return set_quota(self, self.tenants, salt, limit_bytes, self.config.block_size)
+
+    def clear_quota(self, salt: str | bytes | None) -> bool:
+        """Remove the stored quota of `salt`'s tenant (a `BankConfig` one applies
+        again); False if none was stored."""
+        return clear_quota(self, self.tenants, salt)
+
+    def quotas(self) -> dict[str, int]:
+        """The quota in force per tenant id (`tenant_id(salt)`)."""
+        return self.tenants.quotas(self.store)
+
+    def revoke(
+        self, salt: str | bytes | None, *, batch: int = 1024, batches: int | None = None
+    ) -> RevokeReport:
+        """Remove everything the tenant of `salt` holds (blocks, states, end records,
+        pins), queued stores first written, in transactions of at most `batch`
+        removals: the bank serves meanwhile, and a crash between them leaves no hole
+        (`evict.tenants`). `batches`: stop after that many (`RevokeReport.done`)."""
+        self.flush()
+        return revoke(
+            self, self.tenants, salt, self.config.block_size, batch=batch, batches=batches
+        )
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Bytes, hits and quota per tenant (by `tenant_id`, never the salt), most bytes
+        first. Builds the leaf index on first use (a walk of the small families)."""
+        index = leaf_index(self.store, self.access)
+        return tenant_stats(
+            index,
+            self.tenants.roots(self.store),
+            self.counters.root_hits(self.store),
+            self.quotas(),
         )
 
     def restore_times(self) -> RestoreTotals:

@@ -6,6 +6,7 @@ checked at every open; the rest are per-open choices (budget, hot tier, compress
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -49,6 +50,15 @@ class BankConfig(BaseModel):
     """The share of `max_bytes` pinned prefixes may hold together (`Namespace.pin`,
     `cas-bank pin`): a pin that would take the pinned bytes past it is refused, naming
     the numbers. Without `max_bytes` pins are not limited."""
+
+    tenant_quotas: tuple[tuple[str, int], ...] = ()
+    """A byte quota per tenant (a `cache_salt`; unsalted data is a tenant too), keyed
+    by `cas_bank.evict.tenants.tenant_id(salt)` (32 hex characters: a salt itself is never kept):
+    after a store, a tenant over its quota loses its own least valuable entries, in
+    the eviction order, down to it; other tenants are untouched. A quota stored in the
+    bank (`Bank.set_quota`, `cas-bank quota set`) wins for the same tenant
+    (`evict.tenants`). Empty: no quotas but the stored ones. Given as a dict (or
+    pairs), kept as sorted pairs so that the config stays hashable."""
 
     file_min_bytes: int | None = Field(default=64 * 1024, ge=0, strict=True)
     """Payloads of at least this many bytes are kept as files beside the database and
@@ -151,6 +161,24 @@ class BankConfig(BaseModel):
 
     remote_fetch_bytes: int = Field(default=64 * MiB, ge=1)
     """Payload bytes fetched from the shared tier per pipelined round trip."""
+
+    @field_validator("tenant_quotas", mode="before")
+    @classmethod
+    def _quota_pairs(cls, quotas: object) -> object:
+        return tuple(sorted(quotas.items())) if isinstance(quotas, Mapping) else quotas
+
+    @field_validator("tenant_quotas")
+    @classmethod
+    def _check_quotas(cls, quotas: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+        for tenant, limit in quotas:
+            if len(tenant) != 32 or any(c not in "0123456789abcdef" for c in tenant):
+                raise ValueError(
+                    f"tenant_quotas keys are cas_bank.evict.tenants.tenant_id(salt): 32 lowercase "
+                    f"hex characters, got {tenant!r}"
+                )
+            if isinstance(limit, bool) or limit < 0:
+                raise ValueError(f"a quota is a non-negative number of bytes, got {limit!r}")
+        return quotas
 
     @field_validator("remote")
     @classmethod

@@ -438,4 +438,6 @@ class Namespace:
         corrupt read, never raised); a hybrid restore then steps back to the deepest
         boundary below it that has an intact state.
         """
-        return restoring.restore(self, tokens, room_for=room_for)
+        hit = restoring.restore(self, tokens, room_for=room_for)
+        self.bank.counters.root_hit(self.root, hit.tokens if hit is not None else 0)
+        return hit

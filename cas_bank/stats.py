@@ -20,6 +20,10 @@ from cas_bank.blocks.store import BlockStore, Family, Write
 
 _PREFIX = b"counter/"
 _U64 = struct.Struct("<Q")
+ROOT_PREFIX = b"counter/root/"
+"""Per-namespace hit counters (a tenant's are its roots', `evict.tenants`): the key
+`counter/root/<root hex>/hits` or `.../hit_tokens`, a `<u8` like every counter."""
+ROOT_NAMES = ("hits", "hit_tokens")
 
 STORED = (
     "blocks",
@@ -168,8 +172,12 @@ class Counters:
 
     def __init__(self, store: BlockStore) -> None:
         self._lock = threading.Lock()
+        self._store = store
         self._values = dict.fromkeys(NAMES, 0)
         self._persisted = dict.fromkeys(NAMES, 0)
+        # Per-namespace hits (`root_hit`): by counter name (`root_name`), read on a
+        # root's first hit in this process, so opening reads none of them.
+        self._roots: dict[str, int] = {}
         self.reload(store)
 
     def reload(self, store: BlockStore) -> None:
@@ -178,6 +186,48 @@ class Counters:
             for name, value in zip(NAMES, raw, strict=True):
                 self._values[name] = _U64.unpack(value)[0] if value else 0
             self._persisted = dict(self._values)
+            self._roots.clear()  # read again on their next hit
+            self._store = store
+
+    def root_hit(self, root: bytes, tokens: int) -> None:
+        """A restore in the namespace `root` that covered `tokens` (0: a miss, not counted)."""
+        if tokens <= 0:
+            return
+        names = [root_name(root, n) for n in ROOT_NAMES]
+        with self._lock:
+            missing = [n for n in names if n not in self._roots]
+        if missing:  # its first hit in this process: the persisted values first
+            raw = self._store.get_many(Family.META, [_PREFIX + n.encode() for n in missing])
+            with self._lock:
+                for n, value in zip(missing, raw, strict=True):
+                    if n not in self._roots:
+                        v = _U64.unpack(value)[0] if value else 0
+                        self._roots[n] = v
+                        self._persisted[n] = v
+        with self._lock:
+            self._roots[names[0]] += 1
+            self._roots[names[1]] += tokens
+
+    def root_hits(self, store: BlockStore) -> dict[bytes, tuple[int, int]]:
+        """Hits and hit tokens by namespace root: the persisted ones (a walk of `meta`)
+        with this process's on top."""
+        values: dict[str, int] = {}
+        for key, raw in store.iterate(Family.META):
+            if key.startswith(ROOT_PREFIX) and len(raw) == _U64.size:
+                values[key[len(_PREFIX) :].decode(errors="replace")] = _U64.unpack(raw)[0]
+        with self._lock:
+            values.update(self._roots)
+        out: dict[bytes, tuple[int, int]] = {}
+        for root_hex in {n.split("/")[1] for n in values if n.count("/") == 2}:
+            try:
+                root = bytes.fromhex(root_hex)
+            except ValueError:
+                continue
+            out[root] = (
+                values.get(root_name(root, "hits"), 0),
+                values.get(root_name(root, "hit_tokens"), 0),
+            )
+        return out
 
     def count(self, **deltas: int) -> None:
         """Add to activity counters (only those: stored content changes in transactions)."""
@@ -193,6 +243,7 @@ class Counters:
         value: what a batch carries. Changes nothing."""
         with self._lock:
             after = {n: max(0, v + deltas.get(n, 0)) for n, v in self._values.items()}
+            after.update(self._roots)
             return {n: v for n, v in after.items() if v != self._persisted[n]}
 
     def commit(self, deltas: Mapping[str, int], written: Mapping[str, int]) -> None:
@@ -205,6 +256,11 @@ class Counters:
     def values(self) -> dict[str, int]:
         with self._lock:
             return dict(self._values)
+
+
+def root_name(root: bytes, name: str) -> str:
+    """The counter name of `name` (`ROOT_NAMES`) for the namespace `root`."""
+    return f"root/{bytes(root).hex()}/{name}"
 
 
 def counter_writes(values: Mapping[str, int]) -> list[Write]:

@@ -23,6 +23,7 @@ from . import (
     inspect_cmds,
     mlx_lm_cmd,
     pin_cmd,
+    quota_cmd,
     salvage_cmd,
     serve_cmd,
     show_cmd,
@@ -50,6 +51,7 @@ COMMAND_MODULES: list[ModuleType] = [
     bundle,
     gc_cmd,
     pin_cmd,
+    quota_cmd,
 ]
 
 

@@ -46,6 +46,7 @@ from .common import (
     table,
     when,
 )
+from .quota_cmd import tenant_rows, tenant_table
 
 SORT_KEYS = ("depth", "size", "chains", "last-use")
 
@@ -78,7 +79,9 @@ def register(subparsers: Any) -> None:
 
 # -- stats ---------------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace) -> int:
-    s, (specs, bad) = read_bank(args.bank, lambda bank: (bank.stats(), load_namespaces(bank.store)))
+    s, (specs, bad), tenants = read_bank(
+        args.bank, lambda bank: (bank.stats(), load_namespaces(bank.store), tenant_rows(bank))
+    )
     labels = namespace_labels(specs, s.block_size)
     namespaces: list[dict[str, Any]] = [
         {
@@ -101,6 +104,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
             hit_rate=s.hit_rate,
             namespace_list=namespaces,
             unreadable_namespaces=len(bad),
+            tenants=tenants,  # by the salt's digest, never the salt
         )
         print_json(out)
         return 0
@@ -134,7 +138,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     rows.append(("this process", helpers.summary()))
     if bad:
         rows.append(("unreadable namespaces", len(bad)))
-    emit(fields(rows))
+    if tenants:
+        emit(fields(rows), tenant_table(tenants))
+    else:
+        emit(fields(rows))
     return 0
 
 

@@ -155,9 +155,10 @@ def _evict(
     tx: Transaction,
     index: LeafIndex,
     victim: tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup],
-    reason: Reason,
+    reason: Reason | None,
 ) -> Evicted:
-    """Remove one victim of `LeafIndex.pop_victim` in `tx` and from `index`."""
+    """Remove one victim of `LeafIndex.pop_victim` in `tx` and from `index`; with a
+    `reason`, its removal record too (none for a revoked tenant's: `evict.tenants`)."""
     kind, key, node = victim
     if kind == "ends":
         assert isinstance(node, EndGroup)
@@ -178,7 +179,7 @@ def _evict_ends(tx: Transaction, index: LeafIndex, key: bytes, group: EndGroup) 
 
 
 def _evict_state(
-    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason
+    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason | None
 ) -> Evicted:
     """A stored state on its own: its block stays, its header loses the state flag."""
     raw = tx.store.get(Family.HEADERS, key)
@@ -186,20 +187,22 @@ def _evict_state(
     tx.extend(state_deletes(Header.decode(key, raw)))
     tx.forget(states=[key])
     tx.clear_suspect(states=[key])
-    tx.removed(states=[key], reason=reason)
+    if reason is not None:
+        tx.removed(states=[key], reason=reason)
     evicted = Evicted("state", BlockHash(key), 0, node.state_size, node.state_used)
     index.drop_state(key)
     return evicted
 
 
 def _evict_block(
-    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason
+    tx: Transaction, index: LeafIndex, key: bytes, node: Node, reason: Reason | None
 ) -> Evicted:
     """A leaf block, with its state and the end records under it."""
     tx.extend(block_deletes(key, with_state=node.has_state))
     tx.forget(blocks=[key])
     tx.clear_suspect(blocks=[key], states=[key])
-    tx.removed(blocks=[key], reason=reason)
+    if reason is not None:
+        tx.removed(blocks=[key], reason=reason)
     group = index.drop_ends(key)  # an end record goes with its parent
     sizes = group.sizes if group is not None else {}
     if sizes:

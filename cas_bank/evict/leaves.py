@@ -47,6 +47,7 @@ POLICIES: tuple[EvictionPolicy, ...] = get_args(EvictionPolicy)
 @dataclass(slots=True)
 class Node:
     parent: bytes
+    root: bytes  # its namespace root (a tenant's quota sums its roots: `evict.tenants`)
     payload_size: int
     state_size: int
     has_state: bool
@@ -66,6 +67,7 @@ class EndGroup:
     """The end records under one parent (a block, or a namespace root): a leaf group."""
 
     sizes: dict[bytes, int]  # record key -> bytes
+    root: bytes = b""  # its namespace root
     used: float = 0.0
     uses: int = 0
     prio: float = 0.0
@@ -92,6 +94,9 @@ class LeafIndex:
         self.payload_bytes = 0
         self.state_bytes = 0
         self.end_bytes = 0
+        # Bytes (payloads, states, end records) under each namespace root.
+        self.root_bytes: dict[bytes, int] = {}
+        self._roots: dict[bytes, bytes] = {}  # one bytes object per root, shared
         # lfu's aging clock: the rank of the last victim (LFU with dynamic aging).
         self.age = 0.0
         self._heap: list[tuple[float, float, int, bytes]] = []
@@ -192,6 +197,10 @@ class LeafIndex:
             else:
                 self.payload_bytes += header.payload_size - node.payload_size
                 self.state_bytes += header.state_size - node.state_size
+                self._charge(
+                    node.root,
+                    header.payload_size + header.state_size - node.payload_size - node.state_size,
+                )
                 node.payload_size, node.state_size = header.payload_size, header.state_size
                 node.has_state = header.has_state
                 changed.append(key)
@@ -222,18 +231,34 @@ class LeafIndex:
             if group is not None:
                 self._queue_ends(owner, group)
 
+    def _charge(self, root: bytes, delta: int) -> None:
+        n = self.root_bytes.get(root, 0) + delta
+        if n:
+            self.root_bytes[root] = n
+        else:
+            self.root_bytes.pop(root, None)
+
+    def _root(self, root: bytes) -> bytes:
+        return self._roots.setdefault(bytes(root), bytes(root))
+
     def _put_end(self, key: bytes, size: int) -> None:
         group = self.ends.get(key[:32])
         if group is None:
-            group = self.ends[bytes(key[:32])] = EndGroup({})
-        self.end_bytes += size - group.sizes.get(key, 0)
+            parent = bytes(key[:32])
+            node = self.nodes.get(parent)  # under a block, or under the root itself
+            group = self.ends[parent] = EndGroup({}, self._root(node.root if node else parent))
+        delta = size - group.sizes.get(key, 0)
+        self.end_bytes += delta
+        self._charge(group.root, delta)
         group.sizes[bytes(key)] = size
 
     def _drop_end(self, key: bytes) -> None:
         group = self.ends.get(key[:32])
         if group is None or key not in group.sizes:
             return
-        self.end_bytes -= group.sizes.pop(key)
+        size = group.sizes.pop(key)
+        self.end_bytes -= size
+        self._charge(group.root, -size)
         if not group.sizes:
             del self.ends[key[:32]]
 
@@ -242,13 +267,16 @@ class LeafIndex:
         group = self.ends.pop(parent, None)
         if group is not None:
             self.end_bytes -= group.size
+            self._charge(group.root, -group.size)
         return group
 
     def _add(self, key: bytes, header: Header) -> Node:
-        node = Node(header.parent, header.payload_size, header.state_size, header.has_state)
+        root = self._root(header.root)
+        node = Node(header.parent, root, header.payload_size, header.state_size, header.has_state)
         self.nodes[bytes(key)] = node
         self.payload_bytes += header.payload_size
         self.state_bytes += header.state_size
+        self._charge(root, header.payload_size + header.state_size)
         return node
 
     def remove(self, key: bytes) -> Node | None:
@@ -258,6 +286,7 @@ class LeafIndex:
             return None
         self.payload_bytes -= node.payload_size
         self.state_bytes -= node.state_size
+        self._charge(node.root, -node.payload_size - node.state_size)
         parent = self.nodes.get(node.parent)
         if parent is not None:
             parent.children -= 1
@@ -267,6 +296,7 @@ class LeafIndex:
     def drop_state(self, key: bytes) -> None:
         node = self.nodes[key]
         self.state_bytes -= node.state_size
+        self._charge(node.root, -node.state_size)
         node.state_size, node.has_state, node.state_used = 0, False, 0.0
         node.state_uses, node.state_prio = 0, 0.0
 
@@ -326,6 +356,10 @@ class LeafIndex:
     def pinned(self, key: bytes) -> bool:
         """Whether a pin holds the block `key` (and so its state)."""
         return key in self._pinned
+
+    def ends_pinned(self, parent: bytes) -> bool:
+        """Whether a pin holds the end records under `parent`."""
+        return parent in self._pinned_ends
 
     @property
     def pinned_bytes(self) -> int:

@@ -1,0 +1,220 @@
+"""Tenants (salts): a byte quota evicts only the over-quota tenant's own entries, and
+survives a reopen; revocation removes all of a tenant in batches (one batch and a
+reopen leave no hole), others stay restorable and `verify` is clean; bytes and hits
+per tenant, by the salt's digest and never the salt (`cas_bank.evict.tenants`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cas_bank.tools import cli
+from conftest import BLOCK_SIZE, attention_spec, kv_prefix_bits, layers_bits, random_layers
+from test_evict import counted, headers, open_bank, recount, store_at
+
+from cas_bank import Bank
+from cas_bank.evict.eviction import pins
+from cas_bank.evict.tenants import UNSALTED, short_id, tenant_id
+from cas_bank.maintenance.verify import verify
+
+B = BLOCK_SIZE
+SALT_A, SALT_B = "tenant-a-secret", "tenant-b-secret"
+
+
+def block_size_bytes(path: Path) -> int:
+    spec = attention_spec()
+    probe, _ = open_bank(path)
+    with probe:
+        return probe.namespace(spec).store(list(range(B)), random_layers(spec, B)).bytes_written
+
+
+def under(bank: Bank, root: bytes) -> set[bytes]:
+    return {k for k, h in headers(bank.store).items() if h.root == root}
+
+
+def fill(bank: Bank, clock: object, salt: str | None, base: int, n: int, t0: float) -> None:
+    ns = bank.namespace(attention_spec(), salt=salt)
+    for k in range(n):
+        store_at(clock, t0 + k, ns, [base + k] * 2 * B, base + k)  # type: ignore[arg-type]
+
+
+def test_a_quota_evicts_only_its_tenants_entries_and_survives_a_reopen(bank_path: Path) -> None:
+    size = block_size_bytes(bank_path.with_name("probe"))
+    spec = attention_spec()
+    bank, clock = open_bank(bank_path)
+    with bank:
+        b = bank.namespace(spec, salt=SALT_B)
+        kept = random_layers(spec, 3 * B, seed=3)
+        b_chain = b.store(list(range(5000, 5000 + 3 * B)), kept).chain
+        fill(bank, clock, None, 100, 3, 1)  # unsalted: a tenant like any other
+        a = bank.namespace(spec, salt=SALT_A)
+        evicted = bank.set_quota(SALT_A, 4 * size)
+        assert evicted == []  # A holds nothing yet
+        fill(bank, clock, SALT_A, 1000, 6, 10)  # 12 blocks of A against a quota of 4
+        assert sum(1 for _ in under(bank, a.root)) == 4
+        assert under(bank, b.root) == set(b_chain)
+        assert len(under(bank, bank.namespace(spec).root)) == 6
+        # The order is the bank's: A's newest prompts stay.
+        hit = a.restore([1005] * 2 * B)
+        assert hit is not None and hit.tokens == 2 * B
+        assert a.restore([1000] * 2 * B) is None
+        assert recount(bank) == counted(bank)
+        assert bank.quotas() == {tenant_id(SALT_A): 4 * size}
+    # The stored quota holds after a reopen without any config, and wins over one.
+    bank, clock = open_bank(bank_path, tenant_quotas={tenant_id(SALT_A): 10 * size})
+    with bank:
+        assert bank.quotas() == {tenant_id(SALT_A): 4 * size}
+        fill(bank, clock, SALT_A, 2000, 3, 100)
+        a = bank.namespace(spec, salt=SALT_A)
+        assert len(under(bank, a.root)) == 4
+        b = bank.namespace(spec, salt=SALT_B)
+        assert under(bank, b.root) == set(b_chain)
+        hit = b.restore(list(range(5000, 5000 + 3 * B)))
+        assert hit is not None and layers_bits(hit.layers, spec) == kv_prefix_bits(
+            kept, spec, 3 * B
+        )
+        # Cleared, the config's quota applies: room for 10 blocks.
+        assert bank.clear_quota(SALT_A) is True and bank.clear_quota(SALT_A) is False
+        assert bank.quotas() == {tenant_id(SALT_A): 10 * size}
+        fill(bank, clock, SALT_A, 3000, 5, 200)
+        assert len(under(bank, a.root)) == 10
+        assert under(bank, b.root) == set(b_chain)
+        assert not verify(bank).problems
+
+
+def test_a_quota_keeps_a_tenants_pins(bank_path: Path) -> None:
+    size = block_size_bytes(bank_path.with_name("probe"))
+    spec = attention_spec()
+    bank, clock = open_bank(bank_path, tenant_quotas={tenant_id(SALT_A): 4 * size})
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        system = list(range(1, 2 * B + 1))
+        chain = a.store(system, random_layers(spec, 2 * B)).chain
+        a.pin(system)
+        fill(bank, clock, SALT_A, 1000, 5, 10)
+        assert set(chain) <= under(bank, a.root) and len(under(bank, a.root)) == 4
+
+
+def test_revoke_removes_a_tenant_and_leaves_the_others(bank_path: Path) -> None:
+    spec = attention_spec()
+    bank, clock = open_bank(bank_path)
+    with bank:
+        a, b = bank.namespace(spec, salt=SALT_A), bank.namespace(spec, salt=SALT_B)
+        fill(bank, clock, SALT_A, 1000, 4, 1)
+        system = list(range(1, 3 * B + 1))
+        a.store(system, random_layers(spec, 3 * B))
+        a.store_end([*system, 7, 8], random_layers(spec, 3 * B + 2))
+        a.pin(system)
+        kept = random_layers(spec, 3 * B, seed=9)
+        b_chain = b.store(system, kept).chain
+        fill(bank, clock, None, 100, 2, 20)
+        before = bank.stats()
+        report = bank.revoke(SALT_A, batch=3)
+        assert report.done and report.pins == 1 and report.batches >= 4
+        assert report.blocks == 11 and report.ends == 1
+        assert under(bank, a.root) == set() and pins(bank.store) == []
+        assert bank.stats().ends == before.ends - 1
+        assert under(bank, b.root) == set(b_chain)
+        hit = b.restore(system)
+        assert hit is not None and layers_bits(hit.layers, spec) == kv_prefix_bits(
+            kept, spec, 3 * B
+        )
+        assert a.restore(system) is None
+        assert recount(bank) == counted(bank)
+        assert not verify(bank).problems
+        assert bank.revoke(SALT_A).blocks == 0  # nothing left: a no-op
+
+
+def test_an_interrupted_revoke_leaves_no_hole(bank_path: Path) -> None:
+    spec = attention_spec()
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        long = list(range(1, 8 * B + 1))
+        a.store(long, random_layers(spec, 8 * B))
+        a.store(long[: 4 * B] + [9] * 4 * B, random_layers(spec, 8 * B, seed=2))
+        report = bank.revoke(SALT_A, batch=3, batches=1)
+        assert not report.done and report.blocks == 3
+    # As if the process had stopped there: the bank reopens clean, every chain whole.
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        assert not verify(bank).problems
+        a = bank.namespace(spec, salt=SALT_A)
+        left = headers(bank.store)
+        for h in left.values():  # no hole: every block's parent is stored (or the root)
+            assert h.parent == a.root or h.parent in left
+        assert len(left) == 9
+        assert bank.revoke(SALT_A).done
+        assert headers(bank.store) == {}
+        assert not verify(bank).problems
+
+
+def test_bytes_and_hits_per_tenant_never_the_salt(bank_path: Path, capsys: object) -> None:
+    spec = attention_spec()
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        prompt = list(range(1, 2 * B + 1))
+        a.store(prompt, random_layers(spec, 2 * B))
+        bank.namespace(spec).store(prompt, random_layers(spec, 2 * B))
+        assert a.restore(prompt) is not None and a.restore(prompt) is not None
+        assert a.restore([77] * B) is None  # a miss is no hit
+        rows = {s.tenant: s for s in bank.tenant_stats()}
+        assert set(rows) == {tenant_id(SALT_A), UNSALTED}
+        mine = rows[tenant_id(SALT_A)]
+        assert (mine.namespaces, mine.hits, mine.hit_tokens) == (1, 2, 2 * 2 * B)
+        assert mine.bytes == sum(
+            h.payload_size for h in headers(bank.store).values() if h.root == a.root
+        )
+        assert rows[UNSALTED].hits == 0 and rows[UNSALTED].bytes == mine.bytes
+    # Persisted: the CLI shows them after the writer is gone, by digest only.
+    assert cli.main(["stats", str(bank_path), "--json"]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert SALT_A not in out
+    tenants = {t["tenant"]: t for t in json.loads(out)["tenants"]}
+    assert tenants[short_id(tenant_id(SALT_A))]["hits"] == 2
+    assert tenants[short_id(UNSALTED)]["unsalted"] is True
+
+
+def test_the_commands_set_show_clear_and_revoke(
+    bank_path: Path, tmp_path: Path, capsys: object
+) -> None:
+    spec = attention_spec()
+    size = block_size_bytes(bank_path.with_name("probe"))
+    bank, clock = open_bank(bank_path)
+    with bank:
+        fill(bank, clock, SALT_A, 1000, 3, 1)
+        fill(bank, clock, SALT_B, 2000, 2, 10)
+        a_root = bank.namespace(spec, salt=SALT_A).root
+        b_root = bank.namespace(spec, salt=SALT_B).root
+    salt_file = tmp_path / "salt"
+    salt_file.write_text(SALT_A + "\n")
+    bank_arg = str(bank_path)
+    read = capsys.readouterr  # type: ignore[attr-defined]
+    read()
+    assert cli.main(["quota", "set", bank_arg, "--salt-file", str(salt_file),
+                     "--limit-bytes", str(2 * size), "--json"]) == 0  # fmt: skip
+    out = json.loads(read().out)
+    assert out["tenant"] == short_id(tenant_id(SALT_A)) and out["evicted"] == 4
+    assert cli.main(["quota", "show", bank_arg, "--json"]) == 0
+    text = read().out
+    assert SALT_A not in text and SALT_B not in text
+    rows = {r["tenant"]: r for r in json.loads(text)["tenants"]}
+    assert rows[short_id(tenant_id(SALT_A))]["quota"] == 2 * size
+    assert rows[short_id(tenant_id(SALT_A))]["bytes"] == 2 * size
+    assert rows[short_id(tenant_id(SALT_B))]["quota"] is None
+    assert cli.main(["quota", "show", bank_arg]) == 0
+    assert short_id(tenant_id(SALT_A)) in read().out
+    assert cli.main(["revoke", bank_arg, SALT_B, "--batch", "1", "--json"]) == 0
+    out = json.loads(read().out)
+    assert (out["blocks"], out["batches"], out["done"]) == (4, 4, True)
+    assert cli.main(["quota", "clear", bank_arg, SALT_A]) == 0
+    assert cli.main(["quota", "clear", bank_arg, SALT_A]) == 1
+    assert cli.main(["quota", "set", bank_arg, "--limit-bytes", "1"]) == 1  # no tenant named
+    read()
+    with Bank.open(bank_path) as bank:
+        assert bank.quotas() == {}
+        assert {h.root for h in headers(bank.store).values()} == {a_root}
+        assert b_root not in {h.root for h in headers(bank.store).values()}
+        assert not verify(bank).problems
