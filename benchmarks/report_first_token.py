@@ -43,9 +43,56 @@ _FIRST_TOKEN_INTRO = (
     "round; ratios are medians of each round's ratio. mlx-lm's ways prefill what is "
     "left in one pass, as the limit does (its `generate_step` passes the last token "
     "alone), which favours them. Targets: (a) >= 1.4x mlx-lm's LRU; (b) <= 1.05x the "
-    "limit and >= 1.0x mlx-lm's LRU; (c) >= 1.5x mlx-lm's file. Not measured: the same "
-    "situations through `cas-bank serve` (missing from this anchor).",
+    "limit and >= 1.0x mlx-lm's LRU; (c) >= 1.5x mlx-lm's file; the same in `cas-bank "
+    "serve` (the second table).",
     "",
+)
+
+_SERVE_SITUATIONS = (
+    ("shared_prefix", "(a) another agent, stored prefix + 1", "mlx_lm_lru", "LRU", "bank", "serve"),
+    ("next_turn", "(b) the next turn", "mlx_lm_lru", "LRU", "bank", "serve"),
+    (
+        "after_restart",
+        "(c) after a restart (a fresh server)",
+        "mlx_lm_file",
+        "file",
+        "bank_reopened",
+        "serve_restarted",
+    ),
+)
+
+_SERVE_INTRO = (
+    "The same situations in `cas-bank serve`: the server's app in this process "
+    "(`BackgroundServer` around an `Engine` of the same model, every default: "
+    "background stores, end records), on the bank the prefix was stored into; each "
+    "request a token-id prompt streamed through `/v1/completions`, greedy, from a "
+    "client made beforehand on a connection of its own, timed to the first chunk. (a) "
+    "the prefix + 1 new token; (b) turn 1 (the prefix + 1 token) answered by the "
+    "server itself (16 tokens, greedy, untimed; the engine stores prompt + answer with "
+    "its end record after the request), then that conversation + 64 new tokens: it "
+    "restores all that went through the model and prefills the answer's last token "
+    "(sampled, never through the model) and the 64, against the limit's 64; (c) a "
+    "fresh server (a new engine on the same bank directory, its start untimed) per "
+    "request. The server's requests run beside the other ways in the first rounds "
+    "only (its column `rounds`), so its ratios are per-round ones against the other "
+    "ways of those rounds. Its time in parts: the engine's (queue wait and time to "
+    "the first token: restore, prefill, sampling; in brackets the forward pass) and "
+    "HTTP's (the rest: the request and the first chunk through uvicorn and the event "
+    "loop). The server gives no logits: its check is the tokens restored.",
+    "",
+)
+
+_SERVE_COLUMNS = (
+    "layout",
+    "MB",
+    "situation",
+    "TTFT ms: limit / mlx-lm / library / serve",
+    "mlx-lm / serve",
+    "serve / limit",
+    "serve / library",
+    "serve's tokens: restored / prefilled",
+    "serve ms: engine (forward) / HTTP",
+    "rounds",
 )
 
 _FIRST_TOKEN_COLUMNS = (
@@ -68,6 +115,14 @@ def first_token_section(r: dict[str, Any]) -> list[str]:
         return []
     rows = [_situation_row(c, *sit) for c in ft["cases"] for sit in _SITUATIONS if sit[0] in c]
     L = [*_FIRST_TOKEN_INTRO, *_table(list(_FIRST_TOKEN_COLUMNS), rows)]
+    serve_rows = [
+        _serve_row(c, *sit)
+        for c in ft["cases"]
+        for sit in _SERVE_SITUATIONS
+        if sit[0] in c and sit[-1] in c[sit[0]]
+    ]
+    if serve_rows:
+        L += [*_SERVE_INTRO, *_table(list(_SERVE_COLUMNS), serve_rows)]
     L += [
         "A restore with room in the same process (the bank's restore in (a), alone, "
         "evaluated): as the defaults run it (a lease restored again is copied ahead by "
@@ -112,6 +167,27 @@ def _situation_row(
         f"{_ms(k.get('own_s'))}",
         f"{_ms(o.get('fetch_s', o.get('load_s')))} / {_ms(o['forward_s'])}",
         f"{o['logits_max_diff']:.1e} / {k['logits_max_diff']:.1e}",
+    ]
+
+
+def _serve_row(
+    c: dict[str, Any], key: str, label: str, other: str, name: str, lib: str, way: str
+) -> list[str]:
+    s = c[key]
+    lim, o, k, v = s["limit"], s[other], s[lib], s[way]
+    r = s["ratios"]
+    return [
+        c["layout"],
+        _mb(c["kv_bytes"]),
+        label,
+        f"{_ms(lim['ttft_s'])} / {_ms(o['ttft_s'])} ({name}) / {_ms(k['ttft_s'])} / "
+        f"{_ms(v['ttft_s'])}",
+        f"{r[f'{other}_over_{way}']:.2f}x",
+        f"{r[f'{way}_over_limit']:.2f}x",
+        f"{r[f'{way}_over_{lib}']:.2f}x",
+        f"{v['restored']:.0f} / {v['prefilled']:.0f}",
+        f"{_ms(v['engine_s'])} ({_ms(v['forward_s'])}) / {_ms(v['http_s'])}",
+        f"{v.get('rounds', s['rounds']):.0f} of {s['rounds']}",
     ]
 
 

@@ -365,6 +365,68 @@ def _first_token(r: dict[str, Any], rows: _Rows) -> None:
             where,
             top_functions(a.get("profile_restore", [])),
         )
+        _first_token_serve(c, rows)
+
+
+def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
+    """Issue 43's targets in `cas-bank serve` (`benchmarks.first_token_serve`): its TTFT
+    through HTTP, in the rounds it ran beside the other ways."""
+    where = f"{c['layout']} ({mb(c['kv_bytes'])} MB of KV), cas-bank serve"
+    a, b, ar = c["shared_prefix"], c["next_turn"], c["after_restart"]
+
+    def parts(sit: dict[str, Any], way: str) -> str:
+        v = sit[way]
+        return (
+            f"serve: engine {ms(v['engine_s'])} ms (forward {ms(v['forward_s'])} ms of "
+            f"{v['prefilled']:.0f} tokens, {v['restored']:.0f} restored), HTTP "
+            f"{ms(v['http_s'])} ms; the library's way {ms(sit[lib_of(way)]['ttft_s'])} ms; "
+            f"the forward-only limit {ms(sit['limit']['ttft_s'])} ms"
+        )
+
+    def lib_of(way: str) -> str:
+        return "bank_reopened" if way == "serve_restarted" else "bank"
+
+    if "serve" in a:
+        ra = a["ratios"]["mlx_lm_lru_over_serve"]
+        rows.add(
+            "another agent on a stored prefix: first token >= 1.4x mlx-lm's LRU",
+            f"{ra:.2f}x ({ms(a['mlx_lm_lru']['ttft_s'])} vs {ms(a['serve']['ttft_s'])} ms; "
+            f"the library {a['ratios']['mlx_lm_lru_over_bank']:.2f}x)",
+            ra >= 1.4,
+            where,
+            parts(a, "serve"),
+        )
+    if "serve" in b:
+        over = b["ratios"]["serve_over_limit"]
+        rows.add(
+            "the next turn: first token <= 1.05x the forward-only limit",
+            f"{over:.2f}x ({ms(b['serve']['ttft_s'])} vs {ms(b['limit']['ttft_s'])} ms; "
+            f"restored {b['serve']['restored']:.0f}, prefilled {b['serve']['prefilled']:.0f} "
+            f"(the limit {b['limit']['prefilled']:.0f}); the library "
+            f"{b['ratios']['bank_over_limit']:.2f}x)",
+            over <= 1.05,
+            where,
+            parts(b, "serve"),
+        )
+        rb = b["ratios"]["mlx_lm_lru_over_serve"]
+        rows.add(
+            "the next turn: first token >= 1.0x mlx-lm's LRU",
+            f"{rb:.2f}x ({ms(b['mlx_lm_lru']['ttft_s'])} vs {ms(b['serve']['ttft_s'])} ms)",
+            rb >= 1.0,
+            where,
+            parts(b, "serve"),
+        )
+    if "serve_restarted" in ar:
+        rc = ar["ratios"]["mlx_lm_file_over_serve_restarted"]
+        rows.add(
+            "after a restart: first token >= 1.5x mlx-lm's file",
+            f"{rc:.2f}x ({ms(ar['mlx_lm_file']['ttft_s'])} vs "
+            f"{ms(ar['serve_restarted']['ttft_s'])} ms, a fresh server; the library "
+            f"{ar['ratios']['mlx_lm_file_over_bank_reopened']:.2f}x)",
+            rc >= 1.5,
+            where,
+            parts(ar, "serve_restarted"),
+        )
 
 
 def _where_time_goes(sit: dict[str, Any], other: str, bank: str = "bank") -> str:

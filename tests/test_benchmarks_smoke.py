@@ -44,6 +44,13 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
         assert case["next_turn"]["mlx_lm_lru"]["restored"] == talk
         assert prefix <= case["next_turn"]["bank"]["restored"] <= talk
         assert case["after_restart"]["bank_reopened"]["restored"] == prefix
+        # cas-bank serve: the stored prefix, and the next turn through its own answer
+        # (all that went through the model: turn 1's prompt, prefix + 1, and the answer
+        # but its last token); a fresh server on the same bank restores the prefix.
+        assert case["shared_prefix"]["serve"]["restored"] == prefix
+        assert case["next_turn"]["serve"]["restored"] == talk
+        assert case["next_turn"]["serve"]["prefilled"] == case["new_tokens"] + 1
+        assert case["after_restart"]["serve_restarted"]["restored"] == prefix
     for layout in ft["prefill_or_restore"]:
         assert layout["points"][0]["prefill_s"] > 0 and len(layout["apple_estimate"]) >= 3
 
@@ -81,6 +88,8 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert st["off"]["bytes_written"] == 0 < st["inline"]["bytes_written"]
     assert st["background"]["bytes_written"] == st["inline"]["bytes_written"]
     assert "## The first token against mlx-lm's in-memory cache" in md
+    assert "The same situations in `cas-bank serve`" in md
+    assert any(t["where"].endswith("cas-bank serve") for t in res["targets"])
     assert "## Where prefilling beats restoring" in md and "Apple silicon est." in md
     assert "## Partial blocks: agents branching at arbitrary points" in md
     assert "## Eviction order on a mixed workload" in md  # each order on the same requests
