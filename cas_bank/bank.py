@@ -351,14 +351,13 @@ class Bank:
 
     def tenant_stats(self) -> list[TenantStats]:
         """Bytes, hits and quota per tenant (by `tenant_id`, never the salt), most bytes
-        first. Builds the leaf index on first use (a walk of the small families)."""
-        index = leaf_index(self.store, self.access)
-        return tenant_stats(
-            index,
-            self.tenants.roots(self.store),
-            self.counters.root_hits(self.store),
-            self.quotas(),
-        )
+        first. The first call builds the leaf index (a walk of the headers, ends and
+        access families, under the write lock), kept current from then on."""
+        with self.write_lock:  # the index changes with every batch, under this lock
+            held = dict(leaf_index(self.store, self.access).root_bytes)
+            roots = dict(self.tenants.roots(self.store))
+            quotas = self.quotas()
+        return tenant_stats(held, roots, self.counters.root_hits(self.store), quotas)
 
     def restore_times(self) -> RestoreTotals:
         """Where this process's restores on this bank spent their time: the sums of

@@ -15,11 +15,12 @@ from __future__ import annotations
 import gc
 import math
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from cas_bank import native
+from cas_bank.evict.tenants import TenantStats, short_id
 from cas_bank.stats import BankStats, RestoreTotals
 from cas_bank.write.writer import WriterStats
 
@@ -216,6 +217,42 @@ def bank_metrics(stats: BankStats) -> list[Metric]:
             )
         )
     return [*out, native_metric(), frozen_metric()]
+
+
+def tenant_metrics(tenants: Sequence[TenantStats]) -> list[Metric]:
+    """Bytes, hits and quotas per tenant (`Bank.tenant_stats()`), labelled by the salt's
+    digest (its first 12 hex characters, `cas_bank.evict.tenants.short_id`), never the
+    salt; `unsalted="1"` marks the data stored without one."""
+
+    def labels(t: TenantStats) -> tuple[tuple[str, str], ...]:
+        return (("tenant", short_id(t.tenant)), ("unsalted", "1" if t.unsalted else "0"))
+
+    return [
+        Metric(
+            "tenant_bytes",
+            "Bytes of blocks, states and end records a tenant (cache_salt) holds.",
+            "gauge",
+            {labels(t): t.bytes for t in tenants},
+        ),
+        Metric(
+            "tenant_hits_total",
+            "Restores of a tenant that restored at least one token.",
+            "counter",
+            {labels(t): t.hits for t in tenants},
+        ),
+        Metric(
+            "tenant_hit_tokens_total",
+            "Tokens restored for a tenant.",
+            "counter",
+            {labels(t): t.hit_tokens for t in tenants},
+        ),
+        Metric(
+            "tenant_quota_bytes",
+            "A tenant's byte quota (tenants with one).",
+            "gauge",
+            {labels(t): t.quota for t in tenants if t.quota is not None},
+        ),
+    ]
 
 
 def native_metric() -> Metric:

@@ -32,6 +32,7 @@ from .metrics import (
     bank_metrics,
     render,
     restore_metrics,
+    tenant_metrics,
     tier_metrics,
 )
 from .mlx_lm_requests import served_model_id
@@ -75,6 +76,7 @@ def metrics(
     cache_stats: dict[str, int],
 ) -> None:
     families = [*bank_metrics(bank.stats()), *restore_metrics(bank.restore_times())]
+    families += tenant_metrics(bank.tenant_stats())
     families.append(
         Metric.single(
             "bank_degraded",

@@ -49,6 +49,7 @@ from .metrics import (
     engine_metrics,
     render,
     restore_metrics,
+    tenant_metrics,
     tier_metrics,
     writer_metrics,
 )
@@ -174,6 +175,7 @@ def _add_status_routes(app: FastAPI, engine: Engine, requests: RequestCounter) -
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         stats = await asyncio.to_thread(engine.bank.stats)
+        tenants = await asyncio.to_thread(engine.bank.tenant_stats)
         degraded = Metric.single(
             "bank_degraded",
             "1 while the bank refuses stores (a full disk); answers still go out.",
@@ -185,6 +187,7 @@ def _add_status_routes(app: FastAPI, engine: Engine, requests: RequestCounter) -
             [
                 *bank_metrics(stats),
                 *restore_metrics(engine.bank.restore_times()),
+                *tenant_metrics(tenants),
                 *writer_metrics(writer.stats() if (writer := engine.bank.writer) else None),
                 *engine_metrics(engine.stats()),
                 degraded,

@@ -218,3 +218,27 @@ def test_the_commands_set_show_clear_and_revoke(
         assert {h.root for h in headers(bank.store).values()} == {a_root}
         assert b_root not in {h.root for h in headers(bank.store).values()}
         assert not verify(bank).problems
+
+
+def test_metrics_per_tenant_by_digest(bank_path: Path) -> None:
+    from cas_bank.runtime.metrics import render, tenant_metrics
+
+    spec = attention_spec()
+    size = block_size_bytes(bank_path.with_name("probe"))
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        prompt = list(range(1, 2 * B + 1))
+        a.store(prompt, random_layers(spec, 2 * B))
+        assert a.restore(prompt) is not None
+        bank.set_quota(SALT_A, 10 * size)
+        bank.namespace(spec).store(prompt[:B], random_layers(spec, B))
+        text = render(tenant_metrics(bank.tenant_stats()))
+    mine = f'tenant="{short_id(tenant_id(SALT_A))}",unsalted="0"'
+    assert f"cas_bank_tenant_bytes{{{mine}}} {2 * size}" in text
+    assert f"cas_bank_tenant_hits_total{{{mine}}} 1" in text
+    assert f"cas_bank_tenant_hit_tokens_total{{{mine}}} {2 * B}" in text
+    assert f"cas_bank_tenant_quota_bytes{{{mine}}} {10 * size}" in text
+    plain = f'tenant="{short_id(UNSALTED)}",unsalted="1"'
+    assert f"cas_bank_tenant_bytes{{{plain}}} {size}" in text
+    assert SALT_A not in text

@@ -88,9 +88,7 @@ def short_id(tenant: str) -> str:
 
 def check_tenant_id(tenant: str) -> str:
     if not isinstance(tenant, str) or not _ID.fullmatch(tenant):
-        raise ValueError(
-            f"a tenant id is the 32 hex characters of tenant_id(salt), got {tenant!r}"
-        )
+        raise ValueError(f"a tenant id is the 32 hex characters of tenant_id(salt), got {tenant!r}")
     return tenant
 
 
@@ -423,19 +421,20 @@ class TenantStats:
 
 
 def tenant_stats(
-    index: LeafIndex,
+    held: Mapping[bytes, int],
     roots: Mapping[bytes, str],
     hits: Mapping[bytes, tuple[int, int]],
     quotas: Mapping[str, int],
 ) -> list[TenantStats]:
-    """Bytes, hits and the quota of every tenant, most bytes first."""
+    """Bytes (`held`: by root), hits (by root) and the quota of every tenant (`roots`:
+    root -> tenant id), most bytes first."""
     by: dict[str, list[int]] = {}
-    every = set(roots) | set(index.root_bytes) | set(hits)
+    every = set(roots) | set(held) | set(hits)
     for root in every:
         tenant = roots.get(root, "root:" + root[:8].hex())
         row = by.setdefault(tenant, [0, 0, 0, 0])
         row[0] += 1
-        row[1] += index.root_bytes.get(root, 0)
+        row[1] += held.get(root, 0)
         h = hits.get(root, (0, 0))
         row[2] += h[0]
         row[3] += h[1]
