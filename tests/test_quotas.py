@@ -94,6 +94,12 @@ def test_a_quota_keeps_a_tenants_pins(bank_path: Path) -> None:
         a.pin(system)
         fill(bank, clock, SALT_A, 1000, 5, 10)
         assert set(chain) <= under(bank, a.root) and len(under(bank, a.root)) == 4
+        # A quota below the pins: all but the pins go, at every store that adds more.
+        bank.set_quota(SALT_A, size)
+        assert under(bank, a.root) == set(chain)
+        fill(bank, clock, SALT_A, 3000, 2, 30)
+        assert under(bank, a.root) == set(chain)
+        assert recount(bank) == counted(bank)
 
 
 def test_revoke_removes_a_tenant_and_leaves_the_others(bank_path: Path) -> None:

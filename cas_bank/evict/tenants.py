@@ -143,6 +143,9 @@ class Tenants:
         self.config_quotas = {check_tenant_id(t): int(n) for t, n in config_quotas}
         self._roots: dict[bytes, str] | None = None
         self._stored: dict[str, int] | None = None
+        # Per tenant, the bytes an enforcement could not go below (all that is left is
+        # pinned): no new walk of its entries until it holds more than that.
+        self.floor: dict[str, int] = {}
 
     def roots(self, store: BlockStore) -> dict[bytes, str]:
         if self._roots is None:
@@ -183,19 +186,18 @@ class _TenantHeap:
 
     def __init__(self, index: LeafIndex, roots: set[bytes], *, pinned: bool = False) -> None:
         self.index, self.roots, self.pinned = index, roots, pinned
-        self.heap: list[tuple[float, float, int, bytes]] = []
+        heap: list[tuple[float, float, int, bytes]] = []
         for key, node in index.nodes.items():
             if node.root in roots:
-                self._push_node(key, node)
+                if node.has_state:
+                    heap.append((node.state_prio, node.state_used, _STATE, key))
+                if node.children == 0:
+                    heap.append((node.prio, node.used, _BLOCK, key))
         for parent, group in index.ends.items():
             if group.root in roots:
-                heapq.heappush(self.heap, (group.prio, group.used, _ENDS, parent))
-
-    def _push_node(self, key: bytes, node: Node) -> None:
-        if node.has_state:
-            heapq.heappush(self.heap, (node.state_prio, node.state_used, _STATE, key))
-        if node.children == 0:
-            heapq.heappush(self.heap, (node.prio, node.used, _BLOCK, key))
+                heap.append((group.prio, group.used, _ENDS, parent))
+        heapq.heapify(heap)
+        self.heap = heap
 
     def pop(self) -> Victim | None:
         index = self.index
@@ -301,8 +303,15 @@ def enforce_quotas(bank: Writer, tenants: Tenants) -> list[TenantEviction]:
     out = []
     for tenant, limit in quotas.items():
         roots = tenants.roots_of(bank.store, tenant, index)
-        if roots and held_bytes(index, roots) > limit:
-            out.append(evict_tenant(bank, tenant, roots, limit=limit))
+        held = held_bytes(index, roots) if roots else 0
+        if held <= limit or held <= tenants.floor.get(tenant, -1):
+            continue
+        went = evict_tenant(bank, tenant, roots, limit=limit)
+        out.append(went)
+        if went.bytes_after > limit:
+            tenants.floor[tenant] = went.bytes_after
+        else:
+            tenants.floor.pop(tenant, None)
     return out
 
 
@@ -320,6 +329,7 @@ def set_quota(
         tx.extend(tenant_record(r, salt) for r in roots)  # recorded from now on
     tenants.stored_quotas(bank.store)[tenant] = limit
     tenants.forget_roots()
+    tenants.floor.clear()
     return enforce_quotas(bank, tenants)
 
 
