@@ -7,6 +7,8 @@ the next turn's logits are bit-identical to the same forward passes on a fresh c
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -140,3 +142,41 @@ def test_mlx_lms_next_request_gets_the_inserted_cache_back_without_a_copy(name: 
         assert restored is not None and len(rest) == 3
         assert buffer_of(restored, adapter.prefix_cache) == where
         assert bank.stats().live_hits == 1
+
+
+def test_a_live_lease_taken_without_room_hands_out_exactly_its_tokens() -> None:
+    """`Namespace.restore(room_for=0)` promises arrays of exactly `Hit.tokens` tokens: a
+    live lease is handed out as views of them (no copy), not its whole buffers."""
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny("tiny-qwen3"), chunk_size=BLOCK)
+        rng = np.random.default_rng(25)
+        finished, cache, _, _, recorder = turn_one(pc, rng)
+        pc.store(finished, cache, states=recorder)
+        where = buffer_of(cache, pc)
+        hit = pc.namespace.restore(finished + random_tokens(rng, NEW))
+        assert hit is not None and hit.tokens == len(finished)
+        assert bank.stats().live_hits == 1
+        keys = hit.layers[pc.spec.attention_layers[0]][0]
+        assert keys.shape[-2] == len(finished)
+        assert address_of(to_numpy(keys)) == where  # a view of the same buffer
+
+
+def test_a_model_without_attention_layers_stores_ends_without_a_live_lease() -> None:
+    """Nothing a copy would cost: its end record is written, no live lease kept."""
+    from conftest import random_layers, random_state
+
+    from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+
+    gdn = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 2, 4, 4), "float32")])
+    spec = ModelSpec(name="pure-ssm", layers=(gdn, gdn), weights_digest="w-ssm")
+    with (
+        tempfile.TemporaryDirectory() as d,
+        Bank.open(Path(d) / "b", BankConfig(block_size=4, write_behind=0)) as bank,
+    ):
+        ns = bank.namespace(spec)
+        toks = list(range(6))
+        ns.store(toks[:4], random_layers(spec, 4), {4: random_state(spec)})
+        ns.store_end(toks, random_layers(spec, 6), random_state(spec))
+        assert bank.stats().ends == 1 and bank.stats().live_bytes == 0
+        hit = ns.restore([*toks, 9])
+        assert hit is not None and hit.tokens == 6

@@ -227,8 +227,8 @@ class Leases:
         flat = [a for layer in kept if layer is not None for a in _flat(layer)]
         mx.eval(flat, flat_state or [])
         nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
-        if not self.budget.fits(nbytes):
-            return
+        if not flat or not self.budget.fits(nbytes):
+            return  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry([bytes(h) for h in hashes], HeldArrays(flat), nbytes)
         entry.live = Live(kept, tokens, flat_state)
         with self._lock:
@@ -254,7 +254,9 @@ class Leases:
         these buffers. Under the lock."""
         for key in [k for k, e in self._entries.items() if e.hashes or e.live is not None]:
             entry = self._entries[key]
-            if (lives or entry.live is None) and entry.arrays.addresses()[0] in buffers:
+            if not entry.arrays or not (lives or entry.live is None):
+                continue
+            if entry.arrays.addresses()[0] in buffers:
                 self._drop(key)
 
     @property

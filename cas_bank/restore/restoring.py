@@ -142,7 +142,7 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     comes back)."""
     started = time.perf_counter()
     plan = _plan(ns, as_token_array(tokens))
-    live = _live_hit(ns, plan, started)
+    live = _live_hit(ns, plan, started, room_for)
     if live is not None:
         return live
     leased, in_memory, capacity = _probe_memory(plan, room_for)
@@ -197,10 +197,11 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
     )
 
 
-def _live_hit(ns: Restorable, plan: _Plan, started: float) -> Hit | None:
+def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit | None:
     """The conversation's live cache, where the end record the plan resumes from was
     stored from it in this process and nothing has taken it since (`Leases.take_live`):
-    handed back whole, room and all, with no byte copied."""
+    handed back with no byte copied, room and all where the caller asks for room, else
+    as views of exactly its tokens (what `Namespace.restore` promises without room)."""
     end, leases = plan.end, ns.bank.leases
     if end is None or leases is None or plan.cont is not None:
         return None
@@ -209,13 +210,16 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float) -> Hit | None:
         return None
     looked_up = time.perf_counter()
     kv: list[tuple[Any, ...] | None] = list(live.layers)
+    if not room_for:  # views, no copy; evaluated below (bound to no thread's stream)
+        n = end.tokens
+        kv = group_layers(ns.spec, [a[..., :n, :] for a in flat_attention(ns.spec, kv)], None)
     if ns.spec.is_hybrid:
         state = live.state if live.state is not None else end.payload.state
         kv = merge_layers(kv, group_layers(ns.spec, None, state))
     exact = end.tokens == len(plan.toks)
     logits = end.payload.logits if exact else None
     hidden = end.payload.hidden if exact else None
-    mx.eval([a for a in (logits, hidden) if a is not None])  # the layers were at `put_live`
+    mx.eval(kv, [a for a in (logits, hidden) if a is not None])
     ns.bank.counters.count(live_hits=1)
     _account(ns, plan, end.tokens, plan.n_blocks, ns.spec.is_hybrid)
     timings = _clocked(ns, started, looked_up, looked_up, time.perf_counter())
