@@ -192,6 +192,11 @@ def test_an_end_under_the_root_and_bad_input(bank: Bank) -> None:
         bank.namespace(HYBRID).store_end(short, prefix_layers(HYBRID, short))
     with pytest.raises(InvalidInputError, match="logits"):
         ns.store_end(short, prefix_layers(SPEC, short), logits=[1.0])
+    # Every position's logits (a forward pass's whole output) are not the last token's.
+    every = mx.zeros((1, 2, 16))
+    with pytest.raises(InvalidInputError, match=r"shape \(1, 2, 16\): take logits\[0, -1\]"):
+        ns.store_end(short, prefix_layers(SPEC, short), logits=every)
+    ns.store_end(short, prefix_layers(SPEC, short), logits=every[:, -1:, :])  # [1, 1, vocab]
 
 
 def test_no_end_record_without_its_parent_block(bank: Bank) -> None:

@@ -343,6 +343,11 @@ def prepare_end(
         if a is not None and not isinstance(a, mx.array):
             raise InvalidInputError(f"{name} must be an mlx array, got {type(a).__name__}")
     if logits is not None:
+        if logits.ndim < 1 or any(d != 1 for d in logits.shape[:-1]):
+            raise InvalidInputError(
+                f"logits must be the last token's, shape [vocab] (or [1, vocab], [1, 1, "
+                f"vocab]); got shape {tuple(logits.shape)}: take logits[0, -1]"
+            )
         logits = logits.reshape(-1)
     base = n - n % block_size
     tail = [a[..., base:n, :] for layer in arrays for a in layer]
