@@ -99,6 +99,20 @@ def hidden_parts(model: nn.Module) -> tuple[Body, Head] | None:
     return (lambda x, cache: body(x, cache)), head
 
 
+def exact_parts(model: nn.Module, make_cache: Callable[[], list[Any]]) -> tuple[Body, Head] | None:
+    """`hidden_parts`, where `head(body(x))` is bit for bit the model's own `model(x)`
+    on a two-token probe; None otherwise (a model that scales or caps its logits after
+    the head, as granite, minicpm or gemma2 do in mlx-lm)."""
+    parts = hidden_parts(model)
+    if parts is None:
+        return None
+    x = mx.array([[1, 2]])
+    whole = model(x, cache=make_cache())
+    split = parts[1](parts[0](x, make_cache()))
+    same = whole.shape == split.shape and bool(mx.array_equal(whole, split).item())
+    return parts if same else None
+
+
 def forward_chunks(
     model: nn.Module,
     spec: ModelSpec,

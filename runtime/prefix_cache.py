@@ -108,8 +108,8 @@ from .prefill import (
     PrefillCancelled,
     PrefillReport,
     chunk_ends,
+    exact_parts,
     forward_chunks,
-    hidden_parts,
     resume_point,
 )
 from .state_recorder import StateRecorder
@@ -179,11 +179,12 @@ class PrefixCache:
         # The last token's hidden state in the end records prefill writes (for a runtime
         # whose multi-token-prediction head drafts from it): off unless asked, it costs
         # a hidden state's bytes per record.
-        self.hidden_parts = hidden_parts(self.model) if keep_hidden else None
+        self.hidden_parts = exact_parts(self.model, self.new_cache) if keep_hidden else None
         if keep_hidden and self.hidden_parts is None:
             raise InvalidInputError(
                 f"keep_hidden: {type(self.model).__name__} does not expose its hidden state "
-                f"(an mlx-lm model's body `model.model` and its LM head)"
+                f"(an mlx-lm model's body `model.model` and its LM head, which together "
+                f"give exactly the model's logits)"
             )
         # Stores go to the bank's background writer (BankConfig.write_behind > 0): the
         # prefill returns once the cache is snapshotted; `bank.flush()` waits for them.

@@ -97,3 +97,25 @@ def test_a_model_that_does_not_expose_its_hidden_state_is_refused_by_name() -> N
     assert hidden_parts(Opaque(tiny("tiny-qwen3").model)) is None
     with temp_bank(BLOCK) as bank, pytest.raises(InvalidInputError, match="Opaque"):
         PrefixCache(bank, Opaque(tiny("tiny-qwen3").model), keep_hidden=True)
+
+
+def test_a_model_that_scales_its_logits_after_the_head_is_refused() -> None:
+    """granite divides its logits by `logits_scaling` after the head: its body and head
+    alone would store (and hand back) other logits than the model's."""
+    from mlx_lm.models import granite
+
+    args = granite.ModelArgs(
+        model_type="granite", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=512, logits_scaling=8.0,
+        attention_multiplier=0.125, embedding_multiplier=1.0, residual_multiplier=1.0,
+        max_position_embeddings=4096, num_key_value_heads=2, attention_bias=False,
+        mlp_bias=False, rope_theta=10000.0,
+    )  # fmt: skip
+    mx.random.seed(0)
+    model = granite.Model(args)
+    mx.eval(model.parameters())
+    assert hidden_parts(model) is not None  # it has a body and a head...
+    with temp_bank(BLOCK) as bank:
+        with pytest.raises(InvalidInputError, match="exactly the model's logits"):
+            PrefixCache(bank, model, keep_hidden=True)  # ...that do not give its logits
+        PrefixCache(bank, model)  # without keep_hidden: served as any model
