@@ -292,7 +292,13 @@ class PrefixCache:
             fill_cache(self.spec, cache, hit.layers, hit.tokens)
             return cache, hit.tokens, hit.logits, hit.hidden
         if hit is not None and hit.tokens == len(toks):
-            # Covered, but without the last token's logits: it is prefilled again.
+            # Covered, but without the last token's logits: it is prefilled again. An
+            # attention-only cache is the same arrays one token short (what is past its
+            # offset is room); a recurrent state cannot be cut, so that restore is redone.
+            if not self.spec.is_hybrid:
+                cache = self.new_cache()
+                fill_cache(self.spec, cache, hit.layers, hit.tokens - 1)
+                return cache, hit.tokens - 1, None, None
             cache, n = self.restore(toks)
             return cache, n, None, None
         cache = self.new_cache()

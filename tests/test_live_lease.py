@@ -180,3 +180,22 @@ def test_a_model_without_attention_layers_stores_ends_without_a_live_lease() -> 
         assert bank.stats().ends == 1 and bank.stats().live_bytes == 0
         hit = ns.restore([*toks, 9])
         assert hit is not None and hit.tokens == 6
+
+
+def test_an_exact_repeat_without_logits_keeps_its_live_cache_one_token_short() -> None:
+    """`restore_exact` of a conversation stored without its last logits: the live cache
+    handed back with its last token to prefill again (one restore, no copy)."""
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny("tiny-qwen3"), chunk_size=BLOCK)
+        finished, cache, ends, _, recorder = turn_one(pc, np.random.default_rng(26))
+        pc.store(finished, cache, states=recorder)  # no logits given
+        where = buffer_of(cache, pc)
+        del cache, recorder
+        bank.flush()
+        restores = bank.stats().restores
+        cache, n, logits = pc.restore_exact(finished)
+        assert (n, logits) == (len(finished) - 1, None)
+        assert bank.stats().restores == restores + 1 and bank.stats().live_hits == 1
+        assert buffer_of(cache, pc) == where
+        again = pc.prefill(finished, cache, n, end=False)
+        assert bit_equal(again, forward(pc, pc.new_cache(), finished, 0, ends))
