@@ -7,13 +7,23 @@ per tenant, by the salt's digest and never the salt (`cas_bank.evict.tenants`).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from cas_bank.tools import cli
-from conftest import BLOCK_SIZE, attention_spec, kv_prefix_bits, layers_bits, random_layers
+from conftest import (
+    BLOCK_SIZE,
+    attention_spec,
+    hybrid_spec,
+    kv_prefix_bits,
+    layers_bits,
+    random_layers,
+    random_state,
+)
 from test_evict import counted, headers, open_bank, recount, store_at
 
 from cas_bank import Bank
+from cas_bank.blocks.store import Family
 from cas_bank.evict.eviction import pins
 from cas_bank.evict.tenants import UNSALTED, short_id, tenant_id
 from cas_bank.maintenance.verify import verify
@@ -248,3 +258,96 @@ def test_metrics_per_tenant_by_digest(bank_path: Path) -> None:
     plain = f'tenant="{short_id(UNSALTED)}",unsalted="1"'
     assert f"cas_bank_tenant_bytes{{{plain}}} {size}" in text
     assert SALT_A not in text
+
+
+def test_revoke_takes_states_and_end_records_and_a_quota_still_holds_after(
+    bank_path: Path,
+) -> None:
+    spec = hybrid_spec()
+    probe = attention_spec()
+    size = block_size_bytes(bank_path.with_name("probe"))
+    bank, clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        prompt = list(range(1, 4 * B + 3))
+        layers = random_layers(spec, len(prompt))
+        a.store(prompt, layers, {B: random_state(spec, 1), 3 * B: random_state(spec, 2)})
+        a.store_end(prompt, layers, random_state(spec, 3))
+        a.store_end([5, 6], random_layers(spec, 2), random_state(spec, 4))  # under the root
+        # The same tenant under another model has a quota, and its heap is kept.
+        c = bank.namespace(probe, salt=SALT_A)
+        bank.set_quota(SALT_A, 10**9)
+        fill(bank, clock, SALT_B, 3000, 2, 5)
+        report = bank.revoke(SALT_A, batch=2)
+        assert report.done and (report.blocks, report.states, report.ends) == (4, 2, 2)
+        assert report.namespaces == 2
+        assert bank.stats().states == 0 and bank.stats().ends == 0
+        assert not verify(bank).problems
+        # The tenant comes back: its quota (kept) holds as before.
+        bank.set_quota(SALT_A, 2 * size)
+        for k in range(4):
+            store_at(clock, 50 + k, c, [4000 + k] * 2 * B, k)
+        assert len(under(bank, c.root)) == 2
+        assert len(under(bank, bank.namespace(probe, salt=SALT_B).root)) == 4
+        assert recount(bank) == counted(bank)
+
+
+def test_a_namespace_without_a_tenant_record_is_a_tenant_of_its_own(bank_path: Path) -> None:
+    spec = attention_spec()
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        a.store(list(range(1, 2 * B + 1)), random_layers(spec, 2 * B))
+        bank.namespace(spec).store(list(range(B)), random_layers(spec, B))
+        with bank.transaction(budget=False) as tx:  # as a bank made before the records
+            for key in list(bank.store.keys(Family.META)):
+                if key.startswith(b"tenant/"):
+                    tx.delete(Family.META, key)
+        root = a.root
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        rows = {s.tenant: s for s in bank.tenant_stats()}
+        assert set(rows) == {"root:" + root[:8].hex(), UNSALTED}  # unsalted: recomputed
+        bank.namespace(spec, salt=SALT_A)  # named again: recorded
+        rows = {s.tenant: s for s in bank.tenant_stats()}
+        assert set(rows) == {tenant_id(SALT_A), UNSALTED}
+        assert rows[tenant_id(SALT_A)].bytes > 0
+
+
+def test_the_bank_serves_others_while_a_revoke_runs(bank_path: Path) -> None:
+    spec = attention_spec()
+    bank, clock = open_bank(bank_path)
+    with bank:
+        fill(bank, clock, SALT_A, 1000, 40, 1)
+        b = bank.namespace(spec, salt=SALT_B)
+        prompt = list(range(1, 3 * B + 1))
+        kept = random_layers(spec, 3 * B, seed=5)
+        b.store(prompt, kept)
+        want = kv_prefix_bits(kept, spec, 3 * B)
+        stop = threading.Event()
+        served: list[int] = []
+        failed: list[BaseException] = []
+
+        def other_tenant() -> None:
+            try:
+                k = 0
+                while not stop.is_set():
+                    hit = b.restore(prompt)
+                    assert hit is not None and layers_bits(hit.layers, spec) == want
+                    b.store([9000 + k] * B, random_layers(spec, B, seed=k))
+                    served.append(k)
+                    k += 1
+            except BaseException as e:
+                failed.append(e)
+
+        worker = threading.Thread(target=other_tenant)
+        worker.start()
+        try:
+            report = bank.revoke(SALT_A, batch=1)
+        finally:
+            stop.set()
+            worker.join()
+        assert not failed and served
+        assert report.done and report.blocks == 80 and report.batches == 80
+        assert not verify(bank).problems
+        assert len(under(bank, b.root)) == 3 + len(served)

@@ -105,6 +105,9 @@ class LeafIndex:
         self.pins: dict[bytes, tuple[tuple[bytes, ...], bytes | None]] = {}
         self._pinned: dict[bytes, int] = {}
         self._pinned_ends: dict[bytes, int] = {}
+        # Heaps of candidates under some roots (a tenant's, `evict.tenants`): every
+        # candidate queued here is pushed there too, so they stay complete.
+        self.watchers: dict[bytes, list[list[tuple[float, float, int, bytes]]]] = {}
 
     @property
     def total(self) -> int:
@@ -301,11 +304,18 @@ class LeafIndex:
         node.state_uses, node.state_prio = 0, 0.0
 
     def _queue_ends(self, parent: bytes, group: EndGroup) -> None:
+        for watcher in self.watchers.get(group.root, ()) if self.watchers else ():
+            heapq.heappush(watcher, (group.prio, group.used, _ENDS, parent))
         if not group.queued:
             group.queued = True
             heapq.heappush(self._heap, (group.prio, group.used, _ENDS, parent))
 
     def _queue(self, key: bytes, node: Node) -> None:
+        for watcher in self.watchers.get(node.root, ()) if self.watchers else ():
+            if node.has_state:
+                heapq.heappush(watcher, (node.state_prio, node.state_used, _STATE, key))
+            if node.children == 0:
+                heapq.heappush(watcher, (node.prio, node.used, _BLOCK, key))
         if node.has_state and not node.state_queued:
             node.state_queued = True
             heapq.heappush(self._heap, (node.state_prio, node.state_used, _STATE, key))

@@ -146,6 +146,8 @@ class Tenants:
         # Per tenant, the bytes an enforcement could not go below (all that is left is
         # pinned): no new walk of its entries until it holds more than that.
         self.floor: dict[str, int] = {}
+        # Each quota tenant's candidate heap, kept between stores (`TenantHeap`).
+        self.heaps: dict[str, TenantHeap] = {}
 
     def roots(self, store: BlockStore) -> dict[bytes, str]:
         if self._roots is None:
@@ -181,12 +183,21 @@ class Tenants:
 Victim = tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup]
 
 
-class _TenantHeap:
-    """The leaf index's candidates under some roots, in its order (a heap of their own)."""
+class TenantHeap:
+    """The leaf index's candidates under some roots, in its order: a heap of their own,
+    built once (linear in their entries) and kept complete by the index, which pushes
+    every candidate it queues under those roots (`LeafIndex.watchers`) until `close`.
+    Entries are checked when they surface, as the index's own are."""
 
     def __init__(self, index: LeafIndex, roots: set[bytes], *, pinned: bool = False) -> None:
-        self.index, self.roots, self.pinned = index, roots, pinned
-        heap: list[tuple[float, float, int, bytes]] = []
+        self.index, self.roots, self.pinned = index, frozenset(roots), pinned
+        self.heap: list[tuple[float, float, int, bytes]] = []
+        self._build()
+
+    def _build(self) -> None:
+        index, roots = self.index, self.roots
+        heap = self.heap
+        heap.clear()
         for key, node in index.nodes.items():
             if node.root in roots:
                 if node.has_state:
@@ -197,7 +208,27 @@ class _TenantHeap:
             if group.root in roots:
                 heap.append((group.prio, group.used, _ENDS, parent))
         heapq.heapify(heap)
-        self.heap = heap
+        for r in roots:
+            watching = index.watchers.setdefault(r, [])
+            if not any(w is heap for w in watching):
+                watching.append(heap)
+
+    def fresh(self, index: LeafIndex, roots: set[bytes]) -> bool:
+        """Whether this heap still serves `roots` of `index`; rebuilt in place when stale
+        entries outnumber the index's (so it never grows without bound)."""
+        if index is not self.index or roots != self.roots:
+            return False
+        if len(self.heap) > 2 * (len(index.nodes) + len(index.ends)) + 1024:
+            self._build()
+        return True
+
+    def close(self) -> None:
+        for r in self.roots:
+            watching = [w for w in self.index.watchers.get(r, []) if w is not self.heap]
+            if watching:
+                self.index.watchers[r] = watching
+            else:
+                self.index.watchers.pop(r, None)
 
     def pop(self) -> Victim | None:
         index = self.index
@@ -229,12 +260,6 @@ class _TenantHeap:
             return "block", key, node
         return None
 
-    def removed(self, node: Node) -> None:
-        """A block went: its parent may be a leaf now."""
-        parent = self.index.nodes.get(node.parent)
-        if parent is not None and parent.children == 0 and parent.root in self.roots:
-            heapq.heappush(self.heap, (parent.prio, parent.used, _BLOCK, node.parent))
-
 
 @dataclass(frozen=True, slots=True)
 class TenantEviction:
@@ -262,17 +287,28 @@ def evict_tenant(
     limit: int | None = None,
     most: int | None = None,
     revoking: bool = False,
+    heaps: dict[str, TenantHeap] | None = None,
 ) -> TenantEviction:
     """Remove the candidates under `roots` in eviction order, in one transaction,
     until they hold at most `limit` bytes (None: all of them) or `most` went.
 
     `revoking`: pinned ones too, and no removal records (the namespace is going).
+    `heaps`: the tenants' heaps kept from one call to the next (by tenant); without
+    it the heap is built for this call and closed after it.
     """
     access = bank.access
     with bank.transaction(budget=False) as tx:
         index = leaf_index(tx.store, access)
         before = held_bytes(index, roots)
-        heap = _TenantHeap(index, roots, pinned=revoking)
+        kept = heaps.get(tenant) if heaps is not None else None
+        if kept is not None and (kept.pinned != revoking or not kept.fresh(index, roots)):
+            kept.close()
+            kept = None
+        heap = kept or TenantHeap(index, roots, pinned=revoking)
+        if heaps is not None:
+            heaps[tenant] = heap
+        else:
+            tx.on_abort(heap.close)
         evicted: list[Evicted] = []
         while (limit is None or held_bytes(index, roots) > limit) and (
             most is None or len(evicted) < most
@@ -282,31 +318,34 @@ def evict_tenant(
                 break
             if not evicted:  # the index runs ahead of the disk: if the batch fails, rebuild it
                 tx.on_abort(lambda: setattr(access, "index", None))
-            kind, _, node = victim
             evicted.append(_evict(tx, index, victim, None if revoking else "budget"))
-            if kind == "block":
-                assert isinstance(node, Node)
-                heap.removed(node)
         _count_evicted(tx, evicted)
         if not evicted:
             tx.abort()
         after = held_bytes(index, roots)
+    if heaps is None:
+        heap.close()
     return TenantEviction(tenant, before, after, evicted)
 
 
 def enforce_quotas(bank: Writer, tenants: Tenants) -> list[TenantEviction]:
     """Evict every tenant over its quota down to it (after a store)."""
     quotas = tenants.quotas(bank.store)
+    for tenant in [t for t in tenants.heaps if t not in quotas]:  # a quota cleared
+        tenants.heaps.pop(tenant).close()
     if not quotas:
         return []
     index = leaf_index(bank.store, bank.access)
     out = []
     for tenant, limit in quotas.items():
         roots = tenants.roots_of(bank.store, tenant, index)
+        kept = tenants.heaps.get(tenant)
+        if kept is not None and not kept.fresh(index, roots):  # bounded, or gone if stale
+            tenants.heaps.pop(tenant).close()
         held = held_bytes(index, roots) if roots else 0
         if held <= limit or held <= tenants.floor.get(tenant, -1):
             continue
-        went = evict_tenant(bank, tenant, roots, limit=limit)
+        went = evict_tenant(bank, tenant, roots, limit=limit, heaps=tenants.heaps)
         out.append(went)
         if went.bytes_after > limit:
             tenants.floor[tenant] = went.bytes_after
@@ -391,18 +430,23 @@ def revoke(
     tenants.forget_roots()
     n = blocks = states = ends = size = 0
     done = True
-    while roots:
-        if batches is not None and n >= batches:
-            done = held_bytes(leaf_index(bank.store, bank.access), roots) == 0
-            break
-        went = evict_tenant(bank, tenant, roots, most=batch, revoking=True)
-        if not went.evicted:
-            break
-        n += 1
-        blocks += sum(1 for e in went.evicted if e.kind == "block")
-        states += sum(1 for e in went.evicted if e.state_bytes > 0)
-        ends += sum(e.ends for e in went.evicted)
-        size += went.bytes_evicted
+    heaps: dict[str, TenantHeap] = {}  # one heap for every batch (built once)
+    try:
+        while roots:
+            if batches is not None and n >= batches:
+                done = held_bytes(leaf_index(bank.store, bank.access), roots) == 0
+                break
+            went = evict_tenant(bank, tenant, roots, most=batch, revoking=True, heaps=heaps)
+            if not went.evicted:
+                break
+            n += 1
+            blocks += sum(1 for e in went.evicted if e.kind == "block")
+            states += sum(1 for e in went.evicted if e.state_bytes > 0)
+            ends += sum(e.ends for e in went.evicted)
+            size += went.bytes_evicted
+    finally:
+        for heap in heaps.values():
+            heap.close()
     return RevokeReport(tenant, len(roots), len(own_pins), n, blocks, states, ends, size, done)
 
 
