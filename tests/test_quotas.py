@@ -6,7 +6,9 @@ per tenant, by the salt's digest and never the salt (`cas_bank.evict.tenants`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import threading
 from pathlib import Path
 
@@ -351,3 +353,47 @@ def test_the_bank_serves_others_while_a_revoke_runs(bank_path: Path) -> None:
         assert report.done and report.blocks == 80 and report.batches == 80
         assert not verify(bank).problems
         assert len(under(bank, b.root)) == 3 + len(served)
+
+
+def test_quotas_pins_revokes_and_a_budget_at_random_keep_every_invariant(
+    bank_path: Path,
+) -> None:
+    spec = attention_spec()
+    size = block_size_bytes(bank_path.with_name("probe"))
+    rng = random.Random(44)
+    salts = [None, SALT_A, SALT_B, "tenant-c-secret"]
+    quotas = {SALT_A: 6 * size, "tenant-c-secret": 3 * size}
+    bank, clock = open_bank(bank_path, max_bytes=30 * size)
+    with bank:
+        spaces = {s: bank.namespace(spec, salt=s) for s in salts}
+        for s, q in quotas.items():
+            bank.set_quota(s, q)
+        for step in range(150):
+            clock.now = step + 1
+            salt = rng.choice(salts)
+            ns = spaces[salt]
+            op = rng.random()
+            tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 5) * B)]
+            if op < 0.75:
+                ns.store(tokens, random_layers(spec, len(tokens), seed=step))
+                if rng.random() < 0.3:
+                    ns.store_end([*tokens, 1], random_layers(spec, len(tokens) + 1, seed=step))
+            elif op < 0.85 and ns.match(tokens[:B]) >= B:
+                with contextlib.suppress(ValueError):  # over pin_share: refused
+                    ns.pin(tokens[:B])
+            elif op < 0.9:
+                bank.revoke(salt, batch=rng.randrange(1, 4))
+            else:
+                ns.restore(tokens)
+            stored = headers(bank.store)
+            for key, h in stored.items():  # no hole
+                assert h.parent == h.root or h.parent in stored, key.hex()
+            held = {s.tenant: s.bytes for s in bank.tenant_stats()}
+            pinned = {p.root for p in pins(bank.store)}
+            for s, q in quotas.items():
+                if spaces[s].root not in pinned:
+                    assert held.get(tenant_id(s), 0) <= q, (step, s)
+            assert recount(bank) == counted(bank)
+        assert not verify(bank).problems
+        s = bank.stats()
+        assert s.blocks_evicted > 50 and s.blocks > 10  # quotas and the budget both bit
