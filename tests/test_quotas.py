@@ -10,8 +10,11 @@ import contextlib
 import json
 import random
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from cas_bank.tools import cli
 from conftest import (
     BLOCK_SIZE,
@@ -397,3 +400,58 @@ def test_quotas_pins_revokes_and_a_budget_at_random_keep_every_invariant(
         assert not verify(bank).problems
         s = bank.stats()
         assert s.blocks_evicted > 50 and s.blocks > 10  # quotas and the budget both bit
+
+
+@pytest.fixture(params=["serve", "mlx-lm-server"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A real server process on a fresh bank: its URL and the model name it answers to."""
+    import server_kit as srv
+    import test_mlx_lm_server as mlx
+    from hf_models import model_dir
+
+    bank, log = tmp_path / "bank", tmp_path / "server.log"
+    if request.param == "serve":
+        s = srv.start_server(bank, log)
+        try:
+            yield s.url, srv.MODEL
+        finally:
+            s.stop()
+    else:
+        m = mlx.start(bank, model_dir(tmp_path / "model", "tiny-qwen3"), log)
+        try:
+            yield m.url, "default_model"
+        finally:
+            assert m.stop() == 0, log.read_text()
+
+
+def test_metrics_of_a_real_server_show_tenants_by_digest(served: tuple[str, str]) -> None:
+    import httpx
+
+    url, model = served
+
+    def ask(salt: str) -> None:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "the same question, twice over"}],
+            "max_tokens": 2,
+            "cache_salt": salt,
+        }
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+
+    ask(SALT_A)
+    deadline = time.monotonic() + 30
+    while True:  # the answer's store is written by the background writer
+        ask(SALT_A)
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        mine = f'tenant="{short_id(tenant_id(SALT_A))}",unsalted="0"'
+        hits = [
+            ln for ln in text.splitlines() if ln.startswith(f"cas_bank_tenant_hits_total{{{mine}}}")
+        ]
+        if (hits and float(hits[0].split()[-1]) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert hits and float(hits[0].split()[-1]) > 0, text
+    size = [ln for ln in text.splitlines() if ln.startswith(f"cas_bank_tenant_bytes{{{mine}}}")]
+    assert size and float(size[0].split()[-1]) > 0
+    assert SALT_A not in text
