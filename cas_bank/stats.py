@@ -178,6 +178,7 @@ class Counters:
         # Per-namespace hits (`root_hit`): by counter name (`root_name`), read on a
         # root's first hit in this process, so opening reads none of them.
         self._roots: dict[str, int] = {}
+        self._names: dict[bytes, tuple[str, str]] = {}  # a root's two counter names
         self.reload(store)
 
     def reload(self, store: BlockStore) -> None:
@@ -193,7 +194,15 @@ class Counters:
         """A restore in the namespace `root` that covered `tokens` (0: a miss, not counted)."""
         if tokens <= 0:
             return
-        names = [root_name(root, n) for n in ROOT_NAMES]
+        names = self._names.get(root)
+        if names is not None:  # the common case: one lock, no formatting
+            with self._lock:
+                if names[0] in self._roots:
+                    self._roots[names[0]] += 1
+                    self._roots[names[1]] += tokens
+                    return
+        names = (root_name(root, ROOT_NAMES[0]), root_name(root, ROOT_NAMES[1]))
+        self._names[bytes(root)] = names
         with self._lock:
             missing = [n for n in names if n not in self._roots]
         if missing:  # its first hit in this process: the persisted values first
