@@ -78,6 +78,12 @@ class EndGroup:
         return sum(self.sizes.values())
 
 
+def _end_root(value: bytes) -> bytes | None:
+    """The namespace root an end record names (`index.ends`: after version, flags,
+    tail length, tokens, payload size and parent), or None if it is too short."""
+    return bytes(value[48:80]) if len(value) >= 80 else None
+
+
 class LeafIndex:
     """Every stored block's parent, child count, sizes and last uses; a candidate heap.
 
@@ -121,7 +127,7 @@ class LeafIndex:
                 continue  # `cas-bank verify` reports it; eviction cannot place it
             self._add(key, header)
         for key, raw in store.readable(Family.ENDS, damaged=_damaged):
-            self._put_end(key, len(raw))
+            self._put_end(key, len(raw), _end_root(raw))
         try:
             for key, raw in store.iterate(Family.ACCESS):
                 t = parse_time(raw)
@@ -219,7 +225,7 @@ class LeafIndex:
                 if value is None:
                     self._drop_end(key)
                 else:
-                    self._put_end(key, len(value))
+                    self._put_end(key, len(value), _end_root(value))
                     ends_changed.add(key[:32])
         for family, key, value in writes:
             t = parse_time(value) if family is Family.ACCESS and value is not None else None
@@ -244,12 +250,13 @@ class LeafIndex:
     def _root(self, root: bytes) -> bytes:
         return self._roots.setdefault(bytes(root), bytes(root))
 
-    def _put_end(self, key: bytes, size: int) -> None:
+    def _put_end(self, key: bytes, size: int, root: bytes | None = None) -> None:
         group = self.ends.get(key[:32])
         if group is None:
             parent = bytes(key[:32])
-            node = self.nodes.get(parent)  # under a block, or under the root itself
-            group = self.ends[parent] = EndGroup({}, self._root(node.root if node else parent))
+            node = self.nodes.get(parent)  # under a block, else its record's root
+            root = node.root if node is not None else root or parent
+            group = self.ends[parent] = EndGroup({}, self._root(root))
         delta = size - group.sizes.get(key, 0)
         self.end_bytes += delta
         self._charge(group.root, delta)
