@@ -455,3 +455,56 @@ def test_metrics_of_a_real_server_show_tenants_by_digest(served: tuple[str, str]
     size = [ln for ln in text.splitlines() if ln.startswith(f"cas_bank_tenant_bytes{{{mine}}}")]
     assert size and float(size[0].split()[-1]) > 0
     assert SALT_A not in text
+
+
+_CRASHING_REVOKE = """
+import os, sys
+import cas_bank.evict.tenants as tenants
+from cas_bank import Bank, BankConfig
+
+real, calls = tenants.evict_tenant, []
+
+def evict_then_die(*args, **kwargs):
+    out = real(*args, **kwargs)
+    calls.append(out)
+    if len(calls) == 2:
+        os._exit(3)  # no close, no flush: as a SIGKILL after the second batch
+    return out
+
+tenants.evict_tenant = evict_then_die
+bank = Bank.open(sys.argv[1], BankConfig(block_size=int(sys.argv[2])))
+bank.revoke(sys.argv[3], batch=2)
+"""
+
+
+def test_a_process_dying_between_revoke_batches_leaves_no_hole(bank_path: Path) -> None:
+    import subprocess
+    import sys
+
+    spec = attention_spec()
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        a = bank.namespace(spec, salt=SALT_A)
+        long = list(range(1, 6 * B + 1))
+        a.store(long, random_layers(spec, 6 * B))
+        a.store(long[: 2 * B] + [9] * 3 * B, random_layers(spec, 5 * B, seed=2))
+        b = bank.namespace(spec, salt=SALT_B)
+        b_chain = b.store(long, random_layers(spec, 6 * B, seed=3)).chain
+    done = subprocess.run(
+        [sys.executable, "-c", _CRASHING_REVOKE, str(bank_path), str(B), SALT_A],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    bank, _clock = open_bank(bank_path)
+    with bank:
+        assert not verify(bank).problems
+        left = headers(bank.store)
+        a_root = bank.namespace(spec, salt=SALT_A).root
+        assert len([h for h in left.values() if h.root == a_root]) == 9 - 4
+        for h in left.values():
+            assert h.parent == h.root or h.parent in left
+        assert under(bank, bank.namespace(spec, salt=SALT_B).root) == set(b_chain)
+        assert bank.revoke(SALT_A).done and not under(bank, a_root)
+        assert recount(bank) == counted(bank)
