@@ -176,6 +176,8 @@ class Tenants:
         if any(r not in roots for r in index.root_bytes):  # a namespace made elsewhere
             self._roots = None
             roots = self.roots(store)
+            for r in index.root_bytes:  # blocks without a namespace record: not looked
+                roots.setdefault(r, "root:" + r[:8].hex())  # for again at every store
         return {r for r, t in roots.items() if t == tenant}
 
 
