@@ -258,7 +258,8 @@ def _summary(samples: list[dict[str, dict[str, Any]]], ref: str = "limit") -> di
     round (the largest difference, and whether every round was bit-identical), and the
     per-round ratios of TTFTs (`"x_over_y"`: the median of x's TTFT / y's, over the
     rounds both ran in). A way without logits (the server's) has no difference; one
-    that ran in fewer rounds says how many (`"rounds"`)."""
+    that ran in fewer rounds says how many (`"rounds"`) and the other ways' median
+    TTFTs in those rounds (`"beside_ttft_s"`)."""
     ways = list(dict.fromkeys(w for s in samples for w in s))
     out: dict[str, Any] = {}
     for w in ways:
@@ -270,8 +271,13 @@ def _summary(samples: list[dict[str, dict[str, Any]]], ref: str = "limit") -> di
                 float(mx.max(mx.abs(s[w]["logits"] - s[ref]["logits"]))) for s in samples if w in s
             ]
             fig["logits_max_diff"] = max(diffs)
-        if len(mine) < len(samples):
+        if len(mine) < len(samples):  # and the other ways' TTFTs in the same rounds
             fig["rounds"] = len(mine)
+            fig["beside_ttft_s"] = {
+                x: median([s[x]["ttft_s"] for s in samples if w in s and x in s])
+                for x in ways
+                if x != w
+            }
         out[w] = fig
     out["ratios"] = {
         f"{x}_over_{y}": median(

@@ -119,25 +119,35 @@ def _post(served: Served, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 def serve_way(served: Served, request: np.ndarray) -> dict[str, Any]:
     """A request through the server: its first token (`max_tokens=1`). `own_s`: the
     TTFT but for the prefill's forward pass (HTTP, queue, restore, store's snapshot,
-    sampling); `engine_s`: the engine's queue wait and time to the first token;
-    `http_s`: the rest."""
+    sampling); `engine_s`: the engine's queue wait and time to the first token, in
+    parts (`queue_s`, `restore_s`: the bank's restore clock over the request,
+    `forward_s`, `store_s`, `engine_rest_s`); `http_s`: the TTFT but for the engine's."""
     engine = served.engine
     hits = engine.bank.stats().hot_hits
+    restoring = engine.bank.restore_times().total_s
     before = len(served.results)
     got = _post(served, [int(t) for t in request], 1)
+    restore = engine.bank.restore_times().total_s - restoring
     rep = engine.prefix_cache.last_prefill
     cached = int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
     forward = rep.forward_s if rep is not None else 0.0
     result = served.results[-1] if len(served.results) > before else None
-    engine_s = result.queue_s + result.ttft_s if result is not None else float("nan")
+    queue = result.queue_s if result is not None else float("nan")
+    engine_s = queue + result.ttft_s if result is not None else float("nan")
+    store = rep.store_s if rep is not None else 0.0
     return {
         "ttft_s": got["ttft_s"],
         "total_s": got["total_s"],
         "own_s": got["ttft_s"] - forward,
         "engine_s": engine_s,
         "http_s": got["ttft_s"] - engine_s,
+        "queue_s": queue,
+        "restore_s": restore,
         "forward_s": forward,
-        "store_s": rep.store_s if rep is not None else 0.0,
+        "store_s": store,
+        # the engine's time but for its queue, restore, forward pass and store's share:
+        # the end-record lookup, the sampler, the first token's text, the thread hops
+        "engine_rest_s": engine_s - queue - restore - forward - store,
         "hot_hits": engine.bank.stats().hot_hits - hits,
         "restored": cached,
         "prefilled": len(request) - cached,

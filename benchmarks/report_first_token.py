@@ -75,10 +75,12 @@ _SERVE_INTRO = (
     "fresh server (a new engine on the same bank directory, its start untimed) per "
     "request. The server's requests run beside the other ways in the first rounds "
     "only (its column `rounds`), so its ratios are per-round ones against the other "
-    "ways of those rounds. Its time in parts: the engine's (queue wait and time to "
-    "the first token: restore, prefill, sampling; in brackets the forward pass) and "
-    "HTTP's (the rest: the request and the first chunk through uvicorn and the event "
-    "loop). The server gives no logits: its check is the tokens restored.",
+    "ways of those rounds, and the other ways' TTFTs in its table are their medians "
+    "in those rounds. Its time in parts: the engine's (queue wait and time to the "
+    "first token; in brackets its restore, the forward pass, and the rest: the store's "
+    "snapshot, the end-record lookup, the sampler, the thread hops) and HTTP's (the "
+    "rest: the request and the first chunk through uvicorn and the event loop). The "
+    "server gives no logits: its check is the tokens restored.",
     "",
 )
 
@@ -91,7 +93,7 @@ _SERVE_COLUMNS = (
     "serve / limit",
     "serve / library",
     "serve's tokens: restored / prefilled",
-    "serve ms: engine (forward) / HTTP",
+    "serve ms: engine (restore / forward / the rest) / HTTP",
     "rounds",
 )
 
@@ -174,19 +176,21 @@ def _serve_row(
     c: dict[str, Any], key: str, label: str, other: str, name: str, lib: str, way: str
 ) -> list[str]:
     s = c[key]
-    lim, o, k, v = s["limit"], s[other], s[lib], s[way]
+    v = s[way]
     r = s["ratios"]
+    beside = v.get("beside_ttft_s") or {w: s[w]["ttft_s"] for w in ("limit", other, lib)}
     return [
         c["layout"],
         _mb(c["kv_bytes"]),
         label,
-        f"{_ms(lim['ttft_s'])} / {_ms(o['ttft_s'])} ({name}) / {_ms(k['ttft_s'])} / "
+        f"{_ms(beside['limit'])} / {_ms(beside[other])} ({name}) / {_ms(beside[lib])} / "
         f"{_ms(v['ttft_s'])}",
         f"{r[f'{other}_over_{way}']:.2f}x",
         f"{r[f'{way}_over_limit']:.2f}x",
         f"{r[f'{way}_over_{lib}']:.2f}x",
         f"{v['restored']:.0f} / {v['prefilled']:.0f}",
-        f"{_ms(v['engine_s'])} ({_ms(v['forward_s'])}) / {_ms(v['http_s'])}",
+        f"{_ms(v['engine_s'])} ({_ms(v.get('restore_s'))} / {_ms(v['forward_s'])} / "
+        f"{_ms(v.get('engine_rest_s'))}) / {_ms(v['http_s'])}",
         f"{v.get('rounds', s['rounds']):.0f} of {s['rounds']}",
     ]
 
