@@ -178,7 +178,8 @@ class Tenants:
             roots = self.roots(store)
             for r in index.root_bytes:  # blocks without a namespace record: not looked
                 roots.setdefault(r, "root:" + r[:8].hex())  # for again at every store
-        return {r for r, t in roots.items() if t == tenant}
+        # A copy first: `noted` (a namespace opened on another thread) may add a root.
+        return {r for r, t in list(roots.items()) if t == tenant}
 
 
 # -- choosing a tenant's victims ------------------------------------------------------
