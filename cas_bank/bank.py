@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -41,6 +42,7 @@ from cas_bank.evict.tenants import (
     clear_quota,
     enforce_quotas,
     revoke,
+    roots_of_salt,
     set_quota,
     tenant_record,
     tenant_stats,
@@ -343,10 +345,30 @@ class Bank:
         """Remove everything the tenant of `salt` holds (blocks, states, end records,
         pins), queued stores first written, in transactions of at most `batch`
         removals: the bank serves meanwhile, and a crash between them leaves no hole
-        (`evict.tenants`). `batches`: stop after that many (`RevokeReport.done`)."""
+        (`evict.tenants`). `batches`: stop after that many (`RevokeReport.done`).
+
+        With a shared tier, first every key of the tenant's namespaces there
+        (`RemoteTier.purge`, after this bank's queued publishes are written), then the
+        local records (fetches adopted meanwhile written first, then removed too). A
+        cluster that is down or a master that fails does not stop the local revoke
+        nor raise: `RevokeReport.remote_purged` is False and `remote_failed` names the
+        masters; revoking again finishes the purge. Other hosts' banks are revoked
+        each on its own (docs/design.md, "Eviction order", Tenants)."""
         self.flush()
-        return revoke(
+        purge = None
+        if self.remote is not None:
+            purge = self.remote.purge(roots_of_salt(self.store, self.config.block_size, salt))
+            self.remote.wait()  # fetches adopted during the purge: written, then revoked
+        report = revoke(
             self, self.tenants, salt, self.config.block_size, batch=batch, batches=batches
+        )
+        if purge is None:
+            return report
+        return replace(
+            report,
+            remote_purged=purge.complete,
+            remote_keys=purge.keys,
+            remote_failed=purge.failed,
         )
 
     def tenant_stats(self) -> list[TenantStats]:

@@ -191,17 +191,24 @@ def read_bank(path: Path, work: Callable[[Bank], T], *, payloads: bool = False) 
     raise AssertionError("unreachable")
 
 
-def open_writer(path: Path, *, create_block_size: int | None = None, create_hint: str = "") -> Bank:
+def open_writer(
+    path: Path,
+    *,
+    create_block_size: int | None = None,
+    create_hint: str = "",
+    config: BankConfig | None = None,
+) -> Bank:
     """Open as the one writer; a clear error when another process holds the bank.
 
     A missing bank is an error (`create_hint` says how to make one), unless
     `create_block_size` is given: then it is made. A file or a directory of other
-    files is refused either way (`cas_bank.blocks.bankdir`).
+    files is refused either way (`cas_bank.blocks.bankdir`). `config`: instead of the
+    tools' own (no hot tier), e.g. with a shared tier.
     """
     exists = check_directory(path, create=True)
     if not exists and create_block_size is None:
         raise CliError(f"no bank at {path}{create_hint}")
-    config = _TOOL_CONFIG
+    config = config or _TOOL_CONFIG
     if not exists:
         config = config.model_copy(update={"block_size": create_block_size})
     try:

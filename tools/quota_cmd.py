@@ -10,6 +10,12 @@ own entries down to it at once, and the bank does again after every store. `revo
 removes everything the tenant holds, in batches that each leave every chain whole.
 `set`, `clear` and `revoke` need the bank's writer lock (stop a server on the bank
 first); `show` reads beside a live writer.
+
+`revoke --remote URL` (the fleet secret in `$CAS_BANK_REMOTE_SECRET`, as `serve`
+takes them) also removes the tenant's entries from the shared tier, first; a cluster
+or a master that cannot be purged is said, with exit status 1, after the local
+revoke (run it again to finish). Other hosts' banks keep their copies, serve them
+and publish what they store anew: revoke each host's bank.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cas_bank import Bank
-from cas_bank.evict.tenants import UNSALTED, short_id, tenant_id
+from pydantic import ValidationError
+
+from cas_bank import Bank, BankConfig
+from cas_bank.evict.tenants import UNSALTED, RevokeReport, short_id, tenant_id
 
 from .common import (
     CliError,
@@ -36,6 +44,7 @@ from .common import (
     table,
 )
 from .gc_cmd import parse_size
+from .remote_args import add_remote_arguments, remote_settings
 
 
 def register(subparsers: Any) -> None:
@@ -65,8 +74,14 @@ def register(subparsers: Any) -> None:
         "revoke",
         cmd_revoke,
         "remove everything a tenant (cache_salt) holds, in batches",
+        "Remove everything a tenant (a cache_salt) holds in this bank, in batches. With "
+        "--remote, first its entries in the shared tier (every master SCANned for its "
+        "namespaces' keys); exit status 1 if a master could not be purged (run it "
+        "again). Other hosts' banks keep the tenant's data, serve it and publish what "
+        "they store anew: revoke every host's bank too.",
     )
     _salt_arguments(r)
+    add_remote_arguments(r)
     r.add_argument(
         "--batch",
         type=positive_int,
@@ -194,10 +209,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _revoke_config(args: argparse.Namespace) -> BankConfig | None:
+    """The tools' config with the shared tier of `--remote`, or None without it."""
+    settings = remote_settings(args)
+    if not settings:
+        return None
+    try:
+        return BankConfig(hot_bytes=0, **settings)
+    except ValidationError as e:
+        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise CliError(f"bad --remote: {why}") from None
+
+
 def cmd_revoke(args: argparse.Namespace) -> int:
     salt = _salt(args)
-    with open_writer(args.bank) as bank:
+    with open_writer(args.bank, config=_revoke_config(args)) as bank:
         report = bank.revoke(salt, batch=args.batch)
+        published_to = bank.stats().remote if report.remote_purged is None else None
     out = {
         "tenant": short_id(report.tenant),
         "namespaces": report.namespaces,
@@ -208,10 +236,27 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         "end_records": report.ends,
         "bytes": report.bytes,
         "done": report.done,
+        "remote_purged": report.remote_purged,
+        "remote_keys": report.remote_keys,
+        "remote_failed": list(report.remote_failed),
     }
+    status = 0 if report.remote_purged is not False else 1
+    if report.remote_purged is False:
+        print(
+            "cas-bank revoke: the shared tier was not purged on "
+            f"{', '.join(report.remote_failed)} (down, timed out or refused); the local "
+            "revoke is done: run it again to finish the shared tier",
+            file=sys.stderr,
+        )
+    elif published_to is not None:
+        print(
+            f"cas-bank revoke: this bank used the shared tier {published_to}; its entries "
+            "there stay (pass --remote to remove them too)",
+            file=sys.stderr,
+        )
     if args.json:
         print_json(out)
-        return 0
+        return status
     emit(
         fields(
             [
@@ -224,7 +269,15 @@ def cmd_revoke(args: argparse.Namespace) -> int:
                 ),
                 ("pins removed", report.pins),
                 ("batches", report.batches),
+                *_remote_rows(report),
             ]
         )
     )
-    return 0
+    return status
+
+
+def _remote_rows(report: RevokeReport) -> list[tuple[str, Any]]:
+    if report.remote_purged is None:
+        return []
+    state = "purged" if report.remote_purged else "NOT purged: " + ", ".join(report.remote_failed)
+    return [("shared tier", f"{state}, {report.remote_keys} keys removed")]

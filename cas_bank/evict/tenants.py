@@ -401,6 +401,10 @@ class RevokeReport:
     ends: int
     bytes: int
     done: bool  # False: stopped after `batches` (call again to go on)
+    # The shared tier (`Bank.revoke` fills these in; this layer does not reach it):
+    remote_purged: bool | None = None  # None: no shared tier; False: not every master
+    remote_keys: int = 0  # keys removed from the cluster
+    remote_failed: tuple[str, ...] = ()  # masters not purged (revoke again to finish)
 
 
 def revoke(

@@ -35,6 +35,12 @@ to every node the slot map names; `tls_options` gives the CA file and the client
 certificate (mutual TLS) from `BankConfig`. Servers are always verified. A handshake
 that fails (an unknown CA, a missing client certificate, a plain-text server) is a
 connection error like any other: counted, the breaker opened, never raised.
+
+Purging (`purge`, a revocation's): every master SCANs for the keys matching the given
+patterns and UNLINKs them in pipelines of at most `batch`, the masters in parallel on
+threads of its own (not the pool the restoring path's pipelines use), each command
+under the same time-outs and breakers; it never raises either, and says which masters
+it could not purge to the end.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from cas_bank.config import BankConfig
@@ -60,6 +67,21 @@ Count = Callable[..., None]
 _SINGLE = "server"  # the node name of a plain (non-cluster) server
 _READS = ("GET", "EXISTS")  # what a replica may answer
 MAP_REFRESH_S = 0.5  # while a node that is gone is skipped, the slot map is read again this often
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    """What `RemoteClient.purge` removed."""
+
+    keys: int  # keys removed (UNLINK answered 1; a key SCAN returned twice counts once)
+    nodes: int  # masters scanned to the end
+    failed: tuple[str, ...]  # masters (or the server) not purged to the end: down, a
+    # time-out, an open breaker, an error answer; their keys may remain
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
 
 
 def tls_options(config: BankConfig) -> dict[str, Any]:
@@ -195,6 +217,55 @@ class RemoteClient:
             return None
         return answers
 
+    def purge(self, patterns: Sequence[bytes], *, batch: int = 1000) -> Purge:
+        """UNLINK every key matching one of `patterns` (SCAN MATCH globs) on every master
+        (the server), `batch` keys a pipeline; the masters in parallel. Never raises:
+        a master that cannot be asked or fails midway is named in `Purge.failed` (what
+        it removed before is counted), counted as `run` counts it, its breaker told."""
+        start = time.monotonic()
+        if not patterns:
+            return Purge(0, 0, (), 0.0)
+        valkey: Any = importlib.import_module("valkey")
+        connecting = self._client is None
+        if connecting and not self.breaker(_SINGLE).allow():
+            self.count(remote_skipped=1)
+            return Purge(0, 0, (_SINGLE,), time.monotonic() - start)
+        try:
+            client = self._connect()
+            if connecting:
+                self.breaker(_SINGLE).success()
+            if self.cluster:
+                nodes = {n.name: client.get_valkey_connection(n) for n in client.get_primaries()}
+            else:
+                nodes = {_SINGLE: client}
+        except Exception as e:  # nothing listening, a wrong password, a hung node
+            self._failed(_SINGLE, e, valkey)
+            return Purge(0, 0, (_SINGLE,), time.monotonic() - start)
+        asked = {name: conn for name, conn in nodes.items() if self.breaker(name).allow()}
+        failed = [name for name in nodes if name not in asked]
+        if failed:
+            self.count(remote_skipped=1)
+        removed = [0] * len(asked)
+        done = 0
+        if asked:
+            with ThreadPoolExecutor(
+                max_workers=min(8, len(asked)), thread_name_prefix="cas-bank-purge"
+            ) as pool:
+                jobs = {
+                    name: pool.submit(_purge_node, conn, patterns, batch, removed, i)
+                    for i, (name, conn) in enumerate(asked.items())
+                }
+                for name, job in jobs.items():
+                    try:
+                        job.result()
+                    except Exception as e:
+                        self._failed(name, e, valkey)
+                        failed.append(name)
+                        continue
+                    self.breaker(name).success()
+                    done += 1
+        return Purge(sum(removed), done, tuple(sorted(failed)), time.monotonic() - start)
+
     def _ask(
         self,
         groups: dict[str, tuple[Any, list[int]]],
@@ -312,3 +383,23 @@ class RemoteClient:
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
+
+
+def _purge_node(
+    conn: Any, patterns: Sequence[bytes], batch: int, removed: list[int], i: int
+) -> None:
+    """SCAN one node for each pattern and UNLINK what it finds, `batch` keys a pipeline
+    (one key a command: a cluster refuses a multi-key command across slots). Adds what
+    it removed to `removed[i]` as it goes (a failure midway keeps the count so far);
+    an error answer raises."""
+    for pattern in patterns:
+        cursor = 0
+        while True:
+            cursor, found = conn.scan(cursor=cursor, match=pattern, count=batch)
+            for lo in range(0, len(found), batch):
+                pipe = conn.pipeline(transaction=False)
+                for k in found[lo : lo + batch]:
+                    pipe.execute_command("UNLINK", k)
+                removed[i] += sum(int(a) for a in pipe.execute(raise_on_error=True))
+            if int(cursor) == 0:
+                break

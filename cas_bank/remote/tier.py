@@ -17,6 +17,9 @@ Three things, each off the request's path where it can be:
 - `restored` (after a restore used a continuation): count the hit, and queue the
   fetched blocks for a background write into the local bank, so the next restore of
   them is local.
+
+And `purge` (from `Bank.revoke`, on the revoking thread): remove every key of some
+namespaces from the cluster.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
@@ -41,7 +44,7 @@ from cas_bank.index.ends import with_check as end_with_check
 from cas_bank.owner import Owner
 from cas_bank.remote import ends, keys
 from cas_bank.remote.children import child_entry, fetch_child
-from cas_bank.remote.client import RemoteClient, tls_options
+from cas_bank.remote.client import Purge, RemoteClient, tls_options
 from cas_bank.remote.fetch import fetch_continuation
 from cas_bank.remote.queue import WorkQueue
 
@@ -377,6 +380,41 @@ class RemoteTier:
             remote_publishes=sum(1 for a, c in zip(done, writes.counted, strict=True) if c and a),
             remote_published_bytes=written,
         )
+
+    # -- revocation ----------------------------------------------------------------
+    def purge(self, roots: Collection[bytes], *, batch: int = 1000) -> Purge:
+        """Remove every key of the namespaces `roots` from the cluster: each master
+        SCANs for `cb1:<root 8 bytes hex>:*` (`keys.namespace_pattern`, which covers
+        every kind a namespace writes: headers, payloads, states, children and end
+        records, `ends.remote_key`) and UNLINKs what it finds in pipelines of at most
+        `batch` (`RemoteClient.purge`). On the calling thread (and threads of its
+        own), not the restoring path's; under the tier's time-outs and breakers, so a
+        cluster that is down answers within them with `Purge.complete` False (and which
+        masters), never hangs, never raises: purging again later finishes the job
+        (what is gone stays gone).
+
+        The pattern names a root by its first 8 bytes, as the keys do: another
+        namespace whose root shares them (2^-64 for any two roots) would lose its
+        entries too, which costs it misses and nothing else. Never a wrong hit: every
+        entry's MAC covers its key, and what a restore takes is checked against the
+        full root (a header's root and chain hash, an end record's root).
+
+        Only the cluster: a host whose local bank holds the namespace serves its
+        blocks itself and publishes what it stores anew; revoke every host's bank
+        too (docs/design.md, "Eviction order", Tenants)."""
+        patterns = [keys.namespace_pattern(r) for r in sorted(set(map(bytes, roots)))]
+        done = self.client.purge(patterns, batch=batch)
+        if patterns:
+            log.log(
+                logging.INFO if done.complete else logging.WARNING,
+                "cas_bank remote tier: purged %d keys of %d namespaces from %d masters in %.3f s%s",
+                done.keys,
+                len(patterns),
+                done.nodes,
+                done.seconds,
+                f"; not purged: {', '.join(done.failed)}" if done.failed else "",
+            )
+        return done
 
     # -- lifecycle -----------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
