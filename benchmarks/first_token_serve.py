@@ -25,7 +25,8 @@ body waits for the server's delayed ACK), which is no part of the server.
   The server restores all that went through the model (prompt + answer but its last
   token, which was sampled and never passed), so it prefills `new_tokens + 1`.
 - (c) after a restart: a fresh server (a new `Engine` on `Bank.open` of the same
-  directory; its start and stop untimed) for each request, the prefix and one token.
+  directory; its start and stop untimed, and idle until the bank's open-time work is
+  done) for each request, the prefix and one token.
 
 What it costs at default sizes (2 cores): (a) and (c) a single-token pass per request
 (0.1-0.5 s on the medium models at 4k); (b) per round, turn 1's 16 tokens (one pass
@@ -155,8 +156,14 @@ def serve_way(served: Served, request: np.ndarray) -> dict[str, Any]:
 
 
 def restarted_way(lm: LoadedModel, path: Path, request: np.ndarray) -> dict[str, Any]:
-    """(c): a fresh server on the bank at `path` (start and stop untimed), one request."""
+    """(c): a fresh server on the bank at `path` (start and stop untimed), one request.
+    The server is idle when the request comes, as a restarted one would be: what the
+    bank's open sets off (its spare restore destinations) is done first; without that
+    the restore of 100 MB here took 2-4x longer (the destinations were still being made
+    on the other core). The first request of a new engine still pays its first-call
+    costs (its worker thread's first pass and sampler, uvicorn's first request)."""
     served = start_server(lm, Bank.open(path), owns_bank=True)
+    served.engine.bank.resources.settle()
     try:
         return serve_way(served, request)
     finally:
