@@ -175,47 +175,41 @@ class Counters:
         self._store = store
         self._values = dict.fromkeys(NAMES, 0)
         self._persisted = dict.fromkeys(NAMES, 0)
-        # Per-namespace hits (`root_hit`): by counter name (`root_name`), read on a
-        # root's first hit in this process, so opening reads none of them.
+        # Per-namespace hits (`root_hit`): by counter name (`root_name`), read with the
+        # others (one prefix seek of `meta`: a few per namespace), so that a restore's
+        # count reads nothing (a hot restore reads nothing below the hot tier).
         self._roots: dict[str, int] = {}
         self._names: dict[bytes, tuple[str, str]] = {}  # a root's two counter names
         self.reload(store)
 
     def reload(self, store: BlockStore) -> None:
         raw = store.get_many(Family.META, [_PREFIX + n.encode() for n in NAMES])
+        roots = {
+            key[len(_PREFIX) :].decode(errors="replace"): _U64.unpack(value)[0]
+            for key, value in store.prefixed(Family.META, ROOT_PREFIX)
+            if len(value) == _U64.size
+        }
         with self._lock:
             for name, value in zip(NAMES, raw, strict=True):
                 self._values[name] = _U64.unpack(value)[0] if value else 0
-            self._persisted = dict(self._values)
-            self._roots.clear()  # read again on their next hit
+            self._persisted = dict(self._values) | roots
+            self._roots = dict(roots)
             self._store = store
 
     def root_hit(self, root: bytes, tokens: int) -> None:
-        """A restore in the namespace `root` that covered `tokens` (0: a miss, not counted)."""
+        """A restore in the namespace `root` that covered `tokens` (0: a miss, not
+        counted). Reads nothing."""
         if tokens <= 0:
             return
         names = self._names.get(root)
-        if names is not None:  # the common case: one lock, no formatting
-            with self._lock:
-                if names[0] in self._roots:
-                    self._roots[names[0]] += 1
-                    self._roots[names[1]] += tokens
-                    return
-        names = (root_name(root, ROOT_NAMES[0]), root_name(root, ROOT_NAMES[1]))
-        self._names[bytes(root)] = names
+        if names is None:
+            names = (root_name(root, ROOT_NAMES[0]), root_name(root, ROOT_NAMES[1]))
+            self._names[bytes(root)] = names
         with self._lock:
-            missing = [n for n in names if n not in self._roots]
-        if missing:  # its first hit in this process: the persisted values first
-            raw = self._store.get_many(Family.META, [_PREFIX + n.encode() for n in missing])
-            with self._lock:
-                for n, value in zip(missing, raw, strict=True):
-                    if n not in self._roots:
-                        v = _U64.unpack(value)[0] if value else 0
-                        self._roots[n] = v
-                        self._persisted[n] = v
-        with self._lock:
-            self._roots[names[0]] += 1
-            self._roots[names[1]] += tokens
+            for name, d in ((names[0], 1), (names[1], tokens)):
+                if name not in self._roots:  # its first hit ever (else read at load)
+                    self._roots[name] = self._persisted[name] = 0
+                self._roots[name] += d
 
     def root_hits(self, store: BlockStore) -> dict[bytes, tuple[int, int]]:
         """Hits and hit tokens by namespace root: the persisted ones (a walk of `meta`)
