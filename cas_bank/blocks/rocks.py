@@ -138,12 +138,13 @@ class RocksStore(BlockStore):
 
     def _open_retrying(self) -> None:
         """Open; a reader whose view names a file the writer has just deleted (a
-        compaction between linking and opening) links again and retries."""
+        compaction, or a write-ahead log flushed and removed, between linking and
+        opening: RocksDB's own error then, or one translated) links again and retries."""
         for attempt in range(5):
             try:
                 self._open()
                 return
-            except CorruptDataError as e:
+            except Exception as e:
                 if self._view is None or "No such file" not in str(e) or attempt == 4:
                     raise
                 time.sleep(0.02 * (attempt + 1))
