@@ -10,9 +10,9 @@ how many prompt tokens the server restored (`cached_tokens`); the engine's own r
 (its queue wait and its time to the first token, restore and prefill) is read off
 its sink, so `http_s`, the TTFT but for the engine's, is the HTTP and event-loop
 share. The client (`httpx.Client`) is made before the clock starts, as an agent's is,
-and each request opens its own connection: a connection kept alive costs ~40 ms
-more per request here (httpx writes a request's headers and body apart, and the
-body waits for the server's delayed ACK), which is no part of the server.
+and each request opens its own connection: on a connection kept alive, every
+request after the first took ~40 ms more here, `GET /health` alike (a stall of a
+delayed ACK's length, not the server's work; not looked into further).
 
 - (a) another agent: the server on the bank the prefix was stored into by the
   library (`PrefixCache.store`, before the server started); the request is the

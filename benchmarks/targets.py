@@ -441,9 +441,12 @@ def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
             else ""
         )
         lib_ratio = ratio.replace(way, lib)
+        pair = [ms(beside(sit, way, other)), ms(v["ttft_s"])]  # as the ratio reads
+        if ratio.startswith(way):
+            pair.reverse()
         rows.add(
             target,
-            f"{x:.2f}x ({ms(beside(sit, way, other))} vs {ms(v['ttft_s'])} ms in "
+            f"{x:.2f}x ({pair[0]} vs {pair[1]} ms in "
             f"{v.get('rounds', sit['rounds']):.0f} round(s){extra}; the library "
             f"{sit['ratios'][lib_ratio]:.2f}x over all {sit['rounds']})",
             met(x),
