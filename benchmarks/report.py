@@ -117,7 +117,9 @@ def _targets_section(r: dict[str, Any]) -> list[str]:
 
 
 def _ceilings_section(r: dict[str, Any]) -> list[str]:
-    c = r["ceilings"]
+    c = r.get("ceilings")
+    if not c:  # a run of other parts (`--parts`)
+        return []
     rows = [
         [
             "memcpy (`np.copyto` into an allocated array)",

@@ -17,8 +17,9 @@ overhead on the medium model at 256 tokens, 2 interleaved pairs (one 1k-token
 prefill of it takes ~60-90 s, so 1k is behind --large); the first token against
 mlx-lm's in-memory cache at 1k and 4k tokens of the medium layouts and fp32-100mb
 (16k behind --large: its next turns pass 64 tokens through the model, seconds each,
-three ways a round; ~8 min in all with the team's work beside it, 14 with --large);
-the fleet at 100 agents x 2 turns; the scale bank at 1M blocks (~1 min to write).
+three ways a round, and the same through `cas-bank serve` in fewer rounds: ~6 min);
+the fleet at 100 agents x 2 turns; the scale bank at 1M blocks (~1 min to write);
+the eviction orders at 2000 requests and two budgets (~2 min).
 """
 
 from __future__ import annotations
