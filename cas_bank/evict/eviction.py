@@ -280,17 +280,7 @@ def pin_prefix(
         )
     with bank.transaction(budget=False) as tx:
         index = leaf_index(tx.store, bank.access)
-        stored, parent = 0, root
-        for h in hashes:
-            node = index.nodes.get(h)
-            if node is None or node.parent != parent:
-                break
-            stored, parent = stored + 1, h
-        if stored < len(hashes):
-            raise InvalidInputError(
-                f"only {stored * block_size} of the prefix's {len(hashes) * block_size} "
-                "full-block tokens are stored: store the prefix (and flush) before pinning it"
-            )
+        _check_stored(index, root, hashes, block_size)
         last = bytes(hashes[-1])
         tail = tokens[len(hashes) * block_size :]
         group = index.ends.get(last)
@@ -309,24 +299,14 @@ def pin_prefix(
         own = sum(index.nodes[h].payload_size + index.nodes[h].state_size for h in pin.blocks)
         own += group.size if ends and group is not None else 0
         total = index.pinned_bytes
-        report = PinReport(
-            len(tokens) if ends else len(hashes) * block_size,
-            len(hashes),
-            own,
-            total,
-            limit,
-            new,
-        )
+        covered = len(tokens) if ends else len(hashes) * block_size
+        report = PinReport(covered, len(hashes), own, total, limit, new)
         if not new:
             tx.abort()
             return report
         if limit is not None and total > limit:
             index.unpin(key)
-            raise InvalidInputError(
-                f"pin refused: pins would hold {total} bytes ({before} pinned now + "
-                f"{total - before} for this prefix of {len(tokens)} tokens, {own} bytes in "
-                f"all), over pin_share {share:g} x max_bytes {max_bytes} = {limit} bytes"
-            )
+            raise _past_share(report, before, len(tokens), share, max_bytes)
 
         def undo() -> None:
             index.unpin(key)
@@ -334,6 +314,35 @@ def pin_prefix(
         tx.on_abort(undo)
         tx.extend(pin_writes([pin]))
     return report
+
+
+def _past_share(
+    report: PinReport, before: int, tokens: int, share: float, max_bytes: int | None
+) -> InvalidInputError:
+    """The refusal of a pin that would take the pinned bytes past `share` of the budget."""
+    total = report.pinned_bytes
+    return InvalidInputError(
+        f"pin refused: pins would hold {total} bytes ({before} pinned now + "
+        f"{total - before} for this prefix of {tokens} tokens, {report.bytes} bytes in "
+        f"all), over pin_share {share:g} x max_bytes {max_bytes} = {report.limit} bytes"
+    )
+
+
+def _check_stored(
+    index: LeafIndex, root: bytes, hashes: Sequence[BlockHash], block_size: int
+) -> None:
+    """Refuse a pin of a prefix whose full blocks are not all stored, with how much is."""
+    stored, parent = 0, root
+    for h in hashes:
+        node = index.nodes.get(h)
+        if node is None or node.parent != parent:
+            break
+        stored, parent = stored + 1, h
+    if stored < len(hashes):
+        raise InvalidInputError(
+            f"only {stored * block_size} of the prefix's {len(hashes) * block_size} "
+            "full-block tokens are stored: store the prefix (and flush) before pinning it"
+        )
 
 
 def unpin_prefix(bank: Writer, root: bytes, tokens: np.ndarray) -> bool:
