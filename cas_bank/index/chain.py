@@ -471,6 +471,34 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
     puts = {k: v for k, v in last.items() if v is not None}
     if not puts:
         return out
+    fresh, raised = _new_and_rewritten(store, puts)
+    roots = sorted(raised | {h.root for h in fresh.values()})
+    epochs, unwritten = _epochs(store, roots, raised)
+    for r in sorted(raised):
+        epochs[r] += 1
+        out.append((Family.CHAINS, epoch_key(r), _EPOCH.pack(epochs[r])))
+    parents = {h.parent for h in fresh.values()}
+    for key, header in fresh.items():
+        if header.index % SEGMENT != SEGMENT - 1 and key in parents:
+            continue  # inside a segment, below another new block: that one's record
+        root = header.root
+        fixed = _segment(store, header, last, epochs[root] if root not in raised else -1)
+        if fixed is not None:
+            first = header.index - len(fixed) + 1
+            out.append((Family.CHAINS, key, encode_run(first, epochs[root], fixed)))
+            if root in unwritten and root not in raised:
+                # Its epoch, 0, written once: a lookup then finds every key it asks for
+                # of a chain stored whole (and the hot tier, written through, holds it).
+                out.append((Family.CHAINS, epoch_key(root), _EPOCH.pack(0)))
+                unwritten.discard(root)
+    return out
+
+
+def _new_and_rewritten(
+    store: BlockStore, puts: dict[bytes, bytes]
+) -> tuple[dict[bytes, Header], set[bytes]]:
+    """The headers a batch writes anew, and the roots whose headers it rewrites in place
+    (every namespace's where a rewritten header cannot be read)."""
     try:
         before: list[bytes | None] | None = store.get_many(Family.HEADERS, list(puts))
     except CorruptDataError:
@@ -493,13 +521,20 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
         raised |= its
     if unknown:  # a rewritten header nobody can read: every namespace's records go stale
         raised |= {bytes(k) for k in store.keys(Family.NAMESPACES)}
-    roots = sorted(raised | {h.root for h in fresh.values()})
+    return fresh, raised
+
+
+def _epochs(
+    store: BlockStore, roots: list[bytes], raised: set[bytes]
+) -> tuple[dict[bytes, int], set[bytes]]:
+    """Each root's epoch as stored, and the roots without an epoch record yet; a root
+    whose record cannot be read is added to `raised` (written again, from 1)."""
     try:
         stored = store.get_many(Family.CHAINS, [epoch_key(r) for r in roots])
     except CorruptDataError:
         stored = [None] * len(roots)
     epochs: dict[bytes, int] = {}
-    unwritten: set[bytes] = set()  # roots without an epoch record yet
+    unwritten: set[bytes] = set()
     for r, v in zip(roots, stored, strict=True):
         epochs[r] = _epoch_of(v)
         if v is None:
@@ -507,24 +542,7 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
         elif epochs[r] < 0:  # unreadable: written again (from 1: no reader took it as 0)
             epochs[r] = 0
             raised.add(r)
-    for r in sorted(raised):
-        epochs[r] += 1
-        out.append((Family.CHAINS, epoch_key(r), _EPOCH.pack(epochs[r])))
-    parents = {h.parent for h in fresh.values()}
-    for key, header in fresh.items():
-        if header.index % SEGMENT != SEGMENT - 1 and key in parents:
-            continue  # inside a segment, below another new block: that one's record
-        root = header.root
-        fixed = _segment(store, header, last, epochs[root] if root not in raised else -1)
-        if fixed is not None:
-            first = header.index - len(fixed) + 1
-            out.append((Family.CHAINS, key, encode_run(first, epochs[root], fixed)))
-            if root in unwritten and root not in raised:
-                # Its epoch, 0, written once: a lookup then finds every key it asks for
-                # of a chain stored whole (and the hot tier, written through, holds it).
-                out.append((Family.CHAINS, epoch_key(root), _EPOCH.pack(0)))
-                unwritten.discard(root)
-    return out
+    return epochs, unwritten
 
 
 def _segment(
