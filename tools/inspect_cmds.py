@@ -109,8 +109,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print_json(out)
         return 0
     names = ", ".join(n["name"] for n in namespaces) or "-"
-    rows = [
-        ("bank", str(args.bank)),
+    rows = stat_rows(args.bank, s, names)
+    rows += remote_rows(s)
+    rows.append(("this process", helpers.summary()))
+    if bad:
+        rows.append(("unreadable namespaces", len(bad)))
+    if tenants:
+        emit(fields(rows), tenant_table(tenants))
+    else:
+        emit(fields(rows))
+    return 0
+
+
+def stat_rows(bank: Any, s: Any, names: str) -> list[tuple[str, Any]]:
+    """`stats`' table: the bank's counters, one row each."""
+    return [
+        ("bank", str(bank)),
         ("block size", f"{s.block_size} tokens"),
         ("namespaces", f"{s.namespaces} ({names})"),
         ("blocks", s.blocks),
@@ -134,15 +148,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"{s.blocks_evicted} blocks, {s.states_evicted} states, {s.ends_evicted} end records",
         ),
     ]
-    rows += remote_rows(s)
-    rows.append(("this process", helpers.summary()))
-    if bad:
-        rows.append(("unreadable namespaces", len(bad)))
-    if tenants:
-        emit(fields(rows), tenant_table(tenants))
-    else:
-        emit(fields(rows))
-    return 0
 
 
 def remote_rows(s: Any) -> list[tuple[str, Any]]:
