@@ -372,62 +372,7 @@ def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
     """Issue 43's targets in `cas-bank serve` (`benchmarks.first_token_serve`): its TTFT
     through HTTP against the other ways of the rounds it ran in (their medians there)."""
     where = f"{c['layout']} ({mb(c['kv_bytes'])} MB of KV), cas-bank serve"
-
-    def beside(sit: dict[str, Any], way: str, other: str) -> float:
-        got = sit[way].get("beside_ttft_s") or {}
-        return got.get(other, sit[other]["ttft_s"])
-
-    def parts(sit: dict[str, Any], way: str, lib: str) -> str:
-        v = sit[way]
-        return (
-            f"serve: engine {ms(v['engine_s'])} ms (restore {ms(v.get('restore_s'))}, "
-            f"forward {ms(v['forward_s'])} of {v['prefilled']:.0f} tokens with "
-            f"{v['restored']:.0f} restored, store {ms(v['store_s'])}, the rest "
-            f"{ms(v.get('engine_rest_s'))}), HTTP {ms(v['http_s'])} ms; in the same rounds "
-            f"the library's way {ms(beside(sit, way, lib))} ms, the forward-only limit "
-            f"{ms(beside(sit, way, 'limit'))} ms"
-        )
-
-    checks = (
-        # situation, way, library way, other, target, ratio key, met
-        (
-            "shared_prefix",
-            "serve",
-            "bank",
-            "mlx_lm_lru",
-            "another agent on a stored prefix: first token >= 1.4x mlx-lm's LRU",
-            "mlx_lm_lru_over_serve",
-            lambda x: x >= 1.4,
-        ),
-        (
-            "next_turn",
-            "serve",
-            "bank",
-            "limit",
-            "the next turn: first token <= 1.05x the forward-only limit",
-            "serve_over_limit",
-            lambda x: x <= 1.05,
-        ),
-        (
-            "next_turn",
-            "serve",
-            "bank",
-            "mlx_lm_lru",
-            "the next turn: first token >= 1.0x mlx-lm's LRU",
-            "mlx_lm_lru_over_serve",
-            lambda x: x >= 1.0,
-        ),
-        (
-            "after_restart",
-            "serve_restarted",
-            "bank_reopened",
-            "mlx_lm_file",
-            "after a restart: first token >= 1.5x mlx-lm's file",
-            "mlx_lm_file_over_serve_restarted",
-            lambda x: x >= 1.5,
-        ),
-    )
-    for key, way, lib, other, target, ratio, met in checks:
+    for key, way, lib, other, target, ratio, met in _SERVE_CHECKS:
         sit = c[key]
         if way not in sit:
             continue
@@ -441,7 +386,7 @@ def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
             else ""
         )
         lib_ratio = ratio.replace(way, lib)
-        pair = [ms(beside(sit, way, other)), ms(v["ttft_s"])]  # as the ratio reads
+        pair = [ms(_beside(sit, way, other)), ms(v["ttft_s"])]  # as the ratio reads
         if ratio.startswith(way):
             pair.reverse()
         rows.add(
@@ -451,8 +396,68 @@ def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
             f"{sit['ratios'][lib_ratio]:.2f}x over all {sit['rounds']})",
             met(x),
             where,
-            parts(sit, way, lib),
+            _serve_parts(sit, way, lib),
         )
+
+
+_SERVE_CHECKS = (
+    # situation, way, library way, other, target, ratio key, met
+    (
+        "shared_prefix",
+        "serve",
+        "bank",
+        "mlx_lm_lru",
+        "another agent on a stored prefix: first token >= 1.4x mlx-lm's LRU",
+        "mlx_lm_lru_over_serve",
+        lambda x: x >= 1.4,
+    ),
+    (
+        "next_turn",
+        "serve",
+        "bank",
+        "limit",
+        "the next turn: first token <= 1.05x the forward-only limit",
+        "serve_over_limit",
+        lambda x: x <= 1.05,
+    ),
+    (
+        "next_turn",
+        "serve",
+        "bank",
+        "mlx_lm_lru",
+        "the next turn: first token >= 1.0x mlx-lm's LRU",
+        "mlx_lm_lru_over_serve",
+        lambda x: x >= 1.0,
+    ),
+    (
+        "after_restart",
+        "serve_restarted",
+        "bank_reopened",
+        "mlx_lm_file",
+        "after a restart: first token >= 1.5x mlx-lm's file",
+        "mlx_lm_file_over_serve_restarted",
+        lambda x: x >= 1.5,
+    ),
+)
+
+
+def _beside(sit: dict[str, Any], way: str, other: str) -> float:
+    """`other`'s TTFT in the rounds `way` ran in (its median over all where none)."""
+    got = sit[way].get("beside_ttft_s") or {}
+    return got.get(other, sit[other]["ttft_s"])
+
+
+def _serve_parts(sit: dict[str, Any], way: str, lib: str) -> str:
+    """Where the server's first token went: the engine's parts, HTTP, the others."""
+    v = sit[way]
+    return (
+        f"serve: engine {ms(v['engine_s'])} ms (restore {ms(v.get('restore_s'))}, "
+        f"forward {ms(v['forward_s'])} of {v['prefilled']:.0f} tokens with "
+        f"{v['restored']:.0f} restored, store {ms(v['store_s'])}, the rest "
+        f"{ms(v.get('engine_rest_s'))}), HTTP {ms(v['http_s'])} ms; in the same rounds "
+        f"the library's way {ms(_beside(sit, way, lib))} ms, the forward-only limit "
+        f"{ms(_beside(sit, way, 'limit'))} ms"
+    )
 
 
 def _where_time_goes(sit: dict[str, Any], other: str, bank: str = "bank") -> str:
