@@ -219,18 +219,44 @@ def prefill_or_restore_section(r: dict[str, Any]) -> list[str]:
     if not ft or not ft.get("prefill_or_restore"):
         return []
     layouts = ft["prefill_or_restore"]
-    L = [
+    pubs = ft.get("published_prefill", [])
+    return [
         "## Where prefilling beats restoring",
         "",
-        "Per layout, on this machine: a cold prefill of a prompt (the model alone, mlx-lm's "
-        "chunks) against the restore of a stored prefix of as many tokens, library "
-        "defaults, from a bank opened again before each restore (page cache warm) and "
-        "again in the same process (hot); the longer lengths are the first-token cases' "
-        "restores (a prefill of them is minutes here). Lines fitted by least squares, "
-        "prefill(L) = a_p + b_p L and restore(L) = a_r + b_r L (reopened), cross at "
-        "L* = (a_r - a_p) / (b_p - b_r).",
+        _PREFILL_OR_RESTORE_METHOD,
+        "",
+        *_measured_points(layouts),
+        *_crossovers(layouts, pubs),
+        _PREFILL_OR_RESTORE_READING + _published(pubs) + ".",
         "",
     ]
+
+
+_PREFILL_OR_RESTORE_METHOD = (
+    "Per layout, on this machine: a cold prefill of a prompt (the model alone, mlx-lm's "
+    "chunks) against the restore of a stored prefix of as many tokens, library "
+    "defaults, from a bank opened again before each restore (page cache warm) and "
+    "again in the same process (hot); the longer lengths are the first-token cases' "
+    "restores (a prefill of them is minutes here). Lines fitted by least squares, "
+    "prefill(L) = a_p + b_p L and restore(L) = a_r + b_r L (reopened), cross at "
+    "L* = (a_r - a_p) / (b_p - b_r)."
+)
+_PREFILL_OR_RESTORE_READING = (
+    "The Apple silicon columns are estimates, not measurements: L* = a_r / (1/R - b_r), "
+    "this machine's restore line against a published mlx-lm prefill rate R (Apple "
+    "silicon's memory is faster than this machine's, so its restores should be no "
+    "slower: the estimate leans towards prefilling). Below L* prefilling is faster; a "
+    "model that prefilled faster than the 'prefill faster than any restore above' rate "
+    "would never gain by restoring. The medium layouts' models (60-80M parameters) are "
+    "smaller than any published one, so on a Mac they would prefill faster than the "
+    "fastest rate here: read the first column as the nearest. The restore line is "
+    "of a warm page cache; from a cold disk each token costs its bytes at the disk's "
+    "speed too. Rates used: "
+)
+
+
+def _measured_points(layouts: list[dict[str, Any]]) -> list[str]:
+    """Each measured length: the prefill against the restore, reopened and hot."""
     rows = [
         [
             lay["model"],
@@ -243,11 +269,15 @@ def prefill_or_restore_section(r: dict[str, Any]) -> list[str]:
         for lay in layouts
         for p in lay["points"]
     ]
-    L += _table(
+    return _table(
         ["layout", "tokens", "prefill ms", "restore ms: reopened", "hot", "restore faster"],
         rows,
     )
-    pubs = ft.get("published_prefill", [])
+
+
+def _crossovers(layouts: list[dict[str, Any]], pubs: list[dict[str, Any]]) -> list[str]:
+    """Per layout: the shortest prefix worth restoring, measured and fitted, here and
+    estimated for Apple silicon."""
     head = [
         "layout",
         "KV bytes / token",
@@ -258,42 +288,27 @@ def prefill_or_restore_section(r: dict[str, Any]) -> list[str]:
         "prefill faster than any restore above",
         *[f"Apple silicon est.: {p['model']}, {p['chip']}" for p in pubs],
     ]
-    rows = []
-    for lay in layouts:
-        shortest = lay["shortest_measured_faster"]
-        slower = lay["longest_measured_slower"]
-        beaten = lay["restore_beaten_above_tokens_per_s"]
-        rows.append(
-            [
-                lay["model"],
-                f"{lay['kv_bytes_per_token']:.0f}",
-                "none measured"
-                if shortest is None
-                else f"{shortest} tokens"
-                + ("" if slower else " (the shortest measured: restore wins at every length)"),
-                f"{_tokens(lay['crossover_here_tokens'])} tokens",
-                f"{lay['prefill_line']['per_token_s'] * 1e3:.2f}",
-                f"{lay['restore_line']['intercept_s'] * 1e3:.2f} + "
-                f"{lay['restore_line']['per_token_s'] * 1e6:.2f}",
-                "–" if beaten is None else f"{beaten:,.0f} tokens/s",
-                *[f"{_tokens(a['crossover_tokens'])} tokens" for a in lay["apple_estimate"]],
-            ]
-        )
-    L += _table(head, rows)
-    L += [
-        "The Apple silicon columns are estimates, not measurements: L* = a_r / (1/R - b_r), "
-        "this machine's restore line against a published mlx-lm prefill rate R (Apple "
-        "silicon's memory is faster than this machine's, so its restores should be no "
-        "slower: the estimate leans towards prefilling). Below L* prefilling is faster; a "
-        "model that prefilled faster than the 'prefill faster than any restore above' rate "
-        "would never gain by restoring. The medium layouts' models (60-80M parameters) are "
-        "smaller than any published one, so on a Mac they would prefill faster than the "
-        "fastest rate here: read the first column as the nearest. The restore line is "
-        "of a warm page cache; from a cold disk each token costs its bytes at the disk's "
-        "speed too. Rates used: " + _published(pubs) + ".",
-        "",
+    return _table(head, [_crossover_row(lay) for lay in layouts])
+
+
+def _crossover_row(lay: dict[str, Any]) -> list[str]:
+    shortest = lay["shortest_measured_faster"]
+    slower = lay["longest_measured_slower"]
+    beaten = lay["restore_beaten_above_tokens_per_s"]
+    return [
+        lay["model"],
+        f"{lay['kv_bytes_per_token']:.0f}",
+        "none measured"
+        if shortest is None
+        else f"{shortest} tokens"
+        + ("" if slower else " (the shortest measured: restore wins at every length)"),
+        f"{_tokens(lay['crossover_here_tokens'])} tokens",
+        f"{lay['prefill_line']['per_token_s'] * 1e3:.2f}",
+        f"{lay['restore_line']['intercept_s'] * 1e3:.2f} + "
+        f"{lay['restore_line']['per_token_s'] * 1e6:.2f}",
+        "–" if beaten is None else f"{beaten:,.0f} tokens/s",
+        *[f"{_tokens(a['crossover_tokens'])} tokens" for a in lay["apple_estimate"]],
     ]
-    return L
 
 
 def _published(pubs: list[dict[str, Any]]) -> str:
