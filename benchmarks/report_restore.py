@@ -32,21 +32,6 @@ def ttft_section(r: dict[str, Any]) -> list[str]:
     if not t:
         return []
     L = ["## Time to first token", "", "![TTFT against prompt length](ttft.png)", ""]
-    rows = []
-    for c in t["cases"]:
-        for way, label in WAY_LABELS.items():
-            rows.append(
-                [
-                    c["model"],
-                    str(c["tokens"]),
-                    label,
-                    _ms(c["ttft_s"][way]),
-                    _ms(c["restore_s"].get(way)),
-                    str(c["restored"][way]),
-                    _mb(c["bytes_on_disk"].get(way)),
-                    "–" if way == "cold" else f"{c['logits_max_diff'][way]:.1e}",
-                ]
-            )
     L += _table(
         [
             "model",
@@ -58,25 +43,8 @@ def ttft_section(r: dict[str, Any]) -> list[str]:
             "MB on disk",
             "logits vs cold",
         ],
-        rows,
+        [_way_row(c, way, label) for c in t["cases"] for way, label in WAY_LABELS.items()],
     )
-    rows = []
-    for c in t["cases"]:
-        f, ce = c["fractions"], c["ceilings"]
-        rows.append(
-            [
-                c["model"],
-                str(c["tokens"]),
-                _mb(c["kv_bytes"]),
-                f"{_ms(c['restore_s']['cas_bank_rocksdb'])} / "
-                f"{_ms(ce['raw_read_plus_memcpy_s'])} = {f['rocksdb_restore_of_ceiling']:.2f}",
-                f"{_ms(c['restore_s']['cas_bank_hot'])} / {_ms(ce['memcpy_s'])} = "
-                f"{f['hot_restore_of_memcpy']:.2f}",
-                f"{f['file_load_over_rocksdb_restore']:.2f}",
-                f"{c['hot_hits_per_request']:.0f}",
-                f"{c['store']['store_s'] * 1e3:.1f} ms ({f['store_share_of_prefill']:.1%})",
-            ]
-        )
     L += [
         "Against the ceilings, on the same bytes "
         "(restore ms / ceiling ms = fraction of the ceiling's speed):",
@@ -93,11 +61,42 @@ def ttft_section(r: dict[str, Any]) -> list[str]:
             "hot hits per request",
             "store (share of its prefill)",
         ],
-        rows,
+        [_ceiling_row(c) for c in t["cases"]],
     )
     if t.get("problems"):
         L += ["**Problems found:**", ""] + [f"- {p}" for p in t["problems"]] + [""]
     return L
+
+
+def _way_row(c: dict[str, Any], way: str, label: str) -> list[str]:
+    """One way of reaching the first token of one case."""
+    return [
+        c["model"],
+        str(c["tokens"]),
+        label,
+        _ms(c["ttft_s"][way]),
+        _ms(c["restore_s"].get(way)),
+        str(c["restored"][way]),
+        _mb(c["bytes_on_disk"].get(way)),
+        "–" if way == "cold" else f"{c['logits_max_diff'][way]:.1e}",
+    ]
+
+
+def _ceiling_row(c: dict[str, Any]) -> list[str]:
+    """One case's restores against the machine's ceilings on the same bytes."""
+    f, ce = c["fractions"], c["ceilings"]
+    return [
+        c["model"],
+        str(c["tokens"]),
+        _mb(c["kv_bytes"]),
+        f"{_ms(c['restore_s']['cas_bank_rocksdb'])} / "
+        f"{_ms(ce['raw_read_plus_memcpy_s'])} = {f['rocksdb_restore_of_ceiling']:.2f}",
+        f"{_ms(c['restore_s']['cas_bank_hot'])} / {_ms(ce['memcpy_s'])} = "
+        f"{f['hot_restore_of_memcpy']:.2f}",
+        f"{f['file_load_over_rocksdb_restore']:.2f}",
+        f"{c['hot_hits_per_request']:.0f}",
+        f"{c['store']['store_s'] * 1e3:.1f} ms ({f['store_share_of_prefill']:.1%})",
+    ]
 
 
 def restore_section(r: dict[str, Any]) -> list[str]:
