@@ -299,73 +299,96 @@ def _first_token(r: dict[str, Any], rows: _Rows) -> None:
     (`LRUPromptCache`) and its file, in three situations, and a restore with room."""
     for c in r.get("first_token", {}).get("cases", []):
         where = f"{c['layout']} ({mb(c['kv_bytes'])} MB of KV), library defaults"
-        a, b, ar = c["shared_prefix"], c["next_turn"], c["after_restart"]
-        ra, best = a["ratios"]["mlx_lm_lru_over_bank"], a["ratios"]["mlx_lm_lru_over_limit"]
-        rows.add(
-            "another agent on a stored prefix: first token >= 1.4x mlx-lm's LRU",
-            f"{ra:.2f}x ({ms(a['mlx_lm_lru']['ttft_s'])} vs {ms(a['bank']['ttft_s'])} ms; "
-            f"the forward pass alone allows {best:.2f}x"
-            + ("; out of reach here" if best < 1.4 and ra < 1.4 else "")
-            + ")",
-            ra >= 1.4,
-            where,
-            _where_time_goes(a, "mlx_lm_lru")
-            + "; the restore: "
-            + top_functions(a.get("profile_restore", [])),
-        )
-        talk = c["tokens"] + c["answer_tokens"]
-        over_limit = b["ratios"]["bank_over_limit"]
-        own = b["bank"].get("own_s")
-        rows.add(
-            "the next turn: first token <= 1.05x the forward-only limit",
-            f"{over_limit:.2f}x ({ms(b['bank']['ttft_s'])} vs {ms(b['limit']['ttft_s'])} ms; "
-            f"restored {b['bank']['restored']:.0f} of {talk} tokens, prefilled "
-            f"{b['bank']['prefilled']:.0f}"
-            + (
-                f"; the bank's own time beside its forward pass {ms(own)} ms, "
-                f"{own / b['limit']['ttft_s']:.1%} of the limit"
-                if own is not None
-                else ""
-            )
-            + ")",
-            over_limit <= 1.05,
-            where,
-            _where_time_goes(b, "mlx_lm_lru"),
-        )
-        rb = b["ratios"]["mlx_lm_lru_over_bank"]
-        rows.add(
-            "the next turn: first token >= 1.0x mlx-lm's LRU",
-            f"{rb:.2f}x ({ms(b['mlx_lm_lru']['ttft_s'])} vs {ms(b['bank']['ttft_s'])} ms)",
-            rb >= 1.0,
-            where,
-            _where_time_goes(b, "mlx_lm_lru"),
-        )
-        rc = ar["ratios"]["mlx_lm_file_over_bank_reopened"]
-        cold = ar.get("cold_prefill_at_least_s")
-        rows.add(
-            "after a restart: first token >= 1.5x mlx-lm's file",
-            f"{rc:.2f}x ({ms(ar['mlx_lm_file']['ttft_s'])} vs "
-            f"{ms(ar['bank_reopened']['ttft_s'])} ms; the forward pass alone allows "
-            f"{ar['ratios']['mlx_lm_file_over_limit']:.2f}x"
-            + (f"; mlx-lm's LRU, empty, prefills it all: >= {seconds(cold)}" if cold else "")
-            + ")",
-            rc >= 1.5,
-            where,
-            _where_time_goes(ar, "mlx_lm_file", bank="bank_reopened"),
-        )
-        h = c["hot_restore"]
-        rows.add(
-            "a restore with room in the same process >= 2x the file's load",
-            f"{h['file_load_over_on_path']:.2f}x with its copy on its path "
-            f"({ms(h['file_load_s'])} vs {ms(h['on_path_s'])} ms: {h['on_path_gbps']:.2f} "
-            f"GB/s, {h['on_path_of_memcpy']:.2f}x a memcpy's speed on one core, "
-            f"{h['on_path_of_memcpy_2_threads']:.2f}x on two); as the defaults run it, "
-            f"copied ahead, {h['file_load_over_restore']:.2f}x ({ms(h['restore_s'])} ms)",
-            h["file_load_over_on_path"] >= 2.0,
-            where,
-            top_functions(a.get("profile_restore", [])),
-        )
+        _shared_prefix(c, rows, where)
+        _next_turn(c, rows, where)
+        _after_restart(c, rows, where)
+        _hot_restore(c, rows, where)
         _first_token_serve(c, rows)
+
+
+def _shared_prefix(c: dict[str, Any], rows: _Rows, where: str) -> None:
+    """(a) another agent sharing a stored prefix, against mlx-lm's LRU."""
+    a = c["shared_prefix"]
+    ra, best = a["ratios"]["mlx_lm_lru_over_bank"], a["ratios"]["mlx_lm_lru_over_limit"]
+    rows.add(
+        "another agent on a stored prefix: first token >= 1.4x mlx-lm's LRU",
+        f"{ra:.2f}x ({ms(a['mlx_lm_lru']['ttft_s'])} vs {ms(a['bank']['ttft_s'])} ms; "
+        f"the forward pass alone allows {best:.2f}x"
+        + ("; out of reach here" if best < 1.4 and ra < 1.4 else "")
+        + ")",
+        ra >= 1.4,
+        where,
+        _where_time_goes(a, "mlx_lm_lru")
+        + "; the restore: "
+        + top_functions(a.get("profile_restore", [])),
+    )
+
+
+def _next_turn(c: dict[str, Any], rows: _Rows, where: str) -> None:
+    """(b) the next turn of the same conversation: against the forward-only limit and
+    mlx-lm's LRU."""
+    b = c["next_turn"]
+    talk = c["tokens"] + c["answer_tokens"]
+    over_limit = b["ratios"]["bank_over_limit"]
+    own = b["bank"].get("own_s")
+    rows.add(
+        "the next turn: first token <= 1.05x the forward-only limit",
+        f"{over_limit:.2f}x ({ms(b['bank']['ttft_s'])} vs {ms(b['limit']['ttft_s'])} ms; "
+        f"restored {b['bank']['restored']:.0f} of {talk} tokens, prefilled "
+        f"{b['bank']['prefilled']:.0f}"
+        + (
+            f"; the bank's own time beside its forward pass {ms(own)} ms, "
+            f"{own / b['limit']['ttft_s']:.1%} of the limit"
+            if own is not None
+            else ""
+        )
+        + ")",
+        over_limit <= 1.05,
+        where,
+        _where_time_goes(b, "mlx_lm_lru"),
+    )
+    rb = b["ratios"]["mlx_lm_lru_over_bank"]
+    rows.add(
+        "the next turn: first token >= 1.0x mlx-lm's LRU",
+        f"{rb:.2f}x ({ms(b['mlx_lm_lru']['ttft_s'])} vs {ms(b['bank']['ttft_s'])} ms)",
+        rb >= 1.0,
+        where,
+        _where_time_goes(b, "mlx_lm_lru"),
+    )
+
+
+def _after_restart(c: dict[str, Any], rows: _Rows, where: str) -> None:
+    """(c) after a restart, against mlx-lm's prompt-cache file."""
+    ar = c["after_restart"]
+    rc = ar["ratios"]["mlx_lm_file_over_bank_reopened"]
+    cold = ar.get("cold_prefill_at_least_s")
+    rows.add(
+        "after a restart: first token >= 1.5x mlx-lm's file",
+        f"{rc:.2f}x ({ms(ar['mlx_lm_file']['ttft_s'])} vs "
+        f"{ms(ar['bank_reopened']['ttft_s'])} ms; the forward pass alone allows "
+        f"{ar['ratios']['mlx_lm_file_over_limit']:.2f}x"
+        + (f"; mlx-lm's LRU, empty, prefills it all: >= {seconds(cold)}" if cold else "")
+        + ")",
+        rc >= 1.5,
+        where,
+        _where_time_goes(ar, "mlx_lm_file", bank="bank_reopened"),
+    )
+
+
+def _hot_restore(c: dict[str, Any], rows: _Rows, where: str) -> None:
+    """Where it stands: a restore with room in the same process, against the file."""
+    h = c["hot_restore"]
+    rows.add(
+        "a restore with room in the same process >= 2x the file's load",
+        f"{h['file_load_over_on_path']:.2f}x with its copy on its path "
+        f"({ms(h['file_load_s'])} vs {ms(h['on_path_s'])} ms: {h['on_path_gbps']:.2f} "
+        f"GB/s, {h['on_path_of_memcpy']:.2f}x a memcpy's speed on one core, "
+        f"{h['on_path_of_memcpy_2_threads']:.2f}x on two); as the defaults run it, "
+        f"copied ahead, {h['file_load_over_restore']:.2f}x ({ms(h['restore_s'])} ms)",
+        h["file_load_over_on_path"] >= 2.0,
+        where,
+        top_functions(c["shared_prefix"].get("profile_restore", [])),
+    )
 
 
 def _first_token_serve(c: dict[str, Any], rows: _Rows) -> None:
