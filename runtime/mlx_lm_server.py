@@ -222,13 +222,7 @@ def make_run(
         server_class: Any = None,
         handler_class: Any = None,
     ) -> None:
-        args = model_provider.cli_args
-        if args.model is None:
-            raise InvalidInputError(
-                "cas-bank mlx-lm-server needs --model: the bank keeps the caches of the "
-                "model it is started with"
-            )
-        model_provider.load_default()
+        args = _started_with_model(model_provider)
         prompt_cache = _prompt_cache(
             bank, model_provider, capture_states=capture_states, background=background, store=store
         )
@@ -258,6 +252,18 @@ def make_run(
                 generator.stop_and_join()
 
     return run
+
+
+def _started_with_model(model_provider: Any) -> Any:
+    """The server's arguments, its model loaded; refused without `--model`."""
+    args = model_provider.cli_args
+    if args.model is None:
+        raise InvalidInputError(
+            "cas-bank mlx-lm-server needs --model: the bank keeps the caches of the "
+            "model it is started with"
+        )
+    model_provider.load_default()
+    return args
 
 
 def _prompt_cache(
