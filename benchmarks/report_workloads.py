@@ -162,22 +162,6 @@ def branching_section(r: dict[str, Any]) -> list[str]:
         'blocks only or with partial blocks (docs/design.md, "Partial blocks").',
         "",
     ]
-    rows = []
-    for run in b["runs"].values():
-        p50 = run["restore_p50_s"]
-        rows.append(
-            [
-                str(run["block_size"]),
-                "partial" if run["partial"] else "whole blocks",
-                str(run["prefilled_tokens"]),
-                f"{run['hit_rate']:.1%}",
-                str(run["partial_tokens"]),
-                str(run["blocks_stored"]),
-                f"{run['blocks_per_restore']:.1f}",
-                "-" if p50 is None else _ms(p50),
-                _ms(run["ttft_p50_s"]),
-            ]
-        )
     L += _table(
         [
             "block",
@@ -190,7 +174,7 @@ def branching_section(r: dict[str, Any]) -> list[str]:
             "restore p50 ms",
             "TTFT p50 ms",
         ],
-        rows,
+        [_branching_row(run) for run in b["runs"].values()],
     )
     runs = list(b["runs"].values())
     with_partial = [x for x in runs if x["partial"]]
@@ -208,6 +192,22 @@ def branching_section(r: dict[str, Any]) -> list[str]:
             'choice for attention-only models (README, "Choosing a block size").',
         ]
     return L
+
+
+def _branching_row(run: dict[str, Any]) -> list[str]:
+    """One block size, whole blocks only or with partial blocks."""
+    p50 = run["restore_p50_s"]
+    return [
+        str(run["block_size"]),
+        "partial" if run["partial"] else "whole blocks",
+        str(run["prefilled_tokens"]),
+        f"{run['hit_rate']:.1%}",
+        str(run["partial_tokens"]),
+        str(run["blocks_stored"]),
+        f"{run['blocks_per_restore']:.1f}",
+        "-" if p50 is None else _ms(p50),
+        _ms(run["ttft_p50_s"]),
+    ]
 
 
 def scale_section(r: dict[str, Any]) -> list[str]:
