@@ -425,6 +425,37 @@ def test_close_from_a_when_written_callback_is_refused_and_closes_nothing(
         assert again.stats().blocks == 5
 
 
+def test_stores_made_in_a_when_written_callback_are_written_not_waited_for(
+    bank_path: Path,
+) -> None:
+    """A store queued on the writer's own thread (a `when_written` callback that stores
+    again) must not wait for room in a full queue: only that thread makes room. It is
+    written there and then; the writer goes on with the queue."""
+    spec = attention_spec()
+    rng = np.random.default_rng(33)
+    first, third, fourth, fifth = (tokens_of(rng, n * B) for n in (2, 3, 4, 1))
+    bank = Bank.open(bank_path, BankConfig(block_size=B, write_behind=1))
+    ns = bank.namespace(spec)
+    made: list[object] = []
+
+    def store_twice(_: object) -> None:  # one store fills the queue, the next needs room
+        for toks in (third, fourth):
+            made.append(ns.store_later(toks, prefix_layers(spec, toks)))
+
+    release = _holding_the_writer(bank)
+    ns.store_later(first, prefix_layers(spec, first)).when_written(store_twice)
+    release.set()
+    later = ns.store_later(fifth, prefix_layers(spec, fifth))
+    assert later.result(timeout=20).blocks_written == 1  # the writer went on
+    assert [m.result(timeout=1).blocks_written for m in made] == [3, 4]  # type: ignore[attr-defined]
+    bank.flush()
+    assert ns.match(fourth) == 4 * B and bank.writer is not None
+    assert bank.writer.stats().failed == 0
+    bank.close()
+    with Bank.open(bank_path) as again:
+        assert again.stats().blocks == 10
+
+
 def _in_queue_put(frame: FrameType | None) -> bool:
     """Whether `frame` (or a caller of it) is `queue.Queue.put` waiting for room."""
     while frame is not None:

@@ -167,7 +167,12 @@ class BackgroundWriter:
         nobody would ever write it. `measure(result)`: the bytes it wrote (`stats`).
         `records`: what it will write, in `queued` from now until its batch has
         committed or failed (retired before its `PendingStore` says so), or until the
-        wait for room raises (a `KeyboardInterrupt`): nothing was queued then."""
+        wait for room raises (a `KeyboardInterrupt`): nothing was queued then.
+
+        On the writer's own thread (a store made in a `when_written` callback or a
+        queued job) `write` runs at once, before the stores queued ahead of it: waiting
+        for room there would wait for the thread that makes room."""
+        here = threading.current_thread() is self._thread
         with self._gate:
             if self._closed:
                 raise RuntimeError("the background writer is closed: the bank was closed")
@@ -177,13 +182,16 @@ class BackgroundWriter:
             if records is not None:
                 self.queued.add(records)
                 write = self._retiring(write, records)
-            try:
-                self._queue.put((write, pending))  # the writer drains: never waits for ever
-            except BaseException:
-                if records is not None:  # never written: out of the view
-                    self.queued.retire(records)
-                raise
-            return pending
+            if not here:
+                try:
+                    self._queue.put((write, pending))  # the writer drains: never waits for ever
+                except BaseException:
+                    if records is not None:  # never written: out of the view
+                        self.queued.retire(records)
+                    raise
+                return pending
+        self._write(write, pending)  # outside the gate: its callbacks may submit again
+        return pending
 
     def _retiring(self, write: Callable[[], T], records: object) -> Callable[[], T]:
         """`write`, then `records` out of `queued`, whatever `write` did."""
@@ -216,22 +224,25 @@ class BackgroundWriter:
             try:
                 if item is None:
                     return
-                write, pending = item
-                try:
-                    value = write()
-                except BaseException as e:  # kept for flush(): never dropped silently
-                    traceback.clear_frames(e.__traceback__)  # the KV snapshot goes
-                    with self._lock:
-                        if self._first_error is None:
-                            self._first_error = (e, pending)
-                        self._failed += 1
-                    pending._set(None, e)
-                else:
-                    with self._lock:
-                        self._written += 1
-                    pending._set(value, None)
+                self._write(*item)
             finally:
                 self._queue.task_done()
+
+    def _write(self, write: Callable[[], Any], pending: PendingStore[Any]) -> None:
+        """Run one store and settle its `PendingStore`; a failure is kept for `flush()`."""
+        try:
+            value = write()
+        except BaseException as e:  # kept for flush(): never dropped silently
+            traceback.clear_frames(e.__traceback__)  # the KV snapshot goes
+            with self._lock:
+                if self._first_error is None:
+                    self._first_error = (e, pending)
+                self._failed += 1
+            pending._set(None, e)
+        else:
+            with self._lock:
+                self._written += 1
+            pending._set(value, None)
 
     def flush(self) -> None:
         """Wait until every queued store is written; raise the first that failed since
