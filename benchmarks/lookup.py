@@ -12,7 +12,7 @@ then, each round and for each length, opens it and restores the conversation as
 `PrefixCache.restore` does (`Namespace.restore(prompt[:-1], room_for=len(prompt))`),
 taking the lookup's time:
 
-- `records`: as a restore does now: the chain records first (`index.chain.read_runs`,
+- `records`: as a restore does now: the chain records first (`index.chain_records.read_runs`,
   one multi-get of the segments' records), headers only past them;
 - `headers`: as it did before the chain records, and does in a bank written before
   them: one multi-get of every header (a chain over `WHOLE_CHAIN_READ` blocks cut to
@@ -44,7 +44,7 @@ import numpy as np
 
 from benchmarks.ceilings import median
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.index import chain
+from cas_bank.index import chain, chain_records
 from cas_bank.index.ends import plan_end
 from cas_bank.index.partial import find_partial
 from cas_bank.index.view import read_view
@@ -87,12 +87,12 @@ def build(path: Path, lengths: Sequence[int], others: int) -> dict[int, np.ndarr
 @contextmanager
 def headers_only() -> Iterator[None]:
     """The lookup as before the chain records: `longest_chain` finds none."""
-    runs = chain.read_runs
-    chain.read_runs = lambda *args: ([], False)
+    runs = chain.read_runs  # the name `longest_chain` calls
+    chain.read_runs = lambda *args: ([], False)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        chain.read_runs = runs
+        chain.read_runs = runs  # type: ignore[attr-defined]
 
 
 def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, float]:
@@ -136,7 +136,7 @@ def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]
         ended = False
         if way == "records":
             runs, ended = timed(
-                "chain records", lambda: chain.read_runs(view, ns.root, hashes, blocks)
+                "chain records", lambda: chain_records.read_runs(view, ns.root, hashes, blocks)
             )
         parent = runs[-1].chain_hash if runs else ns.root
         rest: list[chain.Header] = []

@@ -28,8 +28,9 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain
+from cas_bank.index import chain, chain_records
 from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index.header import FIXED
 
 sys.path.insert(0, str(TESTS_DIR / "fixtures"))
 from make_bank_v3 import PROMPT_DB, PROMPT_FILES
@@ -181,7 +182,7 @@ def test_the_chain_records_give_exactly_what_the_headers_say(
         tempfile.TemporaryDirectory() as tmp,
         pytest.MonkeyPatch.context() as patch,
     ):
-        patch.setattr(chain, "SEGMENT", segment)
+        patch.setattr(chain_records, "SEGMENT", segment)
         path = Path(tmp) / "bank"
         bank = Bank.open(path, BankConfig(block_size=B, file_min_bytes=None))
         try:
@@ -312,7 +313,7 @@ def test_the_native_records_decoder_is_the_python_one(
 ) -> None:
     """`cas_bank._chain.run` makes the very headers `_python_run` makes of any record
     bytes, damaged ones too (a flipped bit ends the list at its entry)."""
-    if chain._decode_run is chain._python_run:
+    if chain_records._decode_run is chain_records._python_run:
         pytest.skip("the native helper is not built")
     rng = np.random.default_rng(seed)
     root = rng.bytes(32)
@@ -326,11 +327,11 @@ def test_the_native_records_decoder_is_the_python_one(
         h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
                    int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
                    int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
-        fixed.append(h.encode()[: chain._FIXED.size])
-    raw = bytearray(chain.encode_run(first, 0, fixed))
+        fixed.append(h.encode()[: FIXED.size])
+    raw = bytearray(chain_records.encode_run(first, 0, fixed))
     for c in cuts:
         if len(raw) > 16:
             raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
     data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
     args = (bytes(raw), 16, first, count, root, hashes, data, step)
-    assert chain._decode_run(*args) == chain._python_run(*args)
+    assert chain_records._decode_run(*args) == chain_records._python_run(*args)
