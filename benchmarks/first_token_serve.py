@@ -10,9 +10,9 @@ how many prompt tokens the server restored (`cached_tokens`); the engine's own r
 (its queue wait and its time to the first token, restore and prefill) is read off
 its sink, so `http_s`, the TTFT but for the engine's, is the HTTP and event-loop
 share. The client (`httpx.Client`) is made before the clock starts, as an agent's is,
-and each request opens its own connection: on a connection kept alive, every
-request after the first took ~40 ms more here, `GET /health` alike (a stall of a
-delayed ACK's length, not the server's work; not looked into further).
+and each request opens its own connection. (Runs before the server's listening socket
+named TCP, so that asyncio turned Nagle's algorithm off on its connections, saw every
+request after the first on a kept-alive connection stall ~40 ms for a delayed ACK.)
 
 - (a) another agent: the server on the bank the prefix was stored into by the
   library (`PrefixCache.store`, before the server started); the request is the

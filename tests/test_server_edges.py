@@ -194,3 +194,40 @@ def test_the_engine_refuses_a_temperature_that_is_not_finite(
     engine, _ = served
     with pytest.raises(RequestError, match="finite"):
         engine.check(GenerationRequest(prompt=[1, 2, 3], temperature=temperature))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_served_connections_have_nagles_algorithm_off(host: str) -> None:
+    """The server's listening socket (`bind`, as `cas-bank serve` and `BackgroundServer`
+    make it) names TCP, so asyncio sets `TCP_NODELAY` on every connection it accepts,
+    as uvicorn's own sockets get: with Nagle's algorithm on, each request after the
+    first on a kept-alive connection stalled ~40 ms for a delayed ACK."""
+    import asyncio
+    import socket
+
+    from cas_bank.runtime.server import bind
+
+    try:
+        sock = bind(host, 0)
+    except OSError:
+        pytest.skip(f"no {host} here")
+    seen: list[int] = []
+
+    async def accept_one() -> None:
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                raw = transport.get_extra_info("socket")
+                seen.append(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+                accepted.set_result(None)
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await asyncio.wait_for(accepted, 10)
+        writer.close()
+        server.close()
+
+    asyncio.run(accept_one())
+    assert seen and seen[0] != 0
