@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from cas_bank.arrays import cpu_fillable
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, Check, namespace_root, salt_bytes
@@ -53,6 +54,7 @@ from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
 from cas_bank.restore.resources import Resources
+from cas_bank.restore.spares import decode_wanted, encode_wanted
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters, RestoreClock, RestoreTotals
 from cas_bank.write.admission import SeenBlocks
@@ -79,6 +81,7 @@ _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
 _KEY_REMOTE = b"remote_url"  # the shared tier last opened with (password hidden)
+_KEY_SPARES = b"spare_shapes"  # what the spares' pool would hold at the last close
 _U32 = struct.Struct("<I")
 _NEVER = 1 << 62  # a payload size no payload reaches
 
@@ -126,6 +129,10 @@ class Bank:
         # What its restores use beside their arrays (spares and their thread, the shape
         # memo, scratch buffers, GPU prefetch): the bank's own, stopped by `close`.
         self.resources = Resources(config.spare_bytes)
+        # What the last session's spares would hold (`Spares.wanted_recently`, written by
+        # `close`): made again by the spares' thread at the first `namespace` call.
+        self._spare_record = store.get(Family.META, _KEY_SPARES)
+        self._spares_asked = False
         # Last uses, recorded in memory and written in batches (see evict.eviction).
         self.access = AccessLog(
             config.access_flush_interval,
@@ -243,7 +250,34 @@ class Bank:
                 self.tenants.noted(root, salted)
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
+            self._make_spares_ahead()
         return ns
+
+    def _make_spares_ahead(self) -> None:
+        """Once, at the first namespace (a runtime makes it at start, before its first
+        restore; tools that never restore make none): the spare arrays the bank's last
+        session ended with, made by its spares' thread (`Spares.make_ahead`, within
+        `spare_bytes`), so that a reopened bank's first restore, too, fills arrays
+        already in memory, not fresh pages. Skipped where restores use no spares
+        (`arrays.cpu_fillable` false: staged destinations)."""
+        if self._spares_asked:
+            return
+        self._spares_asked = True
+        recorded = decode_wanted(self._spare_record)
+        if recorded and cpu_fillable():
+            self.resources.spares.make_ahead(recorded)
+
+    def _record_spares(self) -> None:
+        """Keep what the spares' pool would hold now (`Spares.wanted_recently`) for the
+        next open, where it changed; a session that restored nothing keeps the last."""
+        recent = self.resources.spares.wanted_recently()
+        if self.read_only or not recent:
+            return
+        raw = encode_wanted(recent)
+        if raw != self._spare_record:
+            with self.transaction(budget=False) as tx:
+                tx.put(Family.META, _KEY_SPARES, raw)
+            self._spare_record = raw
 
     # -- writing -------------------------------------------------------------------
     @contextmanager
@@ -449,6 +483,7 @@ class Bank:
                 failed = e
             if self.remote is not None:
                 self.remote.close()  # finishes queued publishes and local writes first
+            self._record_spares()
             self.flush()
         except BankFullError as e:
             log.warning("cas_bank: %s; closing without the last counters", e)

@@ -185,3 +185,91 @@ def test_restore_threads_is_one_or_two(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Resources(0).threads == 1
     with pytest.raises(ValueError, match="threads must be 1 or 2"):
         Resources(0, threads=0)
+
+
+def test_a_reopened_bank_makes_the_spares_it_closed_with_at_its_first_namespace(
+    bank_path: Path,
+) -> None:
+    """The shapes a bank's restores wanted are kept at close; the next open makes them
+    (within the bound) at its first `namespace`, so that its first restore takes every
+    array from them, bit-exact; an open that makes no namespace makes none; close joins
+    the thread and frees them."""
+    layers = prefix_layers(SPEC, TOKENS)
+    want = kv_prefix_bits(layers, SPEC, 256)
+    config = BankConfig(block_size=64, hot_bytes=0)
+    with Bank.open(bank_path, config) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(TOKENS, layers)
+        assert ns.restore(TOKENS, room_for=300) is not None
+        recorded = bank.resources.spares.wanted_recently()
+    assert [n for _, n in recorded] == [4]  # one shape (K and V of both layers), 4 arrays
+    with Bank.open(bank_path, config) as bank:  # a tool's open: no namespace, no spares
+        assert not _spares_threads() and bank.resources.spares.made == 0
+    bank = Bank.open(bank_path, config)
+    try:
+        spares = bank.resources.spares
+        ns = bank.namespace(SPEC)
+        assert len(_spares_threads()) == 1  # started by the namespace, before any restore
+        bank.resources.settle()
+        held = bank.stats()
+        assert spares.made == 4 and held.spare_held_bytes == 4 * 512 * 4 * 256 * 2
+        assert held.spare_held_bytes <= held.spare_bytes
+        hit = ns.restore(TOKENS, room_for=300)
+        assert hit is not None and spares.taken == 4  # the first restore: all made ahead
+        assert kv_prefix_bits(hit.layers, SPEC, 256) == want
+        assert spares.wanted_recently() == recorded
+    finally:
+        bank.close()
+    assert not _spares_threads() and spares.bytes == 0 and not spares._pool
+    assert kv_prefix_bits(hit.layers, SPEC, 256) == want  # handed out: the caller's
+
+
+def test_spares_made_at_open_stay_within_the_reopened_banks_bound(bank_path: Path) -> None:
+    """Recorded under a large bound, reopened under one that holds only the most recent
+    restore's set: that set is made, nothing of the older one (and its close keeps what
+    it held); with 0, nothing and no thread, and the record is left as it was."""
+    config = BankConfig(block_size=64, hot_bytes=0)
+    long_tokens = TOKENS * 4  # 1024 tokens: arrays of 1280 rows, another shape
+    with Bank.open(bank_path, config) as bank:
+        ns = bank.namespace(SPEC)
+        ns.store(long_tokens, prefix_layers(SPEC, long_tokens))
+        assert ns.restore(long_tokens, room_for=1100) is not None
+        assert ns.restore(TOKENS, room_for=300) is not None  # the most recent
+        recorded = bank.resources.spares.wanted_recently()
+    assert [w[0][-2] for w, _ in recorded] == [1280, 512]
+    small = 4 * 512 * 4 * 256 * 2  # the 512-row set's bytes
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=small)) as bank:
+        bank.namespace(SPEC)
+        bank.resources.settle()
+        assert bank.stats().spare_held_bytes == small
+        assert [w[0][-2] for w, _ in bank.resources.spares.wanted_recently()] == [512]
+    with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=0)) as bank:
+        bank.namespace(SPEC)
+        assert not _spares_threads() and bank.stats().spare_held_bytes == 0
+    with Bank.open(bank_path, config) as bank:  # the small bound's record, not the 0's
+        bank.namespace(SPEC)
+        bank.resources.settle()
+        assert [w[0][-2] for w, _ in bank.resources.spares.wanted_recently()] == [512]
+
+
+def test_a_record_that_does_not_read_makes_no_spares(bank_path: Path) -> None:
+    from cas_bank.bank import _KEY_SPARES
+    from cas_bank.blocks.store import Family
+
+    config = BankConfig(block_size=64, hot_bytes=0)
+    for raw in (b"not json", b'[[[4, 0], "float16", 1]]', b'[[[4], "float99", 1]]', b"7"):
+        with Bank.open(bank_path, config) as bank, bank.transaction(budget=False) as tx:
+            tx.put(Family.META, _KEY_SPARES, raw)
+        with Bank.open(bank_path, config) as bank:
+            bank.namespace(SPEC)
+            assert not _spares_threads() and bank.resources.spares.made == 0
+
+
+def test_close_stops_a_making_under_way_at_its_next_array() -> None:
+    from cas_bank.arrays import DTYPES
+    from cas_bank.restore import spares as spares_module
+
+    wanted = [((1, 4, 256, 256), DTYPES["float16"])] * 5
+    asked = iter([False, False, True])
+    made = spares_module._made_ahead(wanted, lambda: next(asked))
+    assert len(made) == 2 and all(d.view.shape == (1, 4, 256, 256) for d in made)

@@ -30,7 +30,15 @@ bound, and they are dropped before plain spares.
 
 Bounded by `max_bytes`: the pool keeps at most one restore's set per shape and drops
 the least recently wanted shapes first. The memory is held (resident once reused)
-until `close`.
+until `close`, which stops a making under way at its next array.
+
+A bank reopened starts with none, and its first restore would allocate every array and
+fault its fresh pages in: 1.7 of 18.6 ms allocating and a fill 8 ms slower than the
+same read into pages in memory, at 100 MB of fp32 KV (`benchmarks.library_restore`'s
+layout). So the pool remembers the shapes refills asked for (`wanted_recently`: what a
+full pool holds, within the bound), the bank keeps them in its meta at `close`, and
+its next open has them made (`make_ahead`) as its first namespace is made, before its
+first restore (`cas_bank.bank`): that restore then took 9.4 ms (the file 9.1).
 
 A runtime's restore is followed by its forward pass, the time to first token, and a
 refill made beside it (a zero fill and a lease's copy of 100-400 MB) slows that pass
@@ -47,6 +55,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import logging
 import math
 import queue
@@ -56,7 +65,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from cas_bank.arrays import DType
+from cas_bank.arrays import DType, dtype_named
+from cas_bank.errors import InvalidInputError
 from cas_bank.restore.destinations import Destination, zeroed
 
 log = logging.getLogger("cas_bank")
@@ -91,6 +101,10 @@ class Spares:
         self._released.set()
         self._holding = threading.local()  # a restore in `holding()` on this thread
         self._closed = False
+        # The shapes refills asked for and how many of each, least recent first, within
+        # the bound: what the pool would hold (`wanted_recently`, `make_ahead`).
+        self._recent: OrderedDict[Wanted, int] = OrderedDict()
+        self._recent_bytes = 0
 
     def enable(self, max_bytes: int) -> None:
         """Change the bound (0: off; what the pool holds over it is dropped now)."""
@@ -185,10 +199,46 @@ class Spares:
         with self._lock:
             if self._closed or self.max_bytes <= 0:
                 return
+            if plain:
+                self._note(grouped)
             if self._thread is None:
                 self._start()
             with contextlib.suppress(queue.Full):  # one pending: it is made first
                 self._wants.put_nowait(_Job(plain, filled, held))
+
+    def _note(self, grouped: SpareSet) -> None:
+        """`grouped`'s shapes and counts, the most recently wanted now (lock held); the
+        least recent dropped while they take more than the bound."""
+        recent = self._recent
+        for w, indices, size in grouped.groups:
+            self._recent_bytes += (len(indices) - recent.pop(w, 0)) * size
+            recent[w] = len(indices)
+        while self._recent_bytes > self.max_bytes and recent:
+            w, n = recent.popitem(last=False)
+            self._recent_bytes -= n * _size(w)
+
+    def wanted_recently(self) -> list[tuple[Wanted, int]]:
+        """The (shape, dtype)s refills asked for and how many of each, least recent
+        first, at most the bound in all: what a full pool holds (`encode_wanted`)."""
+        with self._lock:
+            return list(self._recent.items())
+
+    def make_ahead(self, recorded: Sequence[tuple[Wanted, int]]) -> int:
+        """Have the thread make `recorded` (`wanted_recently` of an earlier session:
+        `cas_bank.bank` keeps it in the bank's meta), before any restore asks: the most
+        recent entries that fit the bound, least recent first. Returns their bytes (0:
+        nothing asked for: none recorded, none fits, or spares are off)."""
+        fits: list[tuple[Wanted, int]] = []
+        room = self.max_bytes
+        for w, n in reversed(recorded):
+            if 0 < n * _size(w) <= room:
+                fits.append((w, n))
+                room -= n * _size(w)
+        if not fits:
+            return 0
+        grouped = spare_set([w for w, n in reversed(fits) for _ in range(n)])
+        self.refill(grouped)
+        return grouped.nbytes
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -248,7 +298,9 @@ class Spares:
             if filled.key in self._filled:
                 self._filled.move_to_end(filled.key)
                 return
-        made = _made_ahead(filled.wanted)
+        made = _made_ahead(filled.wanted, self._stopping)
+        if len(made) < len(filled.wanted):
+            return  # closed meanwhile
         filled.fill(made)
         with self._lock:
             self._filled[filled.key] = made
@@ -271,14 +323,18 @@ class Spares:
             for w in wanted:
                 counts[w] = counts.get(w, 0) + 1
             missing = [w for w, n in counts.items() for _ in range(n - len(self._pool.get(w, ())))]
-        made = _made_ahead(missing)
+        made = _made_ahead(missing, self._stopping)
         with self._lock:
-            for w, dest in zip(missing, made, strict=True):
+            for w, dest in zip(missing, made, strict=False):  # fewer: closed meanwhile
                 self._pool.setdefault(w, []).append(dest)
                 self._pool.move_to_end(w)
                 self.bytes += _size(w)
                 self.made += 1
             self._trim()
+
+    def _stopping(self) -> bool:
+        """Whether `close` began: a making under way stops at its next array."""
+        return self._closed
 
     def _trim(self) -> None:
         """Drop filled sets, oldest first, then the least recently wanted shapes, while
@@ -297,9 +353,10 @@ _FILLED_KEPT = 2  # filled sets kept at once: the leases restored most recently
 HOLD_S = 2.0
 
 
-def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
-    """Destinations of `wanted`, zero-filled (`destinations.zeroed`: the spares' thread never
-    uses MLX's load of a stream), made ahead of the restore that takes them.
+def _made_ahead(wanted: Sequence[Wanted], stop: Callable[[], bool]) -> list[Destination]:
+    """Destinations of `wanted`, zero-filled (`destinations.zeroed`: the spares' thread
+    never uses MLX's load of a stream), made ahead of the restore that takes them; those
+    made before `stop()` said True (a close: it waits for the array under way only).
 
     One at a time, the GIL offered between them (`time.sleep(0)`): a refill not held
     starts as a restore hands its arrays out, beside the caller's next steps (a held
@@ -310,6 +367,8 @@ def _made_ahead(wanted: Sequence[Wanted]) -> list[Destination]:
     first (benchmark rounds, medians); one array's making is a few microseconds."""
     made = []
     for shape, dtype in wanted:
+        if stop():
+            break
         (array,) = zeroed([(shape, dtype)])
         made.append(Destination.made_ahead(shape, dtype, array))
         time.sleep(0)
@@ -364,6 +423,31 @@ def spare_set(wanted: Sequence[Wanted], from_bytes: int = 0) -> SpareSet:
 def _size(w: Wanted) -> int:
     """Bytes of an array of `w` (a restore asks for each of its 24-48 arrays)."""
     return math.prod(w[0]) * w[1].itemsize
+
+
+def encode_wanted(recent: Sequence[tuple[Wanted, int]]) -> bytes:
+    """`Spares.wanted_recently` as a record: JSON `[[shape, dtype name, count], ...]`,
+    least recent first."""
+    rows = [[list(shape), dtype.name, n] for (shape, dtype), n in recent]
+    return json.dumps(rows, separators=(",", ":")).encode()
+
+
+def decode_wanted(raw: bytes | None) -> list[tuple[Wanted, int]]:
+    """`encode_wanted`'s record read back; empty where there is none, or where it does
+    not read as one (logged: spares are only ever a speed-up)."""
+    if not raw:
+        return []
+    out: list[tuple[Wanted, int]] = []
+    try:
+        for shape, name, n in json.loads(raw):
+            dims = tuple(shape)
+            if not dims or not all(type(x) is int and x > 0 for x in (*dims, n)):
+                raise ValueError(f"not a shape and count: {shape!r}, {n!r}")
+            out.append(((dims, dtype_named(name)), n))
+    except (ValueError, TypeError, InvalidInputError) as e:
+        log.warning("cas_bank: the spares' record does not read (%s); none made ahead", e)
+        return []
+    return out
 
 
 def keep_spare_destinations(max_bytes: int = 1 << 30, *, copy_ahead: bool = True) -> None:
