@@ -4,7 +4,8 @@ configuration (nothing downloaded).
 
 `tiny_vlm("tiny-qwen2-vl")` is mlx-vlm's Qwen2-VL (a ViT with 2×2 patch merging, a
 Qwen2 language model with multimodal RoPE) at 2 text layers of 64 wide and 1 vision
-layer; `tiny-qwen2.5-vl` is Qwen2.5-VL (windowed vision attention) at the same size.
+layer; `tiny-qwen2.5-vl` is Qwen2.5-VL (windowed vision attention) at the same size;
+`tiny-gemma3` is Gemma 3 (which the bank refuses, naming it).
 Both take transformers' Qwen2-VL image processor (the PIL backend: no torchvision)
 sized for images of 56×56 to 112×112 pixels (4 to 16 image tokens). The text side is
 the byte tokenizer of the embedded mlx-lm models (`runtime.tokenizer`): ids 0..~300;
@@ -80,6 +81,35 @@ _CONFIGS: Final[Mapping[str, Mapping[str, Any]]] = {
             fullatt_block_indexes=[0],
         ),
     ),
+    # Gemma 3 (SigLIP, 4 tokens an image): built to show the refusal, which names it.
+    "tiny-gemma3": dict(
+        model_type="gemma3",
+        vocab_size=VOCAB,
+        image_token_index=IMAGE_TOKEN,
+        hidden_size=64,
+        mm_tokens_per_image=4,
+        text_config=dict(
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            head_dim=16,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            sliding_window=64,
+            mm_tokens_per_image=4,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            num_hidden_layers=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            patch_size=14,
+            image_size=56,
+        ),
+    ),
 }
 
 VLM_NAMES: Final = tuple(_CONFIGS)
@@ -130,7 +160,7 @@ def build_vlm(name: str = "tiny-qwen2-vl", *, seed: int = 0) -> TinyVLM:
     module, _ = get_model_and_args(config)
     model_config = module.ModelConfig.from_dict(copy.deepcopy(config))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    model_config.text_config = module.TextConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config.get("text_config", config))
     mx.random.seed(seed)
     model = module.Model(model_config)
     model.eval()

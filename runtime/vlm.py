@@ -1,0 +1,324 @@
+"""`VisionPrefixCache`: an mlx-vlm model's prompt caches in and out of a bank, with
+its images in the key (docs/design.md, "Image keys (format v1)").
+
+    vpc = VisionPrefixCache(bank, model)            # an mlx-vlm Qwen2-VL / Qwen2.5-VL
+    prompt = vpc.prompt(input_ids, pixel_values, image_grid_thw)  # the processor's output
+    cache, n = vpc.restore(prompt)                  # restored before the LM's prefill
+    logits = vpc.prefill(prompt, cache, start=n)    # the rest; stores after, as for text
+
+The bank stores the language model's KV under the prompt's key sequence
+(`cas_bank.blocks.image_keys`): text ids as they are, an image's positions keyed by
+the digest of its pixels and the offset inside it. Everything `PrefixCache` does for
+text (salts, background stores, partial blocks, end records, `restore_exact`,
+`explain` on `prompt.keys`) works unchanged on it.
+
+A prefill from `n` runs the vision encoder only on the images with positions at or
+after `n`, one image at a time (in a restore or not, so the features, and the logits,
+are the same bits either way): an image that a restore covers costs nothing.
+Multimodal RoPE: the positions of the whole prompt come from its ids and grids
+(`get_rope_index`, no pixels needed); each chunk takes its slice, and after a
+prefill or an exact restore the language model's rope deltas are set so that
+`model.language_model(token[None], cache=cache)` decodes on at the right positions.
+
+Supported: mlx-vlm's `qwen2_vl` and `qwen2_5_vl` (causal attention over the image,
+one run of image tokens per image). Refused with an error naming the model: any
+other (Gemma 3 attends both ways inside an image, so its KV there depends on where a
+prefill chunk starts; Qwen3-VL adds the image's features into early layers
+(deepstack), which a prefill from inside the prompt does not reproduce here), and
+prompts with video tokens (their spans are not keyed yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from cas_bank.bank import Bank
+from cas_bank.blocks.hashing import as_token_array, max_token
+from cas_bank.blocks.image_keys import (
+    KEY_BIT,
+    ImageSpan,
+    image_digest,
+    key_sequence,
+    restore_point,
+    spans_of,
+)
+from cas_bank.errors import InvalidInputError
+
+from .prefix_cache import PrefixCache
+
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+_WHY_NOT = {
+    "gemma3": "Gemma 3 attends both ways inside an image, so a restore point inside one "
+    "would change its KV",
+    "qwen3_vl": "Qwen3-VL adds image features into early layers (deepstack) that a "
+    "prefill from inside the prompt would not see",
+    "qwen3_vl_moe": "Qwen3-VL adds image features into early layers (deepstack) that a "
+    "prefill from inside the prompt would not see",
+}
+
+
+class UnsupportedVisionModel(InvalidInputError):
+    """A model whose image tokens cas_bank cannot key (its type named)."""
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """A prompt as the model takes it (`ids`, `pixel_values` and `grids` of its images,
+    in order) and as the bank keys it (`keys`, `spans`)."""
+
+    ids: np.ndarray
+    keys: np.ndarray
+    spans: tuple[ImageSpan, ...]
+    pixel_values: np.ndarray | None
+    grids: np.ndarray | None  # [images, 3]: (t, h, w) patches
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> VisionPrompt:
+        """This prompt followed by text `tokens` (an answer, the next turn's words)."""
+        more = as_token_array(tokens)
+        return replace(
+            self,
+            ids=np.concatenate([self.ids, more]),
+            keys=np.concatenate([self.keys, key_sequence(more, [])]),
+        )
+
+
+def check_supported(model: nn.Module) -> str:
+    """The model's type, or `UnsupportedVisionModel` naming it and why."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if (
+        getattr(model, "language_model", None) is None
+        or getattr(model, "vision_tower", None) is None
+    ):
+        raise UnsupportedVisionModel(
+            f"{type(model).__name__} is not an mlx-vlm vision-language model (no "
+            f"language_model and vision_tower); an mlx-lm model takes PrefixCache"
+        )
+    if kind not in SUPPORTED:
+        why = _WHY_NOT.get(str(kind), "its image tokens are not keyed by cas_bank yet")
+        raise UnsupportedVisionModel(
+            f"mlx-vlm model type {kind!r} is not supported on the bank: {why} "
+            f"(supported: {', '.join(SUPPORTED)})"
+        )
+    return str(kind)
+
+
+class _LanguageModel(nn.Module):
+    """The VLM's language model as `PrefixCache` drives an mlx-lm model: `(tokens,
+    cache) -> logits`. Its parameters are the whole VLM's (the weights digest covers
+    the vision tower) and its `args` the whole config. During a prefill `feed` holds
+    the prompt's embeddings from `start` and its positions; each chunk takes its rows
+    by the cache's offset."""
+
+    def __init__(self, vlm: nn.Module) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.vlm = vlm
+        self.args = vlm.config
+        self.feed: tuple[VisionPrompt, int, mx.array, mx.array] | None = None
+
+    @property
+    def layers(self) -> Any:
+        return self.vlm.language_model.model.layers
+
+    def __call__(self, x: mx.array, cache: list[Any] | None = None) -> mx.array:
+        lm = self.vlm.language_model
+        if self.feed is None:  # text only (the spec's one-token probe)
+            logits: mx.array = lm(x, cache=cache).logits
+            return logits
+        prompt, start, embeds, positions = self.feed
+        at = cache[0].offset if cache else 0
+        stop = at + x.shape[1]
+        if not np.array_equal(np.asarray(x[0]), prompt.keys[at:stop]):
+            raise InvalidInputError("a chunk's tokens are not the prompt's keys at its offset")
+        ids = mx.array(prompt.ids[at:stop].astype(np.int32))[None]
+        rows = embeds[:, at - start : stop - start]
+        out = lm(ids, inputs_embeds=rows, cache=cache, position_ids=positions[..., at:stop])
+        chunk_logits: mx.array = out.logits
+        return chunk_logits
+
+
+class VisionPrefixCache(PrefixCache):
+    """`PrefixCache` for an mlx-vlm model (see the module docstring). The keyword
+    arguments are `PrefixCache`'s; `keep_hidden` is refused (its split of the model
+    is a text model's). `last_encoded`: the images the last prefill ran the vision
+    encoder on."""
+
+    def __init__(self, bank: Bank, model: nn.Module, **kwargs: Any) -> None:
+        self.kind = check_supported(model)
+        if kwargs.get("keep_hidden"):
+            raise InvalidInputError("keep_hidden is not supported for vision-language models")
+        self.vlm = model
+        self.adapter = _LanguageModel(model)
+        self._reset_rope()
+        super().__init__(bank, self.adapter, **kwargs)
+        self._reset_rope()  # the spec's probe left its own positions there
+        self.last_encoded = 0
+
+    # -- prompts -------------------------------------------------------------------
+    def prompt(
+        self,
+        input_ids: Any,
+        pixel_values: Any = None,
+        image_grid_thw: Any = None,
+        **extra: Any,
+    ) -> VisionPrompt:
+        """The prompt of the processor's output (`prepare_inputs`'s `input_ids`,
+        `pixel_values`, `image_grid_thw`; a batch of one): its images digested and its
+        key sequence made. Video inputs are refused (not keyed yet)."""
+        if any(extra.get(k) is not None for k in ("pixel_values_videos", "video_grid_thw")):
+            raise InvalidInputError("video inputs are not supported on the bank yet")
+        ids = as_token_array(np.asarray(input_ids))
+        cfg = self.vlm.config
+        if max_token(ids) >= self.vocab_size:
+            raise InvalidInputError(f"a token id is beyond the vocabulary of {self.kind!r}")
+        if int(np.count_nonzero(ids == cfg.video_token_id)):
+            raise InvalidInputError("video tokens are not supported on the bank yet")
+        if pixel_values is None:
+            if np.count_nonzero(ids == cfg.image_token_id):
+                raise InvalidInputError("the prompt has image tokens but no pixel_values")
+            return VisionPrompt(ids, key_sequence(ids, []), (), None, None)
+        pixels, grids = np.asarray(pixel_values), np.asarray(image_grid_thw).reshape(-1, 3)
+        rows = np.cumsum([0, *(int(np.prod(g)) for g in grids)])
+        if rows[-1] != len(pixels):
+            raise InvalidInputError(
+                f"pixel_values has {len(pixels)} patches; the grids say {rows[-1]}"
+            )
+        digests = [
+            image_digest(pixels[a:b], g) for a, b, g in zip(rows, rows[1:], grids, strict=False)
+        ]
+        spans = spans_of(ids, cfg.image_token_id, digests)
+        merge = cfg.vision_config.spatial_merge_size**2
+        for s, g in zip(spans, grids, strict=True):
+            if s.length * merge != int(np.prod(g)):
+                raise InvalidInputError(
+                    f"image at {s.start}: {s.length} image tokens for a grid of {g.tolist()}"
+                )
+        return VisionPrompt(ids, key_sequence(ids, spans), tuple(spans), pixels, grids)
+
+    def tokens(self, tokens: Any) -> np.ndarray:
+        """A prompt's keys (or a key sequence), checked: text ids in the vocabulary."""
+        if isinstance(tokens, VisionPrompt):
+            return tokens.keys
+        toks = as_token_array(tokens)
+        text = toks[toks < KEY_BIT]
+        if text.size and max_token(text) >= self.vocab_size:
+            raise InvalidInputError(f"a token id is beyond the vocabulary of {self.kind!r}")
+        return toks
+
+    # -- restore -------------------------------------------------------------------
+    def match(self, tokens: Any) -> int:
+        """Tokens `restore(prompt)` would cover now, without reading payloads."""
+        n = super().match(self.tokens(tokens))
+        return restore_point(n, self._spans(tokens))
+
+    def restore(self, tokens: Any) -> tuple[list[Any], int]:
+        """A fresh cache holding the longest stored prefix of the prompt but its last
+        token, and its length: never fewer than `MIN_IMAGE_KEYS` positions into an
+        image (`image_keys.restore_point`; the cache is cut back to it)."""
+        cache, n = super().restore(self.tokens(tokens))
+        return cache, self._cut(cache, n, self._spans(tokens))
+
+    def restore_exact(self, tokens: Any, *, with_hidden: bool = False) -> Any:
+        """`PrefixCache.restore_exact` for a prompt: with the last token's logits (an end
+        record of exactly this prompt) the language model's rope deltas are set, so
+        decoding goes on with no prefill at all."""
+        if with_hidden:
+            raise InvalidInputError("with_hidden is not supported for vision-language models")
+        cache, n, logits, _ = self._restore_exact(self.tokens(tokens))
+        if logits is not None and isinstance(tokens, VisionPrompt):
+            self._set_rope(tokens)
+        return cache, self._cut(cache, n, self._spans(tokens)), logits
+
+    def _spans(self, tokens: Any) -> tuple[ImageSpan, ...]:
+        return tokens.spans if isinstance(tokens, VisionPrompt) else ()
+
+    @staticmethod
+    def _cut(cache: list[Any], n: int, spans: Sequence[ImageSpan]) -> int:
+        m = restore_point(n, spans)
+        if m < n:
+            for c in cache:
+                c.trim(n - m)
+        return m
+
+    # -- prefill -------------------------------------------------------------------
+    def prefill(  # type: ignore[override]
+        self, prompt: VisionPrompt, cache: list[Any], start: int = 0, **kwargs: Any
+    ) -> mx.array:
+        """`PrefixCache.prefill` of a `VisionPrompt` from `start` (what `restore` gave):
+        the images with positions at or after `start` are encoded, one at a time, the
+        rest of the prompt runs through the language model and is stored (blocks and
+        end record, as for text), and the rope deltas are left set for decoding."""
+        if not isinstance(prompt, VisionPrompt):
+            raise InvalidInputError("prefill takes a VisionPrompt (vpc.prompt(...))")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(prompt):
+            raise InvalidInputError(f"start={start!r} must leave tokens of the {len(prompt)}")
+        positions = self._set_rope(prompt)
+        self.adapter.feed = (prompt, start, self._embeddings(prompt, start), positions)
+        try:
+            return super().prefill(prompt.keys, cache, start, **kwargs)
+        finally:
+            self.adapter.feed = None
+
+    def _embeddings(self, prompt: VisionPrompt, start: int) -> mx.array:
+        """The language model's input rows of `prompt[start:]`: token embeddings, and
+        each image's features at its positions (only images reaching `start` or past
+        it are encoded)."""
+        ids = mx.array(prompt.ids[start:].astype(np.int32))[None]
+        text = self.vlm.language_model.model.embed_tokens(ids)
+        pieces, at, encoded = [], start, 0
+        for i, s in enumerate(prompt.spans):
+            if s.end <= start:
+                continue
+            features = self._encode(prompt, i)
+            first = max(s.start, start)
+            pieces += [text[:, at - start : first - start], features[None, first - s.start :]]
+            at, encoded = s.end, encoded + 1
+        pieces.append(text[:, at - start :])
+        self.last_encoded = encoded
+        return mx.concatenate(pieces, axis=1) if len(pieces) > 1 else text
+
+    def _encode(self, prompt: VisionPrompt, i: int) -> mx.array:
+        """The vision encoder's features of image `i` alone: [its positions, hidden]."""
+        assert prompt.pixel_values is not None and prompt.grids is not None
+        sizes = [int(np.prod(g)) for g in prompt.grids]
+        a = sum(sizes[:i])
+        tower = self.vlm.vision_tower
+        pixels = mx.array(prompt.pixel_values[a : a + sizes[i]])
+        pixels = pixels.astype(tower.patch_embed.proj.weight.dtype)
+        grid = mx.array(prompt.grids[i : i + 1].astype(np.int32))
+        features: mx.array = tower(pixels, grid, output_hidden_states=False)
+        return features
+
+    def positions(self, prompt: VisionPrompt) -> tuple[mx.array, mx.array]:
+        """The prompt's multimodal RoPE positions [3, 1, T] and its rope delta (the
+        model's own `get_rope_index`: ids and grids, no pixels)."""
+        ids = mx.array(prompt.ids.astype(np.int32))[None]
+        grids = None if prompt.grids is None else mx.array(prompt.grids.astype(np.int32))
+        pos, deltas = self.vlm.language_model.get_rope_index(ids, grids, None, None)
+        if pos.ndim == 2:
+            pos = mx.broadcast_to(pos[None], (3, *pos.shape))
+        return pos, deltas
+
+    def _set_rope(self, prompt: VisionPrompt) -> mx.array:
+        """Leave the language model's rope state as its own prefill of `prompt` would:
+        decoding then takes positions from the cache's offset plus the delta."""
+        pos, deltas = self.positions(prompt)
+        lm = self.vlm.language_model
+        lm._position_ids, lm._rope_deltas = pos, deltas
+        return pos
+
+    def _reset_rope(self) -> None:
+        lm = self.vlm.language_model
+        lm._position_ids = lm._rope_deltas = None
+
+    def __repr__(self) -> str:
+        return f"VisionPrefixCache({self.kind!r}, block_size={self.block_size})"

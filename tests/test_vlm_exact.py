@@ -1,0 +1,227 @@
+"""Vision-language models on the bank (runtime/vlm.py): a restored prefill gives logits
+bit-identical to mlx-vlm's own computation with the same forward passes (its batched
+vision encoder, its merge of features into the embeddings, its multimodal RoPE), for
+one image, several, one image at two places, and a prompt whose image differs under
+the same placeholder ids; decoding on after a restore is exact too; two images at one
+place share no block; models whose image tokens cannot be keyed are refused.
+
+Real tiny mlx-vlm models (Qwen2-VL, Qwen2.5-VL) with seeded weights and transformers'
+image processor from a local configuration (runtime/vlm_models.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cas_bank.runtime.vlm import UnsupportedVisionModel, VisionPrefixCache, VisionPrompt
+from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_inputs
+from runtime_helpers import bit_equal, temp_bank, tiny
+
+from cas_bank.blocks.image_keys import MIN_IMAGE_KEYS
+
+BLOCK = 16
+CHUNK = 24  # several forward passes a prompt: the schedule matters
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def vlm(request: pytest.FixtureRequest) -> TinyVLM:
+    return build_vlm(request.param, seed=3)
+
+
+@pytest.fixture
+def vpc(vlm: TinyVLM) -> Iterator[VisionPrefixCache]:
+    with temp_bank(BLOCK) as bank:
+        yield VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK)
+
+
+TEXT = list(range(40, 77))  # 37 ids: the image starts inside block 2
+
+
+def prompt(vpc: VisionPrefixCache, vlm: TinyVLM, parts: Sequence[Any]) -> VisionPrompt:
+    return vpc.prompt(*vlm_inputs(vlm.image_processor, parts))
+
+
+def reference(
+    vlm: TinyVLM,
+    a: VisionPrompt,
+    a_ends: Sequence[int],
+    b: VisionPrompt,
+    n: int,
+    b_ends: Sequence[int],
+) -> tuple[mx.array, list[Any]]:
+    """The last logits of `b` and the cache, by mlx-vlm alone with the very forward
+    passes of store + restore: `a`'s prefill (ends `a_ends`) cut back to n, then `b`'s
+    passes from n. Embeddings and positions of each prompt: mlx-vlm's
+    `get_input_embeddings` over all of it."""
+    model = vlm.model
+    lm = model.language_model
+    cache = [_kv() for _ in lm.model.layers]
+
+    def passes(p: VisionPrompt, start: int, ends: Sequence[int]) -> mx.array:
+        ids = mx.array(p.ids.astype(np.int32))[None]
+        kw = {} if p.grids is None else {"image_grid_thw": mx.array(p.grids)}
+        pixels = None if p.pixel_values is None else mx.array(p.pixel_values)
+        emb = model.get_input_embeddings(ids, pixels, **kw)
+        pos = emb.position_ids
+        if pos.ndim == 2:
+            pos = mx.broadcast_to(pos[None], (3, *pos.shape))
+        at, logits = start, None
+        for end in ends:
+            if end <= at:
+                continue
+            logits = lm(
+                ids[:, at:end],
+                inputs_embeds=emb.inputs_embeds[:, at:end],
+                cache=cache,
+                position_ids=pos[..., at:end],
+            ).logits
+            mx.eval([c.state for c in cache])
+            at = end
+        assert logits is not None
+        return logits[0, -1]
+
+    if n:
+        stop = next(e for e in a_ends if e >= n)
+        passes(a, 0, [e for e in a_ends if e <= stop])
+        for c in cache:
+            c.trim(stop - n)
+    return passes(b, n, b_ends), cache
+
+
+def _kv() -> Any:
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache()
+
+
+def store_then_restore(
+    vpc: VisionPrefixCache, vlm: TinyVLM, a: VisionPrompt, b: VisionPrompt
+) -> tuple[int, mx.array, list[Any], mx.array, list[Any]]:
+    """Prefill and store `a`; restore and prefill `b`. Returns the restore point, b's
+    logits and cache, and the reference's."""
+    cache, n = vpc.restore(a)
+    assert n == 0
+    vpc.prefill(a, cache, n)
+    a_ends = vpc.last_prefill.chunk_ends
+    vpc.bank.flush()
+    cache, n = vpc.restore(b)
+    got = vpc.prefill(b, cache, n)
+    want, ref_cache = reference(vlm, a, a_ends, b, n, vpc.last_prefill.chunk_ends)
+    return n, got, cache, want, ref_cache
+
+
+def decode_step(vlm: TinyVLM, cache: list[Any], token: int) -> mx.array:
+    return vlm.model.language_model(mx.array([[token]]), cache=cache).logits[0, -1]
+
+
+def test_one_image_restored_exactly_and_decodes_on(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    img = random_image(1)
+    a = prompt(vpc, vlm, [TEXT, img, [5, 6, 7, 8, 9]])
+    b = prompt(vpc, vlm, [TEXT, img, [5, 6, 11, 12, 13, 14]])
+    n, got, cache, want, ref_cache = store_then_restore(vpc, vlm, a, b)
+    (span,) = b.spans
+    assert n == span.end + 3  # the text, the image, its end token, 5, 6: the partial block
+    assert vpc.last_encoded == 0  # the image was restored: no encoder run
+    assert bit_equal(got, want)
+    # Decoding goes on from the multimodal positions (the rope delta after a restore).
+    assert vlm.model.language_model._rope_deltas.item() != 0
+    for tok in (3, 4):
+        assert bit_equal(decode_step(vlm, cache, tok), decode_step(vlm, ref_cache, tok))
+
+
+def test_several_images(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    i1, i2, i3 = random_image(1), random_image(2, (112, 56)), random_image(3, (56, 84))
+    a = prompt(vpc, vlm, [TEXT, i1, [7, 8], i2, [9], i3, [10, 11, 12]])
+    b = prompt(vpc, vlm, [TEXT, i1, [7, 8], i2, [9], i3, [10, 20, 21, 22]])
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert n == b.spans[-1].end + 2
+    assert vpc.last_encoded == 0
+    assert bit_equal(got, want)
+
+
+def test_one_image_at_two_places(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    img = random_image(4)
+    a = prompt(vpc, vlm, [TEXT, img, list(range(100, 120)), img, [1, 2, 3]])
+    b = prompt(vpc, vlm, [TEXT, img, list(range(100, 120)), img, [1, 4, 5]])
+    s1, s2 = b.spans
+    assert s1.digest == s2.digest and np.array_equal(
+        b.keys[s1.start : s1.end], b.keys[s2.start : s2.end]
+    )
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert n == s2.end + 2
+    assert bit_equal(got, want)
+
+
+def test_other_image_under_the_same_ids(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """b's token ids equal a's everywhere; its image differs: b restores nothing of the
+    image (only the text before it) and encodes it, exactly."""
+    a = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
+    b = prompt(vpc, vlm, [TEXT, random_image(2), [5, 6, 7, 8]])
+    assert np.array_equal(a.ids, b.ids[:-1])
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert n == b.spans[0].start  # the text and <vision_start>: the partial block up to it
+    assert vpc.last_encoded == 1
+    assert bit_equal(got, want)
+
+
+def test_two_images_at_one_place_share_no_block(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    a = prompt(vpc, vlm, [TEXT, random_image(1), list(range(200, 240))])
+    b = prompt(vpc, vlm, [TEXT, random_image(2), list(range(200, 240))])
+    for p in (a, b):
+        vpc.prefill(p, vpc.new_cache())
+    vpc.bank.flush()
+    ha, hb = vpc.namespace.chain(a.keys), vpc.namespace.chain(b.keys)
+    first = a.spans[0].start // BLOCK
+    assert ha[:first] == hb[:first]
+    assert not set(ha[first:]) & set(hb)
+    assert vpc.bank.stats().blocks == first + 2 * (len(ha) - first)
+    assert vpc.match(b.extend([1])) == len(b)  # each is whole in the bank
+
+
+def test_restore_never_rests_on_few_image_keys(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """A stored prompt whose whole blocks end 3 positions into an image, with no end
+    record: a restore stops at the image's start instead, and is exact."""
+    img = random_image(5)
+    a = prompt(vpc, vlm, [list(range(40, 85)), img])  # image tokens from 46 (block 2 ends at 48)
+    b = prompt(vpc, vlm, [list(range(40, 85)), img, [1, 2]])
+    assert a.spans[0].start == 46 and len(a) < 64
+    vpc.keep_end = False
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert vpc.namespace.match(b.keys[:-1]) == 48  # the bank alone would give 48
+    assert n == 46 < 46 + MIN_IMAGE_KEYS
+    assert bit_equal(got, want)
+
+
+def test_exact_repeat_needs_no_prefill(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    p = prompt(vpc, vlm, [TEXT, random_image(6), [5, 6, 7]])
+    logits = vpc.prefill(p, vpc.new_cache())
+    want_next = decode_step(vlm, _replay(vlm, vpc, p), 9)
+    vpc.bank.flush()
+    cache, n, got = vpc.restore_exact(p)
+    assert n == len(p) and got is not None and bit_equal(got, logits)
+    assert bit_equal(decode_step(vlm, cache, 9), want_next)
+
+
+def _replay(vlm: TinyVLM, vpc: VisionPrefixCache, p: VisionPrompt) -> list[Any]:
+    _, cache = reference(vlm, p, [], p, 0, vpc.last_prefill.chunk_ends)
+    return cache
+
+
+def test_salted_tenants_share_nothing(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    p = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
+    vpc.prefill(p, vpc.new_cache())
+    vpc.bank.flush()
+    assert vpc.match(p) == len(p) - 1
+    assert vpc.salted("tenant-b").match(p) == 0
+
+
+def test_refused_models_are_named() -> None:
+    with temp_bank(BLOCK) as bank:
+        with pytest.raises(UnsupportedVisionModel, match=r"'gemma3'.*both ways inside an image"):
+            VisionPrefixCache(bank, build_vlm("tiny-gemma3").model)
+        with pytest.raises(UnsupportedVisionModel, match="not an mlx-vlm vision-language"):
+            VisionPrefixCache(bank, tiny("tiny-qwen3"))
