@@ -22,6 +22,7 @@ from . import (
     gc_cmd,
     inspect_cmds,
     mlx_lm_cmd,
+    mlx_vlm_cmd,
     pin_cmd,
     quota_cmd,
     salvage_cmd,
@@ -42,6 +43,7 @@ from .common import ArgumentParser, CliError
 COMMAND_MODULES: list[ModuleType] = [
     serve_cmd,
     mlx_lm_cmd,
+    mlx_vlm_cmd,
     inspect_cmds,
     tree_cmd,
     show_cmd,

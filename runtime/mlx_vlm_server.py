@@ -1,0 +1,127 @@
+"""mlx-vlm's own HTTP server with the bank as its prefix cache (`cas-bank mlx-vlm-server`).
+
+This runs `mlx_vlm.server`'s command line itself (`mlx_vlm.server.cli.main`: its
+argument parser, its FastAPI app with the OpenAI, Anthropic and Responses routes, its
+continuous-batching `ResponseGenerator`, uvicorn), all unchanged but for two things:
+
+- its automatic prefix cache: mlx-vlm makes it with `mlx_vlm.apc.from_env` when it loads
+  a model; here that returns a `BankAPC` (`mlx_vlm_apc`) on the bank, whatever
+  `APC_ENABLED` says: the bank is the only tier, so every hit it counts is the bank's;
+- its generator class: a `ResponseGenerator` that, once its model is loaded, binds the
+  manager to it (a model whose images the bank cannot key is refused by name, and the
+  server does not start), and registers each request with the manager as it is queued
+  (its token ids, pixels and tenant), which mlx-vlm's APC hash alone does not carry.
+
+Requests, images (URLs, `data:` URLs, paths), tenants (`X-APC-Tenant`) and every flag are
+mlx-vlm's. `/v1/cache/stats` shows the manager's counts (hits are bank restores) and the
+bank's (`bank`). SIGTERM or Ctrl-C stops uvicorn, which unloads the model (the
+generator's thread ends); the caller then closes the bank, which writes what is queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from queue import Queue
+from typing import Any
+
+from cas_bank.bank import Bank
+
+from .mlx_vlm_apc import BankAPC
+from .process import server_settings
+
+
+class _Registering(Queue):  # type: ignore[type-arg]
+    """The generator's request queue: each request is registered with the manager as it
+    is put (on the caller's thread, before the GPU thread can take it)."""
+
+    def __init__(self, manager: BankAPC) -> None:
+        super().__init__()
+        self.manager = manager
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        extra_hash = getattr(item, "apc_semantic_hash", None)
+        if extra_hash is not None:
+            args = getattr(item, "args", None)
+            salt = getattr(args, "tenant_id", None) or None
+            self.manager.remember(int(extra_hash), item.raw_inputs, salt)
+        super().put(item, block, timeout)
+
+
+def generator_class(manager: BankAPC) -> type:
+    """mlx-vlm's `ResponseGenerator` with the manager bound and requests registered."""
+    generation: Any = importlib.import_module("mlx_vlm.server.generation")
+    base: Any = generation.ResponseGenerator
+
+    class BankResponseGenerator(base):  # type: ignore[misc]
+        # `ResponseGenerator.__init__` sets `self.requests = Queue()`: taken as ours.
+        @property
+        def requests(self) -> _Registering:
+            return self._bank_requests
+
+        @requests.setter
+        def requests(self, _queue: Any) -> None:
+            self._bank_requests = _Registering(manager)
+
+        def _initialize_model(self) -> None:
+            super()._initialize_model()
+            manager.bind(self.model)  # raises for a model the bank cannot key
+
+    return BankResponseGenerator
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt. uvicorn takes SIGTERM while it serves, shuts down
+    gracefully, then raises the signal again with the handler it found: this one, so the
+    process goes on to close the bank instead of dying of the signal's default action."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _swapped(manager: BankAPC) -> Iterator[None]:
+    apc: Any = importlib.import_module("mlx_vlm.apc")
+    app: Any = importlib.import_module("mlx_vlm.server.app")
+
+    def from_env(model_namespace: str | None = None, overrides: Any = None) -> BankAPC:
+        return manager
+
+    saved = (apc.from_env, app.ResponseGenerator)
+    apc.from_env = from_env
+    app.ResponseGenerator = generator_class(manager)
+    try:
+        yield
+    finally:
+        apc.from_env, app.ResponseGenerator = saved
+
+
+def serve(
+    bank: Bank, mlx_vlm_args: Sequence[str], *, store: bool = True, background: bool = True
+) -> None:
+    """Run mlx-vlm's server with `mlx_vlm_args` (its own command line) on `bank`.
+
+    `store`: False restores only. `background`: stores go through the bank's writer
+    (False: inline, on the generation thread). Returns when uvicorn stops (SIGINT,
+    SIGTERM); the caller closes the bank."""
+    server_settings()
+    manager = BankAPC(bank, store=store, background=None if background else False)
+    cli = importlib.import_module("mlx_vlm.server.cli")
+    argv = sys.argv
+    sys.argv = ["mlx_vlm.server", *mlx_vlm_args]
+    try:
+        with _swapped(manager), _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
+            cli.main()
+    finally:
+        sys.argv = argv

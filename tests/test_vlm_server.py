@@ -1,0 +1,119 @@
+"""mlx-vlm's own server on a bank (`cas-bank mlx-vlm-server`), with images in the prompts.
+
+The real command runs in a subprocess on an mlx-vlm model directory of the embedded
+tiny Qwen2-VL (`vlm_model_dir`: seeded weights, a local tokenizer and processor
+configuration), and a plain `mlx_vlm.server` without a cache runs beside it as the
+reference. Images travel as `data:` URLs; nothing is downloaded. Every request is
+greedy and asks for the chosen tokens' logprobs, which differ from one image to the
+other (so an answer built on another image's blocks would show).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+
+pytest.importorskip("mlx_vlm")
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level package beside cas_bank
+    sys.path.insert(0, str(REPO_ROOT))
+
+from cas_bank.runtime.mlx_vlm_dirs import vlm_model_dir
+from cas_bank.runtime.vlm_models import random_image
+
+from benchmarks.vlm_servers import VlmServer, ask, data_url, messages, start
+
+SYSTEM = "You are a careful assistant. Look at the screenshot and answer briefly. " * 3
+LOGPROBS = ("--top-logprobs-k", "1")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vlm_model_dir(tmp_path_factory.mktemp("vlm") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[str]:
+    return [data_url(random_image(seed, (112, 112))) for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VlmServer]:
+    server = start("none", model, tmp_path_factory.mktemp("none"), *LOGPROBS)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bank")
+
+
+@pytest.fixture(scope="module")
+def banked(model: Path, root: Path) -> Iterator[VlmServer]:
+    server = start("bank", model, root, *LOGPROBS)
+    yield server
+    server.stop()
+
+
+def _bank_hits(server: VlmServer) -> int:
+    return int(server.stats()["bank"]["hits"])
+
+
+def test_same_image_restores_its_blocks_other_image_none(
+    banked: VlmServer, reference: VlmServer, images: list[str]
+) -> None:
+    first = ask(banked, messages(SYSTEM, images[0], "what is in this picture?"), logprobs=True)
+    assert first.cached_tokens == 0
+    hits = _bank_hits(banked)
+    # Another question on the same image: the system prompt and the image come from the bank.
+    same = messages(SYSTEM, images[0], "how many windows are open?")
+    again = ask(banked, same, logprobs=True)
+    assert again.cached_tokens > 0.8 * again.prompt_tokens, again
+    assert _bank_hits(banked) == hits + 1
+    # The same question on another image at the same place: nothing of the image is reused
+    # (mlx-vlm reuses a prefix only when it covers every image of the prompt).
+    other = messages(SYSTEM, images[1], "how many windows are open?")
+    elsewhere = ask(banked, other, logprobs=True)
+    assert elsewhere.cached_tokens == 0
+    assert _bank_hits(banked) == hits + 1
+    # Answers as mlx-vlm's without a cache, to the bit; and the image changes them.
+    for chat, got in ((same, again), (other, elsewhere)):
+        want = ask(reference, chat, logprobs=True)
+        assert (got.text, got.logprobs) == (want.text, want.logprobs)
+    assert again.logprobs != elsewhere.logprobs
+
+
+def test_tenants_do_not_share(banked: VlmServer, images: list[str]) -> None:
+    chat = messages(SYSTEM, images[0], "is there a cat?")
+    ask(banked, chat)  # unsalted: stored for everyone without a tenant
+    assert ask(banked, chat, tenant="acme").cached_tokens == 0
+    assert ask(banked, messages(SYSTEM, images[0], "a dog?"), tenant="acme").cached_tokens > 0
+    assert ask(banked, messages(SYSTEM, images[0], "a dog?"), tenant="other").cached_tokens == 0
+
+
+def test_kept_across_a_restart(
+    banked: VlmServer, model: Path, root: Path, reference: VlmServer, images: list[str]
+) -> None:
+    ask(banked, messages(SYSTEM, images[1], "what colour is it?"))
+    assert banked.stop() == 0  # SIGTERM: the queued stores are written, the bank closed
+    restarted = start("bank", model, root, *LOGPROBS)
+    try:
+        chat = messages(SYSTEM, images[1], "which shapes are there?")
+        got = ask(restarted, chat, logprobs=True)
+        assert got.cached_tokens > 0.8 * got.prompt_tokens
+        want = ask(reference, chat, logprobs=True)
+        assert (got.text, got.logprobs) == (want.text, want.logprobs)
+    finally:
+        assert restarted.stop() == 0
+
+
+def test_needs_a_model(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "mlx-vlm-server", "--bank", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "mlx-vlm-server needs --model" in done.stderr
