@@ -51,6 +51,7 @@ from cas_bank.blocks.image_keys import (
 from cas_bank.errors import InvalidInputError
 
 from .prefix_cache import PrefixCache
+from .vlm_features import FeatureCache
 
 SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
 _WHY_NOT = {
@@ -149,10 +150,14 @@ class _LanguageModel(nn.Module):
 class VisionPrefixCache(PrefixCache):
     """`PrefixCache` for an mlx-vlm model (see the module docstring). The keyword
     arguments are `PrefixCache`'s; `keep_hidden` is refused (its split of the model
-    is a text model's). `last_encoded`: the images the last prefill ran the vision
-    encoder on."""
+    is a text model's). `features` (default True): keep each image's vision encoder
+    output in the bank too (`runtime.vlm_features`), so an image seen before after
+    another prefix is not encoded again. `last_encoded`: the images the last prefill
+    ran the vision encoder on; `last_feature_hits`: those whose features it read."""
 
-    def __init__(self, bank: Bank, model: nn.Module, **kwargs: Any) -> None:
+    def __init__(
+        self, bank: Bank, model: nn.Module, *, features: bool = True, **kwargs: Any
+    ) -> None:
         self.kind = check_supported(model)
         if kwargs.get("keep_hidden"):
             raise InvalidInputError("keep_hidden is not supported for vision-language models")
@@ -161,7 +166,28 @@ class VisionPrefixCache(PrefixCache):
         self._reset_rope()
         super().__init__(bank, self.adapter, **kwargs)
         self._reset_rope()  # the spec's probe left its own positions there
-        self.last_encoded = 0
+        self.last_encoded = self.last_feature_hits = 0
+        cfg = model.config
+        self.features = (
+            FeatureCache.for_model(
+                bank,
+                self.spec,
+                self.kind,
+                int(getattr(cfg, "text_config", cfg).hidden_size),
+                model.vision_tower.patch_embed.proj.weight.dtype,
+                kwargs.get("salt"),
+            )
+            if features
+            else None
+        )
+
+    def salted(self, salt: str | bytes | None) -> VisionPrefixCache:
+        """This VisionPrefixCache for another tenant's salt (features salted alike)."""
+        other = super().salted(salt)
+        if other is not self and self.features is not None:
+            assert isinstance(other, VisionPrefixCache)
+            other.features = self.features.salted(salt)
+        return other  # type: ignore[return-value]
 
     # -- prompts -------------------------------------------------------------------
     def prompt(
@@ -274,16 +300,23 @@ class VisionPrefixCache(PrefixCache):
         it are encoded)."""
         ids = mx.array(prompt.ids[start:].astype(np.int32))[None]
         text = self.vlm.language_model.model.embed_tokens(ids)
-        pieces, at, encoded = [], start, 0
+        pieces, at, encoded, hits = [], start, 0, 0
         for i, s in enumerate(prompt.spans):
             if s.end <= start:
                 continue
-            features = self._encode(prompt, i)
+            features = self.features.get(s) if self.features is not None else None
+            if features is None:
+                features = self._encode(prompt, i)
+                encoded += 1
+                if self.features is not None and not self.bank.read_only:
+                    self.features.put(s, features)
+            else:
+                hits += 1
             first = max(s.start, start)
             pieces += [text[:, at - start : first - start], features[None, first - s.start :]]
-            at, encoded = s.end, encoded + 1
+            at = s.end
         pieces.append(text[:, at - start :])
-        self.last_encoded = encoded
+        self.last_encoded, self.last_feature_hits = encoded, hits
         return mx.concatenate(pieces, axis=1) if len(pieces) > 1 else text
 
     def _encode(self, prompt: VisionPrompt, i: int) -> mx.array:

@@ -225,3 +225,23 @@ def test_refused_models_are_named() -> None:
             VisionPrefixCache(bank, build_vlm("tiny-gemma3").model)
         with pytest.raises(UnsupportedVisionModel, match="not an mlx-vlm vision-language"):
             VisionPrefixCache(bank, tiny("tiny-qwen3"))
+
+
+@pytest.mark.parametrize("features", [True, False])
+def test_image_after_another_prefix(vlm: TinyVLM, features: bool) -> None:
+    """The same image after other text: its KV is not shared (the prefix differs), its
+    encoder output is (`features`): read from the bank, the same bits, exact logits."""
+    with temp_bank(BLOCK) as bank:
+        vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK, features=features)
+        img = random_image(7, (112, 112))  # 16 image tokens: a whole feature block
+        a = prompt(vpc, vlm, [TEXT, img, [5, 6, 7]])
+        b = prompt(vpc, vlm, [[9, 9, *TEXT], img, [5, 6, 8]])
+        n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+        assert n == 0
+        assert (vpc.last_encoded, vpc.last_feature_hits) == ((0, 1) if features else (1, 0))
+        assert bit_equal(got, want)
+        if features:  # another tenant reads none of them
+            other = vpc.salted("other")
+            assert other.features is not None
+            assert other.features.get(b.spans[0]) is None
+            assert vpc.features is not None and vpc.features.get(b.spans[0]) is not None
