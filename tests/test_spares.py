@@ -400,3 +400,26 @@ def test_mlx_lms_server_does_not_hold_its_restores_refill(bank_path: Path) -> No
         assert cache is not None and len(rest) == len(prompt) - 256
         _made_within(spares, 20)
         assert spares.made > made
+
+
+def test_making_ahead_stops_once_a_restore_takes(spares: Spares) -> None:
+    """`make_ahead` (a reopened bank's recorded shapes) makes what fits the bound; once
+    a restore takes from the pool it stops at its next array, and asks for nothing
+    after a restore began."""
+    spares.enable(64 << 20)
+    recorded = [(BIG, 2), (((1, 4, 512, 512), F16), 1)]  # 2 MiB + 2 MiB
+    assert spares.make_ahead(recorded) == 4 << 20
+    spares.settle()
+    assert (spares.made, spares.bytes) == (3, 4 << 20)
+    assert spares.wanted_recently() == recorded
+
+    other = Spares(64 << 20)
+    try:
+        assert other.make_ahead([(((1, 4, 1024, 256), F16), 32)]) == 64 << 20  # 32 x 2 MiB
+        assert other.take([BIG]) == {}  # a restore began: the making stops
+        other.settle()
+        assert other.made < 32 and other.bytes == other.made * (2 << 20)
+        assert other.make_ahead(recorded) == 0
+    finally:
+        other.close()
+    assert other.bytes == 0

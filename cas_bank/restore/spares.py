@@ -105,6 +105,7 @@ class Spares:
         # the bound: what the pool would hold (`wanted_recently`, `make_ahead`).
         self._recent: OrderedDict[Wanted, int] = OrderedDict()
         self._recent_bytes = 0
+        self._restoring = False  # a restore took from the pool: `make_ahead` stops
 
     def enable(self, max_bytes: int) -> None:
         """Change the bound (0: off; what the pool holds over it is dropped now)."""
@@ -151,6 +152,7 @@ class Spares:
         # made back-to-back restores pay the whole fill: 8.8 against 6.6 ms at 25 MB.
         grouped = wanted if isinstance(wanted, SpareSet) else spare_set(wanted, from_bytes)
         out: dict[int, Destination] = {}
+        self._restoring = True
         with self._lock:
             for w, indices, size in grouped.groups:
                 free = self._pool.get(w)
@@ -167,6 +169,7 @@ class Spares:
         if there is none (not asked for, not made yet, or dropped for room)."""
         if self.max_bytes <= 0:
             return None
+        self._restoring = True
         with self._lock:
             got = self._filled.pop(key, None)
             if got is not None:
@@ -196,15 +199,19 @@ class Spares:
         held = getattr(self._holding, "on", False)
         if not held:
             self._released.set()  # a refill held before this one waits no longer
+        self._ask(grouped, _Job(plain, filled, held))
+
+    def _ask(self, grouped: SpareSet, job: _Job) -> None:
+        """Queue `job` (of `grouped`'s shapes) for the thread, started if need be."""
         with self._lock:
             if self._closed or self.max_bytes <= 0:
                 return
-            if plain:
+            if job.plain:
                 self._note(grouped)
             if self._thread is None:
                 self._start()
             with contextlib.suppress(queue.Full):  # one pending: it is made first
-                self._wants.put_nowait(_Job(plain, filled, held))
+                self._wants.put_nowait(job)
 
     def _note(self, grouped: SpareSet) -> None:
         """`grouped`'s shapes and counts, the most recently wanted now (lock held); the
@@ -226,18 +233,21 @@ class Spares:
     def make_ahead(self, recorded: Sequence[tuple[Wanted, int]]) -> int:
         """Have the thread make `recorded` (`wanted_recently` of an earlier session:
         `cas_bank.bank` keeps it in the bank's meta), before any restore asks: the most
-        recent entries that fit the bound, least recent first. Returns their bytes (0:
-        nothing asked for: none recorded, none fits, or spares are off)."""
+        recent entries that fit the bound, least recent first. The making stops at its
+        next array once a restore takes from the pool (that restore allocates what is
+        not made yet: zero-filling beside it slowed a restore made right after the
+        open from 33 to 48 ms at 100 MB). Returns the bytes asked for (0: none
+        recorded, none fits, spares are off, or a restore began already)."""
         fits: list[tuple[Wanted, int]] = []
         room = self.max_bytes
         for w, n in reversed(recorded):
             if 0 < n * _size(w) <= room:
                 fits.append((w, n))
                 room -= n * _size(w)
-        if not fits:
+        if not fits or self._restoring:
             return 0
         grouped = spare_set([w for w, n in reversed(fits) for _ in range(n)])
-        self.refill(grouped)
+        self._ask(grouped, _Job(grouped.flat, None, held=False, ahead=True))
         return grouped.nbytes
 
     @contextlib.contextmanager
@@ -283,7 +293,7 @@ class Spares:
                 self._released.wait(self.hold_s)
             try:
                 if job.plain:
-                    self._make(job.plain)
+                    self._make(job.plain, self._stop_ahead if job.ahead else self._stopping)
                 if job.filled is not None:
                     self._make_filled(job.filled)
             except Exception:  # the thread lives on: a later take() never waits for ever
@@ -316,14 +326,15 @@ class Spares:
         key, _ = self._filled.popitem(last=False)
         self.bytes -= self._filled_bytes.pop(key)
 
-    def _make(self, wanted: Sequence[Wanted]) -> None:
-        """Top the pool up to `wanted`'s counts of each (shape, dtype), in one load."""
+    def _make(self, wanted: Sequence[Wanted], stop: Callable[[], bool]) -> None:
+        """Top the pool up to `wanted`'s counts of each (shape, dtype), one array at a
+        time until `stop()` says otherwise."""
         with self._lock:
             counts: dict[Wanted, int] = {}
             for w in wanted:
                 counts[w] = counts.get(w, 0) + 1
             missing = [w for w, n in counts.items() for _ in range(n - len(self._pool.get(w, ())))]
-        made = _made_ahead(missing, self._stopping)
+        made = _made_ahead(missing, stop)
         with self._lock:
             for w, dest in zip(missing, made, strict=False):  # fewer: closed meanwhile
                 self._pool.setdefault(w, []).append(dest)
@@ -335,6 +346,12 @@ class Spares:
     def _stopping(self) -> bool:
         """Whether `close` began: a making under way stops at its next array."""
         return self._closed
+
+    def _stop_ahead(self) -> bool:
+        """Whether `make_ahead`'s making stops at its next array: closed, or a restore
+        began (it allocates what is not made yet; making more beside it slowed it,
+        and its own refill makes the next restore's set)."""
+        return self._closed or self._restoring
 
     def _trim(self) -> None:
         """Drop filled sets, oldest first, then the least recently wanted shapes, while
@@ -394,6 +411,7 @@ class _Job:
     plain: Sequence[Wanted]
     filled: Filled | None
     held: bool  # asked for in `holding()`: starts once released
+    ahead: bool = False  # `make_ahead`'s: stops once a restore began
 
 
 @dataclass(frozen=True, slots=True)
