@@ -14,6 +14,11 @@ server gets:
   100 MB (fp32, 4k tokens) 69-83 -> 27-31 ms against the code before this module
   (`benchmarks.library_restore`, a loaded 2-core machine), though `spare_bytes=0`
   against the default in one process measured within noise (37.7 against 42.5 ms).
+  A reopened bank starts with the spares its last session ended with: their shapes
+  are kept in its meta at `close` and made by the same thread at its first namespace
+  (`Spares.make_ahead`, `cas_bank.bank`), which took a reopened restore of that
+  layout from 22.5 to 10.2 ms (the file 12.7/9.4; fresh pages faulted in were the
+  difference) in the same benchmark.
 - `gpu`: the CUDA prefetch of restored arrays (`GpuPrefetch`, below), on until it
   fails once for this bank;
 - `shapes`: what a restore of one spec, block size and capacity allocates and checks,
