@@ -49,6 +49,7 @@ from cas_bank.blocks.image_keys import (
     spans_of,
 )
 from cas_bank.errors import InvalidInputError
+from cas_bank.maintenance.explain import Explanation, explain
 
 from .prefix_cache import PrefixCache
 from .vlm_features import FeatureCache
@@ -263,6 +264,11 @@ class VisionPrefixCache(PrefixCache):
         if logits is not None and isinstance(tokens, VisionPrompt):
             self._set_rope(tokens)
         return cache, self._cut(cache, n, self._spans(tokens)), logits
+
+    def explain(self, tokens: Any) -> Explanation:
+        """`cas_bank.maintenance.explain` of the prompt's key sequence: where its restore
+        stops and why (a divergence inside an image shows key tokens, >= 2**31)."""
+        return explain(self.bank, self.namespace.root, self.tokens(tokens))
 
     def _spans(self, tokens: Any) -> tuple[ImageSpan, ...]:
         return tokens.spans if isinstance(tokens, VisionPrompt) else ()

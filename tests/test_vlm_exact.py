@@ -21,7 +21,7 @@ from cas_bank.runtime.vlm import UnsupportedVisionModel, VisionPrefixCache, Visi
 from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_inputs
 from runtime_helpers import bit_equal, temp_bank, tiny
 
-from cas_bank.blocks.image_keys import MIN_IMAGE_KEYS
+from cas_bank.blocks.image_keys import KEY_BIT, MIN_IMAGE_KEYS
 
 BLOCK = 16
 CHUNK = 24  # several forward passes a prompt: the schedule matters
@@ -180,6 +180,11 @@ def test_two_images_at_one_place_share_no_block(vpc: VisionPrefixCache, vlm: Tin
     assert not set(ha[first:]) & set(hb)
     assert vpc.bank.stats().blocks == first + 2 * (len(ha) - first)
     assert vpc.match(b.extend([1])) == len(b)  # each is whole in the bank
+    c = prompt(vpc, vlm, [TEXT, random_image(3), list(range(200, 240))])
+    why = vpc.explain(c)
+    assert why.divergence is not None and why.divergence.token == c.spans[0].start
+    assert why.divergence.prompt_token >= KEY_BIT and why.divergence.stored_token >= KEY_BIT
+    assert why.restorable_tokens == vpc.match(c) == c.spans[0].start
 
 
 def test_restore_never_rests_on_few_image_keys(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
