@@ -22,6 +22,7 @@ from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_in
 from runtime_helpers import bit_equal, temp_bank, tiny
 
 from cas_bank.blocks.image_keys import KEY_BIT, MIN_IMAGE_KEYS
+from cas_bank.errors import InvalidInputError
 
 BLOCK = 16
 CHUNK = 24  # several forward passes a prompt: the schedule matters
@@ -250,3 +251,40 @@ def test_image_after_another_prefix(vlm: TinyVLM, features: bool) -> None:
             assert other.features is not None
             assert other.features.get(b.spans[0]) is None
             assert vpc.features is not None and vpc.features.get(b.spans[0]) is not None
+
+
+def test_next_turn_restores_prompt_and_answer(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """Prefill, decode an answer on the restored positions, store prompt + answer
+    (`store` takes a VisionPrompt); the next turn restores all of it, exactly."""
+    p = prompt(vpc, vlm, [TEXT, random_image(8), [5, 6, 7]])
+    cache, n = vpc.restore(p)
+    logits = vpc.prefill(p, cache, n)
+    p_ends = vpc.last_prefill.chunk_ends
+    answer = []
+    for _ in range(3):
+        answer.append(int(mx.argmax(logits).item()))
+        logits = decode_step(vlm, cache, answer[-1])
+    turn = p.extend(answer)
+    vpc.store(turn, cache)
+    vpc.bank.flush()
+    nxt = turn.extend([30, 31, 32])
+    cache, n = vpc.restore(nxt)
+    assert n == len(turn)
+    got = vpc.prefill(nxt, cache, n)
+    decode_ends = [len(p) + i for i in range(1, len(answer) + 1)]
+    want, _ = reference(vlm, turn, [*p_ends, *decode_ends], nxt, n, vpc.last_prefill.chunk_ends)
+    assert bit_equal(got, want)
+
+
+def test_bad_prompts_are_refused(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    ids, pixels, grid = vlm_inputs(vlm.image_processor, [TEXT, random_image(1), [5]])
+    with pytest.raises(InvalidInputError, match="image tokens but no pixel_values"):
+        vpc.prompt(ids)
+    with pytest.raises(InvalidInputError, match="the grids say"):
+        vpc.prompt(ids, pixels[:-4], grid)
+    with pytest.raises(InvalidInputError, match=r"1 runs of image token .* but 2 images"):
+        vpc.prompt(ids, np.concatenate([pixels, pixels]), np.concatenate([grid, grid]))
+    with pytest.raises(InvalidInputError, match="video"):
+        vpc.prompt(ids, pixels, grid, pixel_values_videos=pixels, video_grid_thw=grid)
+    with pytest.raises(InvalidInputError, match="prefill takes a VisionPrompt"):
+        vpc.prefill(vpc.prompt(ids, pixels, grid).keys, vpc.new_cache())  # type: ignore[arg-type]
