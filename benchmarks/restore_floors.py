@@ -120,12 +120,13 @@ def reopened_stages(
     path: Path, lm: Any, prompt: np.ndarray, s: RestoreSettings
 ) -> dict[str, float]:
     """Medians of a reopened restore's own timings (`Hit.timings`: lookup, allocate,
-    fill, total), each restore right after opening the bank as the reopened way does,
-    with the room a runtime asks for."""
+    fill, total), each restore after opening the bank as the reopened way does (its
+    start-up work done: `settle`), with the room a runtime asks for."""
     got: dict[str, list[float]] = {"lookup": [], "allocate": [], "fill": [], "total": []}
     for _ in range(s.repeats):
         with Bank.open(path, BankConfig(block_size=s.block_size)) as bank:
             ns = PrefixCache(bank, lm).namespace
+            bank.resources.settle()  # its spares made ahead (`Spares.make_ahead`)
             hit = ns.restore(prompt[:-1], room_for=len(prompt))
             if hit is None or hit.timings is None:
                 raise RuntimeError(f"{path}: a reopened restore found nothing")
