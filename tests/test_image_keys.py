@@ -4,12 +4,19 @@ at one place share no block, one image at one place always does, text is unchang
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
 import blake3
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from conftest import attention_spec, bits, layers_bits, prefix_layers
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cas_bank import Bank, BankConfig
 from cas_bank.blocks.hashing import chain_hashes, end_hash, namespace_root
 from cas_bank.blocks.image_keys import (
     IMAGE_DIGEST_CONTEXT,
@@ -162,3 +169,57 @@ def test_restore_point_never_rests_on_few_keys(lengths: list[int], n: int) -> No
     for s in spans:
         inside = min(max(m - s.start, 0), s.length)
         assert inside == 0 or inside >= min(MIN_IMAGE_KEYS, s.length)
+
+
+# -- the bank on key sequences (no mlx-vlm: the core library alone) ----------------
+
+
+@pytest.fixture(scope="module")
+def key_bank() -> Iterator[Bank]:
+    config = BankConfig(block_size=8, write_behind=0)
+    with tempfile.TemporaryDirectory(prefix="cas_bank_ik_") as d, Bank.open(d, config) as bank:
+        yield bank
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.integers(0, 300), min_size=0, max_size=30),
+    st.integers(1, 30),
+    st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    st.booleans(),
+    st.data(),
+)
+def test_bank_restores_an_image_only_to_itself(
+    key_bank: Bank, before: list[int], n: int, after: list[int], same: bool, data: st.DataObject
+) -> None:
+    """Store a prompt (blocks and end record) with image d1; restore the same ids with
+    d1 or d2 at that place: whole blocks, a partial block or the end record take the
+    image's positions only for d1, and what comes back is that prompt's own KV."""
+    ns = key_bank.namespace(attention_spec(), salt=data.draw(st.binary(min_size=16, max_size=16)))
+    d1, d2 = bytes([1]) * 32, bytes([2]) * 32
+    a = _prompt(before, n, after, d1)
+    b = _prompt(before, n, [*after, 5], d1 if same else d2)
+    ns.store(a, prefix_layers(ns.spec, a.tolist()))
+    ns.store_end(a, prefix_layers(ns.spec, a.tolist()))
+    hit = ns.restore(b[:-1])
+    got = 0 if hit is None else hit.tokens
+    image_start = len(before)
+    assert got == (len(a) if same else image_start)
+    if hit is not None:
+        want = prefix_layers(ns.spec, b.tolist())
+        assert layers_bits(hit.layers, ns.spec) == [
+            [bits(x[..., :got, :]) for x in layer] for layer in want
+        ]
+
+
+def test_the_core_never_imports_mlx_vlm() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "import cas_bank\n"
+        "from cas_bank.blocks.image_keys import key_sequence, image_digest, ImageSpan\n"
+        "key_sequence([1, 2, 3], [ImageSpan(1, 1, image_digest(np.zeros(3)))])\n"
+        "assert 'mlx_vlm' not in sys.modules and 'transformers' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
