@@ -20,12 +20,13 @@ Multimodal RoPE: the positions of the whole prompt come from its ids and grids
 prefill or an exact restore the language model's rope deltas are set so that
 `model.language_model(token[None], cache=cache)` decodes on at the right positions.
 
-Supported: mlx-vlm's `qwen2_vl` and `qwen2_5_vl` (causal attention over the image,
-one run of image tokens per image). Refused with an error naming the model: any
-other (Gemma 3 attends both ways inside an image, so its KV there depends on where a
-prefill chunk starts; Qwen3-VL adds the image's features into early layers
-(deepstack), which a prefill from inside the prompt does not reproduce here), and
-prompts with video tokens (their spans are not keyed yet).
+Supported: mlx-vlm's `qwen2_vl`, `qwen2_5_vl` and `qwen3_vl` (causal attention over
+the image, one run of image tokens per image; Qwen3-VL's deepstack features, added to
+the first layers' hidden states at the image's positions, are passed to each chunk for
+its own image positions, and kept with the features). Refused with an error naming
+the model: any other (Gemma 3 attends both ways inside an image, so its KV there
+depends on where a prefill chunk starts), and prompts with video tokens (their spans
+are not keyed yet).
 """
 
 from __future__ import annotations
@@ -54,14 +55,10 @@ from cas_bank.maintenance.explain import Explanation, explain
 from .prefix_cache import PrefixCache
 from .vlm_features import FeatureCache
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _WHY_NOT = {
     "gemma3": "Gemma 3 attends both ways inside an image, so a restore point inside one "
     "would change its KV",
-    "qwen3_vl": "Qwen3-VL adds image features into early layers (deepstack) that a "
-    "prefill from inside the prompt would not see",
-    "qwen3_vl_moe": "Qwen3-VL adds image features into early layers (deepstack) that a "
-    "prefill from inside the prompt would not see",
 }
 
 
@@ -114,6 +111,32 @@ def check_supported(model: nn.Module) -> str:
     return str(kind)
 
 
+@dataclass(frozen=True)
+class _Feed:
+    """What a prefill from `start` feeds the language model: the input rows of
+    `prompt[start:]`, the whole prompt's positions and (Qwen3-VL) the image positions
+    of `prompt[start:]` with each deepstack layer's rows for them, in order."""
+
+    prompt: VisionPrompt
+    start: int
+    embeds: mx.array
+    positions: mx.array
+    visual: np.ndarray  # bool, one a position of prompt[start:]
+    deepstack: list[mx.array]
+
+    def deepstack_for(self, at: int, stop: int) -> dict[str, Any]:
+        """The deepstack arguments of the chunk [at, stop) (none where it has no image)."""
+        mask = self.visual[at - self.start : stop - self.start]
+        if not self.deepstack or not mask.any():
+            return {}
+        first = int(np.count_nonzero(self.visual[: at - self.start]))
+        n = int(np.count_nonzero(mask))
+        return {
+            "visual_pos_masks": mx.array(mask)[None],
+            "deepstack_visual_embeds": [d[first : first + n] for d in self.deepstack],
+        }
+
+
 class _LanguageModel(nn.Module):
     """The VLM's language model as `PrefixCache` drives an mlx-lm model: `(tokens,
     cache) -> logits`. Its parameters are the whole VLM's (the weights digest covers
@@ -125,7 +148,7 @@ class _LanguageModel(nn.Module):
         super().__init__()  # type: ignore[no-untyped-call]
         self.vlm = vlm
         self.args = vlm.config
-        self.feed: tuple[VisionPrompt, int, mx.array, mx.array] | None = None
+        self.feed: _Feed | None = None
 
     @property
     def layers(self) -> Any:
@@ -136,14 +159,20 @@ class _LanguageModel(nn.Module):
         if self.feed is None:  # text only (the spec's one-token probe)
             logits: mx.array = lm(x, cache=cache).logits
             return logits
-        prompt, start, embeds, positions = self.feed
+        feed = self.feed
         at = cache[0].offset if cache else 0
         stop = at + x.shape[1]
-        if not np.array_equal(np.asarray(x[0]), prompt.keys[at:stop]):
+        if not np.array_equal(np.asarray(x[0]), feed.prompt.keys[at:stop]):
             raise InvalidInputError("a chunk's tokens are not the prompt's keys at its offset")
-        ids = mx.array(prompt.ids[at:stop].astype(np.int32))[None]
-        rows = embeds[:, at - start : stop - start]
-        out = lm(ids, inputs_embeds=rows, cache=cache, position_ids=positions[..., at:stop])
+        ids = mx.array(feed.prompt.ids[at:stop].astype(np.int32))[None]
+        rows = feed.embeds[:, at - feed.start : stop - feed.start]
+        out = lm(
+            ids,
+            inputs_embeds=rows,
+            cache=cache,
+            position_ids=feed.positions[..., at:stop],
+            **feed.deepstack_for(at, stop),
+        )
         chunk_logits: mx.array = out.logits
         return chunk_logits
 
@@ -169,12 +198,16 @@ class VisionPrefixCache(PrefixCache):
         self._reset_rope()  # the spec's probe left its own positions there
         self.last_encoded = self.last_feature_hits = 0
         cfg = model.config
+        self.image_token = int(getattr(cfg, "image_token_index", None) or cfg.image_token_id)
+        self.width = int(getattr(cfg, "text_config", cfg).hidden_size)
+        # Qwen3-VL: the encoder's deepstack layers, kept beside its features
+        self.deepstack_layers = len(getattr(cfg.vision_config, "deepstack_visual_indexes", []))
         self.features = (
             FeatureCache.for_model(
                 bank,
                 self.spec,
                 self.kind,
-                int(getattr(cfg, "text_config", cfg).hidden_size),
+                self.width * (1 + self.deepstack_layers),
                 model.vision_tower.patch_embed.proj.weight.dtype,
                 kwargs.get("salt"),
             )
@@ -207,10 +240,13 @@ class VisionPrefixCache(PrefixCache):
         cfg = self.vlm.config
         if max_token(ids) >= self.vocab_size:
             raise InvalidInputError(f"a token id is beyond the vocabulary of {self.kind!r}")
-        if int(np.count_nonzero(ids == cfg.video_token_id)):
+        if (
+            int(np.count_nonzero(ids == cfg.video_token_id))
+            or extra.get("video_grid_thw") is not None
+        ):
             raise InvalidInputError("video tokens are not supported on the bank yet")
         if pixel_values is None:
-            if np.count_nonzero(ids == cfg.image_token_id):
+            if np.count_nonzero(ids == self.image_token):
                 raise InvalidInputError("the prompt has image tokens but no pixel_values")
             return VisionPrompt(ids, key_sequence(ids, []), (), None, None)
         pixels, grids = np.asarray(pixel_values), np.asarray(image_grid_thw).reshape(-1, 3)
@@ -222,7 +258,7 @@ class VisionPrefixCache(PrefixCache):
         digests = [
             image_digest(pixels[a:b], g) for a, b, g in zip(rows, rows[1:], grids, strict=False)
         ]
-        spans = spans_of(ids, cfg.image_token_id, digests)
+        spans = spans_of(ids, self.image_token, digests)
         merge = cfg.vision_config.spatial_merge_size**2
         for s, g in zip(spans, grids, strict=True):
             if s.length * merge != int(np.prod(g)):
@@ -294,19 +330,22 @@ class VisionPrefixCache(PrefixCache):
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(prompt):
             raise InvalidInputError(f"start={start!r} must leave tokens of the {len(prompt)}")
         positions = self._set_rope(prompt)
-        self.adapter.feed = (prompt, start, self._embeddings(prompt, start), positions)
+        embeds, deepstack = self._embeddings(prompt, start)
+        visual = prompt.ids[start:] == self.image_token
+        self.adapter.feed = _Feed(prompt, start, embeds, positions, visual, deepstack)
         try:
             return super().prefill(prompt.keys, cache, start, **kwargs)
         finally:
             self.adapter.feed = None
 
-    def _embeddings(self, prompt: VisionPrompt, start: int) -> mx.array:
+    def _embeddings(self, prompt: VisionPrompt, start: int) -> tuple[mx.array, list[mx.array]]:
         """The language model's input rows of `prompt[start:]`: token embeddings, and
         each image's features at its positions (only images reaching `start` or past
-        it are encoded)."""
+        it are encoded); and each deepstack layer's rows of those image positions."""
         ids = mx.array(prompt.ids[start:].astype(np.int32))[None]
         text = self.vlm.language_model.model.embed_tokens(ids)
         pieces, at, encoded, hits = [], start, 0, 0
+        stacks: list[mx.array] = []
         for i, s in enumerate(prompt.spans):
             if s.end <= start:
                 continue
@@ -318,15 +357,30 @@ class VisionPrefixCache(PrefixCache):
                     self.features.put(s, features)
             else:
                 hits += 1
-            first = max(s.start, start)
-            pieces += [text[:, at - start : first - start], features[None, first - s.start :]]
+            rows = features[max(s.start, start) - s.start :]
+            pieces += [
+                text[:, at - start : max(s.start, start) - start],
+                rows[None, :, : self.width],
+            ]
+            stacks.append(rows[:, self.width :])
             at = s.end
         pieces.append(text[:, at - start :])
         self.last_encoded, self.last_feature_hits = encoded, hits
-        return mx.concatenate(pieces, axis=1) if len(pieces) > 1 else text
+        embeds = mx.concatenate(pieces, axis=1) if len(pieces) > 1 else text
+        w = self.width
+        deepstack = (
+            [
+                mx.concatenate([r[:, j * w : (j + 1) * w] for r in stacks])
+                for j in range(self.deepstack_layers)
+            ]
+            if stacks
+            else []
+        )
+        return embeds, deepstack
 
     def _encode(self, prompt: VisionPrompt, i: int) -> mx.array:
-        """The vision encoder's features of image `i` alone: [its positions, hidden]."""
+        """The vision encoder's output for image `i` alone: [its positions, width],
+        then (Qwen3-VL) each deepstack layer's [its positions, width], side by side."""
         assert prompt.pixel_values is not None and prompt.grids is not None
         sizes = [int(np.prod(g)) for g in prompt.grids]
         a = sum(sizes[:i])
@@ -334,8 +388,11 @@ class VisionPrefixCache(PrefixCache):
         pixels = mx.array(prompt.pixel_values[a : a + sizes[i]])
         pixels = pixels.astype(tower.patch_embed.proj.weight.dtype)
         grid = mx.array(prompt.grids[i : i + 1].astype(np.int32))
-        features: mx.array = tower(pixels, grid, output_hidden_states=False)
-        return features
+        if self.kind == "qwen3_vl":
+            features, deepstack = tower(pixels, grid)
+            return mx.concatenate([features, *deepstack], axis=-1)
+        out: mx.array = tower(pixels, grid, output_hidden_states=False)
+        return out
 
     def positions(self, prompt: VisionPrompt) -> tuple[mx.array, mx.array]:
         """The prompt's multimodal RoPE positions [3, 1, T] and its rope delta (the

@@ -5,6 +5,7 @@ configuration (nothing downloaded).
 `tiny_vlm("tiny-qwen2-vl")` is mlx-vlm's Qwen2-VL (a ViT with 2×2 patch merging, a
 Qwen2 language model with multimodal RoPE) at 2 text layers of 64 wide and 1 vision
 layer; `tiny-qwen2.5-vl` is Qwen2.5-VL (windowed vision attention) at the same size;
+`tiny-qwen3-vl` is Qwen3-VL (deepstack features, interleaved multimodal RoPE);
 `tiny-gemma3` is Gemma 3 (which the bank refuses, naming it).
 Both take transformers' Qwen2-VL image processor (the PIL backend: no torchvision)
 sized for images of 56×56 to 112×112 pixels (4 to 16 image tokens). The text side is
@@ -79,6 +80,37 @@ _CONFIGS: Final[Mapping[str, Mapping[str, Any]]] = {
             intermediate_size=64,
             window_size=56,
             fullatt_block_indexes=[0],
+        ),
+    ),
+    # Qwen3-VL: deepstack (the encoder's layer-0 features added into the first text
+    # layer at the image's positions), interleaved multimodal RoPE.
+    "tiny-qwen3-vl": dict(
+        model_type="qwen3_vl",
+        **_IDS,
+        vocab_size=VOCAB,
+        text_config=dict(
+            {k: v for k, v in _TEXT.items() if k != "rope_scaling"},
+            model_type="qwen3_vl_text",
+            head_dim=16,
+            rope_scaling={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            model_type="qwen3_vl",
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            out_hidden_size=64,
+            num_heads=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
         ),
     ),
     # Gemma 3 (SigLIP, 4 tokens an image): built to show the refusal, which names it.

@@ -5,7 +5,7 @@ one image, several, one image at two places, and a prompt whose image differs un
 the same placeholder ids; decoding on after a restore is exact too; two images at one
 place share no block; models whose image tokens cannot be keyed are refused.
 
-Real tiny mlx-vlm models (Qwen2-VL, Qwen2.5-VL) with seeded weights and transformers'
+Real tiny mlx-vlm models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with seeded weights and transformers'
 image processor from a local configuration (runtime/vlm_models.py).
 """
 
@@ -28,7 +28,7 @@ BLOCK = 16
 CHUNK = 24  # several forward passes a prompt: the schedule matters
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def vlm(request: pytest.FixtureRequest) -> TinyVLM:
     return build_vlm(request.param, seed=3)
 
@@ -70,6 +70,12 @@ def reference(
         pos = emb.position_ids
         if pos.ndim == 2:
             pos = mx.broadcast_to(pos[None], (3, *pos.shape))
+        stack = {}  # Qwen3-VL: the whole prompt's, sliced by the LM to each pass
+        if getattr(emb, "deepstack_visual_embeds", None) is not None:
+            stack = {
+                "visual_pos_masks": emb.visual_pos_masks,
+                "deepstack_visual_embeds": emb.deepstack_visual_embeds,
+            }
         at, logits = start, None
         for end in ends:
             if end <= at:
@@ -79,6 +85,7 @@ def reference(
                 inputs_embeds=emb.inputs_embeds[:, at:end],
                 cache=cache,
                 position_ids=pos[..., at:end],
+                **stack,
             ).logits
             mx.eval([c.state for c in cache])
             at = end
