@@ -27,6 +27,7 @@ from benchmarks.report_workloads import (
 from benchmarks.targets import mb as _mb
 from benchmarks.targets import ms as _ms
 from benchmarks.targets import table as _table
+from benchmarks.vlm_agents import markdown as vlm_agents_section
 
 
 def write_markdown(r: dict[str, Any], path: Path) -> None:
@@ -53,6 +54,7 @@ def render(r: dict[str, Any]) -> list[str]:
         *remote_fleet_sections(r),
         *scale_section(r),
         *_eviction_section(r),
+        *vlm_agents_section(r),
         *cuda_section(),
         *_notes(r),
     ]

@@ -53,6 +53,7 @@ from benchmarks import (
     scale,
     server_store,
     ttft,
+    vlm_agents,
 )
 from benchmarks.ceilings import MiB, machine_ceilings
 from benchmarks.plot import write_plot
@@ -137,6 +138,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "scale": scale.tiny_settings(),
             "server_store": server_store.tiny_settings(),
             "eviction_policy": eviction_policy.tiny_settings(),
+            "vlm_agents": vlm_agents.tiny_settings(),
             "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
         }
     t = ttft.TTFTSettings()
@@ -179,6 +181,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "eviction_policy": eviction_policy.Settings()
         if args.large
         else eviction_policy.Settings(requests=2000, budgets_tokens=(16_384, 65_536)),
+        # 4 ways x 2 server starts x 4 agents on mlx-vlm's server (~1 min)
+        "vlm_agents": vlm_agents.VlmSettings(),
         "ceilings": {"memcpy_bytes": 256 * MiB if args.large else 64 * MiB, "rocks_mib": 64},
     }
 
@@ -199,6 +203,7 @@ PARTS = (
     "remote_prefetch",
     "scale",
     "eviction_policy",
+    "vlm_agents",
 )
 
 
@@ -243,6 +248,7 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
         "eviction_policy",
         lambda: eviction_policy.run(p["eviction_policy"], workdir),
     )
+    part("vlm_agents", lambda: vlm_agents.run(workdir / "vlm_agents", p["vlm_agents"]))
     return out
 
 

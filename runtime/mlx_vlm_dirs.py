@@ -22,7 +22,9 @@ Nothing is downloaded. Needs the `vision` extra (mlx-vlm, transformers, tokenize
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,7 +38,7 @@ from .vlm_models import (
     VISION_END,
     VISION_START,
     VOCAB,
-    build_vlm,
+    vlm_config,
 )
 
 SPECIALS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -95,10 +97,8 @@ def bpe_tokenizer_json() -> str:
     return str(tok.to_str())
 
 
-def _config(name: str, eos: int) -> dict[str, Any]:
-    from .vlm_models import vlm_config
-
-    config = vlm_config(name)
+def _config(given: Mapping[str, Any], eos: int) -> dict[str, Any]:
+    config = copy.deepcopy(dict(given))
     config["eos_token_id"] = [eos]
     # transformers reads config.json too (AutoProcessor), and its Qwen2-VL vision config
     # types `mlp_ratio` as an int: 2.0 written as 2 (the same model for mlx-vlm).
@@ -108,9 +108,35 @@ def _config(name: str, eos: int) -> dict[str, Any]:
     return config
 
 
-def vlm_model_dir(path: str | Path, name: str = "tiny-qwen2-vl", *, seed: int = 0) -> Path:
+def _build(config: Mapping[str, Any], seed: int) -> Any:
+    """The mlx-vlm model of `config`, weights drawn from `seed` (as `build_vlm`)."""
+    from mlx_vlm.utils import get_model_and_args
+
+    module, _ = get_model_and_args(dict(config))
+    model_config = module.ModelConfig.from_dict(copy.deepcopy(dict(config)))
+    model_config.vision_config = module.VisionConfig.from_dict(dict(config["vision_config"]))
+    model_config.text_config = module.TextConfig.from_dict(dict(config))
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    mx.eval(model.parameters())
+    return model
+
+
+def vlm_model_dir(
+    path: str | Path,
+    name: str = "tiny-qwen2-vl",
+    *,
+    seed: int = 0,
+    config: Mapping[str, Any] | None = None,
+    max_pixels: int | None = None,
+) -> Path:
     """Write embedded VLM `name` (weights from `seed`) as an mlx-vlm model directory at
-    `path` (created; files already there are overwritten). Returns the directory."""
+    `path` (created; files already there are overwritten). Returns the directory.
+
+    `config`: another config of the same family instead of `name`'s (the benchmark's
+    larger model; vocabulary and vision token ids as the embedded ones). `max_pixels`:
+    the image processor's bound instead of `PROCESSOR_CONFIG`'s (larger images, more
+    image tokens)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = bpe_tokenizer_json()
@@ -134,10 +160,12 @@ def vlm_model_dir(path: str | Path, name: str = "tiny-qwen2-vl", *, seed: int = 
         "image_processor_type": "Qwen2VLImageProcessor",
         "processor_class": "Qwen2VLProcessor",
         **PROCESSOR_CONFIG,
+        **({"max_pixels": max_pixels} if max_pixels else {}),
     }
     (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=1))
-    (out / "config.json").write_text(json.dumps(_config(name, eos), indent=1, sort_keys=True))
-    model: Any = build_vlm(name, seed=seed).model
+    written = _config(config if config is not None else vlm_config(name), eos)
+    (out / "config.json").write_text(json.dumps(written, indent=1, sort_keys=True))
+    model = _build(written, seed)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     return out

@@ -73,6 +73,10 @@ def test_every_benchmark_main_runs_at_tiny_sizes_and_writes_the_report(tmp_path:
     assert rt["cluster_bytes"]["ratio_to_lower_bound"] >= 1.0
     ld = res["remote_load"]  # sustained load: every restore checked bit for bit
     assert ld["restores"] > 0 and ld["wrong"] == 0 and ld["rejected"] == 0
+    vlm = res["vlm_agents"]["ways"]  # one image, several agents: the bank restores it
+    assert vlm["bank"]["summary"]["before"]["rest_hit"] > 0.5
+    assert vlm["bank"]["summary"]["after_restart"]["first_hit"] > 0.5
+    assert vlm["bank"]["same_answers_as_none"] and vlm["none"]["summary"]["before"]["rest_hit"] == 0
     pf = res["remote_prefetch"]  # a queued request's prefix is local by its turn
     assert pf["prefetch_on"]["remote_hit_blocks"] < pf["prefetch_off"]["remote_hit_blocks"]
     for row in res["remote_rtt"]["by_rtt"]:  # at each latency: headers, then payloads
