@@ -249,6 +249,8 @@ class VisionPrefixCache(PrefixCache):
             if np.count_nonzero(ids == self.image_token):
                 raise InvalidInputError("the prompt has image tokens but no pixel_values")
             return VisionPrompt(ids, key_sequence(ids, []), (), None, None)
+        if isinstance(pixel_values, mx.array) and pixel_values.dtype == mx.bfloat16:
+            pixel_values = pixel_values.astype(mx.float32)  # exact; numpy has no bfloat16
         pixels, grids = np.asarray(pixel_values), np.asarray(image_grid_thw).reshape(-1, 3)
         rows = np.cumsum([0, *(int(np.prod(g)) for g in grids)])
         if rows[-1] != len(pixels):

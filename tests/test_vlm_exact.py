@@ -295,3 +295,13 @@ def test_bad_prompts_are_refused(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
         vpc.prompt(ids, pixels, grid, pixel_values_videos=pixels, video_grid_thw=grid)
     with pytest.raises(InvalidInputError, match="prefill takes a VisionPrompt"):
         vpc.prefill(vpc.prompt(ids, pixels, grid).keys, vpc.new_cache())  # type: ignore[arg-type]
+
+
+def test_prompt_takes_mlx_arrays(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """What mlx-vlm's `prepare_inputs` returns: MLX arrays with a batch axis."""
+    ids, pixels, grid = vlm_inputs(vlm.image_processor, [TEXT, random_image(1), [5]])
+    p = vpc.prompt(ids, pixels, grid)
+    q = vpc.prompt(mx.array(ids)[None], mx.array(pixels), mx.array(grid))
+    assert np.array_equal(p.keys, q.keys) and p.spans == q.spans
+    r = vpc.prompt(mx.array(ids)[None], mx.array(pixels).astype(mx.bfloat16), mx.array(grid))
+    assert r.spans[0].digest != p.spans[0].digest  # other pixels (rounded): another image
