@@ -23,6 +23,7 @@ from runtime_helpers import bit_equal, temp_bank, tiny
 
 from cas_bank.blocks.image_keys import KEY_BIT, MIN_IMAGE_KEYS
 from cas_bank.errors import InvalidInputError
+from cas_bank.maintenance.verify import verify
 
 BLOCK = 16
 CHUNK = 24  # several forward passes a prompt: the schedule matters
@@ -193,6 +194,10 @@ def test_two_images_at_one_place_share_no_block(vpc: VisionPrefixCache, vlm: Tin
     assert why.divergence is not None and why.divergence.token == c.spans[0].start
     assert why.divergence.prompt_token >= KEY_BIT and why.divergence.stored_token >= KEY_BIT
     assert why.restorable_tokens == vpc.match(c) == c.spans[0].start
+    # verify recomputes every chain hash from its header's (key) tokens: all sound
+    report = verify(vpc.bank)
+    assert report.problems == [] and report.blocks_checked == vpc.bank.stats().blocks
+    assert report.ends_checked >= 2  # the prompts' and their images' features'
 
 
 def test_restore_never_rests_on_few_image_keys(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
