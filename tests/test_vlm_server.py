@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,23 @@ def test_tenants_do_not_share(banked: VlmServer, images: list[str]) -> None:
     assert ask(banked, chat, tenant="acme").cached_tokens == 0
     assert ask(banked, messages(SYSTEM, images[0], "a dog?"), tenant="acme").cached_tokens > 0
     assert ask(banked, messages(SYSTEM, images[0], "a dog?"), tenant="other").cached_tokens == 0
+
+
+def test_batched_requests_restore_their_own_images(
+    banked: VlmServer, reference: VlmServer, images: list[str]
+) -> None:
+    """Requests sent together are prefilled in one batch by mlx-vlm: each restores its
+    own image's blocks (warm and cold rows side by side) and answers as without a cache."""
+    ask(banked, messages(SYSTEM, images[0], "what is on the left?"))
+    chats = [
+        messages(SYSTEM, images[i % 2], f"question {i}: what is on the right?") for i in range(4)
+    ]
+    with ThreadPoolExecutor(len(chats)) as pool:
+        got = list(pool.map(lambda c: ask(banked, c, logprobs=True), chats))
+    assert got[0].cached_tokens > 0  # the image stored just before
+    for chat, answer in zip(chats, got, strict=True):
+        want = ask(reference, chat, logprobs=True)
+        assert (answer.text, answer.logprobs) == (want.text, want.logprobs)
 
 
 def test_kept_across_a_restart(
