@@ -43,6 +43,9 @@ from cas_bank.bank import Bank
 from .vlm import VisionPrefixCache
 
 REMEMBERED: Final = 256  # requests registered and not yet stored (a bound, LRU)
+# mlx-vlm's model types whose `get_input_embeddings` takes the encoder's output as
+# `cached_image_features` (the rows of every image, in order) and then skips the encoder.
+FEATURE_TYPES: Final = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ class BankAPC(APCManager):  # type: ignore[misc]  # mlx-vlm is untyped (Any)
         self.requests = Requests()
         self._model: Any = None
         self._caches: dict[str | None, VisionPrefixCache] = {}
+        self.images_encoded = 0  # images this process ran the vision encoder on
+        self.feature_hits = 0  # images whose encoder output came from the bank
 
     # -- the model and its requests ------------------------------------------------
     def bind(self, model: Any) -> None:
@@ -165,6 +170,35 @@ class BankAPC(APCManager):  # type: ignore[misc]  # mlx-vlm is untyped (Any)
         vpc = self.prefix_cache(request.salt)
         ids = np.asarray(token_ids, dtype=np.int32)
         return vpc, vpc.prompt(ids, pixel_values=request.pixels, image_grid_thw=request.grid)
+
+    def image_features(self, raw: Mapping[str, Any], extra_hash: int) -> mx.array | None:
+        """The vision encoder's output for every image of a registered request, in order
+        (`cached_image_features` for mlx-vlm's `get_input_embeddings`): each image's from
+        the bank when it holds it (`VisionPrefixCache.features`), else encoded here, one
+        image at a time, and stored. mlx-vlm's Qwen2-VL runs the encoder on every
+        request, a prefix hit or not; with these it runs it on none it has seen. None
+        (mlx-vlm encodes as usual): text only, an unregistered request, a model type
+        without `cached_image_features`, or features off."""
+        ids = raw.get("input_ids")
+        ids = None if ids is None else np.asarray(ids).reshape(-1).tolist()
+        found = None if ids is None else self._prompt(ids, extra_hash)
+        if found is None:
+            return None
+        vpc, prompt = found
+        if not prompt.spans or vpc.features is None or vpc.kind not in FEATURE_TYPES:
+            return None
+        rows = []
+        for i, span in enumerate(prompt.spans):
+            features = vpc.features.get(span)
+            if features is None:
+                features = vpc._encode(prompt, i)
+                self.images_encoded += 1
+                if self.storing:
+                    vpc.features.put(span, features)
+            else:
+                self.feature_hits += 1
+            rows.append(features)
+        return mx.concatenate(rows)
 
     # -- mlx-vlm's tiers: the bank in place of its pool, snapshots and disk ---------
     def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0) -> tuple[list[Any], int]:
@@ -241,6 +275,8 @@ class BankAPC(APCManager):  # type: ignore[misc]  # mlx-vlm is untyped (Any)
         """mlx-vlm's APC statistics (its hits are the bank's) and the bank's own."""
         snap: dict[str, Any] = super().stats_snapshot()
         snap["bank"] = self.bank.stats().model_dump(mode="json")
+        snap["images_encoded"] = self.images_encoded
+        snap["image_feature_hits"] = self.feature_hits
         return snap
 
     def clear(self) -> None:

@@ -71,6 +71,21 @@ def generator_class(manager: BankAPC) -> type:
             super()._initialize_model()
             manager.bind(self.model)  # raises for a model the bank cannot key
 
+        def _gpu_embed(
+            self, raw_inputs: dict[str, Any], images: Any = None, apc_semantic_hash: Any = None
+        ) -> tuple[Any, dict[str, Any]]:
+            """mlx-vlm's embedding of a request, with the images' encoder output from the
+            bank when it has them (`BankAPC.image_features`)."""
+            features = None
+            if apc_semantic_hash is not None:
+                features = manager.image_features(raw_inputs, int(apc_semantic_hash))
+            if features is None:
+                return super()._gpu_embed(raw_inputs, images, apc_semantic_hash)  # type: ignore[no-any-return]
+            given = {**raw_inputs, "cached_image_features": features}
+            ids, kwargs = super()._gpu_embed(given, images, apc_semantic_hash)
+            kwargs.pop("cached_image_features", None)  # the embeddings hold them now
+            return ids, kwargs
+
     return BankResponseGenerator
 
 

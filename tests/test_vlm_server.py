@@ -61,8 +61,11 @@ def banked(model: Path, root: Path) -> Iterator[VlmServer]:
     server.stop()
 
 
-def _bank_hits(server: VlmServer) -> int:
-    return int(server.stats()["bank"]["hits"])
+def _counts(server: VlmServer) -> tuple[int, int, int]:
+    """Prefixes restored from the bank, images whose encoder output it gave, images
+    encoded."""
+    s = server.stats()
+    return int(s["lookups_hit"]), int(s["image_feature_hits"]), int(s["images_encoded"])
 
 
 def test_same_image_restores_its_blocks_other_image_none(
@@ -70,18 +73,19 @@ def test_same_image_restores_its_blocks_other_image_none(
 ) -> None:
     first = ask(banked, messages(SYSTEM, images[0], "what is in this picture?"), logprobs=True)
     assert first.cached_tokens == 0
-    hits = _bank_hits(banked)
-    # Another question on the same image: the system prompt and the image come from the bank.
+    hits, feature_hits, encoded = _counts(banked)
+    # Another question on the same image: the system prompt and the image come from the
+    # bank, and so does the image's encoder output (mlx-vlm would run the encoder again).
     same = messages(SYSTEM, images[0], "how many windows are open?")
     again = ask(banked, same, logprobs=True)
     assert again.cached_tokens > 0.8 * again.prompt_tokens, again
-    assert _bank_hits(banked) == hits + 1
+    assert _counts(banked) == (hits + 1, feature_hits + 1, encoded)
     # The same question on another image at the same place: nothing of the image is reused
     # (mlx-vlm reuses a prefix only when it covers every image of the prompt).
     other = messages(SYSTEM, images[1], "how many windows are open?")
     elsewhere = ask(banked, other, logprobs=True)
     assert elsewhere.cached_tokens == 0
-    assert _bank_hits(banked) == hits + 1
+    assert _counts(banked) == (hits + 1, feature_hits + 1, encoded + 1)
     # Answers as mlx-vlm's without a cache, to the bit; and the image changes them.
     for chat, got in ((same, again), (other, elsewhere)):
         want = ask(reference, chat, logprobs=True)
