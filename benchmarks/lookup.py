@@ -12,14 +12,18 @@ then, each round and for each length, opens it and restores the conversation as
 `PrefixCache.restore` does (`Namespace.restore(prompt[:-1], room_for=len(prompt))`),
 taking the lookup's time:
 
-- `records`: as a restore does now: the chain records first (`index.chain_records.read_runs`,
-  one multi-get of the segments' records), headers only past them;
+- `prefixes`: as a restore does now: the prefix records first (`index.prefixes`: one
+  multi-get keyed by the prompt's tokens, hashed a segment of 64 blocks at a time; no
+  block's chain hash computed), then the namespace's epoch;
+- `records`: as it did before the prefix records, and does past them: the chain hashes
+  of every block, then the chain records (`index.chain_records.read_runs`, one
+  multi-get of the segments' records), headers only past them;
 - `headers`: as it did before the chain records, and does in a bank written before
   them: one multi-get of every header (a chain over `WHOLE_CHAIN_READ` blocks cut to
   its stored length by a binary search of point reads first).
 
-The two ways alternate, their order rotated each round, on the same bank. Medians side
-by side (and their ratio), and beside them the lookup of the restore that follows in
+The ways alternate, their order rotated each round, on the same bank. Medians side
+by side (and the ratios to `prefixes`), and beside them the lookup of the restore that follows in
 the same process (hot: what the first one read is in the hot tier). `--parts` adds
 where a reopened 16k-token lookup's time goes, phase by phase, as
 `restore.restoring._plan` runs them.
@@ -47,6 +51,7 @@ from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.index import chain, chain_records
 from cas_bank.index.ends import plan_end
 from cas_bank.index.partial import find_partial
+from cas_bank.index.prefixes import read_prefixes
 from cas_bank.index.view import read_view
 
 SPEC = ModelSpec(
@@ -56,7 +61,7 @@ SPEC = ModelSpec(
 )
 BLOCK = 64
 LENGTHS = (1024, 4096, 16384)
-WAYS = ("records", "headers")
+WAYS = ("prefixes", "records", "headers")
 
 
 def _kv(tokens: int, rng: np.random.Generator) -> list[Any]:
@@ -85,14 +90,18 @@ def build(path: Path, lengths: Sequence[int], others: int) -> dict[int, np.ndarr
 
 
 @contextmanager
-def headers_only() -> Iterator[None]:
-    """The lookup as before the chain records: `longest_chain` finds none."""
-    runs = chain.read_runs  # the name `longest_chain` calls
-    chain.read_runs = lambda *args: ([], False)  # type: ignore[attr-defined]
+def looked_up(way: str) -> Iterator[None]:
+    """The lookup as `way` names it: without the prefix records (`records`), without
+    them and the chain records (`headers`: `longest_chain` finds none)."""
+    prefixes, runs = chain.read_prefixes, chain.read_runs  # the names the lookup calls
+    if way != "prefixes":
+        chain.read_prefixes = lambda *args: ([], [])  # type: ignore[attr-defined]
+    if way == "headers":
+        chain.read_runs = lambda *args: ([], False)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        chain.read_runs = runs  # type: ignore[attr-defined]
+        chain.read_prefixes, chain.read_runs = prefixes, runs  # type: ignore[attr-defined]
 
 
 def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, float]:
@@ -103,10 +112,7 @@ def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, fl
         took = []
         for _ in range(2):
             bank.resources.settle()  # the spares the restore before asked for: made
-            if way == "headers":
-                with headers_only():
-                    hit = ns.restore(prompt[:-1], room_for=len(prompt))
-            else:
+            with looked_up(way):
                 hit = ns.restore(prompt[:-1], room_for=len(prompt))
             if hit is None or hit.timings is None or hit.tokens != len(prompt) - 1:
                 raise RuntimeError(f"restored {hit and hit.tokens} of {len(prompt) - 1} tokens")
@@ -129,14 +135,23 @@ def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]
             parts[name] = time.perf_counter() - t0
             return out
 
-        hashes = timed("chain hashes", lambda: ns.chain(toks))
         view = timed("read view", lambda: read_view(bank))
-        blocks = toks[: len(hashes) * BLOCK]
+        n = len(toks) // BLOCK
+        blocks = np.ascontiguousarray(toks[: n * BLOCK])
+        hashes: list[Any] = []
         runs: list[chain.Header] = []
-        ended = False
+        if way == "prefixes":
+            hashes, runs = timed(
+                "prefix records",
+                lambda: read_prefixes(view, ns.root, blocks.data.cast("B"), 4 * BLOCK),
+            )
+        ended = len(runs) == n
+        if not ended:
+            hashes = timed("chain hashes", lambda: ns.chain(toks))
         if way == "records":
             runs, ended = timed(
-                "chain records", lambda: chain_records.read_runs(view, ns.root, hashes, blocks)
+                "chain records",
+                lambda: chain_records.read_runs(view, ns.root, hashes, blocks),
             )
         parent = runs[-1].chain_hash if runs else ns.root
         rest: list[chain.Header] = []
@@ -157,7 +172,7 @@ def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]
 
 
 def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
-    """Build the bank and measure every length both ways; returns the figures."""
+    """Build the bank and measure every length every way; returns the figures."""
     path = workdir / "bank"
     t0 = time.perf_counter()
     prompts = build(path, LENGTHS, others)
@@ -166,7 +181,7 @@ def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
     hot: dict[tuple[int, str], list[float]] = {(n, w): [] for n in LENGTHS for w in WAYS}
     phases: dict[str, dict[str, list[float]]] = {w: {} for w in WAYS}
     for r in range(rounds):
-        order = WAYS[r % 2 :] + WAYS[: r % 2]
+        order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]
         for n in LENGTHS:
             for way in order:
                 reopened, again = reopened_lookup(path, prompts[n], way)
@@ -178,20 +193,14 @@ def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
                     phases[way].setdefault(name, []).append(s)
     rows = []
     for n in LENGTHS:
-        rec, hdr = median(samples[(n, "records")]), median(samples[(n, "headers")])
-        rows.append(
-            {
-                "tokens": n,
-                "blocks": n // BLOCK,
-                "records_ms": 1e3 * rec,
-                "headers_ms": 1e3 * hdr,
-                "speedup": hdr / rec,
-                "hot_records_ms": 1e3 * median(hot[(n, "records")]),
-                "hot_headers_ms": 1e3 * median(hot[(n, "headers")]),
-                "records_range_ms": _range_ms(samples[(n, "records")]),
-                "headers_range_ms": _range_ms(samples[(n, "headers")]),
-            }
-        )
+        med = {w: median(samples[(n, w)]) for w in WAYS}
+        row: dict[str, Any] = {"tokens": n, "blocks": n // BLOCK}
+        for w in WAYS:
+            row[f"{w}_ms"] = 1e3 * med[w]
+            row[f"hot_{w}_ms"] = 1e3 * median(hot[(n, w)])
+            row[f"{w}_range_ms"] = _range_ms(samples[(n, w)])
+            row[f"{w}_ratio"] = med[w] / med["prefixes"]
+        rows.append(row)
     return {
         "rounds": rounds,
         "others": others,
@@ -206,7 +215,8 @@ def _range_ms(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Print the medians of a reopened restore's lookup, with chain records and without."""
+    """Print the medians of a reopened restore's lookup: with prefix records, with chain
+    records only, and with headers only."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.lookup", description=main.__doc__)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--others", type=int, default=256, help="other 1k-token prompts in the bank")
@@ -220,14 +230,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"medians of {args.rounds} rounds (ms)"
     )
     print(
-        f"{'tokens':>7} {'blocks':>6} {'headers (before)':>17} {'records (now)':>14} "
-        f"{'ratio':>6} {'hot: headers':>13} {'records':>8}"
+        f"{'tokens':>7} {'blocks':>6} {'headers':>9} {'records':>9} {'prefixes (now)':>15} "
+        f"{'headers/now':>12} {'records/now':>12} {'hot: headers':>13} {'records':>8} {'now':>7}"
     )
     for row in out["rows"]:
         print(
-            f"{row['tokens']:>7} {row['blocks']:>6} {row['headers_ms']:>17.3f} "
-            f"{row['records_ms']:>14.3f} {row['speedup']:>5.2f}x "
-            f"{row['hot_headers_ms']:>13.3f} {row['hot_records_ms']:>8.3f}"
+            f"{row['tokens']:>7} {row['blocks']:>6} {row['headers_ms']:>9.3f} "
+            f"{row['records_ms']:>9.3f} {row['prefixes_ms']:>15.3f} "
+            f"{row['headers_ratio']:>11.2f}x {row['records_ratio']:>11.2f}x "
+            f"{row['hot_headers_ms']:>13.3f} {row['hot_records_ms']:>8.3f} "
+            f"{row['hot_prefixes_ms']:>7.3f}"
         )
     for way, phases in out["parts_ms"].items():
         shown = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())

@@ -34,7 +34,7 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family, MemoryStore, Write
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain as chain_py
+from cas_bank.index import header as header_py
 from cas_bank.index.chain import Header, read_headers
 from cas_bank.testing import StoreConformance
 
@@ -348,9 +348,10 @@ def test_eviction_through_the_bank_empties_the_tier(bank_path: Path) -> None:
         assert report.blocks_evicted == 4
         # Nothing evicted stays; only the remembered absence of the prompt's end
         # record (still absent: no end record outlives its parent) and the namespace's
-        # chain-record epoch (`index.chain`: it outlives every record).
+        # record epoch, in `chains` and in `prefixes` (`index.chain_records`,
+        # `index.prefixes`: it outlives every record).
         hashes = ns.chain(tokens)
-        assert bank.hot is not None and len(bank.hot) == 2
+        assert bank.hot is not None and len(bank.hot) == 3
         assert not any((f, h) in bank.hot for h in hashes for f in Family)
         assert ns.restore(tokens) is None
         assert bank.stats().corrupt_reads == 0
@@ -439,7 +440,7 @@ def test_the_native_header_decoder_is_the_python_one(
     very header `Header.decode` does, a `Header`, for any record and any damage to it:
     truncated, lengthened, another version, any byte changed; None where Python
     refuses it."""
-    native = chain_py._native_decoded
+    native = header_py.native_decoded
     if native is None:
         pytest.skip("the native helper is not built")
     index, size, state_size = numbers
@@ -452,7 +453,7 @@ def test_the_native_header_decoder_is_the_python_one(
     if at < len(raw):
         records.append(raw[:at] + bytes([byte]) + raw[at + 1 :])
     for record in records:
-        want = chain_py._python_decoded(h.chain_hash, record)
+        want = header_py._python_decoded(h.chain_hash, record)
         got = native(h.chain_hash, record)
         assert got == want
         assert (got is None) == (want is None)

@@ -28,8 +28,8 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain, chain_records
-from cas_bank.index.chain import Header, longest_chain
+from cas_bank.index import chain, chain_records, prefixes
+from cas_bank.index.chain import Header, longest_chain, stored_chain
 from cas_bank.index.header import FIXED
 
 sys.path.insert(0, str(TESTS_DIR / "fixtures"))
@@ -112,14 +112,20 @@ def test_a_header_that_does_not_link_ends_the_chain(rocks: RocksStore) -> None:
 
 # -- chain records (`index.chain`: `read_runs`, kept by `run_writes`) ------------------
 B = 4  # tokens a block in the banks below
+# The prefix key of tokens 0..523 (<u4) at block size 4 under a root of 32 zero bytes:
+# two whole segments of 64 blocks and 3 blocks (docs/design.md, "Hashing (format v1)").
+GOLDEN_PREFIX = "a99b6c946f1b3d3680725f1f5770a7a53b979f0725d1d09d3c5ae0fbec3b8568"
 
 
 def _query(ns: Namespace, tokens: list[int]) -> tuple[list[Header], list[Header]]:
-    """`longest_chain` of `tokens` with the chain records, and from the headers alone."""
+    """`longest_chain` of `tokens` with the chain records, and from the headers alone;
+    the restore's lookup (`stored_chain`: the prefix records first) gives the same
+    headers as the chain records and the very chain hashes of `ns.chain`."""
     toks = np.asarray(tokens, dtype=np.uint32)
     hashes = ns.chain(toks)
     view = ns.view()
     with_records = longest_chain(view, ns.root, hashes, toks[: len(hashes) * B])
+    assert stored_chain(view, ns.root, toks, B) == (hashes, with_records)
     return with_records, longest_chain(view, ns.root, hashes)
 
 
@@ -134,6 +140,7 @@ class _Counting:
         self.inner = inner
         self.headers = 0
         self.record_reads = 0
+        self.prefix_reads = 0
 
     def get(self, family: Family, key: bytes) -> bytes | None:
         self.headers += family is Family.HEADERS
@@ -142,6 +149,7 @@ class _Counting:
     def get_parsed(self, family: Family, keys: Any, parse: Any) -> Any:
         self.headers += len(keys) if family is Family.HEADERS else 0
         self.record_reads += family is Family.CHAINS
+        self.prefix_reads += family is Family.PREFIXES
         return self.inner.get_parsed(family, keys, parse)
 
 
@@ -313,7 +321,7 @@ def test_the_native_records_decoder_is_the_python_one(
 ) -> None:
     """`cas_bank._chain.run` makes the very headers `_python_run` makes of any record
     bytes, damaged ones too (a flipped bit ends the list at its entry)."""
-    if chain_records._decode_run is chain_records._python_run:
+    if chain_records.decode_run is chain_records.python_run:
         pytest.skip("the native helper is not built")
     rng = np.random.default_rng(seed)
     root = rng.bytes(32)
@@ -334,4 +342,120 @@ def test_the_native_records_decoder_is_the_python_one(
             raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
     data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
     args = (bytes(raw), 16, first, count, root, hashes, data, step)
-    assert chain_records._decode_run(*args) == chain_records._python_run(*args)
+    assert chain_records.decode_run(*args) == chain_records.python_run(*args)
+
+
+# -- prefix records (`index.prefixes`, kept by `index.chain_record_writes`) -------------
+def test_a_stored_chain_is_found_by_its_prefix_records_alone(tmp_path: Path) -> None:
+    """300 blocks stored in one go: the restore's lookup of them reads one multi-get of
+    prefix records and nothing else (no chain record, no header, no block hashed: the
+    hashes come from the records and are the chain's own); a prompt going 100 blocks
+    past them takes the 4 whole segments from the prefix records and goes on from
+    there with the chain records and headers; a header rewritten in place (a state
+    added) makes the prefix records stale too: the lookup then reads the chain records
+    and headers, and finds the same."""
+    spec = hybrid_spec()
+    rng = np.random.default_rng(2)
+    tokens = [int(t) for t in rng.integers(0, 1000, 300 * B)]
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, random_layers(spec, len(tokens)), {len(tokens): random_state(spec)})
+        keys = [k for k in bank.store.keys(Family.PREFIXES) if len(k) == 32]
+        assert len(keys) == 300 // 64 + 1  # every whole segment and the chain's end
+        toks = np.asarray(tokens, dtype=np.uint32)
+        want = longest_chain(ns.view(), ns.root, ns.chain(toks))
+        counting = _Counting(ns.view().store)
+        assert stored_chain(counting, ns.root, toks, B) == (ns.chain(toks), want)
+        assert (counting.prefix_reads, counting.record_reads, counting.headers) == (1, 0, 0)
+        longer = np.asarray(tokens + [5] * 100 * B, dtype=np.uint32)
+        counting = _Counting(ns.view().store)
+        hashes, got = stored_chain(counting, ns.root, longer, B)
+        assert hashes == ns.chain(longer) and got == want
+        assert counting.prefix_reads == 1 and counting.record_reads >= 1
+        ns.store(tokens[: 100 * B], random_layers(spec, 100 * B), {100 * B: random_state(spec)})
+        want = longest_chain(ns.view(), ns.root, ns.chain(toks))
+        counting = _Counting(ns.view().store)
+        assert stored_chain(counting, ns.root, toks, B) == (ns.chain(toks), want)
+        assert want[99].has_state and counting.headers >= 300 - 64
+
+
+def test_eviction_removes_the_prefix_records_with_their_blocks(tmp_path: Path) -> None:
+    """A prefix record goes with its block's chain record: after an eviction of some
+    leaves every prefix record left names stored blocks only, and after one of all
+    none is left but the namespace's epoch."""
+    spec = attention_spec()
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B, file_min_bytes=None)) as bank:
+        ns = bank.namespace(spec)
+        base = list(range(70 * B))
+        for tail in range(3):
+            toks = base + [tail] * (tail + 1) * 30 * B
+            ns.store(toks, random_layers(spec, len(toks)))
+        # Blocks 63 and 99; 127 and 129; 127 (another) and 159: segment and chain ends.
+        assert sum(len(k) == 32 for k in bank.store.keys(Family.PREFIXES)) == 6
+        evict_to_budget(bank, bank.stats().payload_bytes // 2)
+        for key in bank.store.keys(Family.PREFIXES):
+            if len(key) == 32:
+                value = bank.store.get(Family.PREFIXES, key)
+                assert value is not None
+                assert bank.store.get(Family.HEADERS, value[-32:]) is not None
+                assert bank.store.get(Family.CHAINS, value[-32:]) is not None
+        evict_to_budget(bank, 0)
+        assert [len(k) for k in bank.store.keys(Family.PREFIXES)] == [5 + 32]
+
+
+def test_prefix_keys_are_format_v1() -> None:
+    """The prefix keys (persistent, like the chain hashes): a golden vector, and the C
+    keys equal the blake3 package's."""
+    root = bytes(32)
+    data = memoryview(np.arange(2 * 64 * B + 3 * B, dtype="<u4").tobytes())
+    keys = prefixes.prefix_keys(root, data, 64 * B * 4)
+    assert keys == prefixes.python_prefix_keys(root, data, 64 * B * 4)
+    assert len(keys) == 3 and keys[0] == prefixes.next_key(prefixes.start_key(root), data[:1024])
+    assert keys[-1].hex() == GOLDEN_PREFIX
+    # At block size 64 a segment is 16 BLAKE3 chunks (the SIMD paths; the C test too).
+    data = memoryview(np.arange(2 * 64 * 64 + 3 * 64, dtype="<u4").tobytes())
+    keys = prefixes.prefix_keys(root, data, 64 * 64 * 4)
+    assert keys == prefixes.python_prefix_keys(root, data, 64 * 64 * 4)
+    assert keys[-1].hex() == "1ce3d0946e0e322c46ea79bf8d0f2e9f9d97db9d8f745509ff0751f26029492e"
+
+
+@given(
+    n=st.integers(1, 80),
+    step=st.sampled_from([4, 16, 64]),
+    cuts=st.lists(st.integers(0, 10**6), max_size=3),
+    short=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_native_prefix_decoder_is_the_python_one(
+    n: int, step: int, cuts: list[int], short: bool, seed: int
+) -> None:
+    """`cas_bank._chain.prefix_run` makes the very headers `python_prefix_run` makes of
+    any prefix record's bytes, damaged ones too."""
+    if prefixes.decode_prefix_run is prefixes.python_prefix_run:
+        pytest.skip("the native helper is not built")
+    rng = np.random.default_rng(seed)
+    root = rng.bytes(32)
+    hashes = [BlockHash(rng.bytes(32)) for _ in range(n)]
+    tokens = rng.bytes(n * step)
+    first = int(rng.integers(0, n))
+    count = int(rng.integers(1, n - first + 1))
+    fixed = []
+    for i in range(first, first + count):
+        state = rng.bytes(32) if rng.random() < 0.3 else None
+        h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
+                   int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
+                   int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
+        fixed.append(h.encode()[: FIXED.size])
+    raw = bytearray(prefixes.encode_prefix(first, 0, fixed, hashes[first + count - 1]))
+    for c in cuts:
+        raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
+    data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
+    args = (bytes(raw), 16, first, count, root, data, step)
+    got = prefixes.decode_prefix_run(*args)
+    assert got == prefixes.python_prefix_run(*args)
+    if not cuts and not short:  # whole: the headers the record was made of
+        assert [h.chain_hash for h in got] == hashes[first : first + count]
+        assert [h.encode()[: FIXED.size] for h in got] == fixed
+        assert [h.tokens for h in got] == [tokens[i * step : (i + 1) * step] for i in
+                                           range(first, first + count)]  # fmt: skip

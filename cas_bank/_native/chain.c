@@ -29,6 +29,25 @@ static void chain_hashes(const uint8_t *root, const uint8_t *src, size_t n, size
   }
 }
 
+/* The prefix keys of the n step-byte segments at src (the last `tail` bytes long where
+ * tail > 0) into dst: key 0 is blake3(derive_key=context, root); each next is blake3
+ * keyed by the one before over the segment (cas_bank.index.prefixes). */
+static void prefix_keys(const uint8_t *root, const uint8_t *src, size_t len, size_t step,
+                        const char *context, uint8_t *dst) {
+  blake3_hasher h;
+  uint8_t key[BLAKE3_KEY_LEN];
+  blake3_hasher_init_derive_key(&h, context);
+  blake3_hasher_update(&h, root, BLAKE3_OUT_LEN);
+  blake3_hasher_finalize(&h, key, BLAKE3_KEY_LEN);
+  for (size_t at = 0, i = 0; at < len; at += step, i++) {
+    size_t n = len - at < step ? len - at : step;
+    blake3_hasher_init_keyed(&h, key);
+    blake3_hasher_update(&h, src + at, n);
+    blake3_hasher_finalize(&h, dst + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    memcpy(key, dst + i * BLAKE3_OUT_LEN, BLAKE3_KEY_LEN);
+  }
+}
+
 /* CAS_BANK_CORE_ONLY: the C functions above without the Python module below (the C
  * test, tests/native/test_native.c, builds them for other CPUs). */
 #ifndef CAS_BANK_CORE_ONLY
@@ -70,6 +89,43 @@ static PyObject *chain(PyObject *self, PyObject *args) {
       Py_CLEAR(out);
     } else {
       PyList_SET_ITEM(out, i, name);
+    }
+  }
+  PyMem_Free(dst);
+done:
+  PyBuffer_Release(&root);
+  PyBuffer_Release(&data);
+  return out;
+}
+
+static PyObject *prefixes(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer root, data;
+  Py_ssize_t step;
+  const char *context;
+  if (!PyArg_ParseTuple(args, "y*y*ns", &root, &data, &step, &context)) return NULL;
+  PyObject *out = NULL;
+  if (root.len != BLAKE3_OUT_LEN || step <= 0) {
+    PyErr_SetString(PyExc_ValueError, "root must be 32 bytes and step > 0");
+    goto done;
+  }
+  Py_ssize_t n = (data.len + step - 1) / step;
+  uint8_t *dst = PyMem_Malloc(n > 0 ? n * BLAKE3_OUT_LEN : 1);
+  if (dst == NULL) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  prefix_keys(root.buf, data.buf, (size_t)data.len, (size_t)step, context, dst);
+  Py_END_ALLOW_THREADS
+  out = PyList_New(n);
+  for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+    PyObject *key = PyBytes_FromStringAndSize((const char *)dst + i * BLAKE3_OUT_LEN,
+                                              BLAKE3_OUT_LEN);
+    if (key == NULL) {
+      Py_CLEAR(out);
+    } else {
+      PyList_SET_ITEM(out, i, key);
     }
   }
   PyMem_Free(dst);
@@ -179,98 +235,184 @@ static PyObject *header(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   return out;
 }
 
-/* A chain record's entries made into headers (cas_bank.index.chain: `read_runs`): each
- * entry is a header's fixed part; the header's tokens are the prompt's own (its chain
- * hash commits to them), its chain hash and parent the caller's hash objects, its root
- * the caller's. An entry that is not the block it stands for (another version, index,
- * root, parent or token count) ends the list there. A reopened 16k-token lookup makes
- * 256 headers this way: in Python, ~1.5 us each. */
+/* The header one chain-record entry `e` makes for block i (a new reference), named
+ * `name` under `parent` (borrowed), with the block's tokens from `tokens`; NULL with no
+ * error set where the entry is not that block (another version, index, root, parent
+ * or token count), NULL with an error set where memory ran out. */
+static PyObject *entry_header(const uint8_t *e, Py_ssize_t i, PyObject *name, PyObject *parent,
+                              PyObject *root, const Py_buffer *tokens, Py_ssize_t step) {
+  if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != 32 || !PyBytes_Check(name)) {
+    return NULL;
+  }
+  if (e[0] != HEADER_VERSION || (Py_ssize_t)(4 * le(e + 2, 2)) != step ||
+      (Py_ssize_t)le(e + 4, 4) != i || memcmp(e + 24, PyBytes_AS_STRING(parent), 32) != 0 ||
+      memcmp(e + 56, PyBytes_AS_STRING(root), 32) != 0) {
+    return NULL;
+  }
+  PyObject *fields[HEADER_FIELDS] = {
+      Py_NewRef(name),
+      Py_NewRef(parent),
+      PyLong_FromSsize_t(i),
+      Py_NewRef(root),
+      PyBytes_FromStringAndSize((const char *)e + 88, 32),
+      PyLong_FromUnsignedLongLong(le(e + 8, 8)),
+      PyBytes_FromStringAndSize((const char *)tokens->buf + i * step, step),
+      e[1] & HEADER_FLAG_STATE ? PyBytes_FromStringAndSize((const char *)e + 120, 32)
+                               : Py_NewRef(Py_None),
+      PyLong_FromUnsignedLongLong(le(e + 16, 8)),
+  };
+  PyObject *h = header_type->tp_alloc(header_type, HEADER_FIELDS);
+  int failed = h == NULL;
+  for (int f = 0; f < HEADER_FIELDS; f++) failed |= fields[f] == NULL;
+  if (failed) {
+    for (int f = 0; f < HEADER_FIELDS; f++) Py_XDECREF(fields[f]);
+    Py_XDECREF(h);
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    return NULL;
+  }
+  for (int f = 0; f < HEADER_FIELDS; f++) PyTuple_SET_ITEM(h, f, fields[f]);
+  return h;
+}
+
+/* The arguments `run` and `prefix_run` share, checked: the record and tokens buffers
+ * (released by the caller on success), offset, first, count, step and root. */
+typedef struct {
+  Py_buffer raw, tokens;
+  Py_ssize_t offset, first, count, step;
+  PyObject *root;
+} run_args;
+
+static int parse_run_args(PyObject *const *args, int record, int tokens, int nums[4], int root,
+                          run_args *a) {
+  if (header_type == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "set_header_type() was not called");
+    return -1;
+  }
+  a->offset = PyLong_AsSsize_t(args[nums[0]]);
+  a->first = PyLong_AsSsize_t(args[nums[1]]);
+  a->count = PyLong_AsSsize_t(args[nums[2]]);
+  a->step = PyLong_AsSsize_t(args[nums[3]]);
+  if (PyErr_Occurred()) return -1;
+  a->root = args[root];
+  if (!PyBytes_Check(a->root) || PyBytes_GET_SIZE(a->root) != 32) {
+    PyErr_SetString(PyExc_TypeError, "root must be 32 bytes");
+    return -1;
+  }
+  if (a->offset < 0 || a->first < 0 || a->count < 0 || a->step <= 0) {
+    PyErr_SetString(PyExc_ValueError, "offset, first and count must be >= 0, step > 0");
+    return -1;
+  }
+  if (PyObject_GetBuffer(args[record], &a->raw, PyBUF_SIMPLE) != 0) return -1;
+  if (PyObject_GetBuffer(args[tokens], &a->tokens, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&a->raw);
+    return -1;
+  }
+  return 0;
+}
+
+/* Whether entry j of the record (block first + j) lies within it and its tokens within
+ * the tokens. */
+static int entry_fits(const run_args *a, Py_ssize_t j) {
+  return a->offset + (j + 1) * HEADER_FIXED <= a->raw.len &&
+         (a->first + j + 1) * a->step <= a->tokens.len;
+}
+
+/* A chain record's entries made into headers (cas_bank.index.chain_records: `read_runs`):
+ * each entry is a header's fixed part; the header's tokens are the prompt's own (its
+ * chain hash commits to them), its chain hash and parent the caller's hash objects, its
+ * root the caller's. An entry that is not the block it stands for (another version,
+ * index, root, parent or token count) ends the list there. A reopened 16k-token lookup
+ * makes 256 headers this way: in Python, ~1.5 us each. */
 static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 8) {
     PyErr_Format(PyExc_TypeError, "run() takes 8 arguments (%zd given)", nargs);
     return NULL;
   }
-  if (header_type == NULL) {
-    PyErr_SetString(PyExc_RuntimeError, "set_header_type() was not called");
-    return NULL;
-  }
-  Py_ssize_t offset = PyLong_AsSsize_t(args[1]);
-  Py_ssize_t first = PyLong_AsSsize_t(args[2]);
-  Py_ssize_t count = PyLong_AsSsize_t(args[3]);
-  Py_ssize_t step = PyLong_AsSsize_t(args[7]);
-  if (PyErr_Occurred()) return NULL;
-  PyObject *root = args[4];
-  if (!PyBytes_Check(root) || PyBytes_GET_SIZE(root) != 32) {
-    PyErr_SetString(PyExc_TypeError, "root must be 32 bytes");
-    return NULL;
-  }
-  if (offset < 0 || first < 0 || count < 0 || step <= 0) {
-    PyErr_SetString(PyExc_ValueError, "offset, first and count must be >= 0, step > 0");
-    return NULL;
-  }
+  run_args a;
+  int nums[4] = {1, 2, 3, 7};
+  if (parse_run_args(args, 0, 6, nums, 4, &a) != 0) return NULL;
   PyObject *hashes = PySequence_Fast(args[5], "hashes must be a sequence");
-  if (hashes == NULL) return NULL;
-  Py_buffer raw, tokens;
-  if (PyObject_GetBuffer(args[0], &raw, PyBUF_SIMPLE) != 0) {
-    Py_DECREF(hashes);
-    return NULL;
-  }
-  if (PyObject_GetBuffer(args[6], &tokens, PyBUF_SIMPLE) != 0) {
-    PyBuffer_Release(&raw);
-    Py_DECREF(hashes);
+  if (hashes == NULL) {
+    PyBuffer_Release(&a.tokens);
+    PyBuffer_Release(&a.raw);
     return NULL;
   }
   Py_ssize_t n_hashes = PySequence_Fast_GET_SIZE(hashes);
   PyObject **items = PySequence_Fast_ITEMS(hashes);
-  const uint8_t *root_at = (const uint8_t *)PyBytes_AS_STRING(root);
   PyObject *out = PyList_New(0);
-  for (Py_ssize_t j = 0; out != NULL && j < count; j++) {
-    Py_ssize_t i = first + j;
-    Py_ssize_t at = offset + j * HEADER_FIXED;
-    if (at + HEADER_FIXED > raw.len || i >= n_hashes || (i + 1) * step > tokens.len) break;
-    const uint8_t *e = (const uint8_t *)raw.buf + at;
-    PyObject *parent = i == 0 ? root : items[i - 1];
-    PyObject *name = items[i];
-    if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != 32 || !PyBytes_Check(name)) break;
-    if (e[0] != HEADER_VERSION || (Py_ssize_t)(4 * le(e + 2, 2)) != step ||
-        (Py_ssize_t)le(e + 4, 4) != i || memcmp(e + 24, PyBytes_AS_STRING(parent), 32) != 0 ||
-        memcmp(e + 56, root_at, 32) != 0) {
+  for (Py_ssize_t j = 0; out != NULL && j < a.count; j++) {
+    Py_ssize_t i = a.first + j;
+    if (!entry_fits(&a, j) || i >= n_hashes) break;
+    const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset + j * HEADER_FIXED;
+    PyObject *parent = i == 0 ? a.root : items[i - 1];
+    PyObject *h = entry_header(e, i, items[i], parent, a.root, &a.tokens, a.step);
+    if (h == NULL) {
+      if (PyErr_Occurred()) Py_CLEAR(out);
       break;
     }
-    PyObject *fields[HEADER_FIELDS] = {
-        Py_NewRef(name),
-        Py_NewRef(parent),
-        PyLong_FromSsize_t(i),
-        Py_NewRef(root),
-        PyBytes_FromStringAndSize((const char *)e + 88, 32),
-        PyLong_FromUnsignedLongLong(le(e + 8, 8)),
-        PyBytes_FromStringAndSize((const char *)tokens.buf + i * step, step),
-        e[1] & HEADER_FLAG_STATE ? PyBytes_FromStringAndSize((const char *)e + 120, 32)
-                                 : Py_NewRef(Py_None),
-        PyLong_FromUnsignedLongLong(le(e + 16, 8)),
-    };
-    PyObject *h = header_type->tp_alloc(header_type, HEADER_FIELDS);
-    int failed = h == NULL;
-    for (int f = 0; f < HEADER_FIELDS; f++) failed |= fields[f] == NULL;
-    if (failed) {
-      for (int f = 0; f < HEADER_FIELDS; f++) Py_XDECREF(fields[f]);
-      Py_XDECREF(h);
-      Py_CLEAR(out);
-      if (!PyErr_Occurred()) PyErr_NoMemory();
-      break;
-    }
-    for (int f = 0; f < HEADER_FIELDS; f++) PyTuple_SET_ITEM(h, f, fields[f]);
     if (PyList_Append(out, h) != 0) Py_CLEAR(out);
     Py_DECREF(h);
   }
-  PyBuffer_Release(&tokens);
-  PyBuffer_Release(&raw);
+  PyBuffer_Release(&a.tokens);
+  PyBuffer_Release(&a.raw);
   Py_DECREF(hashes);
   return out;
 }
 
+/* A prefix record's entries made into headers (cas_bank.index.prefixes): as `run`, the
+ * names read from the record itself: block i's, the parent field of the entry after
+ * it, and the last block's the 32 bytes after the entries (`last`, at offset + count *
+ * 152). The first entry's parent is taken as it stands, but for block 0 (the root):
+ * the caller checks it against the block before. */
+static PyObject *prefix_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 7) {
+    PyErr_Format(PyExc_TypeError, "prefix_run() takes 7 arguments (%zd given)", nargs);
+    return NULL;
+  }
+  run_args a;
+  int nums[4] = {1, 2, 3, 6};
+  if (parse_run_args(args, 0, 5, nums, 4, &a) != 0) return NULL;
+  PyObject *out = PyList_New(0);
+  PyObject *parent = NULL; /* a new reference */
+  Py_ssize_t last = a.offset + a.count * HEADER_FIXED;
+  if (out != NULL && a.count > 0 && last + 32 <= a.raw.len && entry_fits(&a, 0)) {
+    const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset;
+    parent = a.first == 0 ? Py_NewRef(a.root)
+                          : PyBytes_FromStringAndSize((const char *)e + 24, 32);
+    if (parent == NULL) Py_CLEAR(out);
+  }
+  for (Py_ssize_t j = 0; out != NULL && parent != NULL && j < a.count; j++) {
+    if (!entry_fits(&a, j)) break;
+    const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset + j * HEADER_FIXED;
+    const char *name_at = j + 1 < a.count ? (const char *)e + HEADER_FIXED + 24
+                                          : (const char *)a.raw.buf + last;
+    PyObject *name = PyBytes_FromStringAndSize(name_at, 32);
+    if (name == NULL) {
+      Py_CLEAR(out);
+      break;
+    }
+    PyObject *h = entry_header(e, a.first + j, name, parent, a.root, &a.tokens, a.step);
+    Py_SETREF(parent, name);
+    if (h == NULL) {
+      if (PyErr_Occurred()) Py_CLEAR(out);
+      break;
+    }
+    if (PyList_Append(out, h) != 0) Py_CLEAR(out);
+    Py_DECREF(h);
+  }
+  Py_XDECREF(parent);
+  PyBuffer_Release(&a.tokens);
+  PyBuffer_Release(&a.raw);
+  return out;
+}
+
 static PyMethodDef methods[] = {
+    {"prefix_run", (PyCFunction)(void (*)(void))prefix_run, METH_FASTCALL,
+     "prefix_run(record, offset, first, count, root, tokens, step) -> list[Header]: the "
+     "headers of a prefix record's entries, named by the parents of the entries after "
+     "them and the 32 bytes after the last, up to the first entry that is not its block."},
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(record, offset, first, count, root, hashes, tokens, step) -> list[Header]: the "
      "headers of a chain record's entries (each a header's fixed part, from offset) for "
@@ -284,6 +426,9 @@ static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS,
      "chain(root, data, step, context) -> list[bytes]: the 32-byte chain hash of "
      "every step-byte block of data, in order."},
+    {"prefixes", prefixes, METH_VARARGS,
+     "prefixes(root, data, step, context) -> list[bytes]: the prefix key of data up to the "
+     "end of every step-byte segment and up to its end (index.prefixes)."},
     {"max_id", max_id, METH_O,
      "max_id(ids) -> int: the largest little-endian uint32 of the buffer ids (0 if "
      "empty)."},

@@ -58,12 +58,12 @@ from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.store import BlockStore, Family, Write
 
 CACHED_FAMILIES = frozenset(
-    {Family.HEADERS, Family.BLOCKS, Family.STATES, Family.ENDS, Family.CHAINS}
+    {Family.HEADERS, Family.BLOCKS, Family.STATES, Family.ENDS, Family.CHAINS, Family.PREFIXES}
 )
 # Families whose absent keys are remembered too: a restore looks up end records and
-# chain records that mostly do not exist, and a hot restore must not read below
+# chain and prefix records that mostly do not exist, and a hot restore must not read below
 # (dropped by any write).
-NEGATIVE_FAMILIES = frozenset({Family.ENDS, Family.CHAINS})
+NEGATIVE_FAMILIES = frozenset({Family.ENDS, Family.CHAINS, Family.PREFIXES})
 _ENTRY_OVERHEAD = 160  # bytes of bookkeeping per entry (key, tuple, slots object), roughly
 # Answers of `around` on the children index kept (a restore seeks it once: a hot
 # restore must not read below either); any write to that family drops them all.

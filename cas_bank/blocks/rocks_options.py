@@ -31,7 +31,7 @@ def family_options(family: Family) -> Options:
         opt.set_blob_compression_type(DBCompressionType.none())
         opt.set_compression_type(DBCompressionType.none())
         opt.set_enable_blob_gc(True)
-    if family is Family.CHAINS:
+    if family in (Family.CHAINS, Family.PREFIXES):
         # Read whole on every lookup: Snappy saved a third of their bytes and cost a
         # reopened 16k-token lookup's 4 records ~10-20 us of decompression.
         opt.set_compression_type(DBCompressionType.none())

@@ -51,6 +51,7 @@ class Family(str, Enum):
     EVICTED = "evicted"
     CHILDREN = "children"
     CHAINS = "chains"
+    PREFIXES = "prefixes"
 
 
 PAYLOAD_FAMILIES = (Family.BLOCKS, Family.STATES)

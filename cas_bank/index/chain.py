@@ -30,10 +30,12 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.hashing import BlockHash, chain_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.index.chain_records import read_runs, run_writes
+from cas_bank.index.chain_record_writes import run_writes
+from cas_bank.index.chain_records import read_runs
 from cas_bank.index.header import Header, HeaderSource, read_headers
+from cas_bank.index.prefixes import read_prefixes
 
 __all__ = [
     "WHOLE_CHAIN_READ",
@@ -45,6 +47,7 @@ __all__ = [
     "read_headers",
     "restore_blocks",
     "run_writes",
+    "stored_chain",
     "stored_prefix",
 ]
 
@@ -75,11 +78,35 @@ def stored_prefix(store: HeaderSource, hashes: Sequence[BlockHash]) -> int:
     return lo
 
 
+def stored_chain(
+    store: HeaderSource, root: bytes, tokens: np.ndarray, block_size: int
+) -> tuple[list[BlockHash], list[Header]]:
+    """The chain hashes of the full blocks of `tokens` (ids checked: `as_token_array`)
+    and the headers of their longest stored prefix, as `longest_chain` gives them.
+
+    The prefix records first (`prefixes.read_prefixes`: one multi-get keyed by the
+    tokens, no block hashed): a chain stored as it is asked needs nothing else. Past
+    the segments they give, the chain is hashed from the last block they name and
+    `longest_chain` goes on with the chain records and headers from there."""
+    n = len(tokens) // block_size
+    blocks = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4")
+    hashes: list[BlockHash] = []
+    found: list[Header] = []
+    if n and not getattr(store, "queued_blocks", False):
+        hashes, found = read_prefixes(store, root, blocks.data.cast("B"), 4 * block_size)
+        if len(found) == n:
+            return hashes, found
+    parent = hashes[-1] if hashes else root
+    hashes += chain_hashes(parent, blocks[len(hashes) * block_size :], block_size)
+    return hashes, longest_chain(store, root, hashes, blocks, found)
+
+
 def longest_chain(
     store: HeaderSource,
     root: bytes,
     hashes: Sequence[BlockHash],
     tokens: np.ndarray | bytes | None = None,
+    found: Sequence[Header] = (),
 ) -> list[Header]:
     """Headers of the longest stored prefix of the chain `hashes`.
 
@@ -93,12 +120,16 @@ def longest_chain(
     prefix-closed, so the first absent one ends it); a longer rest is cut to its stored
     length by `stored_prefix` first. Stops at the first block whose header is absent,
     unreadable or does not link to the block before it: a chain is never returned with
-    a hole.
+    a hole. `found`: the headers of its first blocks, known stored (whole segments, as
+    `stored_chain` has them): the lookup goes on after them.
     """
-    matched: list[Header] = []
+    matched = list(found)
+    if len(matched) >= len(hashes):
+        return matched[: len(hashes)]
     ended = False
-    if tokens is not None and hashes and not getattr(store, "queued_blocks", False):
-        matched, ended = read_runs(store, root, hashes, tokens)
+    if tokens is not None and not getattr(store, "queued_blocks", False):
+        more, ended = read_runs(store, root, hashes, tokens, len(matched))
+        matched += more
     if not ended and len(matched) < len(hashes):
         parent = matched[-1].chain_hash if matched else root
         matched += headers_after(store, parent, hashes, len(matched))

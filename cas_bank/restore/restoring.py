@@ -2,8 +2,9 @@
 
 Every lookup reads one view of the bank (`index.view.ReadView`, taken as the restore
 starts): the stores queued for the background writer in front of the written ones.
-The walk: chain hashes of the prompt's full blocks -> `longest_chain` (`stored_prefix`
-by binary search, then one multi-get of its headers) -> the shared tier's continuation
+The walk: the stored chain of the prompt's full blocks (`index.chain.stored_chain`: its
+prefix records, keyed by its tokens; past them its chain hashes and `longest_chain`:
+chain records, then headers) -> the shared tier's continuation
 (if any) -> an end record under the deepest matched block (`index.ends`) ->
 `restore_blocks` (hybrid: deepest boundary with a state) -> one probe of memory (queued
 chains and leases: a queued block is always there) ->
@@ -25,7 +26,7 @@ import numpy as np
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import Header, longest_chain, restore_blocks
+from cas_bank.index.chain import Header, restore_blocks, stored_chain
 from cas_bank.index.ends import EndPlan, plan_end
 from cas_bank.index.layout import flat_attention, group_layers, merge_layers
 from cas_bank.index.partial import (
@@ -238,13 +239,12 @@ def _plan(ns: Restorable, toks: np.ndarray) -> _Plan:
     """The lookups: the longest stored chain of `toks`' blocks (continued from the
     shared tier where it ends locally), then an end record under its deepest block or
     a partial block after it."""
-    hashes = ns.chain(toks)
     view = read_view(ns.bank)
-    try:
-        matched = longest_chain(view, ns.root, hashes, toks[: len(hashes) * ns.block_size])
+    try:  # the prefix records name a stored chain's blocks: no block hashed for them
+        hashes, matched = stored_chain(view, ns.root, toks, ns.block_size)
     except CorruptDataError as e:  # a damaged headers table: a counted miss
         ns._payloads.damaged_headers(str(e))
-        matched = []
+        hashes, matched = ns.chain(toks), []
     # A chain ending in a queued block is not continued from the shared tier: what it
     # fetched would be written locally below a block that is not written yet.
     remote = ns.bank.remote if not (matched and is_queued(matched[-1])) else None

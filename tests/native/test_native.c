@@ -58,6 +58,20 @@ static void check_chain(const char *root_hex, const uint32_t *tokens, size_t n_f
   }
 }
 
+/* The prefix keys (cas_bank.index.prefixes) of tokens 0..n-1 as <u4 under a root of
+ * zeros, segments of `step` bytes: the last one against its golden vector (at block
+ * size 4 a segment is one BLAKE3 chunk; at 64, 16 chunks: the SIMD paths). */
+static void check_prefix(size_t n, size_t step, const char *want_hex) {
+  uint8_t root[32] = {0}, want[32], got[3 * 32];
+  uint8_t *data = malloc(4 * n);
+  if (data == NULL) exit(2);
+  for (size_t i = 0; i < n; i++) put_u32(data + 4 * i, (uint32_t)i);
+  prefix_keys(root, data, 4 * n, step, "cas_bank 2026-12-06 chain prefix v1", got);
+  unhex(want_hex, want);
+  CHECK(memcmp(got + 2 * 32, want, 32) == 0, "prefix key of %zu tokens differs", n);
+  free(data);
+}
+
 static uint8_t *slurp(const char *dir, const char *name, size_t *len) {
   char path[4096];
   snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -146,6 +160,12 @@ int main(int argc, char **argv) {
       "d8beb5841555e1495370ed3c98fc22b9632876f47ba5a7b62510f33b7c6abaa4"};
   check_chain("c94a6754793a51d52b8cb720d3a08e468102d7e976cffe3c289e25c6d1595f18", edges, 2,
               edges_want);
+
+  /* The golden prefix keys (tests/test_lookup.py): two whole segments and 3 blocks. */
+  check_prefix(2 * 64 * 4 + 3 * 4, 64 * 4 * 4,
+               "a99b6c946f1b3d3680725f1f5770a7a53b979f0725d1d09d3c5ae0fbec3b8568");
+  check_prefix(2 * 64 * 64 + 3 * 64, 64 * 64 * 4,
+               "1ce3d0946e0e322c46ea79bf8d0f2e9f9d97db9d8f745509ff0751f26029492e");
 
   /* 2. A payload file filled into block 1's rows of each array. */
   size_t case_len, payload_len, head_len, rows_len;
