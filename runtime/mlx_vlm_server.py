@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import logging
+import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -33,6 +36,25 @@ from cas_bank.bank import Bank
 
 from .mlx_vlm_apc import BankAPC
 from .process import server_settings
+
+READY = "cas-bank mlx-vlm-server: listening on"
+
+
+class _Ready(logging.Handler):
+    """Prints one ready line on stdout when uvicorn says where it listens (`--port 0`
+    picks a free port): `READY URL`, or with `json_line` a JSON object."""
+
+    def __init__(self, json_line: bool) -> None:
+        super().__init__()
+        self.json_line = json_line
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.search(r"running on (\S+://\S+?:(\d+))", record.getMessage())
+        if found is None:
+            return
+        url, port = found.group(1), int(found.group(2))
+        line = json.dumps({"url": url, "port": port}) if self.json_line else f"{READY} {url}"
+        print(line, flush=True)
 
 
 class _Registering(Queue):  # type: ignore[type-arg]
@@ -90,6 +112,24 @@ def generator_class(manager: BankAPC) -> type:
 
 
 @contextmanager
+def _announcing(json_line: bool) -> Iterator[None]:
+    """uvicorn's "running on" message prints the ready line (`_Ready`): the handler is
+    added once uvicorn has configured its loggers (its configuration replaces them)."""
+    config: Any = importlib.import_module("uvicorn.config").Config
+    original = config.configure_logging
+
+    def configure_logging(self: Any) -> None:
+        original(self)
+        logging.getLogger("uvicorn.error").addHandler(_Ready(json_line))
+
+    config.configure_logging = configure_logging
+    try:
+        yield
+    finally:
+        config.configure_logging = original
+
+
+@contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt. uvicorn takes SIGTERM while it serves, shuts down
     gracefully, then raises the signal again with the handler it found: this one, so the
@@ -123,12 +163,18 @@ def _swapped(manager: BankAPC) -> Iterator[None]:
 
 
 def serve(
-    bank: Bank, mlx_vlm_args: Sequence[str], *, store: bool = True, background: bool = True
+    bank: Bank,
+    mlx_vlm_args: Sequence[str],
+    *,
+    store: bool = True,
+    background: bool = True,
+    json_line: bool = False,
 ) -> None:
     """Run mlx-vlm's server with `mlx_vlm_args` (its own command line) on `bank`.
 
     `store`: False restores only. `background`: stores go through the bank's writer
-    (False: inline, on the generation thread). Returns when uvicorn stops (SIGINT,
+    (False: inline, on the generation thread). One line on stdout says where it
+    listens (`json_line`: a JSON object). Returns when uvicorn stops (SIGINT,
     SIGTERM); the caller closes the bank."""
     server_settings()
     manager = BankAPC(bank, store=store, background=None if background else False)
@@ -136,7 +182,12 @@ def serve(
     argv = sys.argv
     sys.argv = ["mlx_vlm.server", *mlx_vlm_args]
     try:
-        with _swapped(manager), _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
+        with (
+            _swapped(manager),
+            _announcing(json_line),
+            _sigterm_as_interrupt(),
+            contextlib.suppress(KeyboardInterrupt),
+        ):
             cli.main()
     finally:
         sys.argv = argv

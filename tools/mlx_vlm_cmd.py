@@ -5,7 +5,9 @@
 Everything after cas-bank's own options (`--bank` and the bank options `serve` takes,
 from `bank_args`: `--block-size`, `--max-bytes`, `--hot-bytes`, `--stores`, `--remote`
 and `--remote-tls-*`) goes to `mlx_vlm.server`'s argument parser as it is; see
-`cas_bank.runtime.mlx_vlm_server` for what runs. Needs the `vision` extra (mlx-vlm).
+`cas_bank.runtime.mlx_vlm_server` for what runs. One line on stdout says where the
+server listens (with `--json`, a JSON object), so `--port 0` works for scripts. Needs
+the `vision` extra (mlx-vlm).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
             list(args.extra),
             store=args.stores != "off",
             background=args.stores == "background",
+            json_line=args.json,
         )
     # The bank is closed (its queue written). mlx-vlm's server process aborts in the
     # interpreter's teardown ("terminate called without an active exception", with or
