@@ -282,15 +282,16 @@ class VisionPrefixCache(PrefixCache):
     # -- restore -------------------------------------------------------------------
     def match(self, tokens: Any) -> int:
         """Tokens `restore(prompt)` would cover now, without reading payloads."""
-        n = super().match(self.tokens(tokens))
-        return restore_point(n, self._spans(tokens))
+        p = self.as_prompt(tokens)
+        return restore_point(super().match(p.keys), p.spans)
 
     def restore(self, tokens: Any) -> tuple[list[Any], int]:
         """A fresh cache holding the longest stored prefix of the prompt but its last
         token, and its length: never fewer than `MIN_IMAGE_KEYS` positions into an
         image (`image_keys.restore_point`; the cache is cut back to it)."""
-        cache, n = super().restore(self.tokens(tokens))
-        return cache, self._cut(cache, n, self._spans(tokens))
+        p = self.as_prompt(tokens)
+        cache, n = super().restore(p.keys)
+        return cache, self._cut(cache, n, p.spans)
 
     def restore_exact(self, tokens: Any, *, with_hidden: bool = False) -> Any:
         """`PrefixCache.restore_exact` for a prompt: with the last token's logits (an end
@@ -298,18 +299,30 @@ class VisionPrefixCache(PrefixCache):
         decoding goes on with no prefill at all."""
         if with_hidden:
             raise InvalidInputError("with_hidden is not supported for vision-language models")
-        cache, n, logits, _ = self._restore_exact(self.tokens(tokens))
-        if logits is not None and isinstance(tokens, VisionPrompt):
-            self._set_rope(tokens)
-        return cache, self._cut(cache, n, self._spans(tokens)), logits
+        p = self.as_prompt(tokens)
+        cache, n, logits, _ = self._restore_exact(p.keys)
+        if logits is not None:
+            self._set_rope(p)
+        return cache, self._cut(cache, n, p.spans), logits
 
     def explain(self, tokens: Any) -> Explanation:
         """`cas_bank.maintenance.explain` of the prompt's key sequence: where its restore
         stops and why (a divergence inside an image shows key tokens, >= 2**31)."""
         return explain(self.bank, self.namespace.root, self.tokens(tokens))
 
-    def _spans(self, tokens: Any) -> tuple[ImageSpan, ...]:
-        return tokens.spans if isinstance(tokens, VisionPrompt) else ()
+    def as_prompt(self, tokens: Any) -> VisionPrompt:
+        """`tokens` as the prompt a restore needs: a `VisionPrompt` as it is, text ids as
+        a prompt with no image. A bare key sequence is refused: it does not say where
+        its images start, and a restore cuts back to one (`restore_point`)."""
+        if isinstance(tokens, VisionPrompt):
+            return tokens
+        ids = as_token_array(tokens)
+        if max_token(ids) >= KEY_BIT:
+            raise InvalidInputError(
+                "a key sequence does not say where its images start: restore, match and "
+                "restore_exact take the VisionPrompt (vpc.prompt(...)) or text ids"
+            )
+        return self.prompt(ids)
 
     @staticmethod
     def _cut(cache: list[Any], n: int, spans: Sequence[ImageSpan]) -> int:

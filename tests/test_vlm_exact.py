@@ -310,3 +310,38 @@ def test_prompt_takes_mlx_arrays(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
     assert np.array_equal(p.keys, q.keys) and p.spans == q.spans
     r = vpc.prompt(mx.array(ids)[None], mx.array(pixels).astype(mx.bfloat16), mx.array(grid))
     assert r.spans[0].digest != p.spans[0].digest  # other pixels (rounded): another image
+
+
+def test_a_bare_key_sequence_is_not_restored(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """A key sequence alone does not say where its images start: restore, match and
+    restore_exact refuse it (they would stop where the bank does, here 2 positions
+    into an image) and take the VisionPrompt instead, whose spans set the cut."""
+    img = random_image(5)
+    a = prompt(vpc, vlm, [list(range(40, 85)), img])  # blocks end 2 positions into it
+    b = prompt(vpc, vlm, [list(range(40, 85)), img, [1, 2]])
+    vpc.keep_end = False
+    vpc.prefill(a, vpc.new_cache())
+    vpc.bank.flush()
+    assert vpc.namespace.match(b.keys[:-1]) == a.spans[0].start + 2
+    for call in (vpc.restore, vpc.match, vpc.restore_exact):
+        with pytest.raises(InvalidInputError, match="VisionPrompt"):
+            call(b.keys)
+    assert vpc.match(b) == vpc.restore(b)[1] == a.spans[0].start
+
+
+def test_exact_repeat_of_text_ids_decodes_on(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """restore_exact of text ids (no VisionPrompt) after a prompt with an image: its
+    rope state is the text's, not the image prompt's left behind."""
+    text = vpc.prompt(np.arange(40, 90))
+    vpc.prefill(text, vpc.new_cache())
+    ends = vpc.last_prefill.chunk_ends
+    vpc.prefill(prompt(vpc, vlm, [TEXT[:5], random_image(1), [5, 6]]), vpc.new_cache())
+    vpc.bank.flush()
+    cache, n, logits = vpc.restore_exact(list(range(40, 90)))
+    assert n == 50 and logits is not None
+    got = decode_step(vlm, cache, 3)
+    _, ref_cache = reference(vlm, text, [], text, 0, ends)
+    at_50 = mx.full((3, 1, 1), 50, dtype=mx.int32)  # text positions: one a token
+    lm = vlm.model.language_model
+    want = lm(mx.array([[3]]), cache=ref_cache, position_ids=at_50).logits[0, -1]
+    assert bit_equal(got, want)
