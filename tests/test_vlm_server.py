@@ -93,6 +93,28 @@ def test_same_image_restores_its_blocks_other_image_none(
     assert again.logprobs != elsewhere.logprobs
 
 
+def test_two_images_in_one_request(
+    banked: VlmServer, reference: VlmServer, images: list[str]
+) -> None:
+    """Two images in one message: the second request with both restores through both,
+    their encoder output read from the bank, and the answers are those without a cache."""
+
+    def chat(question: str) -> list[dict[str, object]]:
+        parts: list[dict[str, object]] = [
+            {"type": "image_url", "image_url": {"url": url}} for url in images
+        ]
+        parts.append({"type": "text", "text": question})
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+
+    ask(banked, chat("which one is brighter?"))
+    hits, feature_hits, encoded = _counts(banked)
+    got = ask(banked, chat("which one has more red?"), logprobs=True)
+    assert got.cached_tokens > 0.8 * got.prompt_tokens, got
+    assert _counts(banked) == (hits + 1, feature_hits + 2, encoded)
+    want = ask(reference, chat("which one has more red?"), logprobs=True)
+    assert (got.text, got.logprobs) == (want.text, want.logprobs)
+
+
 def test_tenants_do_not_share(banked: VlmServer, images: list[str]) -> None:
     chat = messages(SYSTEM, images[0], "is there a cat?")
     ask(banked, chat)  # unsalted: stored for everyone without a tenant
