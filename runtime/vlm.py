@@ -237,37 +237,55 @@ class VisionPrefixCache(PrefixCache):
         if any(extra.get(k) is not None for k in ("pixel_values_videos", "video_grid_thw")):
             raise InvalidInputError("video inputs are not supported on the bank yet")
         ids = as_token_array(np.asarray(input_ids))
-        cfg = self.vlm.config
         if max_token(ids) >= self.vocab_size:
             raise InvalidInputError(f"a token id is beyond the vocabulary of {self.kind!r}")
-        if (
-            int(np.count_nonzero(ids == cfg.video_token_id))
-            or extra.get("video_grid_thw") is not None
-        ):
+        if np.count_nonzero(ids == self.vlm.config.video_token_id):
             raise InvalidInputError("video tokens are not supported on the bank yet")
         if pixel_values is None:
             if np.count_nonzero(ids == self.image_token):
                 raise InvalidInputError("the prompt has image tokens but no pixel_values")
             return VisionPrompt(ids, key_sequence(ids, []), (), None, None)
-        if isinstance(pixel_values, mx.array) and pixel_values.dtype == mx.bfloat16:
-            pixel_values = pixel_values.astype(mx.float32)  # exact; numpy has no bfloat16
-        pixels, grids = np.asarray(pixel_values), np.asarray(image_grid_thw).reshape(-1, 3)
+        pixels, grids = self._images(pixel_values, image_grid_thw)
         rows = np.cumsum([0, *(int(np.prod(g)) for g in grids)])
-        if rows[-1] != len(pixels):
-            raise InvalidInputError(
-                f"pixel_values has {len(pixels)} patches; the grids say {rows[-1]}"
-            )
         digests = [
             image_digest(pixels[a:b], g) for a, b, g in zip(rows, rows[1:], grids, strict=False)
         ]
         spans = spans_of(ids, self.image_token, digests)
-        merge = cfg.vision_config.spatial_merge_size**2
+        merge = self.vlm.config.vision_config.spatial_merge_size**2
         for s, g in zip(spans, grids, strict=True):
             if s.length * merge != int(np.prod(g)):
                 raise InvalidInputError(
                     f"image at {s.start}: {s.length} image tokens for a grid of {g.tolist()}"
                 )
         return VisionPrompt(ids, key_sequence(ids, spans), tuple(spans), pixels, grids)
+
+    def _images(self, pixel_values: Any, image_grid_thw: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The processor's pixel rows and each image's (t, h, w) grid of patches, checked
+        against each other and the vision tower; InvalidInputError names what does not
+        fit (before the tower would fail on it inside a prefill)."""
+        if image_grid_thw is None:
+            raise InvalidInputError("pixel_values need image_grid_thw (each image's patches)")
+        if isinstance(pixel_values, mx.array) and pixel_values.dtype == mx.bfloat16:
+            pixel_values = pixel_values.astype(mx.float32)  # exact; numpy has no bfloat16
+        pixels, grids = np.asarray(pixel_values), np.asarray(image_grid_thw)
+        if grids.dtype.kind not in "iu" or grids.ndim < 1 or grids.shape[-1] != 3:
+            raise InvalidInputError(f"image_grid_thw {grids.tolist()}: 3 values an image")
+        grids = grids.reshape(-1, 3)
+        merge = self.vlm.config.vision_config.spatial_merge_size
+        if (grids < 1).any() or (grids[:, 1:] % merge).any():
+            raise InvalidInputError(
+                f"image_grid_thw {grids.tolist()}: each (t, h, w) positive, h and w "
+                f"multiples of {merge}"
+            )
+        width = int(np.prod(self.vlm.vision_tower.patch_embed.proj.weight.shape[1:]))
+        if pixels.ndim != 2 or pixels.shape[1] != width:
+            raise InvalidInputError(f"pixel_values of shape {pixels.shape}: rows of {width}")
+        total = int(grids.prod(axis=1).sum())
+        if total != len(pixels):
+            raise InvalidInputError(
+                f"pixel_values has {len(pixels)} patches; the grids say {total}"
+            )
+        return pixels, grids
 
     def tokens(self, tokens: Any) -> np.ndarray:
         """A prompt's keys (or a key sequence), checked: text ids in the vocabulary."""

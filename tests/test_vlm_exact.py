@@ -345,3 +345,25 @@ def test_exact_repeat_of_text_ids_decodes_on(vpc: VisionPrefixCache, vlm: TinyVL
     lm = vlm.model.language_model
     want = lm(mx.array([[3]]), cache=ref_cache, position_ids=at_50).logits[0, -1]
     assert bit_equal(got, want)
+
+
+def test_pixels_and_grids_that_do_not_fit_are_refused(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """Pixels and grids that the vision tower cannot take are refused by `prompt`, with
+    what does not fit named, before any restore or store (the bank keeps what it has)."""
+    ids, pixels, grid = vlm_inputs(vlm.image_processor, [TEXT, random_image(1), [5]])
+    vpc.prefill(vpc.prompt(ids, pixels, grid), vpc.new_cache())
+    vpc.bank.flush()
+    blocks = vpc.bank.stats().blocks
+    (t, h, w) = grid[0].tolist()
+    bad = {
+        "image_grid_thw": (pixels, None),
+        "3 values": (pixels, grid[:, :2]),
+        "multiples of 2": (pixels, np.array([[t, h // 2, w * 2]])),  # same patches, odd h
+        "positive": (pixels, np.array([[t, -h, -w]])),
+        "rows of 1176": (pixels[:, :-1], grid),
+    }
+    for why, (px, g) in bad.items():
+        with pytest.raises(InvalidInputError, match=why):
+            vpc.prompt(ids, px, g)
+    assert vpc.bank.stats().blocks == blocks
+    assert vpc.match(vpc.prompt(ids, pixels, grid)) == len(ids) - 1
