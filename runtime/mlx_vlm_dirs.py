@@ -103,7 +103,7 @@ def _config(given: Mapping[str, Any], eos: int) -> dict[str, Any]:
     # transformers reads config.json too (AutoProcessor), and its Qwen2-VL vision config
     # types `mlp_ratio` as an int: 2.0 written as 2 (the same model for mlx-vlm).
     vision = config["vision_config"]
-    if float(vision.get("mlp_ratio", 0)).is_integer():
+    if "mlp_ratio" in vision and float(vision["mlp_ratio"]).is_integer():
         vision["mlp_ratio"] = int(vision["mlp_ratio"])
     return config
 
@@ -115,7 +115,7 @@ def _build(config: Mapping[str, Any], seed: int) -> Any:
     module, _ = get_model_and_args(dict(config))
     model_config = module.ModelConfig.from_dict(copy.deepcopy(dict(config)))
     model_config.vision_config = module.VisionConfig.from_dict(dict(config["vision_config"]))
-    model_config.text_config = module.TextConfig.from_dict(dict(config))
+    model_config.text_config = module.TextConfig.from_dict(dict(config.get("text_config", config)))
     mx.random.seed(seed)
     model = module.Model(model_config)
     mx.eval(model.parameters())

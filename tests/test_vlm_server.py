@@ -156,6 +156,25 @@ def test_kept_across_a_restart(
         assert restarted.stop() == 0
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_other_families(name: str, tmp_path: Path, images: list[str]) -> None:
+    """Qwen2.5-VL (its encoder output from the bank too) and Qwen3-VL (mlx-vlm drops its
+    deepstack rows when given features: it encodes every request as mlx-vlm does)."""
+    model = vlm_model_dir(tmp_path / name, name)
+    reference = start("none", model, tmp_path / "none", *LOGPROBS)
+    banked = start("bank", model, tmp_path / "bank", *LOGPROBS)
+    try:
+        for question in ("what is it?", "where is it?"):
+            chat = messages(SYSTEM, images[0], question)
+            got, want = ask(banked, chat, logprobs=True), ask(reference, chat, logprobs=True)
+            assert (got.text, got.logprobs) == (want.text, want.logprobs)
+        assert got.cached_tokens > 0.8 * got.prompt_tokens, got
+        assert _counts(banked)[1:] == ((1, 1) if name == "tiny-qwen2.5-vl" else (0, 0))
+    finally:
+        banked.stop()
+        reference.stop()
+
+
 def test_needs_a_model(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "cas_bank.tools.cli", "mlx-vlm-server", "--bank", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
