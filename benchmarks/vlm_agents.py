@@ -234,7 +234,17 @@ def markdown(r: dict[str, Any]) -> list[str]:
     )
     L += [
         f"One private cache per agent ({n} agents) would hold "
-        f"{mb(v['one_copy_per_agent_bytes'])} MB of KV ({v['kv_bytes_per_token']} bytes a token).",
+        f"{mb(v['one_copy_per_agent_bytes'])} MB of KV ({v['kv_bytes_per_token']} bytes a token); "
+        "the bank's bytes include each image's encoder output.",
+        "",
+        "Reading (mlx-vlm 0.7.10, read in its source and seen in these counts): its prefix "
+        "cache in memory refuses every prefix that holds image tokens (`apc_lookup_plan`, "
+        "`prefix_has_media`), so within a run it reuses nothing of these prompts; its SSD "
+        "tier, read only when the memory pool misses, reuses whole 16-token blocks that "
+        "reach past the image (here the task text after the image makes them), so after a "
+        "restart. The bank restores to the token within a run and after a restart, and "
+        "hands mlx-vlm each image's encoder output, which its Qwen2-VL otherwise computes "
+        "on every request, a prefix hit or not.",
         "",
     ]
     return L
