@@ -31,6 +31,7 @@ from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index import chain, chain_records, prefixes
 from cas_bank.index.chain import Header, longest_chain, stored_chain
 from cas_bank.index.header import FIXED
+from cas_bank.maintenance.verify import verify
 
 sys.path.insert(0, str(TESTS_DIR / "fixtures"))
 from make_bank_v3 import PROMPT_DB, PROMPT_FILES
@@ -220,6 +221,7 @@ def test_the_chain_records_give_exactly_what_the_headers_say(
                               [*tokens[:-B], 7, *tokens[-B + 1 :]]):  # fmt: skip
                         got, want = _query(ns, q)
                         assert got == want
+            assert verify(bank).ok  # the records hold what the headers do
         finally:
             bank.close()
 
@@ -459,3 +461,49 @@ def test_the_native_prefix_decoder_is_the_python_one(
         assert [h.encode()[: FIXED.size] for h in got] == fixed
         assert [h.tokens for h in got] == [tokens[i * step : (i + 1) * step] for i in
                                            range(first, first + count)]  # fmt: skip
+
+
+def test_verify_finds_records_that_are_not_the_headers_and_fix_removes_them(
+    tmp_path: Path,
+) -> None:
+    """A current chain record that holds another payload digest, a prefix record under
+    a key no chain record carries, one whose entries differ from its chain record's and
+    an epoch that differs between the families are each reported; `fix` deletes the
+    records (raises the epoch in both), after which verify is clean and the lookup
+    gives what the headers say."""
+    spec = attention_spec()
+    tokens = list(range(130 * B))
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B, file_min_bytes=None)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, random_layers(spec, len(tokens)))
+        assert verify(bank).ok
+        hashes = ns.chain(tokens)
+        record = bank.store.get(Family.CHAINS, bytes(hashes[63]))
+        later = bank.store.get(Family.CHAINS, bytes(hashes[127]))
+        assert record is not None and later is not None
+        key = chain_records.run_prefix(later)
+        assert key is not None
+        value = bank.store.get(Family.PREFIXES, key)
+        assert value is not None
+        at = 16 + 5 * FIXED.size + 88  # block 5's (69's) payload digest in the records
+        stray, epoch = os.urandom(32), chain_records.epoch_key(ns.root)
+        bank.store.put_batch(
+            [
+                (Family.CHAINS, bytes(hashes[63]), record[:at] + bytes(32) + record[at + 32 :]),
+                (Family.PREFIXES, stray, value),
+                (Family.PREFIXES, key, value[:at] + bytes(32) + value[at + 32 :]),
+                (Family.PREFIXES, epoch, chain_records.encode_epoch(7)),
+            ]
+        )
+        report = verify(bank, fix=True)
+        found = {(p.kind, p.chain_hash) for p in report.problems}
+        assert found >= {
+            ("bad_chain_record", bytes(hashes[63])),
+            ("bad_chain_record", epoch),
+            ("bad_prefix_record", stray),
+            ("bad_prefix_record", key),
+        }
+        assert {kind for kind, _ in found} == {"bad_chain_record", "bad_prefix_record"}
+        assert report.fixed and verify(bank).ok
+        assert bank.store.get(Family.CHAINS, bytes(hashes[63])) is None
+        assert _query(ns, tokens)[0] == _query(ns, tokens)[1]

@@ -9,7 +9,8 @@ Checked, per block (the headers family first, then one pass over each payload fa
 Records of the payload and state families that no header claims are found in the
 same pass. End records (`index.ends`): each parses, is stored under its own name, hangs
 under an intact stored block (or a recorded namespace root) that ends where its tail
-starts, and its payload matches its digest.
+starts, and its payload matches its digest. Chain and prefix records
+(`maintenance.verify_chains`): a current one holds exactly the stored headers.
 
 A block that fails any block-level check is *bad*; every block below a bad block can
 never be restored (a lookup stops at the first broken link) and is *unreachable*.
@@ -34,6 +35,7 @@ from cas_bank.index.chain import Header
 from cas_bank.index.ends import EndHeader
 from cas_bank.index.records import block_deletes, state_deletes
 from cas_bank.index.tree import HeaderIndex, load_namespaces
+from cas_bank.maintenance.verify_chains import fix_chains, scan_chains
 from cas_bank.maintenance.verify_problems import Problem, ProblemKind, VerifyReport
 from cas_bank.maintenance.verify_records import (
     INDEX_KINDS,
@@ -94,10 +96,13 @@ def verify(
     uses = scan_access(bank, index)
     report.problems += found + orphans + [p for p, _ in ends] + uses
     report.problems += scan_children(bank, index, parsed, report)
+    chains = scan_chains(bank, index)  # the chain and prefix records against the headers
+    report.problems += chains
     if fix and report.problems:
         orphans += [p for p in uses if p.kind == "orphan_access"]
         _fix(bank, index, bad, unreachable, bad_state - unreachable, orphans, report)
         fix_ends(bank, index, bad | unreachable, ends, report)
+        fix_chains(bank, chains, report)
         index = HeaderIndex.load(bank.store)
         for key in [k for k in parsed if bank.store.get(Family.ENDS, k) is None]:
             del parsed[key]

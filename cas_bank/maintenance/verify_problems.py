@@ -27,6 +27,8 @@ ProblemKind = Literal[
     "orphan_access",  # a last use of a block, state or end records that is not stored
     "bad_child",  # a children-index entry naming no stored block or end record
     "unindexed",  # a stored block or end record missing from the children index
+    "bad_chain_record",  # a chain record a lookup could take for other than the headers
+    "bad_prefix_record",  # a prefix record not kept with its chain record, or misnamed
 ]
 
 
