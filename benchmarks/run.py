@@ -19,7 +19,8 @@ mlx-lm's in-memory cache at 1k and 4k tokens of the medium layouts and fp32-100m
 (16k behind --large: its next turns pass 64 tokens through the model, seconds each,
 three ways a round, and the same through `cas-bank serve` in fewer rounds: ~6 min);
 the fleet at 100 agents x 2 turns; the scale bank at 1M blocks (~1 min to write);
-the eviction orders at 2000 requests and two budgets (~2 min).
+the eviction orders at 2000 requests and two budgets (~2 min); the vision agents at 4
+agents x 2 rounds (a restart between) x 4 ways on mlx-vlm's server (~1 min).
 """
 
 from __future__ import annotations
