@@ -175,8 +175,14 @@ def test_other_families(name: str, tmp_path: Path, images: list[str]) -> None:
         reference.stop()
 
 
-def test_needs_a_model(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "mlx-vlm-server", "--bank", str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [([], "mlx-vlm-server needs --model"), (["--model", "m", "--kv-bits", "8"], "--kv-bits")],
+)
+def test_refused_before_anything_opens(tmp_path: Path, extra: list[str], says: str) -> None:
+    bank = tmp_path / "bank"
+    cmd = [sys.executable, "-m", "cas_bank.tools.cli", "mlx-vlm-server", "--bank", str(bank)]
+    done = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "mlx-vlm-server needs --model" in done.stderr
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not bank.exists()

@@ -80,12 +80,21 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check_model(mlx_vlm_args: list[str]) -> None:
-    """Refuse a server without `--model`: the bank keeps the caches of the model the
-    server starts with (mlx-vlm would otherwise wait for a request to name one)."""
+    """Refuse a server without `--model` (the bank keeps the caches of the model the
+    server starts with; mlx-vlm would otherwise wait for a request to name one), and one
+    with quantized KV (`--kv-bits`, or mlx-vlm's `KV_BITS`): mlx-vlm's prefix cache, whose
+    place the bank takes, does not support it (its own start-up check says so)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model", default=None)
-    if parser.parse_known_args(mlx_vlm_args)[0].model is None:
+    parser.add_argument("--kv-bits", default=None)
+    given = parser.parse_known_args(mlx_vlm_args)[0]
+    if given.model is None:
         raise CliError(
             "mlx-vlm-server needs --model (a local mlx-vlm model directory or a Hugging "
             "Face repo id): the bank keeps the caches of the model it is started with"
+        )
+    if given.kv_bits is not None or os.environ.get("KV_BITS"):
+        raise CliError(
+            "mlx-vlm-server does not take --kv-bits (or KV_BITS): mlx-vlm's prefix cache, "
+            "which the bank replaces, does not support quantized KV"
         )
