@@ -16,9 +16,9 @@ generator (`mlx_vlm_server`) therefore registers each request as it is queued
 (`remember`): its token ids, pixels and image grid, from which the bank's key sequence
 is computed (`VisionPrefixCache.prompt`: a digest per image, at its placeholder
 positions), under (`extra_hash`, the token ids). A lookup or store that finds no
-registered request, or one whose `extra_hash` was seen with other pixels (a 64-bit
-collision), does not touch the bank: the request is served without a cache, never with
-another image's blocks.
+registered request, or two registered under one key with different pixels (a 64-bit
+collision of mlx-vlm's hash), does not touch the bank: the request is served without a
+cache, never with another image's blocks.
 
 mlx-vlm's own rule stays: a prefix is reused only when it covers every image of the
 prompt (the rest of the prompt is text: `prefix_leaves_text_only_suffix`), so a hit
@@ -76,11 +76,14 @@ def _token_key(extra_hash: int, token_ids: Sequence[int]) -> tuple[int, bytes]:
 
 
 class Requests:
-    """Queued requests by (`extra_hash`, token ids) (see the module docstring)."""
+    """Queued requests by (`extra_hash`, token ids) (see the module docstring), each with
+    how many are queued under it. Two queued under one key with different pixels (a
+    64-bit collision of mlx-vlm's hash) leave the key ambiguous: `get` gives None for
+    it until both are forgotten."""
 
     def __init__(self, bound: int = REMEMBERED) -> None:
-        self._by_key: OrderedDict[tuple[int, bytes], _Request] = OrderedDict()
-        self._by_hash: dict[int, bytes | None] = {}  # None: seen with other pixels
+        # key -> [the request (None: ambiguous), how many are queued under it]
+        self._by_key: OrderedDict[tuple[int, bytes], list[Any]] = OrderedDict()
         self._bound = bound
         self._lock = threading.Lock()
 
@@ -91,24 +94,31 @@ class Requests:
         request = _Request(pixels, grid, salt, _digest(pixels, grid))
         key = _token_key(extra_hash, token_ids)
         with self._lock:
-            seen = self._by_hash.get(key[0], request.digest)
-            self._by_hash[key[0]] = request.digest if seen == request.digest else None
-            self._by_key[key] = request
-            self._by_key.move_to_end(key)
+            entry = self._by_key.get(key)
+            if entry is None:
+                self._by_key[key] = [request, 1]
+            else:
+                same = entry[0] is not None and entry[0].digest == request.digest
+                entry[0], entry[1] = (entry[0] if same else None), entry[1] + 1
+                self._by_key.move_to_end(key)
             while len(self._by_key) > self._bound:
                 self._by_key.popitem(last=False)
 
     def get(self, extra_hash: int, token_ids: Sequence[int]) -> _Request | None:
-        """The request queued with these, or None (unknown, or its hash ambiguous)."""
-        key = _token_key(extra_hash, token_ids)
+        """The request queued with these, or None (unknown, or ambiguous)."""
         with self._lock:
-            if self._by_hash.get(key[0]) is None:
-                return None
-            return self._by_key.get(key)
+            entry = self._by_key.get(_token_key(extra_hash, token_ids))
+            return None if entry is None else entry[0]
 
     def forget(self, extra_hash: int, token_ids: Sequence[int]) -> None:
+        """One request queued with these is done (stored)."""
+        key = _token_key(extra_hash, token_ids)
         with self._lock:
-            self._by_key.pop(_token_key(extra_hash, token_ids), None)
+            entry = self._by_key.get(key)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._by_key[key]
 
 
 def _kv_cache(keys: mx.array, values: mx.array) -> Any:

@@ -175,6 +175,32 @@ def test_other_families(name: str, tmp_path: Path, images: list[str]) -> None:
         reference.stop()
 
 
+def test_requests_registry_never_mixes_pixels() -> None:
+    """Requests are found by (mlx-vlm's hash, ids); two queued under one key with other
+    pixels (a collision of mlx-vlm's 64-bit hash) leave it ambiguous: served uncached."""
+    import numpy as np
+    from cas_bank.runtime.mlx_vlm_apc import Requests
+
+    ids = [1, 2, 3]
+    a = {"pixel_values": np.zeros((4, 8), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
+    b = {"pixel_values": np.ones((4, 8), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
+    r = Requests()
+    r.remember(7, ids, a, None)
+    r.remember(7, ids, a, None)  # the same request twice: found until both are stored
+    found = r.get(7, ids)
+    assert found is not None and found.pixels is a["pixel_values"]
+    assert r.get(7, [1, 2]) is None and r.get(8, ids) is None
+    r.forget(7, ids)
+    assert r.get(7, ids) is found
+    r.remember(7, ids, b, "tenant")  # other pixels under the same key
+    assert r.get(7, ids) is None
+    r.forget(7, ids)
+    r.forget(7, ids)
+    r.remember(7, ids, b, "tenant")
+    found = r.get(7, ids)
+    assert found is not None and found.salt == "tenant" and found.pixels is b["pixel_values"]
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [([], "mlx-vlm-server needs --model"), (["--model", "m", "--kv-bits", "8"], "--kv-bits")],
