@@ -363,7 +363,7 @@ class VisionPrefixCache(PrefixCache):
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(prompt):
             raise InvalidInputError(f"start={start!r} must leave tokens of the {len(prompt)}")
         positions = self._set_rope(prompt)
-        embeds, deepstack = self._embeddings(prompt, start)
+        embeds, deepstack = self._embeddings(prompt, start, kwargs.get("store", True))
         visual = prompt.ids[start:] == self.image_token
         self.adapter.feed = _Feed(prompt, start, embeds, positions, visual, deepstack)
         try:
@@ -371,10 +371,13 @@ class VisionPrefixCache(PrefixCache):
         finally:
             self.adapter.feed = None
 
-    def _embeddings(self, prompt: VisionPrompt, start: int) -> tuple[mx.array, list[mx.array]]:
+    def _embeddings(
+        self, prompt: VisionPrompt, start: int, store: bool
+    ) -> tuple[mx.array, list[mx.array]]:
         """The language model's input rows of `prompt[start:]`: token embeddings, and
         each image's features at its positions (only images reaching `start` or past
-        it are encoded); and each deepstack layer's rows of those image positions."""
+        it are encoded, and their features stored with `store`); and each deepstack
+        layer's rows of those image positions."""
         ids = mx.array(prompt.ids[start:].astype(np.int32))[None]
         text = self.vlm.language_model.model.embed_tokens(ids)
         pieces, at, encoded, hits = [], start, 0, 0
@@ -386,7 +389,7 @@ class VisionPrefixCache(PrefixCache):
             if features is None:
                 features = self._encode(prompt, i)
                 encoded += 1
-                if self.features is not None and not self.bank.read_only:
+                if self.features is not None and store and not self.bank.read_only:
                     self.features.put(s, features)
             else:
                 hits += 1

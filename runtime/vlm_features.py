@@ -75,17 +75,13 @@ class FeatureCache:
 
     def put(self, span: ImageSpan, features: mx.array) -> None:
         """Store the features of the image of `span` (through the bank's background
-        writer when it has one): its whole blocks, and its last rows as an end record."""
+        writer when it has one): its whole blocks, and its last rows as an end record.
+        A full disk skips them (they only save an encoder run; the prompt's own store
+        reports it as its `skip_store_when_full` says)."""
         keys = image_key_tokens(span.digest, span.length)
         half = features.shape[-1] // 2
         layers = [(features[None, None, :, :half], features[None, None, :, half:])]
         mx.eval(layers)
-        ns = self.namespace
-        if self.bank.writer is not None:
-            ns.store_later(keys, layers, skip_when_full=True)
-            if span.length % ns.block_size:
-                ns.store_end_later(keys, layers, skip_when_full=True)
-            return
-        ns.store(keys, layers)
-        if span.length % ns.block_size:
-            ns.store_end(keys, layers)
+        self.namespace.store_later(keys, layers, skip_when_full=True)
+        if span.length % self.namespace.block_size:
+            self.namespace.store_end_later(keys, layers, skip_when_full=True)

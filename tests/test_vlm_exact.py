@@ -12,6 +12,7 @@ image processor from a local configuration (runtime/vlm_models.py).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +21,9 @@ import pytest
 from cas_bank.runtime.vlm import UnsupportedVisionModel, VisionPrefixCache, VisionPrompt
 from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_inputs
 from runtime_helpers import bit_equal, temp_bank, tiny
+from test_disk_full import fill, mount_tmpfs, unmount
 
+from cas_bank import Bank, BankConfig
 from cas_bank.blocks.image_keys import KEY_BIT, MIN_IMAGE_KEYS
 from cas_bank.errors import InvalidInputError
 from cas_bank.maintenance.verify import verify
@@ -367,3 +370,34 @@ def test_pixels_and_grids_that_do_not_fit_are_refused(vpc: VisionPrefixCache, vl
             vpc.prompt(ids, px, g)
     assert vpc.bank.stats().blocks == blocks
     assert vpc.match(vpc.prompt(ids, pixels, grid)) == len(ids) - 1
+
+
+def test_features_are_stored_as_the_prompt_is(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
+    """`prefill(..., store=False)` stores nothing, the image's features neither."""
+    p = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
+    vpc.prefill(p, vpc.new_cache(), store=False)
+    vpc.bank.flush()
+    assert vpc.last_encoded == 1 and vpc.bank.stats().blocks == 0
+    assert vpc.features is not None and vpc.features.get(p.spans[0]) is None
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of 8 MiB (skipped where it cannot be mounted)."""
+    mount_tmpfs(tmp_path / "mnt", "8m")
+    try:
+        yield tmp_path / "mnt"
+    finally:
+        unmount(tmp_path / "mnt")
+
+
+def test_a_full_disk_skips_the_features_store(small_disk: Path, vlm: TinyVLM) -> None:
+    """`skip_store_when_full` on a bank that writes inline: the features' store skips
+    the full disk as the prompt's does, and the prefill answers."""
+    config = BankConfig(block_size=BLOCK, write_behind=0, file_min_bytes=0, hot_bytes=0)
+    with Bank.open(small_disk / "bank", config) as bank:
+        vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK, skip_store_when_full=True)
+        fill(small_disk, 0)
+        p = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
+        logits = vpc.prefill(p, vpc.new_cache())
+        assert logits.shape == (vpc.vocab_size,) and bank.degraded is not None
