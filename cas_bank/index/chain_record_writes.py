@@ -20,6 +20,7 @@ from cas_bank.index.chain_records import (
     run_prefix,
     run_size,
 )
+from cas_bank.index.children import is_indexed
 from cas_bank.index.header import FIXED, Header, decoded
 from cas_bank.index.prefixes import encode_prefix, next_key, start_key
 
@@ -30,8 +31,9 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
     """The `chains` and `prefixes` writes that keep the records true to a batch `writes`
     (`store` as it is before it): a chain record, and its prefix record where its key
     can be made, for every new block that ends a segment or is the deepest the batch
-    writes on its chain; the records of removed blocks deleted; the epoch of every
-    namespace whose headers the batch rewrites in place raised (its records stale)."""
+    writes on its chain; the records of removed blocks deleted; those that copy a
+    header the batch rewrites in place written again with it (`_rewrite_records`), or
+    where that cannot be done the namespace's epoch raised (its records stale)."""
     last: dict[bytes, bytes | None] = {}
     for family, key, value in writes:
         if family is Family.HEADERS:
@@ -41,7 +43,12 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
     dropped, lost = _prefix_deletes(store, removed)
     out += dropped
     puts = {k: v for k, v in last.items() if v is not None}
-    fresh, raised = _new_and_rewritten(store, puts, lost)
+    fresh, rewritten, raised = _new_and_rewritten(store, puts, lost)
+    repl = {k: cast(bytes, last[k])[: FIXED.size] for k in rewritten}  # their new fixed parts
+    if rewritten:
+        kept, unhandled = _rewrite_records(store, last, rewritten, repl)
+        out += kept
+        raised |= unhandled
     if not fresh and not raised:
         return out
     roots = sorted(raised | {h.root for h in fresh.values()})
@@ -56,7 +63,8 @@ def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
         if header.index % records.SEGMENT != records.SEGMENT - 1 and key in parents:
             continue  # inside a segment, below another new block: that one's record
         root = header.root
-        fixed = _segment(store, header, last, epochs[root] if root not in raised else -1)
+        epoch = epochs[root] if root not in raised else -1
+        fixed = _segment(store, header, last, epoch, repl)
         if fixed is None:
             continue
         first, epoch = header.index - len(fixed) + 1, epochs[root]
@@ -143,11 +151,71 @@ def _prefix_of(
     return next_key(previous, b"".join(tokens))
 
 
+def _rewrite_records(
+    store: BlockStore,
+    batch: dict[bytes, bytes | None],
+    rewritten: dict[bytes, Header],
+    repl: dict[bytes, bytes],
+) -> tuple[list[Write], set[bytes]]:
+    """The stored chain and prefix records that copy a header the batch rewrites in
+    place (a state added or dropped, a payload written again), written again with it:
+    the records of the block and of its descendants in its segment (found through the
+    children index), each at its own epoch. The roots where that cannot be done (a bank
+    without a complete children index, a read that fails) come back instead: their
+    epoch is raised (every record of theirs stale) as before."""
+    roots = {h.root for h in rewritten.values()}
+    if not is_indexed(store):
+        return [], roots
+    targets: dict[bytes, None] = {}
+    try:
+        for key, header in rewritten.items():
+            end = header.index - header.index % records.SEGMENT + records.SEGMENT - 1
+            below = [(key, header.index)]
+            while below:
+                node, index = below.pop()
+                targets[node] = None
+                if index < end:
+                    below += [
+                        (v[1:], index + 1)
+                        for _, v in store.prefixed(Family.CHILDREN, node)
+                        if v[:1] == b"b"
+                    ]
+        keys = [k for k in targets if batch.get(k, b"") is not None]  # not removed here
+        values = store.get_many(Family.CHAINS, keys)
+    except CorruptDataError:
+        return [], roots
+    out: list[Write] = []
+    for key, value in zip(keys, values, strict=True):
+        head = run_head(value) if value is not None else None
+        if value is None or head is None:
+            continue
+        _, count, first, epoch = head
+        fixed = _entries(value, count, key, repl)
+        prefix = run_prefix(value)
+        out.append((Family.CHAINS, key, encode_run(first, epoch, fixed, prefix)))
+        if prefix is not None:
+            out.append((Family.PREFIXES, prefix, encode_prefix(first, epoch, fixed, key)))
+    return out, set()
+
+
+def _entries(value: bytes, count: int, key: bytes, repl: dict[bytes, bytes]) -> list[bytes]:
+    """The fixed parts a chain record keyed by `key` holds, those of the blocks in
+    `repl` replaced by theirs (each entry's block: the parent of the entry after it,
+    the last one `key`)."""
+    at, size = run_size(0, 0), FIXED.size
+    fixed = [value[at + j * size : at + (j + 1) * size] for j in range(count)]
+    if not repl:
+        return fixed
+    names = [bytes(f[_PARENT]) for f in fixed[1:]] + [bytes(key)]
+    return [repl.get(name, f) for name, f in zip(names, fixed, strict=True)]
+
+
 def _new_and_rewritten(
     store: BlockStore, puts: dict[bytes, bytes], lost: bool
-) -> tuple[dict[bytes, Header], set[bytes]]:
-    """The headers a batch writes anew, and the roots whose headers it rewrites in place
-    (every namespace's where a rewritten header cannot be read, or where `lost`)."""
+) -> tuple[dict[bytes, Header], dict[bytes, Header], set[bytes]]:
+    """The headers a batch writes anew, those it rewrites in place, and the roots whose
+    records must go stale instead (every namespace's where a rewritten header cannot be
+    read, or where `lost`)."""
     try:
         before: list[bytes | None] | None = (
             store.get_many(Family.HEADERS, list(puts)) if puts else []
@@ -155,6 +223,7 @@ def _new_and_rewritten(
     except CorruptDataError:
         before = None  # which are rewrites is unknown: all of them are
     fresh: dict[bytes, Header] = {}
+    rewritten: dict[bytes, Header] = {}
     raised: set[bytes] = set()
     unknown = False
     for i, (key, value) in enumerate(puts.items()):
@@ -167,12 +236,20 @@ def _new_and_rewritten(
         if before is not None and old == value:
             continue  # written again as it was
         was = decoded(key, old) if old is not None else None
+        if (
+            before is not None
+            and header is not None
+            and was is not None
+            and (header.root, header.index) == (was.root, was.index)
+        ):
+            rewritten[key] = header  # its records are written again with it
+            continue
         its = {h.root for h in (header, was) if h is not None}
         unknown = unknown or not its
         raised |= its
     if unknown or lost:  # a rewritten header nobody can read: every namespace's records stale
         raised |= {bytes(k) for k in store.keys(Family.NAMESPACES)}
-    return fresh, raised
+    return fresh, rewritten, raised
 
 
 def _epochs(
@@ -197,7 +274,11 @@ def _epochs(
 
 
 def _segment(
-    store: BlockStore, header: Header, batch: dict[bytes, bytes | None], epoch: int
+    store: BlockStore,
+    header: Header,
+    batch: dict[bytes, bytes | None],
+    epoch: int,
+    repl: dict[bytes, bytes],
 ) -> list[bytes] | None:
     """The fixed parts of the headers of `header`'s segment up to it, as the `batch`
     (its header writes) leaves them: walked up through the batch, then through the
@@ -213,7 +294,7 @@ def _segment(
             return None  # removed by the batch (no batch removes a block below a new one)
         raw = batch.get(key)
         if raw is None:
-            earlier = _stored_segment(store, key, first, cur.index - 1, epoch)
+            earlier = _stored_segment(store, key, first, cur.index - 1, epoch, repl)
             if earlier is not None:
                 return earlier + fixed[::-1]
             try:
@@ -231,10 +312,11 @@ def _segment(
 
 
 def _stored_segment(
-    store: BlockStore, key: bytes, first: int, index: int, epoch: int
+    store: BlockStore, key: bytes, first: int, index: int, epoch: int, repl: dict[bytes, bytes]
 ) -> list[bytes] | None:
     """The fixed parts in the current record of block `key` (index `index`) from block
-    `first` on, or None (no record, or not a current one)."""
+    `first` on, those the batch rewrites (`repl`) as it leaves them; or None (no
+    record, or not a current one)."""
     if epoch < 0:
         return None
     try:
@@ -246,6 +328,4 @@ def _stored_segment(
     if head is None or head[1:] != (count, first, epoch):
         return None
     assert value is not None
-    size = FIXED.size
-    at = run_size(0, 0)
-    return [value[at + j * size : at + (j + 1) * size] for j in range(count)]
+    return _entries(value, count, key, repl)

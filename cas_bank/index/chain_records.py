@@ -36,15 +36,15 @@ _new = tuple.__new__
 # prompt make each header byte for byte.
 #
 # Kept by `chain_record_writes.run_writes`, which every transaction runs over its batch
-# (as the children index): a record is written for every new block that ends a segment or ends the
-# chain the batch writes, and deleted with its block. A record copies its ancestors'
-# headers, so a header rewritten in place (a state added or dropped, a payload
-# written again) would leave the records below it stale: instead the batch raises
-# the root's epoch (a record in the same family), and a record is used only while
-# the epoch it was written at is the one read beside it (one multi-get: one view of
-# the family). Eviction removes leaves (repair whole subtrees) in one batch, so a
-# record's block, and with it every block the record names, is stored while the
-# record is.
+# (as the children index): a record is written for every new block that ends a segment
+# or ends the chain the batch writes, and deleted with its block. A record copies its
+# ancestors' headers: a header rewritten in place (a state added or dropped, a payload
+# written again) has the records that copy it written again in its batch; where that
+# cannot be done the batch raises the root's epoch (a record in the same family), and
+# a record is used only while the epoch it was written at is the one read beside it
+# (one multi-get: one view of the family). Eviction removes leaves (repair whole
+# subtrees) in one batch, so a record's block, and with it every block the record
+# names, is stored while the record is.
 #
 # A record whose flags have FLAG_PREFIX ends with the prefix key of the chain up to its
 # block (`index.prefixes`): the key its prefix record is kept under (deleted with it),

@@ -35,8 +35,8 @@ import numpy as np
 
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.chain import Header, read_headers
 from cas_bank.index.ends import EndHeader, split_record
+from cas_bank.index.header import Header, read_headers
 
 log = logging.getLogger("cas_bank")
 
