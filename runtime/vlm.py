@@ -388,6 +388,7 @@ class VisionPrefixCache(PrefixCache):
             features = self.features.get(s) if self.features is not None else None
             if features is None:
                 features = self._encode(prompt, i)
+                self._check_widening(features, text)
                 encoded += 1
                 if self.features is not None and store and not self.bank.read_only:
                     self.features.put(s, features)
@@ -413,6 +414,20 @@ class VisionPrefixCache(PrefixCache):
             else []
         )
         return embeds, deepstack
+
+    def _check_widening(self, features: mx.array, text: mx.array) -> None:
+        """UnsupportedVisionModel where the encoder's features would widen the input
+        rows (float32 features into bfloat16 embeddings): mlx-vlm runs such an image
+        prompt, and keeps its KV, in the wider type, a text prompt in the narrower."""
+        rows = mx.concatenate([text[0, :0], features[:0, : self.width]])
+        if rows.dtype != text.dtype:
+            wide, narrow = (str(d).rsplit(".", 1)[-1] for d in (features.dtype, text.dtype))
+            raise UnsupportedVisionModel(
+                f"mlx-vlm model type {self.kind!r}: its vision tower gives {wide} features "
+                f"and its language model {narrow} embeddings, so an image prompt's KV "
+                f"would be {wide} and a text prompt's {narrow}; give the model one dtype "
+                f"(model.set_dtype)"
+            )
 
     def _encode(self, prompt: VisionPrompt, i: int) -> mx.array:
         """The vision encoder's output for image `i` alone: [its positions, width],

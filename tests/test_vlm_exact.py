@@ -401,3 +401,18 @@ def test_a_full_disk_skips_the_features_store(small_disk: Path, vlm: TinyVLM) ->
         p = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
         logits = vpc.prefill(p, vpc.new_cache())
         assert logits.shape == (vpc.vocab_size,) and bank.degraded is not None
+
+
+def test_a_vision_tower_wider_than_the_language_model_is_refused() -> None:
+    """float32 features into bfloat16 embeddings: mlx-vlm widens the image prompt's
+    embeddings (and so its KV) to float32, against the bfloat16 of a text prompt; the
+    prefill refuses it, naming both dtypes, before any forward pass or store."""
+    vlm = build_vlm("tiny-qwen2-vl", seed=3)
+    vlm.model.language_model.set_dtype(mx.bfloat16)
+    with temp_bank(BLOCK) as bank:
+        vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK)
+        p = prompt(vpc, vlm, [TEXT, random_image(1), [5, 6, 7]])
+        with pytest.raises(UnsupportedVisionModel, match=r"float32 features.*bfloat16"):
+            vpc.prefill(p, vpc.new_cache())
+        bank.flush()
+        assert (bank.stats().blocks, bank.stats().ends) == (0, 0)
