@@ -18,8 +18,13 @@ Text ids are below 2**31 and key tokens at or above it, so a key never equals a 
 id. Each key token carries 31 bits of its image; `restore_point` keeps a restore from
 stopping fewer than `MIN_IMAGE_KEYS` positions into an image, so a restored prefix
 relies on at least 248 bits of every image it covers (an image shorter than that:
-all of it). These are persistent keys: a change here is a version bump, and the
-golden vectors in tests/test_image_keys.py must fail first.
+all of it). The bank itself does not know where images start: `Namespace.restore`
+and `match` on a key sequence stop where the chain does, and a caller cuts the hit
+back to `restore_point(hit.tokens, spans)`. `runtime.vlm.VisionPrefixCache` does,
+and refuses a bare key sequence (no spans) in its restores.
+
+These are persistent keys: a change here is a version bump, and the golden vectors in
+tests/test_image_keys.py must fail first.
 """
 
 from __future__ import annotations
