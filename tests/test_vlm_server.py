@@ -143,13 +143,15 @@ def test_batched_requests_restore_their_own_images(
 def test_kept_across_a_restart(
     banked: VlmServer, model: Path, root: Path, reference: VlmServer, images: list[str]
 ) -> None:
-    ask(banked, messages(SYSTEM, images[1], "what colour is it?"))
-    assert banked.stop() == 0  # SIGTERM: the queued stores are written, the bank closed
+    new = data_url(random_image(2, (112, 112)))  # an image no request sent before
+    ask(banked, messages(SYSTEM, new, "what colour is it?"))
+    assert banked.stop() == 0  # SIGTERM: the writer's queue written, the bank closed, exit 0
     restarted = start("bank", model, root, *LOGPROBS)
     try:
-        chat = messages(SYSTEM, images[1], "which shapes are there?")
+        chat = messages(SYSTEM, new, "which shapes are there?")
         got = ask(restarted, chat, logprobs=True)
         assert got.cached_tokens > 0.8 * got.prompt_tokens
+        assert _counts(restarted) == (1, 1, 0)  # its KV and its encoder output kept
         want = ask(reference, chat, logprobs=True)
         assert (got.text, got.logprobs) == (want.text, want.logprobs)
     finally:
