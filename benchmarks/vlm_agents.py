@@ -7,10 +7,12 @@ restart; and the bytes each keeps against one cache per agent.
     python -m benchmarks.vlm_agents --quick    # the smoke test's
 
 Each way (`vlm_servers.WAYS`) runs the same script on its own fresh directory: a server
-starts; `agents` agents each send one request (the system prompt, the image, then a
-question of their own); the server stops (SIGTERM) and starts again on the same
-directory; `agents` more agents send the same image with new questions. The first
+starts; `agents` agents each send one request (the system prompt, the image, the task
+text, then a question of their own); the server stops (SIGTERM) and starts again on the
+same directory; `agents` more agents send the same image with new questions. The first
 request of each round meets whatever that way kept; the others, what the first left.
+Every way's server is up at once and the agents ask them in turn (the order rotated
+from one agent to the next), so the load of a shared machine falls on all alike.
 The model is a larger sibling of the embedded tiny Qwen2-VL (`BENCH_TEXT`,
 `BENCH_VISION`: seeded weights, a local tokenizer and processor; `vlm_model_dir`),
 images of `image_px`² pixels (`image_px`²/784 image tokens). Greedy answers; each way's
@@ -30,7 +32,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -91,18 +93,6 @@ def _kv_bytes_per_token(config: dict[str, Any]) -> int:
     return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4)
 
 
-@dataclass
-class Round:
-    answers: list[Answer] = field(default_factory=list)
-    start_s: float = 0.0  # the server's start (process to /health)
-
-
-def _round(server: VlmServer, image: str, questions: list[str], s: VlmSettings) -> list[Answer]:
-    system = SYSTEM * s.system_repeats
-    chats = [messages(system, image, TASK + q) for q in questions]
-    return [ask(server, c, max_tokens=s.max_tokens, logprobs=True) for c in chats]
-
-
 def _kept_bytes(server: VlmServer) -> int | None:
     """What the way keeps on disk now (None: nothing kept)."""
     if server.way == "bank":
@@ -113,21 +103,51 @@ def _kept_bytes(server: VlmServer) -> int | None:
     return None
 
 
-def _one_way(way: str, model: Path, root: Path, image: str, s: VlmSettings) -> dict[str, Any]:
-    questions = [f"Agent {i}: what is in the top left corner?" for i in range(2 * s.agents)]
-    rounds, kept = [], None
-    for r in range(2):
-        t0 = time.perf_counter()
-        server = start(way, model, root)
-        started = time.perf_counter() - t0
-        try:
-            answers = _round(server, image, questions[r * s.agents : (r + 1) * s.agents], s)
-            if r == 0:
-                kept = _kept_bytes(server)
-        finally:
+def _started(ways: tuple[str, ...], model: Path, workdir: Path) -> dict[str, Any]:
+    """A server of each way, with how long it took to answer /health."""
+    servers: dict[str, Any] = {}
+    try:
+        for way in ways:
+            t0 = time.perf_counter()
+            servers[way] = (start(way, model, workdir / way), time.perf_counter() - t0)
+    except BaseException:
+        for server, _ in servers.values():
             server.stop()
-        rounds.append({"start_s": started, "answers": [asdict(a) for a in answers]})
-    return {"rounds": rounds, "kept_bytes": kept}
+        raise
+    return servers
+
+
+def _rounds(model: Path, workdir: Path, image: str, s: VlmSettings) -> dict[str, Any]:
+    """Both rounds, every way's server up together and the agents' requests interleaved
+    (agent i asks each way in turn, the order rotated by i), so that the load of a
+    shared machine falls on every way alike."""
+    system = SYSTEM * s.system_repeats
+    out: dict[str, Any] = {w: {"rounds": [], "kept_bytes": None} for w in s.ways}
+    for r in range(2):
+        servers = _started(s.ways, model, workdir)
+        answers: dict[str, list[Answer]] = {w: [] for w in s.ways}
+        try:
+            for i in range(s.agents):
+                chat = messages(
+                    system,
+                    image,
+                    TASK + f"Agent {r * s.agents + i}: what is in the top left corner?",
+                )
+                for w in s.ways[i % len(s.ways) :] + s.ways[: i % len(s.ways)]:
+                    answers[w].append(
+                        ask(servers[w][0], chat, max_tokens=s.max_tokens, logprobs=True)
+                    )
+            if r == 0:
+                for w in s.ways:
+                    out[w]["kept_bytes"] = _kept_bytes(servers[w][0])
+        finally:
+            for server, _ in servers.values():
+                server.stop()
+        for w in s.ways:
+            out[w]["rounds"].append(
+                {"start_s": servers[w][1], "answers": [asdict(a) for a in answers[w]]}
+            )
+    return out
 
 
 def _summary(way: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +173,7 @@ def run(workdir: Path, s: VlmSettings) -> dict[str, Any]:
     px = s.image_px * s.image_px
     model = vlm_model_dir(workdir / "model", config=config, max_pixels=max(px, 112 * 112))
     image = data_url(random_image(7, (s.image_px, s.image_px)))
-    ways = {w: _one_way(w, model, workdir / w, image, s) for w in s.ways}
+    ways = _rounds(model, workdir, image, s)
     reference = ways.get("none")
     for w in ways.values():
         w["summary"] = _summary(w)
