@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from cas_bank.runtime.prefill import PrefillCancelled
 from cas_bank.runtime.vlm import UnsupportedVisionModel, VisionPrefixCache, VisionPrompt
 from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_inputs
 from runtime_helpers import bit_equal, temp_bank, tiny
@@ -130,6 +131,17 @@ def decode_step(vlm: TinyVLM, cache: list[Any], token: int) -> mx.array:
     return vlm.model.language_model(mx.array([[token]]), cache=cache).logits[0, -1]
 
 
+def decode_reference(vlm: TinyVLM, cache: list[Any], p: VisionPrompt, token: int) -> mx.array:
+    """The logits of `token` after `p`, at the position mlx-vlm's own `get_rope_index`
+    gives it in `p` + token (no rope state of the model read)."""
+    lm = vlm.model.language_model
+    ids = mx.array([*p.ids.tolist(), token], dtype=mx.int32)[None]
+    grids = None if p.grids is None else mx.array(p.grids.astype(np.int32))
+    pos, _ = lm.get_rope_index(ids, grids, None, None)
+    pos = pos if pos.ndim == 3 else mx.broadcast_to(pos[None], (3, *pos.shape))
+    return lm(ids[:, -1:], cache=cache, position_ids=pos[..., -1:]).logits[0, -1]
+
+
 def test_one_image_restored_exactly_and_decodes_on(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
     img = random_image(1)
     a = prompt(vpc, vlm, [TEXT, img, [5, 6, 7, 8, 9]])
@@ -142,7 +154,8 @@ def test_one_image_restored_exactly_and_decodes_on(vpc: VisionPrefixCache, vlm: 
     # Decoding goes on from the multimodal positions (the rope delta after a restore).
     assert vlm.model.language_model._rope_deltas.item() != 0
     for tok in (3, 4):
-        assert bit_equal(decode_step(vlm, cache, tok), decode_step(vlm, ref_cache, tok))
+        assert bit_equal(decode_step(vlm, cache, tok), decode_reference(vlm, ref_cache, b, tok))
+        b = b.extend([tok])
 
 
 def test_several_images(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
@@ -416,3 +429,46 @@ def test_a_vision_tower_wider_than_the_language_model_is_refused() -> None:
             vpc.prefill(p, vpc.new_cache())
         bank.flush()
         assert (bank.stats().blocks, bank.stats().ends) == (0, 0)
+
+
+def test_a_reopened_bank_restores_and_decodes_on(vlm: TinyVLM, tmp_path: Path) -> None:
+    """Stored, closed, reopened: a restore + prefill of a longer prompt (two images) and
+    an exact repeat give mlx-vlm's logits, and decoding goes on at the positions
+    mlx-vlm gives the next token (the rope deltas set from the reopened bank's hit)."""
+    parts = [TEXT, random_image(1), [7, 8], random_image(2, (112, 56)), [9, 10]]
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK)) as bank:
+        vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK)
+        a = prompt(vpc, vlm, [*parts, [11]])
+        a_logits = vpc.prefill(a, vpc.new_cache())
+        a_ends = vpc.last_prefill.chunk_ends
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=BLOCK)) as bank:
+        vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK)
+        b = prompt(vpc, vlm, [*parts, [12, 13, 14]])
+        cache, n = vpc.restore(b)
+        got = vpc.prefill(b, cache, n)
+        want, ref_cache = reference(vlm, a, a_ends, b, n, vpc.last_prefill.chunk_ends)
+        assert n == len(a) - 1 and vpc.last_encoded == 0 and bit_equal(got, want)
+        assert bit_equal(decode_step(vlm, cache, 3), decode_reference(vlm, ref_cache, b, 3))
+        cache, n, logits = vpc.restore_exact(a)
+        assert n == len(a) and logits is not None and bit_equal(logits, a_logits)
+        _, ref_cache = reference(vlm, a, [], a, 0, a_ends)
+        assert bit_equal(decode_step(vlm, cache, 3), decode_reference(vlm, ref_cache, a, 3))
+
+
+def test_a_cancelled_prefill_inside_an_image_is_cut_back(
+    vpc: VisionPrefixCache, vlm: TinyVLM
+) -> None:
+    """A prefill cancelled 3 positions into an image stores up to there (whole blocks
+    and an end record); the next attempt's restore stops at the image's start, exact."""
+    p = prompt(vpc, vlm, [TEXT, random_image(7, (112, 112)), [5, 6, 7]])
+    first = p.spans[0].start + 3
+    vpc.chunk_size = first
+    with pytest.raises(PrefillCancelled):
+        vpc.prefill(p, vpc.new_cache(), cancelled=lambda: True)
+    vpc.bank.flush()
+    assert vpc.namespace.match(p.keys[:-1]) == first  # the bank alone
+    cache, n = vpc.restore(p)
+    assert n == vpc.match(p) == p.spans[0].start
+    got = vpc.prefill(p, cache, n)
+    want, _ = reference(vlm, p, [first], p, n, vpc.last_prefill.chunk_ends)
+    assert bit_equal(got, want)
