@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from cas_bank.arrays import cpu_fillable
+from cas_bank.arrays import cpu_fillable, dtype_named
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, Check, namespace_root, salt_bytes
@@ -53,8 +53,9 @@ from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
+from cas_bank.restore.assemble import prime_shapes
 from cas_bank.restore.resources import Resources
-from cas_bank.restore.spares import decode_wanted, encode_wanted
+from cas_bank.restore.spares import Wanted, capacities_of, decode_wanted, encode_wanted
 from cas_bank.spec import ModelSpec
 from cas_bank.stats import BankStats, Counters, RestoreClock, RestoreTotals
 from cas_bank.write.admission import SeenBlocks
@@ -82,6 +83,7 @@ _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
 _KEY_REMOTE = b"remote_url"  # the shared tier last opened with (password hidden)
 _KEY_SPARES = b"spare_shapes"  # what the spares' pool would hold at the last close
+_PRIMED = 8  # restore capacities a new namespace makes the shapes of (`_ready_restores`)
 _U32 = struct.Struct("<I")
 _NEVER = 1 << 62  # a payload size no payload reaches
 
@@ -132,7 +134,7 @@ class Bank:
         # What the last session's spares would hold (`Spares.wanted_recently`, written by
         # `close`): made again by the spares' thread at the first `namespace` call.
         self._spare_record = store.get(Family.META, _KEY_SPARES)
-        self._spares_asked = False
+        self._spares_recorded: list[tuple[Wanted, int]] | None = None  # decoded, once
         # Last uses, recorded in memory and written in batches (see evict.eviction).
         self.access = AccessLog(
             config.access_flush_interval,
@@ -250,22 +252,29 @@ class Bank:
                 self.tenants.noted(root, salted)
             ns = Namespace(self, spec, root)
             self._namespaces[key] = ns
-            self._make_spares_ahead()
+            self._ready_restores(spec)
         return ns
 
-    def _make_spares_ahead(self) -> None:
-        """Once, at the first namespace (a runtime makes it at start, before its first
-        restore; tools that never restore make none): the spare arrays the bank's last
-        session ended with, made by its spares' thread (`Spares.make_ahead`, within
-        `spare_bytes`), so that a reopened bank's first restore, too, fills arrays
-        already in memory, not fresh pages. Skipped where restores use no spares
-        (`arrays.cpu_fillable` false: staged destinations)."""
-        if self._spares_asked:
+    def _ready_restores(self, spec: ModelSpec) -> None:
+        """At a new namespace, what its restores will want made ahead. At the first one (a
+        runtime makes it at start, before its first restore; tools that never restore
+        make none): the spare arrays the bank's last session ended with, made by its
+        spares' thread (`Spares.make_ahead`, within `spare_bytes`), so that a reopened
+        bank's first restore, too, fills arrays already in memory, not fresh pages. At
+        each: the shapes its restores into those capacities check and allocate
+        (`assemble.prime_shapes`, the most recent `_PRIMED`). None where restores use no
+        spares (`arrays.cpu_fillable` false: staged destinations)."""
+        first = self._spares_recorded is None
+        if first:
+            self._spares_recorded = decode_wanted(self._spare_record)
+        recorded = self._spares_recorded
+        if not recorded or not cpu_fillable():
             return
-        self._spares_asked = True
-        recorded = decode_wanted(self._spare_record)
-        if recorded and cpu_fillable():
+        if first:
             self.resources.spares.make_ahead(recorded)
+        one = [(a.with_tokens(1), dtype_named(a.dtype)) for a in spec.block_arrays[:1]]
+        capacities = capacities_of(one, recorded)[-_PRIMED:]
+        prime_shapes(self.resources, spec, self.config.block_size, capacities)
 
     def _record_spares(self) -> None:
         """Keep what the spares' pool would hold now (`Spares.wanted_recently`) for the

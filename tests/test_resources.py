@@ -210,12 +210,14 @@ def test_a_reopened_bank_makes_the_spares_it_closed_with_at_its_first_namespace(
         spares = bank.resources.spares
         ns = bank.namespace(SPEC)
         assert len(_spares_threads()) == 1  # started by the namespace, before any restore
+        assert len(bank.resources.shapes) == 1  # what a restore into 512 rows allocates
         bank.resources.settle()
         held = bank.stats()
         assert spares.made == 4 and held.spare_held_bytes == 4 * 512 * 4 * 256 * 2
         assert held.spare_held_bytes <= held.spare_bytes
         hit = ns.restore(TOKENS, room_for=300)
         assert hit is not None and spares.taken == 4  # the first restore: all made ahead
+        assert len(bank.resources.shapes) == 1  # and its shapes found made
         assert kv_prefix_bits(hit.layers, SPEC, 256) == want
         assert spares.wanted_recently() == recorded
     finally:
@@ -273,3 +275,21 @@ def test_close_stops_a_making_under_way_at_its_next_array() -> None:
     asked = iter([False, False, True])
     made = spares_module._made_ahead(wanted, lambda: next(asked))
     assert len(made) == 2 and all(d.view.shape == (1, 4, 256, 256) for d in made)
+
+
+def test_capacities_of_recorded_spares_are_those_of_the_specs_arrays() -> None:
+    from cas_bank.arrays import DTYPES
+    from cas_bank.restore.spares import capacities_of
+
+    f16, f32 = DTYPES["float16"], DTYPES["float32"]
+    one = [((1, 4, 1, 256), f16)]
+    recorded = [
+        (((1, 4, 512, 256), f16), 4),
+        (((1, 4, 1280, 256), f32), 4),  # another dtype
+        (((1, 8, 768, 256), f16), 2),  # another head count
+        (((1, 4, 1280, 256), f16), 4),
+        (((4, 256), f16), 1),  # a state's
+        (((1, 4, 512, 256), f16), 2),  # again
+    ]
+    assert capacities_of(one, recorded) == [512, 1280]
+    assert capacities_of([], recorded) == []

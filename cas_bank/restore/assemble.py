@@ -83,6 +83,18 @@ def _shapes(
     return made
 
 
+def prime_shapes(
+    resources: Resources, spec: ModelSpec, block_size: int, capacities: Sequence[int]
+) -> None:
+    """Make the `_Shapes` of restores of `spec` into each of `capacities` tokens now
+    (with and without a boundary state, for a hybrid model), kept by `resources`: a
+    reopened bank's first restore then finds them (`cas_bank.bank`; making them cost
+    that restore's allocation 0.21 against 0.06 ms at medium-qwen3 1k tokens)."""
+    for capacity in capacities:
+        for state in (False, True) if spec.is_hybrid else (False,):
+            _shapes(resources, spec, block_size, capacity, state)
+
+
 def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
     specs = spec.block_arrays
     dtypes = tuple(dtype_named(s.dtype) for s in specs)

@@ -443,6 +443,23 @@ def _size(w: Wanted) -> int:
     return math.prod(w[0]) * w[1].itemsize
 
 
+def capacities_of(
+    spec_arrays: Sequence[tuple[tuple[int, ...], DType]], recorded: Sequence[tuple[Wanted, int]]
+) -> list[int]:
+    """The token capacities of the restores whose first attention array (`spec_arrays`'
+    first: its shape holding one token, and dtype) `recorded` holds a spare of, in its
+    order (least recent first), each once."""
+    if not spec_arrays:
+        return []
+    (one, dtype) = spec_arrays[0]
+    out: list[int] = []
+    for (shape, d), _ in recorded:
+        fits = d == dtype and len(shape) == len(one) >= 2
+        if fits and (*shape[:-2], shape[-1]) == (*one[:-2], one[-1]) and shape[-2] not in out:
+            out.append(shape[-2])
+    return out
+
+
 def encode_wanted(recent: Sequence[tuple[Wanted, int]]) -> bytes:
     """`Spares.wanted_recently` as a record: JSON `[[shape, dtype name, count], ...]`,
     least recent first."""
