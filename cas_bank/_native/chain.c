@@ -235,12 +235,25 @@ static PyObject *header(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   return out;
 }
 
+/* A new reference to the int `v`: *last where it holds v already (a chain's blocks
+ * mostly have one payload size: one int object for all of them), else a new one kept
+ * in *last (the caller releases *last). */
+static PyObject *same_size(PyObject **last, unsigned long long v) {
+  if (*last == NULL || PyLong_AsUnsignedLongLong(*last) != v) {
+    PyObject *made = PyLong_FromUnsignedLongLong(v);
+    if (made == NULL) return NULL;
+    Py_XSETREF(*last, made);
+  }
+  return Py_NewRef(*last);
+}
+
 /* The header one chain-record entry `e` makes for block i (a new reference), named
  * `name` under `parent` (borrowed), with the block's tokens from `tokens`; NULL with no
  * error set where the entry is not that block (another version, index, root, parent
  * or token count), NULL with an error set where memory ran out. */
 static PyObject *entry_header(const uint8_t *e, Py_ssize_t i, PyObject *name, PyObject *parent,
-                              PyObject *root, const Py_buffer *tokens, Py_ssize_t step) {
+                              PyObject *root, const Py_buffer *tokens, Py_ssize_t step,
+                              PyObject **size) {
   if (!PyBytes_Check(parent) || PyBytes_GET_SIZE(parent) != 32 || !PyBytes_Check(name)) {
     return NULL;
   }
@@ -255,7 +268,7 @@ static PyObject *entry_header(const uint8_t *e, Py_ssize_t i, PyObject *name, Py
       PyLong_FromSsize_t(i),
       Py_NewRef(root),
       PyBytes_FromStringAndSize((const char *)e + 88, 32),
-      PyLong_FromUnsignedLongLong(le(e + 8, 8)),
+      same_size(size, le(e + 8, 8)),
       PyBytes_FromStringAndSize((const char *)tokens->buf + i * step, step),
       e[1] & HEADER_FLAG_STATE ? PyBytes_FromStringAndSize((const char *)e + 120, 32)
                                : Py_NewRef(Py_None),
@@ -341,12 +354,13 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   Py_ssize_t n_hashes = PySequence_Fast_GET_SIZE(hashes);
   PyObject **items = PySequence_Fast_ITEMS(hashes);
   PyObject *out = PyList_New(0);
+  PyObject *size = NULL;
   for (Py_ssize_t j = 0; out != NULL && j < a.count; j++) {
     Py_ssize_t i = a.first + j;
     if (!entry_fits(&a, j) || i >= n_hashes) break;
     const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset + j * HEADER_FIXED;
     PyObject *parent = i == 0 ? a.root : items[i - 1];
-    PyObject *h = entry_header(e, i, items[i], parent, a.root, &a.tokens, a.step);
+    PyObject *h = entry_header(e, i, items[i], parent, a.root, &a.tokens, a.step, &size);
     if (h == NULL) {
       if (PyErr_Occurred()) Py_CLEAR(out);
       break;
@@ -354,6 +368,7 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (PyList_Append(out, h) != 0) Py_CLEAR(out);
     Py_DECREF(h);
   }
+  Py_XDECREF(size);
   PyBuffer_Release(&a.tokens);
   PyBuffer_Release(&a.raw);
   Py_DECREF(hashes);
@@ -375,7 +390,7 @@ static PyObject *prefix_run(PyObject *self, PyObject *const *args, Py_ssize_t na
   int nums[4] = {1, 2, 3, 6};
   if (parse_run_args(args, 0, 5, nums, 4, &a) != 0) return NULL;
   PyObject *out = PyList_New(0);
-  PyObject *parent = NULL; /* a new reference */
+  PyObject *parent = NULL, *size = NULL; /* new references */
   Py_ssize_t last = a.offset + a.count * HEADER_FIXED;
   if (out != NULL && a.count > 0 && last + 32 <= a.raw.len && entry_fits(&a, 0)) {
     const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset;
@@ -393,7 +408,7 @@ static PyObject *prefix_run(PyObject *self, PyObject *const *args, Py_ssize_t na
       Py_CLEAR(out);
       break;
     }
-    PyObject *h = entry_header(e, a.first + j, name, parent, a.root, &a.tokens, a.step);
+    PyObject *h = entry_header(e, a.first + j, name, parent, a.root, &a.tokens, a.step, &size);
     Py_SETREF(parent, name);
     if (h == NULL) {
       if (PyErr_Occurred()) Py_CLEAR(out);
@@ -403,6 +418,7 @@ static PyObject *prefix_run(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_DECREF(h);
   }
   Py_XDECREF(parent);
+  Py_XDECREF(size);
   PyBuffer_Release(&a.tokens);
   PyBuffer_Release(&a.raw);
   return out;
