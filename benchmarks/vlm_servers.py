@@ -7,7 +7,8 @@ The ways (`WAYS`), all `mlx_vlm.server` on the same model directory:
 - `apc`: mlx-vlm's automatic prefix cache in memory only (`APC_DISK_ENABLED=0`);
 - `apc-disk`: mlx-vlm's APC with its SSD tier (`APC_DISK_PATH`, a directory of the run):
   on by default once APC is, and kept across a restart;
-- `bank`: `cas-bank mlx-vlm-server` on a bank directory of the run.
+- `bank`: `cas-bank mlx-vlm-server` on a bank directory of the run, 16-token blocks
+  (mlx-vlm's APC blocks; the bank restores to the token whatever its block size).
 
 A server is started on a free loopback port (`--port 0`; the port is read from
 uvicorn's "running on" line) and is ready when `/health` answers. Images travel as
