@@ -7,8 +7,8 @@ Qwen2 language model with multimodal RoPE) at 2 text layers of 64 wide and 1 vis
 layer; `tiny-qwen2.5-vl` is Qwen2.5-VL (windowed vision attention) at the same size;
 `tiny-qwen3-vl` is Qwen3-VL (deepstack features, interleaved multimodal RoPE);
 `tiny-gemma3` is Gemma 3 (which the bank refuses, naming it).
-Both take transformers' Qwen2-VL image processor (the PIL backend: no torchvision)
-sized for images of 56×56 to 112×112 pixels (4 to 16 image tokens). The text side is
+The Qwen models take transformers' Qwen2-VL image processor (the PIL backend: no
+torchvision) sized for images of 56×56 to 112×112 pixels (4 to 16 image tokens). The text side is
 the byte tokenizer of the embedded mlx-lm models (`runtime.tokenizer`): ids 0..~300;
 the vision special tokens sit at the top of the 512-id vocabulary.
 
