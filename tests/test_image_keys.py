@@ -93,6 +93,9 @@ def test_bad_input_is_refused() -> None:
         key_sequence([1] * 8, [ImageSpan(0, 3, d), ImageSpan(2, 3, d)])
     with pytest.raises(InvalidInputError, match="2 runs"):
         spans_of(np.array([5, 9, 9, 5, 9]), 9, [d])
+    # an object array's bytes are pointers, not pixels: no content to digest
+    with pytest.raises(InvalidInputError, match="numbers"):
+        image_digest(np.array([[1.0, 2.0]], dtype=object))
 
 
 def test_spans_of_and_restore_point() -> None:

@@ -70,6 +70,8 @@ def image_digest(pixels: np.ndarray, grid: Iterable[int] = ()) -> bytes:
     where a digest of the file would have to list every such setting to be safe.
     """
     arr = np.ascontiguousarray(pixels)
+    if arr.dtype.kind not in "biufc":  # an object array's bytes are pointers
+        raise InvalidInputError(f"image pixels must be numbers, not {arr.dtype}")
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     dims = [int(g) for g in grid]
