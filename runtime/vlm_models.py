@@ -174,13 +174,14 @@ def vlm_config(name: str) -> dict[str, Any]:
     return copy.deepcopy(dict(_CONFIGS[name]))
 
 
-def image_processor() -> Any:
-    """transformers' Qwen2-VL image processor (PIL backend) from `PROCESSOR_CONFIG`."""
+def image_processor(**settings: Any) -> Any:
+    """transformers' Qwen2-VL image processor (PIL backend) from `PROCESSOR_CONFIG`,
+    with `settings` over it (`min_pixels=28 * 28`: a one-position image)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    return Qwen2VLImageProcessorPil(**PROCESSOR_CONFIG)
+    return Qwen2VLImageProcessorPil(**{**PROCESSOR_CONFIG, **settings})
 
 
 def build_vlm(name: str = "tiny-qwen2-vl", *, seed: int = 0) -> TinyVLM:

@@ -23,6 +23,7 @@ from cas_bank.blocks.image_keys import (
     IMAGE_KEY_CONTEXT,
     KEY_BIT,
     MIN_IMAGE_KEYS,
+    MIN_SHORT_IMAGE_KEYS,
     ImageSpan,
     image_digest,
     image_key_tokens,
@@ -100,13 +101,17 @@ def test_bad_input_is_refused() -> None:
 
 def test_spans_of_and_restore_point() -> None:
     d1, d2 = bytes([1]) * 32, bytes([2]) * 32
-    spans = spans_of(np.array([5, 9, 9, 9, 5, 5] + [9] * 20), 9, [d1, d2])
-    assert spans == [ImageSpan(1, 3, d1), ImageSpan(6, 20, d2)]
-    assert restore_point(3, spans) == 1  # inside a 3-position image: its start
-    assert restore_point(4, spans) == 4  # right after it
+    spans = spans_of(np.array([5, 9, 9, 9, 9, 5] + [9] * 20), 9, [d1, d2])
+    assert spans == [ImageSpan(1, 4, d1), ImageSpan(6, 20, d2)]
+    assert restore_point(3, spans) == 1  # inside a 4-position image: its start
+    assert restore_point(5, spans) == 5  # right after it: all its keys, 124 bits
     assert restore_point(6 + MIN_IMAGE_KEYS - 1, spans) == 6
     assert restore_point(6 + MIN_IMAGE_KEYS, spans) == 6 + MIN_IMAGE_KEYS
     assert restore_point(26, spans) == 26
+    # an image of 3 positions (93 bits): never restored past, however deep the hit
+    short = [ImageSpan(2, MIN_SHORT_IMAGE_KEYS - 1, d1), ImageSpan(9, 20, d2)]
+    assert restore_point(5, short) == restore_point(40, short) == 2
+    assert restore_point(2, short) == 2
 
 
 prompts = st.tuples(
@@ -171,7 +176,7 @@ def test_restore_point_never_rests_on_few_keys(lengths: list[int], n: int) -> No
     assert m <= n
     for s in spans:
         inside = min(max(m - s.start, 0), s.length)
-        assert inside == 0 or inside >= min(MIN_IMAGE_KEYS, s.length)
+        assert inside == 0 or inside >= max(min(MIN_IMAGE_KEYS, s.length), MIN_SHORT_IMAGE_KEYS)
 
 
 # -- the bank on key sequences (no mlx-vlm: the core library alone) ----------------

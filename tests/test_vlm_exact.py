@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 from cas_bank.runtime.prefill import PrefillCancelled
 from cas_bank.runtime.vlm import UnsupportedVisionModel, VisionPrefixCache, VisionPrompt
-from cas_bank.runtime.vlm_models import TinyVLM, build_vlm, random_image, vlm_inputs
+from cas_bank.runtime.vlm_models import (
+    TinyVLM,
+    build_vlm,
+    image_processor,
+    random_image,
+    vlm_inputs,
+)
 from runtime_helpers import bit_equal, temp_bank, tiny
 from test_disk_full import fill, mount_tmpfs, unmount
 
@@ -472,3 +478,18 @@ def test_a_cancelled_prefill_inside_an_image_is_cut_back(
     got = vpc.prefill(p, cache, n)
     want, _ = reference(vlm, p, [first], p, n, vpc.last_prefill.chunk_ends)
     assert bit_equal(got, want)
+
+
+def test_an_image_of_few_positions_is_never_restored_past(
+    vpc: VisionPrefixCache, vlm: TinyVLM
+) -> None:
+    """A processor that lets a 28x28 image be one position keys it by 31 bits: a
+    restore stops at its start, however much of the prompt after it the bank holds."""
+    small = image_processor(min_pixels=28 * 28)
+    tail = list(range(100, 140))
+    a = vpc.prompt(*vlm_inputs(small, [TEXT, random_image(1, (28, 28)), tail]))
+    b = vpc.prompt(*vlm_inputs(small, [TEXT, random_image(1, (28, 28)), [*tail, 1]]))
+    assert b.spans[0].length == 1
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert vpc.namespace.match(b.keys[:-1]) == len(a)  # the bank alone
+    assert n == b.spans[0].start and bit_equal(got, want)

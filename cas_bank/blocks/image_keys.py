@@ -17,11 +17,13 @@ prompt is its own key sequence (its chain, hashes and golden vectors as before).
 Text ids are below 2**31 and key tokens at or above it, so a key never equals a text
 id. Each key token carries 31 bits of its image; `restore_point` keeps a restore from
 stopping fewer than `MIN_IMAGE_KEYS` positions into an image, so a restored prefix
-relies on at least 248 bits of every image it covers (an image shorter than that:
-all of it). The bank itself does not know where images start: `Namespace.restore`
-and `match` on a key sequence stop where the chain does, and a caller cuts the hit
-back to `restore_point(hit.tokens, spans)`. `runtime.vlm.VisionPrefixCache` does,
-and refuses a bare key sequence (no spans) in its restores.
+relies on at least 248 bits of every image it covers, or on all of an image shorter
+than that; an image of fewer than `MIN_SHORT_IMAGE_KEYS` positions (under 124 bits:
+a 1-position image's 31 bits fall to 2**31 tries) is never restored past. The bank
+itself does not know where images start: `Namespace.restore` and `match` on a key
+sequence stop where the chain does, and a caller cuts the hit back to
+`restore_point(hit.tokens, spans)`. `runtime.vlm.VisionPrefixCache` does, and refuses
+a bare key sequence (no spans) in its restores.
 
 These are persistent keys: a change here is a version bump, and the golden vectors in
 tests/test_image_keys.py must fail first.
@@ -43,6 +45,7 @@ IMAGE_DIGEST_CONTEXT = "cas_bank 2026-12-06 image digest v1"
 IMAGE_KEY_CONTEXT = "cas_bank 2026-12-06 image key v1"
 KEY_BIT = 1 << 31
 MIN_IMAGE_KEYS = 8
+MIN_SHORT_IMAGE_KEYS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +128,14 @@ def key_sequence(tokens: object, spans: Sequence[ImageSpan]) -> np.ndarray:
 
 
 def restore_point(n: int, spans: Sequence[ImageSpan]) -> int:
-    """The deepest restore point at or before `n`: `n`, or the start of an image that
-    `n` falls fewer than `MIN_IMAGE_KEYS` positions into (that image's key would
-    then rest on fewer than 248 bits)."""
-    for s in sorted(spans, key=lambda s: s.start, reverse=True):
-        if s.start < n < s.start + min(MIN_IMAGE_KEYS, s.length):
+    """The deepest restore point at or before `n` that rests on enough of each image
+    it reaches: `n`, or the start of the first image that `n` falls fewer than
+    `MIN_IMAGE_KEYS` positions into (fewer than 248 bits of it), or falls past the
+    start of at all when the image has fewer than `MIN_SHORT_IMAGE_KEYS` positions
+    (under 124 bits in all)."""
+    for s in sorted(spans, key=lambda s: s.start):
+        too_few = s.length < MIN_SHORT_IMAGE_KEYS or n < s.start + min(MIN_IMAGE_KEYS, s.length)
+        if s.start < n and too_few:
             return s.start
     return n
 
