@@ -7,10 +7,11 @@ another conversation, the same screenshot in a new place) would be encoded again
 here its features are looked up first. They are stored in a namespace of their own
 (`<model type>/vision-features`, the model's weights and config digests, the same
 tenant salt), named by the image's key tokens alone (`image_keys.image_key_tokens`
-of its digest: the same image is the same name wherever it sits), as a one-layer
-"KV" whose keys are the first half of each feature row and whose values the second:
-the bank's blocks and end records, its dedup, eviction, checks and salts hold them
-with no format of their own. A hit is bit for bit the encoder's output (the bytes
+of its digest: the same image is the same name wherever it sits; an image of fewer
+than `MIN_SHORT_IMAGE_KEYS` positions, whose name would be under 124 bits, is encoded
+each time instead), as a one-layer "KV" whose keys are the first half of each
+feature row and whose values the second: the bank's blocks and end records, its
+dedup, eviction, checks and salts hold them with no format of their own. A hit is bit for bit the encoder's output (the bytes
 stored), so logits are the same either way.
 
 Worth it (measured, docs/design.md "Image keys (format v1)"): at Qwen2-VL-2B's
@@ -27,7 +28,7 @@ import mlx.core as mx
 
 from cas_bank.arrays import dtype_of
 from cas_bank.bank import Bank
-from cas_bank.blocks.image_keys import ImageSpan, image_key_tokens
+from cas_bank.blocks.image_keys import MIN_SHORT_IMAGE_KEYS, ImageSpan, image_key_tokens
 from cas_bank.namespace import Namespace
 from cas_bank.spec import LayerSpec, ModelSpec
 
@@ -58,11 +59,21 @@ class FeatureCache:
         )
         return cls(bank, spec, salt)
 
+    @staticmethod
+    def kept(span: ImageSpan) -> bool:
+        """Whether the features of the image of `span` are kept: its key tokens are
+        their whole name, so an image of fewer than `MIN_SHORT_IMAGE_KEYS` positions
+        (under 124 bits) is encoded each time instead (it is small)."""
+        return span.length >= MIN_SHORT_IMAGE_KEYS
+
     def salted(self, salt: str | bytes | None) -> FeatureCache:
         return FeatureCache(self.bank, self.spec, salt)
 
     def get(self, span: ImageSpan) -> mx.array | None:
-        """The stored features of the image of `span`, or None (not all stored)."""
+        """The stored features of the image of `span`, or None (not all stored, or an
+        image too short to be named safely: `kept`)."""
+        if not self.kept(span):
+            return None
         keys = image_key_tokens(span.digest, span.length)
         hit = self.namespace.restore(keys)
         if hit is None or hit.tokens != span.length:
@@ -77,7 +88,10 @@ class FeatureCache:
         """Store the features of the image of `span` (through the bank's background
         writer when it has one): its whole blocks, and its last rows as an end record.
         A full disk skips them (they only save an encoder run; the prompt's own store
-        reports it as its `skip_store_when_full` says)."""
+        reports it as its `skip_store_when_full` says). An image too short to be named
+        safely (`kept`) is not stored."""
+        if not self.kept(span):
+            return
         keys = image_key_tokens(span.digest, span.length)
         half = features.shape[-1] // 2
         layers = [(features[None, None, :, :half], features[None, None, :, half:])]

@@ -493,3 +493,18 @@ def test_an_image_of_few_positions_is_never_restored_past(
     n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
     assert vpc.namespace.match(b.keys[:-1]) == len(a)  # the bank alone
     assert n == b.spans[0].start and bit_equal(got, want)
+
+
+def test_features_of_an_image_of_few_positions_are_not_kept(
+    vpc: VisionPrefixCache, vlm: TinyVLM
+) -> None:
+    """A one-position image's features would be named by its 31 bits alone: they are
+    neither stored nor looked up; the image is encoded each time (it is small)."""
+    small = image_processor(min_pixels=28 * 28)
+    img = random_image(1, (28, 28))
+    a = vpc.prompt(*vlm_inputs(small, [TEXT, img, [5, 6]]))
+    b = vpc.prompt(*vlm_inputs(small, [[9, *TEXT], img, [5, 6]]))
+    n, got, _, want, _ = store_then_restore(vpc, vlm, a, b)
+    assert n == 0 and (vpc.last_encoded, vpc.last_feature_hits) == (1, 0)
+    assert bit_equal(got, want)
+    assert vpc.features is not None and vpc.features.get(a.spans[0]) is None
