@@ -11,8 +11,9 @@ of its digest: the same image is the same name wherever it sits; an image of few
 than `MIN_SHORT_IMAGE_KEYS` positions, whose name would be under 124 bits, is encoded
 each time instead), as a one-layer "KV" whose keys are the first half of each
 feature row and whose values the second: the bank's blocks and end records, its
-dedup, eviction, checks and salts hold them with no format of their own. A hit is bit for bit the encoder's output (the bytes
-stored), so logits are the same either way.
+dedup, eviction, checks and salts hold them with no format of their own. A hit is
+bit for bit the encoder's output (the bytes stored), so logits are the same either
+way.
 
 Worth it (measured, docs/design.md "Image keys (format v1)"): at Qwen2-VL-2B's
 proportions (a quarter of its width and depth) one 448×448 image's encoder took 1.9×
