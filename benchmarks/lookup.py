@@ -5,12 +5,13 @@
 Every restore first looks its prompt up (`Hit.timings.lookup_s`: the chain's hashes,
 the index reads, the end record and partial block, the probe of memory). After a
 reopen nothing is cached: each record it reads comes from RocksDB's files. This stores
-conversations of 1k, 4k and 16k tokens at the default block size (64) in a bank that
-also holds `--others` other prompts of 1k tokens (so that a chain's headers lie apart
-in the table, as in a bank in use; 0: a bank of those three alone), closes it, and
-then, each round and for each length, opens it and restores the conversation as
-`PrefixCache.restore` does (`Namespace.restore(prompt[:-1], room_for=len(prompt))`),
-taking the lookup's time:
+conversations of 1k, 4k and 16k tokens at the default block size (64), and one of 16k
++ 320 whose next turn comes with 320 new tokens (its stored chain ends inside a
+segment: the lookup goes past what is stored), in a bank that also holds `--others`
+other prompts of 1k tokens (so that a chain's headers lie apart in the table, as in a
+bank in use; 0: a bank of those alone), closes it, and then, each round and for each
+conversation, opens it and restores the conversation as `PrefixCache.restore` does
+(`Namespace.restore(prompt[:-1], room_for=len(prompt))`), taking the lookup's time:
 
 - `prefixes`: as a restore does now: the prefix records first (`index.prefixes`: one
   multi-get keyed by the prompt's tokens, hashed a segment of 64 blocks at a time; no
@@ -60,7 +61,9 @@ SPEC = ModelSpec(
     weights_digest="lookup-bench-weights",
 )
 BLOCK = 64
-LENGTHS = (1024, 4096, 16384)
+# (tokens stored, new tokens of the prompt restored): a stored chain asked as it is,
+# and a next turn.
+CASES = ((1024, 0), (4096, 0), (16384, 0), (16384 + 320, 320))
 WAYS = ("prefixes", "records", "headers")
 
 
@@ -71,21 +74,24 @@ def _kv(tokens: int, rng: np.random.Generator) -> list[Any]:
     return [(k, v)]
 
 
-def build(path: Path, lengths: Sequence[int], others: int) -> dict[int, np.ndarray]:
-    """The bank: `others` prompts of 1k tokens, then one conversation of each length
-    (its prompt one token longer: the token a restore leaves to prefill)."""
+def build(
+    path: Path, cases: Sequence[tuple[int, int]], others: int
+) -> dict[tuple[int, int], np.ndarray]:
+    """The bank: `others` prompts of 1k tokens, then one conversation of each case,
+    its first `n` tokens stored; its prompt `new` tokens longer and one more (the
+    token a restore leaves to prefill)."""
     rng = np.random.default_rng(0)
-    prompts: dict[int, np.ndarray] = {}
+    prompts: dict[tuple[int, int], np.ndarray] = {}
     with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
         ns = bank.namespace(SPEC)
-        kv = _kv(max([*lengths, 1024]), rng)
+        kv = _kv(max([n for n, _ in cases] + [1024]), rng)
         for _ in range(others):
             toks = rng.integers(0, 1 << 17, 1024, dtype=np.uint32)
             ns.store(toks, [(k[..., :1024, :], v[..., :1024, :]) for k, v in kv])
-        for n in lengths:
-            prompt = rng.integers(0, 1 << 17, n + 1, dtype=np.uint32)
-            ns.store(prompt[:-1], [(k[..., :n, :], v[..., :n, :]) for k, v in kv])
-            prompts[n] = prompt
+        for n, new in cases:
+            prompt = rng.integers(0, 1 << 17, n + new + 1, dtype=np.uint32)
+            ns.store(prompt[:n], [(k[..., :n, :], v[..., :n, :]) for k, v in kv])
+            prompts[(n, new)] = prompt
     return prompts
 
 
@@ -104,9 +110,10 @@ def looked_up(way: str) -> Iterator[None]:
         chain.read_prefixes, chain.read_runs = prefixes, runs  # type: ignore[attr-defined]
 
 
-def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, float]:
+def reopened_lookup(path: Path, prompt: np.ndarray, way: str, stored: int) -> tuple[float, float]:
     """Seconds of a restore's lookup right after opening the bank, and of the next
-    restore's (hot: what the first one read is in the hot tier)."""
+    restore's (hot: what the first one read is in the hot tier); each restores the
+    `stored` tokens."""
     with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
         ns = bank.namespace(SPEC)
         took = []
@@ -114,8 +121,8 @@ def reopened_lookup(path: Path, prompt: np.ndarray, way: str) -> tuple[float, fl
             bank.resources.settle()  # the spares the restore before asked for: made
             with looked_up(way):
                 hit = ns.restore(prompt[:-1], room_for=len(prompt))
-            if hit is None or hit.timings is None or hit.tokens != len(prompt) - 1:
-                raise RuntimeError(f"restored {hit and hit.tokens} of {len(prompt) - 1} tokens")
+            if hit is None or hit.timings is None or hit.tokens != stored:
+                raise RuntimeError(f"restored {hit and hit.tokens} of {stored} tokens")
             took.append(hit.timings.lookup_s)
             del hit
         return took[0], took[1]
@@ -175,30 +182,33 @@ def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
     """Build the bank and measure every length every way; returns the figures."""
     path = workdir / "bank"
     t0 = time.perf_counter()
-    prompts = build(path, LENGTHS, others)
+    prompts = build(path, CASES, others)
     built_s = time.perf_counter() - t0
-    samples: dict[tuple[int, str], list[float]] = {(n, w): [] for n in LENGTHS for w in WAYS}
-    hot: dict[tuple[int, str], list[float]] = {(n, w): [] for n in LENGTHS for w in WAYS}
+    samples: dict[tuple[tuple[int, int], str], list[float]] = {
+        (c, w): [] for c in CASES for w in WAYS
+    }
+    hot: dict[tuple[tuple[int, int], str], list[float]] = {(c, w): [] for c in CASES for w in WAYS}
     phases: dict[str, dict[str, list[float]]] = {w: {} for w in WAYS}
     for r in range(rounds):
         order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]
-        for n in LENGTHS:
+        for case in CASES:
             for way in order:
-                reopened, again = reopened_lookup(path, prompts[n], way)
-                samples[(n, way)].append(reopened)
-                hot[(n, way)].append(again)
+                reopened, again = reopened_lookup(path, prompts[case], way, case[0])
+                samples[(case, way)].append(reopened)
+                hot[(case, way)].append(again)
         if parts:
             for way in order:
-                for name, s in reopened_parts(path, prompts[LENGTHS[-1]], way).items():
+                for name, s in reopened_parts(path, prompts[(16384, 0)], way).items():
                     phases[way].setdefault(name, []).append(s)
     rows = []
-    for n in LENGTHS:
-        med = {w: median(samples[(n, w)]) for w in WAYS}
-        row: dict[str, Any] = {"tokens": n, "blocks": n // BLOCK}
+    for case in CASES:
+        med = {w: median(samples[(case, w)]) for w in WAYS}
+        n, new = case
+        row: dict[str, Any] = {"tokens": n, "new": new, "blocks": n // BLOCK}
         for w in WAYS:
             row[f"{w}_ms"] = 1e3 * med[w]
-            row[f"hot_{w}_ms"] = 1e3 * median(hot[(n, w)])
-            row[f"{w}_range_ms"] = _range_ms(samples[(n, w)])
+            row[f"hot_{w}_ms"] = 1e3 * median(hot[(case, w)])
+            row[f"{w}_range_ms"] = _range_ms(samples[(case, w)])
             row[f"{w}_ratio"] = med[w] / med["prefixes"]
         rows.append(row)
     return {
@@ -208,6 +218,11 @@ def run(workdir: Path, rounds: int, others: int, parts: bool) -> dict[str, Any]:
         "rows": rows,
         "parts_ms": {w: {k: 1e3 * median(v) for k, v in p.items()} for w, p in phases.items() if p},
     }
+
+
+def _label(row: dict[str, Any]) -> str:
+    """A row's tokens: stored, and `+new` for a next turn."""
+    return f"{row['tokens']}+{row['new']}" if row["new"] else str(row["tokens"])
 
 
 def _range_ms(xs: Sequence[float]) -> tuple[float, float]:
@@ -230,12 +245,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"medians of {args.rounds} rounds (ms)"
     )
     print(
-        f"{'tokens':>7} {'blocks':>6} {'headers':>9} {'records':>9} {'prefixes (now)':>15} "
+        f"{'tokens':>11} {'blocks':>6} {'headers':>9} {'records':>9} {'prefixes (now)':>15} "
         f"{'headers/now':>12} {'records/now':>12} {'hot: headers':>13} {'records':>8} {'now':>7}"
     )
     for row in out["rows"]:
         print(
-            f"{row['tokens']:>7} {row['blocks']:>6} {row['headers_ms']:>9.3f} "
+            f"{_label(row):>11} {row['blocks']:>6} {row['headers_ms']:>9.3f} "
             f"{row['records_ms']:>9.3f} {row['prefixes_ms']:>15.3f} "
             f"{row['headers_ratio']:>11.2f}x {row['records_ratio']:>11.2f}x "
             f"{row['hot_headers_ms']:>13.3f} {row['hot_records_ms']:>8.3f} "

@@ -362,8 +362,11 @@ def test_a_stored_chain_is_found_by_its_prefix_records_alone(tmp_path: Path) -> 
     prefix records and nothing else (no chain record, no header, no block hashed: the
     hashes come from the records and are the chain's own); a prompt going 100 blocks
     past them takes the 4 whole segments from the prefix records and goes on from
-    there with the chain records and headers; a header rewritten in place (a state
-    added) has its prefix records written again with it: still one multi-get."""
+    there with the chain records and headers; a next turn 10 blocks past them finds
+    them all (a second multi-get: the stored end inside the last segment) and reads
+    the 10 headers after;
+    a header rewritten in place (a state added) has its prefix records written again
+    with it: still one multi-get."""
     spec = hybrid_spec()
     rng = np.random.default_rng(2)
     tokens = [int(t) for t in rng.integers(0, 1000, 300 * B)]
@@ -382,6 +385,13 @@ def test_a_stored_chain_is_found_by_its_prefix_records_alone(tmp_path: Path) -> 
         hashes, got = stored_chain(counting, ns.root, longer, B)
         assert hashes == ns.chain(longer) and got == want
         assert counting.prefix_reads == 1 and counting.record_reads >= 1
+        # A next turn (10 new blocks): its end is not stored; a second multi-get of the
+        # last segment's keys, one a block, finds the stored chain's end inside it
+        # (block 299); the 10 headers after it: absent.
+        turn = np.asarray(tokens + [5] * 10 * B, dtype=np.uint32)
+        counting = _Counting(ns.view().store)
+        assert stored_chain(counting, ns.root, turn, B) == (ns.chain(turn), want)
+        assert (counting.prefix_reads, counting.record_reads, counting.headers) == (2, 0, 10)
         ns.store(tokens[: 100 * B], random_layers(spec, 100 * B), {100 * B: random_state(spec)})
         want = longest_chain(ns.view(), ns.root, ns.chain(toks))
         counting = _Counting(ns.view().store)
@@ -428,6 +438,11 @@ def test_prefix_keys_are_format_v1() -> None:
     keys = prefixes.prefix_keys(root, data, 64 * 64 * 4)
     assert keys == prefixes.python_prefix_keys(root, data, 64 * 64 * 4)
     assert keys[-1].hex() == "1ce3d0946e0e322c46ea79bf8d0f2e9f9d97db9d8f745509ff0751f26029492e"
+    # A block at a time in the short last segment: each the key of the prefix to it.
+    every = prefixes.prefix_keys(root, data, 64 * 64 * 4, 64 * 4)
+    assert every == prefixes.python_prefix_keys(root, data, 64 * 64 * 4, 64 * 4)
+    assert every[:2] == keys[:2] and every[-1] == keys[-1] and len(every) == 5
+    assert every[2] == prefixes.prefix_keys(root, data[: (2 * 64 + 1) * 64 * 4], 64 * 64 * 4)[-1]
 
 
 @given(

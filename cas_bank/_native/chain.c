@@ -29,23 +29,35 @@ static void chain_hashes(const uint8_t *root, const uint8_t *src, size_t n, size
   }
 }
 
-/* The prefix keys of the n step-byte segments at src (the last `tail` bytes long where
- * tail > 0) into dst: key 0 is blake3(derive_key=context, root); each next is blake3
- * keyed by the one before over the segment (cas_bank.index.prefixes). */
-static void prefix_keys(const uint8_t *root, const uint8_t *src, size_t len, size_t step,
-                        const char *context, uint8_t *dst) {
+/* The prefix keys of the len bytes at src (cas_bank.index.prefixes) into dst, how many:
+ * key 0 is blake3(derive_key=context, root); each next is blake3 keyed by the one before
+ * over a step-byte segment; the last, short segment's key comes at the end of each of
+ * its `block`-byte blocks where block > 0 (digests of one keyed hasher: the candidates
+ * of a lookup whose stored chain ends inside it), else once at its end. */
+static size_t prefix_keys(const uint8_t *root, const uint8_t *src, size_t len, size_t step,
+                          size_t block, const char *context, uint8_t *dst) {
   blake3_hasher h;
   uint8_t key[BLAKE3_KEY_LEN];
   blake3_hasher_init_derive_key(&h, context);
   blake3_hasher_update(&h, root, BLAKE3_OUT_LEN);
   blake3_hasher_finalize(&h, key, BLAKE3_KEY_LEN);
-  for (size_t at = 0, i = 0; at < len; at += step, i++) {
-    size_t n = len - at < step ? len - at : step;
+  size_t at = 0, i = 0;
+  for (; at + step <= len; at += step, i++) {
     blake3_hasher_init_keyed(&h, key);
-    blake3_hasher_update(&h, src + at, n);
+    blake3_hasher_update(&h, src + at, step);
     blake3_hasher_finalize(&h, dst + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
     memcpy(key, dst + i * BLAKE3_OUT_LEN, BLAKE3_KEY_LEN);
   }
+  if (at < len) {
+    blake3_hasher_init_keyed(&h, key);
+    size_t each = block > 0 ? block : len - at;
+    for (; at < len; at += each, i++) {
+      size_t n = len - at < each ? len - at : each;
+      blake3_hasher_update(&h, src + at, n);
+      blake3_hasher_finalize(&h, dst + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    }
+  }
+  return i;
 }
 
 /* CAS_BANK_CORE_ONLY: the C functions above without the Python module below (the C
@@ -101,22 +113,23 @@ done:
 static PyObject *prefixes(PyObject *self, PyObject *args) {
   (void)self;
   Py_buffer root, data;
-  Py_ssize_t step;
+  Py_ssize_t step, block = 0;
   const char *context;
-  if (!PyArg_ParseTuple(args, "y*y*ns", &root, &data, &step, &context)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*y*ns|n", &root, &data, &step, &context, &block)) return NULL;
   PyObject *out = NULL;
-  if (root.len != BLAKE3_OUT_LEN || step <= 0) {
-    PyErr_SetString(PyExc_ValueError, "root must be 32 bytes and step > 0");
+  if (root.len != BLAKE3_OUT_LEN || step <= 0 || block < 0) {
+    PyErr_SetString(PyExc_ValueError, "root must be 32 bytes, step > 0 and block >= 0");
     goto done;
   }
-  Py_ssize_t n = (data.len + step - 1) / step;
+  Py_ssize_t tail = data.len % step;
+  Py_ssize_t n = data.len / step + (tail == 0 ? 0 : block > 0 ? (tail + block - 1) / block : 1);
   uint8_t *dst = PyMem_Malloc(n > 0 ? n * BLAKE3_OUT_LEN : 1);
   if (dst == NULL) {
     PyErr_NoMemory();
     goto done;
   }
   Py_BEGIN_ALLOW_THREADS
-  prefix_keys(root.buf, data.buf, (size_t)data.len, (size_t)step, context, dst);
+  prefix_keys(root.buf, data.buf, (size_t)data.len, (size_t)step, (size_t)block, context, dst);
   Py_END_ALLOW_THREADS
   out = PyList_New(n);
   for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
@@ -443,8 +456,9 @@ static PyMethodDef methods[] = {
      "chain(root, data, step, context) -> list[bytes]: the 32-byte chain hash of "
      "every step-byte block of data, in order."},
     {"prefixes", prefixes, METH_VARARGS,
-     "prefixes(root, data, step, context) -> list[bytes]: the prefix key of data up to the "
-     "end of every step-byte segment and up to its end (index.prefixes)."},
+     "prefixes(root, data, step, context, block=0) -> list[bytes]: the prefix key of data "
+     "up to the end of every step-byte segment, then up to the end of each block-byte block "
+     "of the short last one (only its end where block is 0) (index.prefixes)."},
     {"max_id", max_id, METH_O,
      "max_id(ids) -> int: the largest little-endian uint32 of the buffer ids (0 if "
      "empty)."},

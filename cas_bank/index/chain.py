@@ -32,6 +32,7 @@ import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash, chain_hashes
 from cas_bank.blocks.store import Family
+from cas_bank.index import chain_records
 from cas_bank.index.chain_record_writes import run_writes
 from cas_bank.index.chain_records import read_runs
 from cas_bank.index.header import Header, HeaderSource, read_headers
@@ -86,8 +87,8 @@ def stored_chain(
 
     The prefix records first (`prefixes.read_prefixes`: one multi-get keyed by the
     tokens, no block hashed): a chain stored as it is asked needs nothing else. Past
-    the segments they give, the chain is hashed from the last block they name and
-    `longest_chain` goes on with the chain records and headers from there."""
+    the blocks they give, the chain is hashed from the last block they name and
+    `longest_chain` goes on from there."""
     n = len(tokens) // block_size
     blocks = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4")
     hashes: list[BlockHash] = []
@@ -120,14 +121,16 @@ def longest_chain(
     prefix-closed, so the first absent one ends it); a longer rest is cut to its stored
     length by `stored_prefix` first. Stops at the first block whose header is absent,
     unreadable or does not link to the block before it: a chain is never returned with
-    a hole. `found`: the headers of its first blocks, known stored (whole segments, as
-    `stored_chain` has them): the lookup goes on after them.
+    a hole. `found`: the headers of its first blocks, known stored (as `stored_chain`
+    has them): the lookup goes on after them, with the chain records where they end a
+    segment, else with the headers.
     """
     matched = list(found)
     if len(matched) >= len(hashes):
         return matched[: len(hashes)]
     ended = False
-    if tokens is not None and not getattr(store, "queued_blocks", False):
+    aligned = len(matched) % chain_records.SEGMENT == 0  # else read past it: its headers
+    if tokens is not None and aligned and not getattr(store, "queued_blocks", False):
         more, ended = read_runs(store, root, hashes, tokens, len(matched))
         matched += more
     if not ended and len(matched) < len(hashes):

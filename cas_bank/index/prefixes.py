@@ -22,7 +22,9 @@ followed by the block's chain hash: with the parents its entries name, the chain
 hash of every block it covers. The namespace's epoch is kept in this family too (the
 same value as in `chains`, written with it): a lookup reads it, the record of every
 whole segment and that of the prompt's end in one multi-get (one view of the family),
-and gets the chain's hashes and headers with no hashing of blocks.
+and gets the chain's hashes and headers with no hashing of blocks; where the end is
+not stored (a next turn), a second multi-get finds the deepest record of the last
+segment.
 
 Kept with the chain records (`chain_records.run_writes`): written beside every chain
 record whose prefix key the batch can make (the segment's tokens from the headers, the
@@ -49,7 +51,7 @@ from cas_bank.native import chain_module
 
 PREFIX_CONTEXT = "cas_bank 2026-12-06 chain prefix v1"
 _CHAIN_HASH = attrgetter("chain_hash")
-_native_keys: Callable[[bytes, memoryview, int, str], list[bytes]] | None = getattr(
+_native_keys: Callable[[bytes, memoryview, int, str, int], list[bytes]] | None = getattr(
     chain_module, "prefixes", None
 )
 
@@ -64,22 +66,34 @@ def next_key(previous: bytes, tokens: bytes | memoryview) -> bytes:
     return blake3.blake3(tokens, key=bytes(previous)).digest()
 
 
-def prefix_keys(root: bytes, data: memoryview, segment_bytes: int) -> list[bytes]:
+def prefix_keys(
+    root: bytes, data: memoryview, segment_bytes: int, block_bytes: int = 0
+) -> list[bytes]:
     """The prefix keys of `data` (the chain's tokens, <u4 bytes) up to the end of every
-    whole segment of `segment_bytes`, and up to its end where that is not one (one C
-    call where `cas_bank._chain` is built: the same keys)."""
+    whole segment of `segment_bytes`, then, where a short segment is left, up to the end
+    of each of its blocks of `block_bytes` (0: only up to its end). One C call where
+    `cas_bank._chain` is built: the same keys."""
     if _native_keys is not None:
-        return _native_keys(bytes(root), data, segment_bytes, PREFIX_CONTEXT)
-    return python_prefix_keys(root, data, segment_bytes)
+        return _native_keys(bytes(root), data, segment_bytes, PREFIX_CONTEXT, block_bytes)
+    return python_prefix_keys(root, data, segment_bytes, block_bytes)
 
 
-def python_prefix_keys(root: bytes, data: memoryview, segment_bytes: int) -> list[bytes]:
+def python_prefix_keys(
+    root: bytes, data: memoryview, segment_bytes: int, block_bytes: int = 0
+) -> list[bytes]:
     """`prefix_keys` with the blake3 package."""
     key = start_key(root)
     out: list[bytes] = []
-    for at in range(0, len(data), segment_bytes):
+    whole = len(data) - len(data) % segment_bytes
+    for at in range(0, whole, segment_bytes):
         key = next_key(key, data[at : at + segment_bytes])
         out.append(key)
+    if whole < len(data):
+        h = blake3.blake3(key=bytes(key))
+        each = block_bytes or len(data) - whole
+        for at in range(whole, len(data), each):
+            h.update(data[at : at + each])
+            out.append(h.digest())
     return out
 
 
@@ -146,29 +160,60 @@ def read_prefixes(
 ) -> tuple[list[BlockHash], list[Header]]:
     """The chain hashes and headers the prefix records give of the chain whose blocks
     are `data` (<u4 token bytes, `step` a block): of every whole segment from the first
-    while each is stored, current and linked to the one before, and of the last
-    (short) one after them. ([], []) where there is none."""
+    while each is stored, current and linked to the one before, and after them of the
+    deepest block of the short last segment that has one (a stored chain that ends
+    inside it: a next turn). ([], []) where there is none.
+
+    One multi-get for a chain stored as it is asked: the namespace's epoch, the key of
+    every whole segment and that of the chain's end (`prefix_keys`: one pass of a keyed
+    hasher makes the key of every block of the last segment). Where the end is not
+    stored, a second of the epoch and the keys of the last segment's other blocks."""
     n = len(data) // step
     if not n:
         return [], []
-    keys = [records.epoch_key(root), *prefix_keys(root, data[: n * step], records.SEGMENT * step)]
+    segment = records.SEGMENT
+    whole, tail = divmod(n, segment)
+    keys = prefix_keys(root, data[: n * step], segment * step, step)  # then a block's
+    parse = _prefix_parser(root, data, step)
+    epoch_key = records.epoch_key(root)
+    asked = [epoch_key, *keys[:whole], *keys[-1:][: bool(tail)]]  # the chain's end last
     try:
-        raws, runs = store.get_parsed(Family.PREFIXES, keys, _prefix_parser(root, data, step))
+        raws, runs = store.get_parsed(Family.PREFIXES, asked, parse)
     except CorruptDataError:
         return [], []
     epoch = records.epoch_of(raws[0])
     headers: list[Header] = []
-    for s, parsed in enumerate(runs[1:]):
-        run = cast(records.Run | None, parsed)
-        want = min(records.SEGMENT, n - s * records.SEGMENT)
-        if (
-            run is None
-            or run.epoch != epoch
-            or run.first != s * records.SEGMENT
-            or len(run.headers) != want
-        ):
+    for s, run in enumerate(cast(list[records.Run | None], runs[1:])):
+        first, count = s * segment, segment if s < whole else tail
+        if not _follows(run, epoch, headers, first, count):
             break
-        if headers and run.headers[0].parent != headers[-1].chain_hash:
-            break  # block 0's parent, the root, is checked with the record
-        headers += run.headers
+        headers += cast(records.Run, run).headers
+    if len(headers) != whole * segment or tail < 2:
+        return list(map(_CHAIN_HASH, headers)), headers
+    # The chain's end is not stored: the deepest block of the last segment that is.
+    inner = keys[whole : whole + tail - 1]
+    try:
+        raws, runs = store.get_parsed(Family.PREFIXES, [epoch_key, *inner], parse)
+    except CorruptDataError:
+        return list(map(_CHAIN_HASH, headers)), headers
+    if records.epoch_of(raws[0]) == epoch:
+        for b in range(tail - 1, 0, -1):
+            run = cast(records.Run | None, runs[b])
+            if _follows(run, epoch, headers, whole * segment, b):
+                headers += cast(records.Run, run).headers
+                break
     return list(map(_CHAIN_HASH, headers)), headers
+
+
+def _follows(
+    run: records.Run | None, epoch: int, before: list[Header], first: int, count: int
+) -> bool:
+    """Whether `run` is current and holds blocks `first` on, `count` of them, linked
+    to the headers `before` (block 0's parent, the root, is checked with the record)."""
+    return (
+        run is not None
+        and run.epoch == epoch
+        and run.first == first
+        and len(run.headers) == count
+        and (not before or run.headers[0].parent == before[-1].chain_hash)
+    )

@@ -66,7 +66,8 @@ static void check_prefix(size_t n, size_t step, const char *want_hex) {
   uint8_t *data = malloc(4 * n);
   if (data == NULL) exit(2);
   for (size_t i = 0; i < n; i++) put_u32(data + 4 * i, (uint32_t)i);
-  prefix_keys(root, data, 4 * n, step, "cas_bank 2026-12-06 chain prefix v1", got);
+  size_t made = prefix_keys(root, data, 4 * n, step, 0, "cas_bank 2026-12-06 chain prefix v1", got);
+  CHECK(made == 3, "%zu prefix keys of %zu tokens, not 3", made, n);
   unhex(want_hex, want);
   CHECK(memcmp(got + 2 * 32, want, 32) == 0, "prefix key of %zu tokens differs", n);
   free(data);
