@@ -99,15 +99,17 @@ def build(
 def looked_up(way: str) -> Iterator[None]:
     """The lookup as `way` names it: without the prefix records (`records`), without
     them and the chain records (`headers`: `longest_chain` finds none)."""
-    prefixes, runs = chain.read_prefixes, chain.read_runs  # the names the lookup calls
+    names = ("read_prefixes", "read_runs")  # as the lookup (`index.chain`) calls them
+    kept = {name: getattr(chain, name) for name in names}
     if way != "prefixes":
-        chain.read_prefixes = lambda *args: ([], [])  # type: ignore[attr-defined]
+        setattr(chain, "read_prefixes", lambda *args: ([], []))  # noqa: B010
     if way == "headers":
-        chain.read_runs = lambda *args: ([], False)  # type: ignore[attr-defined]
+        setattr(chain, "read_runs", lambda *args: ([], False))  # noqa: B010
     try:
         yield
     finally:
-        chain.read_prefixes, chain.read_runs = prefixes, runs  # type: ignore[attr-defined]
+        for name, fn in kept.items():
+            setattr(chain, name, fn)
 
 
 def reopened_lookup(path: Path, prompt: np.ndarray, way: str, stored: int) -> tuple[float, float]:
