@@ -423,3 +423,11 @@ def test_making_ahead_stops_once_a_restore_takes(spares: Spares) -> None:
     finally:
         other.close()
     assert other.bytes == 0
+    exiting = Spares(64 << 20)  # the interpreter's exit (`_at_exit`) or enable(0): stops too
+    try:
+        exiting.make_ahead([(((1, 4, 1024, 256), F16), 32)])
+        exiting.enable(0)
+        exiting.settle()
+        assert exiting.made < 32 and exiting.bytes == 0
+    finally:
+        exiting.close()

@@ -344,14 +344,15 @@ class Spares:
             self._trim()
 
     def _stopping(self) -> bool:
-        """Whether `close` began: a making under way stops at its next array."""
-        return self._closed
+        """Whether `close` began, or the bound went to 0 (`enable(0)`, the interpreter's
+        exit): a making under way stops at its next array."""
+        return self._closed or self.max_bytes <= 0
 
     def _stop_ahead(self) -> bool:
         """Whether `make_ahead`'s making stops at its next array: closed, or a restore
         began (it allocates what is not made yet; making more beside it slowed it,
         and its own refill makes the next restore's set)."""
-        return self._closed or self._restoring
+        return self._stopping() or self._restoring
 
     def _trim(self) -> None:
         """Drop filled sets, oldest first, then the least recently wanted shapes, while
