@@ -314,14 +314,18 @@ class VisionPrefixCache(PrefixCache):
     def restore_exact(self, tokens: Any, *, with_hidden: bool = False) -> Any:
         """`PrefixCache.restore_exact` for a prompt: with the last token's logits (an end
         record of exactly this prompt) the language model's rope deltas are set, so
-        decoding goes on with no prefill at all."""
+        decoding goes on with no prefill at all. A restore cut back before an image
+        (`restore_point`) returns no logits: they are the last token's."""
         if with_hidden:
             raise InvalidInputError("with_hidden is not supported for vision-language models")
         p = self.as_prompt(tokens)
         cache, n, logits, _ = self._restore_exact(p.keys)
+        m = self._cut(cache, n, p.spans)
+        if m < n:  # cut back before an image too short to restore past: no logits
+            return cache, m, None
         if logits is not None:
             self._set_rope(p)
-        return cache, self._cut(cache, n, p.spans), logits
+        return cache, n, logits
 
     def explain(self, tokens: Any) -> Explanation:
         """`cas_bank.maintenance.explain` of the prompt's key sequence: where its restore

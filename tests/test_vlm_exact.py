@@ -508,3 +508,21 @@ def test_features_of_an_image_of_few_positions_are_not_kept(
     assert n == 0 and (vpc.last_encoded, vpc.last_feature_hits) == (1, 0)
     assert bit_equal(got, want)
     assert vpc.features is not None and vpc.features.get(a.spans[0]) is None
+
+
+def test_an_exact_repeat_with_an_image_of_few_positions_prefills(
+    vpc: VisionPrefixCache, vlm: TinyVLM
+) -> None:
+    """restore_exact of a prompt holding a one-position image: the end record's logits
+    would come with a cache cut back to the image, so none are returned; the prefill
+    from the cut is exact."""
+    small = image_processor(min_pixels=28 * 28)
+    p = vpc.prompt(*vlm_inputs(small, [TEXT, random_image(1, (28, 28)), [5, 6]]))
+    vpc.prefill(p, vpc.new_cache())
+    p_ends = vpc.last_prefill.chunk_ends
+    vpc.bank.flush()
+    cache, n, logits = vpc.restore_exact(p)
+    assert n == p.spans[0].start and logits is None
+    got = vpc.prefill(p, cache, n)
+    want, _ = reference(vlm, p, p_ends, p, n, vpc.last_prefill.chunk_ends)
+    assert bit_equal(got, want)
