@@ -1,7 +1,7 @@
 """`VisionPrefixCache`: an mlx-vlm model's prompt caches in and out of a bank, with
 its images in the key (docs/design.md, "Image keys (format v1)").
 
-    vpc = VisionPrefixCache(bank, model)            # an mlx-vlm Qwen2-VL / Qwen2.5-VL
+    vpc = VisionPrefixCache(bank, model)            # mlx-vlm Qwen2-VL, 2.5-VL or 3-VL
     prompt = vpc.prompt(input_ids, pixel_values, image_grid_thw)  # the processor's output
     cache, n = vpc.restore(prompt)                  # restored before the LM's prefill
     logits = vpc.prefill(prompt, cache, start=n)    # the rest; stores after, as for text
@@ -10,7 +10,9 @@ The bank stores the language model's KV under the prompt's key sequence
 (`cas_bank.blocks.image_keys`): text ids as they are, an image's positions keyed by
 the digest of its pixels and the offset inside it. Everything `PrefixCache` does for
 text (salts, background stores, partial blocks, end records, `restore_exact`,
-`explain` on `prompt.keys`) works unchanged on it.
+`explain` on `prompt.keys`) works unchanged on it. Restores (`restore`, `match`,
+`restore_exact`) take the `VisionPrompt` (or text ids): its image spans set where a
+restore is cut back (`image_keys.restore_point`), which a bare key sequence cannot.
 
 A prefill from `n` runs the vision encoder only on the images with positions at or
 after `n`, one image at a time (in a restore or not, so the features, and the logits,
