@@ -410,9 +410,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         unmount(tmp_path / "mnt")
 
 
-def test_a_full_disk_skips_the_features_store(small_disk: Path, vlm: TinyVLM) -> None:
+def test_a_full_disk_skips_the_features_store(small_disk: Path) -> None:
     """`skip_store_when_full` on a bank that writes inline: the features' store skips
-    the full disk as the prompt's does, and the prefill answers."""
+    the full disk as the prompt's does, and the prefill answers (one model: the store
+    path is the same for all)."""
+    vlm = build_vlm("tiny-qwen2-vl", seed=3)
     config = BankConfig(block_size=BLOCK, write_behind=0, file_min_bytes=0, hot_bytes=0)
     with Bank.open(small_disk / "bank", config) as bank:
         vpc = VisionPrefixCache(bank, vlm.model, chunk_size=CHUNK, skip_store_when_full=True)
