@@ -308,7 +308,8 @@ class VisionPrefixCache(PrefixCache):
     def restore(self, tokens: Any) -> tuple[list[Any], int]:
         """A fresh cache holding the longest stored prefix of the prompt but its last
         token, and its length: never fewer than `MIN_IMAGE_KEYS` positions into an
-        image (`image_keys.restore_point`; the cache is cut back to it)."""
+        image, nor past one of fewer than `MIN_SHORT_IMAGE_KEYS` positions
+        (`image_keys.restore_point`; the cache is cut back to it)."""
         p = self.as_prompt(tokens)
         cache, n = super().restore(p.keys)
         return cache, self._cut(cache, n, p.spans)
