@@ -10,9 +10,9 @@ The bank stores the language model's KV under the prompt's key sequence
 (`cas_bank.blocks.image_keys`): text ids as they are, an image's positions keyed by
 the digest of its pixels and the offset inside it. Everything `PrefixCache` does for
 text (salts, background stores, partial blocks, end records, `restore_exact`,
-`explain` on `prompt.keys`) works unchanged on it. Restores (`restore`, `match`,
-`restore_exact`) take the `VisionPrompt` (or text ids): its image spans set where a
-restore is cut back (`image_keys.restore_point`), which a bare key sequence cannot.
+`explain`) works unchanged on it. Restores (`restore`, `match`, `restore_exact`,
+`explain`) take the `VisionPrompt` (or text ids): its image spans set where a restore
+is cut back (`image_keys.restore_point`), which a bare key sequence cannot.
 
 A prefill from `n` runs the vision encoder only on the images with positions at or
 after `n`, one image at a time (in a restore or not, so the features, and the logits,
@@ -332,8 +332,12 @@ class VisionPrefixCache(PrefixCache):
 
     def explain(self, tokens: Any) -> Explanation:
         """`cas_bank.maintenance.explain` of the prompt's key sequence: where its restore
-        stops and why (a divergence inside an image shows key tokens, >= 2**31)."""
-        return explain(self.bank, self.namespace.root, self.tokens(tokens))
+        stops and why (a divergence inside an image shows key tokens, >= 2**31), its
+        restorable tokens cut back as a restore is (`restore_point`). Takes what the
+        restores take: the `VisionPrompt`, or text ids."""
+        p = self.as_prompt(tokens)
+        why = explain(self.bank, self.namespace.root, p.keys)
+        return replace(why, restorable_tokens=restore_point(why.restorable_tokens, p.spans))
 
     def as_prompt(self, tokens: Any) -> VisionPrompt:
         """`tokens` as the prompt a restore needs: a `VisionPrompt` as it is, text ids as
@@ -344,8 +348,8 @@ class VisionPrefixCache(PrefixCache):
         ids = as_token_array(tokens)
         if max_token(ids) >= KEY_BIT:
             raise InvalidInputError(
-                "a key sequence does not say where its images start: restore, match and "
-                "restore_exact take the VisionPrompt (vpc.prompt(...)) or text ids"
+                "a key sequence does not say where its images start: restore, match, "
+                "restore_exact and explain take the VisionPrompt (vpc.prompt(...)) or text ids"
             )
         return self.prompt(ids)
 

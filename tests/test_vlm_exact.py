@@ -234,6 +234,9 @@ def test_restore_never_rests_on_few_image_keys(vpc: VisionPrefixCache, vlm: Tiny
     assert vpc.namespace.match(b.keys[:-1]) == 48  # the bank alone would give 48
     assert n == 46 < 46 + MIN_IMAGE_KEYS
     assert bit_equal(got, want)
+    assert vpc.explain(b).restorable_tokens == 46  # explain tells the restore's cut
+    with pytest.raises(InvalidInputError, match="VisionPrompt"):
+        vpc.explain(b.keys)
 
 
 def test_exact_repeat_needs_no_prefill(vpc: VisionPrefixCache, vlm: TinyVLM) -> None:
