@@ -38,6 +38,8 @@ from cas_bank.index.chain_records import read_runs
 from cas_bank.index.header import Header, HeaderSource, read_headers
 from cas_bank.index.prefixes import read_prefixes
 
+_U4 = np.dtype("<u4")
+
 __all__ = [
     "WHOLE_CHAIN_READ",
     "Header",
@@ -90,7 +92,9 @@ def stored_chain(
     the blocks they give, the chain is hashed from the last block they name and
     `longest_chain` goes on from there."""
     n = len(tokens) // block_size
-    blocks = np.ascontiguousarray(tokens[: n * block_size], dtype="<u4")
+    blocks = tokens[: n * block_size]
+    if blocks.dtype != _U4 or not blocks.flags.c_contiguous:  # as `as_token_array` gives
+        blocks = np.ascontiguousarray(blocks, dtype=_U4)
     hashes: list[BlockHash] = []
     found: list[Header] = []
     if n and not getattr(store, "queued_blocks", False):
