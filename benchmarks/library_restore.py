@@ -8,8 +8,8 @@ between restores). A library caller opens a bank and restores, and gets only wha
 - the file: `load_prompt_cache` of what `save_prompt_cache` wrote, evaluated;
 - a restore after a reopen: `Bank.open` of the stored bank, `PrefixCache.restore`,
   evaluated (the open itself not timed, nor the wait for the bank's start-up work: the
-  spares its last session ended with, made from its first namespace on, as a runtime's
-  are while it loads its model; `--at-once`: no wait, the restore made right after);
+  spares its last session ended with, made from the open on, as a runtime's are while
+  it starts; `--at-once`: no wait, the restore made right after the `PrefixCache`);
 - the hot one: a second `PrefixCache.restore` of the same prompt on that bank.
 
 Between the two restores, the bank's background work is let finish (`settle`, as a

@@ -10,7 +10,7 @@ random arrays of the right shapes and dtypes:
 - mlx-lm file: `save_prompt_cache` of the cache, then `load_prompt_cache` + evaluation;
 - cas_bank from RocksDB after a reopen: `PrefixCache.restore` + evaluation, once the
   bank's start-up work is done (`settle`: the spares its last session ended with, made
-  ahead from its first namespace on, as a server's are before its first request; the
+  ahead from the open on, as a server's are before its first request; the
   open and that wait untimed; `benchmarks.library_restore --at-once` measures a restore
   made at once after the open);
 - cas_bank from the hot tier: the same again in the same process, the lease copied

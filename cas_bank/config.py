@@ -99,11 +99,11 @@ class BankConfig(BaseModel):
     """Byte bound of the destination arrays this process keeps made ahead of the bank's
     next restores (`cas_bank.restore.spares`): one restore's set per shape, and a lease
     restored again copied ahead (two at most, each at most half the bound). Held only
-    once restores of those shapes happen, or, in a reopened bank, from its first
-    `namespace()` (the shapes its last session's spares held, kept in meta at close)
+    once restores of those shapes happen, or, in a reopened bank, from its open on (the
+    shapes its last session's spares held, kept in meta at close)
     (`stats().spare_held_bytes`), released by `close()`; made by one background thread
     of the bank's. 0: none, and no thread (each restore allocates and faults in fresh
-    arrays)."""
+    arrays); the `cas-bank` tools open banks so."""
 
     access_flush_interval: float = Field(default=5.0, ge=0.0)
     """Seconds between batched writes of last-use times (never a write per restore)."""

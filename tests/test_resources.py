@@ -187,13 +187,13 @@ def test_restore_threads_is_one_or_two(monkeypatch: pytest.MonkeyPatch) -> None:
         Resources(0, threads=0)
 
 
-def test_a_reopened_bank_makes_the_spares_it_closed_with_at_its_first_namespace(
+def test_a_reopened_bank_makes_the_spares_it_closed_with_from_its_open(
     bank_path: Path,
 ) -> None:
-    """The shapes a bank's restores wanted are kept at close; the next open makes them
-    (within the bound) at its first `namespace`, so that its first restore takes every
-    array from them, bit-exact; an open that makes no namespace makes none; close joins
-    the thread and frees them."""
+    """The shapes a bank's restores wanted are kept at close; the next open has them
+    made (within the bound) by its spares' thread, so that its first restore takes
+    every array from them, bit-exact; its namespace makes the shapes that restore
+    checks; a tool's open (no spares) makes none; close joins the thread and frees them."""
     layers = prefix_layers(SPEC, TOKENS)
     want = kv_prefix_bits(layers, SPEC, 256)
     config = BankConfig(block_size=64, hot_bytes=0)
@@ -203,13 +203,16 @@ def test_a_reopened_bank_makes_the_spares_it_closed_with_at_its_first_namespace(
         assert ns.restore(TOKENS, room_for=300) is not None
         recorded = bank.resources.spares.wanted_recently()
     assert [n for _, n in recorded] == [4]  # one shape (K and V of both layers), 4 arrays
-    with Bank.open(bank_path, config) as bank:  # a tool's open: no namespace, no spares
+    tools = BankConfig(block_size=64, hot_bytes=0, spare_bytes=0)  # as tools/common.py opens
+    with Bank.open(bank_path, tools) as bank:
+        bank.namespace(SPEC)
         assert not _spares_threads() and bank.resources.spares.made == 0
     bank = Bank.open(bank_path, config)
     try:
         spares = bank.resources.spares
+        assert len(_spares_threads()) == 1  # started by the open, before any namespace
+        assert len(bank.resources.shapes) == 0
         ns = bank.namespace(SPEC)
-        assert len(_spares_threads()) == 1  # started by the namespace, before any restore
         assert len(bank.resources.shapes) == 1  # what a restore into 512 rows allocates
         bank.resources.settle()
         held = bank.stats()
@@ -241,15 +244,12 @@ def test_spares_made_at_open_stay_within_the_reopened_banks_bound(bank_path: Pat
     assert [w[0][-2] for w, _ in recorded] == [1280, 512]
     small = 4 * 512 * 4 * 256 * 2  # the 512-row set's bytes
     with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=small)) as bank:
-        bank.namespace(SPEC)
         bank.resources.settle()
         assert bank.stats().spare_held_bytes == small
         assert [w[0][-2] for w, _ in bank.resources.spares.wanted_recently()] == [512]
     with Bank.open(bank_path, BankConfig(block_size=64, hot_bytes=0, spare_bytes=0)) as bank:
-        bank.namespace(SPEC)
         assert not _spares_threads() and bank.stats().spare_held_bytes == 0
     with Bank.open(bank_path, config) as bank:  # the small bound's record, not the 0's
-        bank.namespace(SPEC)
         bank.resources.settle()
         assert [w[0][-2] for w, _ in bank.resources.spares.wanted_recently()] == [512]
 
@@ -263,7 +263,6 @@ def test_a_record_that_does_not_read_makes_no_spares(bank_path: Path) -> None:
         with Bank.open(bank_path, config) as bank, bank.transaction(budget=False) as tx:
             tx.put(Family.META, _KEY_SPARES, raw)
         with Bank.open(bank_path, config) as bank:
-            bank.namespace(SPEC)
             assert not _spares_threads() and bank.resources.spares.made == 0
 
 

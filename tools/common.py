@@ -133,8 +133,10 @@ def add_bank_argument(parser: argparse.ArgumentParser) -> None:
 
 # -- opening banks ---------------------------------------------------------------------
 # No hot tier: a tool reads each record once (verify reads every payload), so caching
-# would only hold memory. The block size is taken from the bank on disk.
-_TOOL_CONFIG = BankConfig(hot_bytes=0)
+# would only hold memory; and no spares (`BankConfig.spare_bytes`): a tool restores
+# nothing, and a reopened bank would make its last session's at the open. The block
+# size is taken from the bank on disk.
+_TOOL_CONFIG = BankConfig(hot_bytes=0, spare_bytes=0)
 
 
 def open_reader(path: Path, *, payloads: bool = False) -> Bank:

@@ -15,7 +15,7 @@ server gets:
   (`benchmarks.library_restore`, a loaded 2-core machine), though `spare_bytes=0`
   against the default in one process measured within noise (37.7 against 42.5 ms).
   A reopened bank starts with the spares its last session ended with: their shapes
-  are kept in its meta at `close` and made by the same thread at its first namespace
+  are kept in its meta at `close` and made by the same thread from its open on
   (`Spares.make_ahead`, `cas_bank.bank`), which took a reopened restore of that
   layout from 22.5 to 10.2 ms (the file 12.7/9.4; fresh pages faulted in were the
   difference) in the same benchmark.

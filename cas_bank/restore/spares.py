@@ -37,8 +37,9 @@ fault its fresh pages in: 1.7 of 18.6 ms allocating and a fill 8 ms slower than 
 same read into pages in memory, at 100 MB of fp32 KV (`benchmarks.library_restore`'s
 layout). So the pool remembers the shapes refills asked for (`wanted_recently`: what a
 full pool holds, within the bound), the bank keeps them in its meta at `close`, and
-its next open has them made (`make_ahead`) as its first namespace is made, before its
-first restore (`cas_bank.bank`): that restore then took 9.4 ms (the file 9.1).
+its next open has them made (`make_ahead`) in the background from the open on, before
+its first restore (`cas_bank.bank`; tools open banks without spares): that restore then
+took 9.4 ms (the file 9.1).
 
 A runtime's restore is followed by its forward pass, the time to first token, and a
 refill made beside it (a zero fill and a lease's copy of 100-400 MB) slows that pass
