@@ -443,6 +443,10 @@ def test_prefix_keys_are_format_v1() -> None:
     assert every == prefixes.python_prefix_keys(root, data, 64 * 64 * 4, 64 * 4)
     assert every[:2] == keys[:2] and every[-1] == keys[-1] and len(every) == 5
     assert every[2] == prefixes.prefix_keys(root, data[: (2 * 64 + 1) * 64 * 4], 64 * 64 * 4)[-1]
+    # Going on from the key of the whole segments (a lookup's last segment).
+    rest = data[2 * 64 * 64 * 4 :]
+    on = prefixes.prefix_keys(root, rest, 64 * 64 * 4, 64 * 4, after=keys[1])
+    assert on == every[2:] == prefixes.python_prefix_keys(root, rest, 64 * 64 * 4, 64 * 4, keys[1])
 
 
 @given(

@@ -30,7 +30,8 @@ static void chain_hashes(const uint8_t *root, const uint8_t *src, size_t n, size
 }
 
 /* The prefix keys of the len bytes at src (cas_bank.index.prefixes) into dst, how many:
- * key 0 is blake3(derive_key=context, root); each next is blake3 keyed by the one before
+ * key 0 is blake3(derive_key=context, root) (root itself where context is NULL: the
+ * key of the prefix the bytes go on from); each next is blake3 keyed by the one before
  * over a step-byte segment; the last, short segment's key comes at the end of each of
  * its `block`-byte blocks where block > 0 (digests of one keyed hasher: the candidates
  * of a lookup whose stored chain ends inside it), else once at its end. */
@@ -38,9 +39,13 @@ static size_t prefix_keys(const uint8_t *root, const uint8_t *src, size_t len, s
                           size_t block, const char *context, uint8_t *dst) {
   blake3_hasher h;
   uint8_t key[BLAKE3_KEY_LEN];
-  blake3_hasher_init_derive_key(&h, context);
-  blake3_hasher_update(&h, root, BLAKE3_OUT_LEN);
-  blake3_hasher_finalize(&h, key, BLAKE3_KEY_LEN);
+  if (context != NULL) {
+    blake3_hasher_init_derive_key(&h, context);
+    blake3_hasher_update(&h, root, BLAKE3_OUT_LEN);
+    blake3_hasher_finalize(&h, key, BLAKE3_KEY_LEN);
+  } else { /* `root` is the key the hashing goes on from (a prefix's, a lookup's tail) */
+    memcpy(key, root, BLAKE3_KEY_LEN);
+  }
   size_t at = 0, i = 0;
   for (; at + step <= len; at += step, i++) {
     blake3_hasher_init_keyed(&h, key);
@@ -114,8 +119,8 @@ static PyObject *prefixes(PyObject *self, PyObject *args) {
   (void)self;
   Py_buffer root, data;
   Py_ssize_t step, block = 0;
-  const char *context;
-  if (!PyArg_ParseTuple(args, "y*y*ns|n", &root, &data, &step, &context, &block)) return NULL;
+  const char *context; /* None: root is the key to go on from */
+  if (!PyArg_ParseTuple(args, "y*y*nz|n", &root, &data, &step, &context, &block)) return NULL;
   PyObject *out = NULL;
   if (root.len != BLAKE3_OUT_LEN || step <= 0 || block < 0) {
     PyErr_SetString(PyExc_ValueError, "root must be 32 bytes, step > 0 and block >= 0");
@@ -458,7 +463,8 @@ static PyMethodDef methods[] = {
     {"prefixes", prefixes, METH_VARARGS,
      "prefixes(root, data, step, context, block=0) -> list[bytes]: the prefix key of data "
      "up to the end of every step-byte segment, then up to the end of each block-byte block "
-     "of the short last one (only its end where block is 0) (index.prefixes)."},
+     "of the short last one (only its end where block is 0) (index.prefixes); with context "
+     "None, root is the key of the prefix data goes on from."},
     {"max_id", max_id, METH_O,
      "max_id(ids) -> int: the largest little-endian uint32 of the buffer ids (0 if "
      "empty)."},

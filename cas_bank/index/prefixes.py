@@ -51,7 +51,7 @@ from cas_bank.native import chain_module
 
 PREFIX_CONTEXT = "cas_bank 2026-12-06 chain prefix v1"
 _CHAIN_HASH = attrgetter("chain_hash")
-_native_keys: Callable[[bytes, memoryview, int, str, int], list[bytes]] | None = getattr(
+_native_keys: Callable[[bytes, memoryview, int, str | None, int], list[bytes]] | None = getattr(
     chain_module, "prefixes", None
 )
 
@@ -67,22 +67,32 @@ def next_key(previous: bytes, tokens: bytes | memoryview) -> bytes:
 
 
 def prefix_keys(
-    root: bytes, data: memoryview, segment_bytes: int, block_bytes: int = 0
+    root: bytes,
+    data: memoryview,
+    segment_bytes: int,
+    block_bytes: int = 0,
+    after: bytes | None = None,
 ) -> list[bytes]:
     """The prefix keys of `data` (the chain's tokens, <u4 bytes) up to the end of every
     whole segment of `segment_bytes`, then, where a short segment is left, up to the end
-    of each of its blocks of `block_bytes` (0: only up to its end). One C call where
-    `cas_bank._chain` is built: the same keys."""
+    of each of its blocks of `block_bytes` (0: only up to its end). `after`: the key of
+    the prefix `data` goes on from (a whole number of segments; None: `data` starts the
+    chain). One C call where `cas_bank._chain` is built: the same keys."""
     if _native_keys is not None:
-        return _native_keys(bytes(root), data, segment_bytes, PREFIX_CONTEXT, block_bytes)
-    return python_prefix_keys(root, data, segment_bytes, block_bytes)
+        start, context = (root, PREFIX_CONTEXT) if after is None else (after, None)
+        return _native_keys(bytes(start), data, segment_bytes, context, block_bytes)
+    return python_prefix_keys(root, data, segment_bytes, block_bytes, after)
 
 
 def python_prefix_keys(
-    root: bytes, data: memoryview, segment_bytes: int, block_bytes: int = 0
+    root: bytes,
+    data: memoryview,
+    segment_bytes: int,
+    block_bytes: int = 0,
+    after: bytes | None = None,
 ) -> list[bytes]:
     """`prefix_keys` with the blake3 package."""
-    key = start_key(root)
+    key = start_key(root) if after is None else after
     out: list[bytes] = []
     whole = len(data) - len(data) % segment_bytes
     for at in range(0, whole, segment_bytes):
@@ -165,18 +175,18 @@ def read_prefixes(
     inside it: a next turn). ([], []) where there is none.
 
     One multi-get for a chain stored as it is asked: the namespace's epoch, the key of
-    every whole segment and that of the chain's end (`prefix_keys`: one pass of a keyed
-    hasher makes the key of every block of the last segment). Where the end is not
-    stored, a second of the epoch and the keys of the last segment's other blocks."""
+    every whole segment and that of the chain's end (`prefix_keys`). Where the end is
+    not stored, a second of the epoch and the keys of the last segment's other blocks
+    (one keyed hasher's digests, going on from the whole segments' key)."""
     n = len(data) // step
     if not n:
         return [], []
     segment = records.SEGMENT
     whole, tail = divmod(n, segment)
-    keys = prefix_keys(root, data[: n * step], segment * step, step)  # then a block's
+    keys = prefix_keys(root, data[: n * step], segment * step)  # the chain's end last
     parse = _prefix_parser(root, data, step)
     epoch_key = records.epoch_key(root)
-    asked = [epoch_key, *keys[:whole], *keys[-1:][: bool(tail)]]  # the chain's end last
+    asked = [epoch_key, *keys]
     try:
         raws, runs = store.get_parsed(Family.PREFIXES, asked, parse)
     except CorruptDataError:
@@ -190,8 +200,11 @@ def read_prefixes(
         headers += cast(records.Run, run).headers
     if len(headers) != whole * segment or tail < 2:
         return list(map(_CHAIN_HASH, headers)), headers
-    # The chain's end is not stored: the deepest block of the last segment that is.
-    inner = keys[whole : whole + tail - 1]
+    # The chain's end is not stored: the deepest block of the last segment that is
+    # (the keys of its blocks, going on from the whole segments').
+    at = whole * segment * step
+    after = keys[whole - 1] if whole else None
+    inner = prefix_keys(root, data[at : n * step - step], segment * step, step, after)
     try:
         raws, runs = store.get_parsed(Family.PREFIXES, [epoch_key, *inner], parse)
     except CorruptDataError:
