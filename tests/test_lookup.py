@@ -28,7 +28,7 @@ from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain, chain_records, prefixes
+from cas_bank.index import chain, chain_record_writes, chain_records, prefixes
 from cas_bank.index.chain import Header, longest_chain, stored_chain
 from cas_bank.index.children import INDEXED_KEY
 from cas_bank.index.header import FIXED
@@ -535,3 +535,23 @@ def test_verify_finds_records_that_are_not_the_headers_and_fix_removes_them(
         assert report.fixed and verify(bank).ok
         assert bank.store.get(Family.CHAINS, bytes(hashes[63])) is None
         assert _query(ns, tokens)[0] == _query(ns, tokens)[1]
+
+
+def test_a_rewrite_below_a_bushy_subtree_makes_the_records_stale_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `REWRITE_WALK` blocks to walk, a header rewritten in place raises the
+    namespace's epoch (a bounded batch): the lookup then reads the headers, and finds
+    the state."""
+    spec = hybrid_spec()
+    tokens = list(range(130 * B))
+    monkeypatch.setattr(chain_record_writes, "REWRITE_WALK", 8)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, random_layers(spec, len(tokens)), {len(tokens): random_state(spec)})
+        ns.store(tokens[: 100 * B], random_layers(spec, 100 * B), {100 * B: random_state(spec)})
+        toks = np.asarray(tokens, dtype=np.uint32)
+        counting = _Counting(ns.view().store)
+        got = stored_chain(counting, ns.root, toks, B)[1]
+        assert got == longest_chain(ns.view(), ns.root, ns.chain(toks)) and got[99].has_state
+        assert counting.headers >= 130 - 64

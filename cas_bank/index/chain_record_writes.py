@@ -25,6 +25,10 @@ from cas_bank.index.header import FIXED, Header, decoded
 from cas_bank.index.prefixes import encode_prefix, next_key, start_key
 
 _PARENT = slice(24, 56)  # a header's parent field, in its fixed part
+# The most blocks a batch walks to write again the records that copy a header it
+# rewrites in place (a seek of the children index each, ~10 us); past it the
+# namespace's epoch is raised instead, as where there is no children index.
+REWRITE_WALK = 4096
 
 
 def run_writes(store: BlockStore, writes: Sequence[Write]) -> list[Write]:
@@ -161,8 +165,9 @@ def _rewrite_records(
     place (a state added or dropped, a payload written again), written again with it:
     the records of the block and of its descendants in its segment (found through the
     children index), each at its own epoch. The roots where that cannot be done (a bank
-    without a complete children index, a read that fails) come back instead: their
-    epoch is raised (every record of theirs stale) as before."""
+    without a complete children index, a read that fails, more than `REWRITE_WALK`
+    blocks to walk) come back instead: their epoch is raised (every record of theirs
+    stale) as before."""
     roots = {h.root for h in rewritten.values()}
     if not is_indexed(store):
         return [], roots
@@ -174,6 +179,8 @@ def _rewrite_records(
             while below:
                 node, index = below.pop()
                 targets[node] = None
+                if len(targets) > REWRITE_WALK:  # a bushy subtree: a bounded batch instead
+                    return [], roots
                 if index < end:
                     below += [
                         (v[1:], index + 1)
