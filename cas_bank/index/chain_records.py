@@ -194,23 +194,34 @@ def read_runs(
         return out, True
     if store.get(Family.HEADERS, hashes[first]) is None:
         return out, True  # prefix-closed: nothing after it is stored either
-    # The stored part goes on inside the segment from `first` (or a record there is
-    # stale): the records of its blocks but its last (asked already), the deepest.
-    inner = range(first + 1, min(first + SEGMENT, n) - 1)
+    return out + _deepest_inside(store, root, hashes, parse, first), False
+
+
+def _deepest_inside(
+    store: HeaderSource,
+    root: bytes,
+    hashes: Sequence[BlockHash],
+    parse: Callable[[bytes, bytes], Run | None],
+    first: int,
+) -> list[Header]:
+    """The headers of the deepest current record of the segment from block `first`
+    (where the stored chain goes on inside it, or a record there is stale): one
+    multi-get of its blocks' records but the chain's last (asked already)."""
+    inner = range(first + 1, min(first + SEGMENT, len(hashes)) - 1)
     if not inner:
-        return out, False
+        return []
     try:
         raws, runs = store.get_parsed(
             Family.CHAINS, [epoch_key(root), *(hashes[i] for i in inner)], parse
         )
     except CorruptDataError:
-        return out, False
+        return []
     epoch = epoch_of(raws[0])
     for j in range(len(inner) - 1, -1, -1):
         run = cast(Run | None, runs[1 + j])
         if run is not None and run.epoch == epoch and run.first == first:
-            return out + list(run.headers), False
-    return out, False
+            return list(run.headers)
+    return []
 
 
 def python_run(
