@@ -48,7 +48,7 @@ from cas_bank.evict.tenants import (
     tenant_record,
     tenant_stats,
 )
-from cas_bank.index.chain import run_writes
+from cas_bank.index.chain_record_writes import run_writes
 from cas_bank.index.children import INDEXED_KEY, index_writes
 from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace

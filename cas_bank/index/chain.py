@@ -3,8 +3,7 @@ where a restore may stop.
 
 The headers (`index.header`) and the chain records (`index.chain_records`) are
 defined beside this module; `Header`, `HeaderSource` and `read_headers` are
-re-exported here, where most callers have always imported them (and `run_writes`,
-which the bank's transactions run).
+re-exported here, where most callers have always imported them.
 
 Recurrent (GDN) states sit at block boundaries. A state cannot be cut from a longer
 one, so it is captured exactly at a boundary and stored under the chain hash of the
@@ -33,7 +32,6 @@ import numpy as np
 from cas_bank.blocks.hashing import BlockHash, chain_hashes
 from cas_bank.blocks.store import Family
 from cas_bank.index import chain_records
-from cas_bank.index.chain_record_writes import run_writes
 from cas_bank.index.chain_records import read_runs
 from cas_bank.index.header import Header, HeaderSource, read_headers
 from cas_bank.index.prefixes import read_prefixes
@@ -49,7 +47,6 @@ __all__ = [
     "plan_boundaries",
     "read_headers",
     "restore_blocks",
-    "run_writes",
     "stored_chain",
     "stored_prefix",
 ]
