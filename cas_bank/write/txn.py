@@ -176,7 +176,8 @@ class Transaction:
                     self.store, self.writes, self._removed, self._access.clock
                 )
                 batch += extra
-            self.store.put_batch(batch)
+            if batch:  # nothing to write: no batch (a flush with nothing pending)
+                self.store.put_batch(batch)
         except BaseException:
             self._access.requeue(keep)  # those uses happened; they go with a later batch
             self._run_undo()
