@@ -204,7 +204,7 @@ def markdown(r: dict[str, Any]) -> list[str]:
     v = r.get("vlm_agents")
     if not v:
         return []
-    from benchmarks.targets import mb, ms, table
+    from benchmarks.targets import mb, table
 
     s = v["settings"]
     n = 2 * s["agents"]
@@ -220,23 +220,6 @@ def markdown(r: dict[str, Any]) -> list[str]:
         "restarts); `bank`: `cas-bank mlx-vlm-server`.",
         "",
     ]
-    rows = []
-    for name, w in v["ways"].items():
-        b, a = w["summary"]["before"], w["summary"]["after_restart"]
-        rows.append(
-            [
-                name,
-                ms(b["first_ttft_s"]),
-                ms(b["rest_ttft_p50_s"]),
-                f"{b['rest_hit']:.0%}",
-                ms(a["first_ttft_s"]),
-                f"{a['first_hit']:.0%}",
-                ms(a["rest_ttft_p50_s"]),
-                f"{a['rest_hit']:.0%}",
-                mb(w["kept_bytes"]),
-                {True: "yes", False: "no"}.get(w.get("same_answers_as_none"), "–"),
-            ]
-        )
     L += table(
         [
             "way",
@@ -250,24 +233,48 @@ def markdown(r: dict[str, Any]) -> list[str]:
             "MB kept",
             "answers = none's",
         ],
-        rows,
+        [_way_row(name, w) for name, w in v["ways"].items()],
     )
     L += [
         f"One private cache per agent ({n} agents) would hold "
         f"{mb(v['one_copy_per_agent_bytes'])} MB of KV ({v['kv_bytes_per_token']} bytes a token); "
         "the bank's bytes include each image's encoder output.",
         "",
-        "Reading (mlx-vlm 0.7.10, read in its source and seen in these counts): its prefix "
-        "cache in memory refuses every prefix that holds image tokens (`apc_lookup_plan`, "
-        "`prefix_has_media`), so within a run it reuses nothing of these prompts; its SSD "
-        "tier, read only when the memory pool misses, reuses whole 16-token blocks that "
-        "reach past the image (here the task text after the image makes them), so after a "
-        "restart. The bank restores to the token within a run and after a restart, and "
-        "hands mlx-vlm each image's encoder output, which its Qwen2-VL otherwise computes "
-        "on every request, a prefix hit or not.",
+        _READING,
         "",
     ]
     return L
+
+
+def _way_row(name: str, w: dict[str, Any]) -> list[str]:
+    """One way's figures: before and after the restart, bytes kept, answers."""
+    from benchmarks.targets import mb, ms
+
+    b, a = w["summary"]["before"], w["summary"]["after_restart"]
+    return [
+        name,
+        ms(b["first_ttft_s"]),
+        ms(b["rest_ttft_p50_s"]),
+        f"{b['rest_hit']:.0%}",
+        ms(a["first_ttft_s"]),
+        f"{a['first_hit']:.0%}",
+        ms(a["rest_ttft_p50_s"]),
+        f"{a['rest_hit']:.0%}",
+        mb(w["kept_bytes"]),
+        {True: "yes", False: "no"}.get(w.get("same_answers_as_none"), "–"),
+    ]
+
+
+_READING = (
+    "Reading (mlx-vlm 0.7.10, read in its source and seen in these counts): its prefix "
+    "cache in memory refuses every prefix that holds image tokens (`apc_lookup_plan`, "
+    "`prefix_has_media`), so within a run it reuses nothing of these prompts; its SSD "
+    "tier, read only when the memory pool misses, reuses whole 16-token blocks that "
+    "reach past the image (here the task text after the image makes them), so after a "
+    "restart. The bank restores to the token within a run and after a restart, and "
+    "hands mlx-vlm each image's encoder output, which its Qwen2-VL otherwise computes "
+    "on every request, a prefix hit or not."
+)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
