@@ -16,7 +16,11 @@ Between the two restores, the bank's background work is let finish (`settle`, as
 forward pass would give it time). Each figure is the median of the per-round ratios
 file time / restore time (> 1: the restore is faster than the file), printed side by
 side. Layouts: the medium models' caches at 1k and 4k tokens, and `fp32-100mb`
-(6 layers x 4 KV heads x 128 head dim, float32, 4096 tokens: 100 MB).
+(6 layers x 4 KV heads x 128 head dim, float32, 4096 tokens: 100 MB). Each layout is
+measured in a process of its own (spawned): the file's load allocates its arrays
+afresh, and how fast depends on the heap the layouts before left: medium-qwen3 1k
+took 10.2 ms after fp32-100mb in the same process, 3.2 ms alone (the bank 2.5-2.6
+both times), which flattered the bank.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +134,23 @@ def measure(layout: str, rounds: int, workdir: Path, *, at_once: bool = False) -
     }
 
 
+def _measured_alone(
+    layout: str, rounds: int, workdir: Path, at_once: bool, server: bool
+) -> dict[str, Any]:
+    """`measure` in a new process (spawned: nothing of this one's heap or MLX state)."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn) as child:
+        return child.submit(_measure_here, layout, rounds, workdir, at_once, server).result()
+
+
+def _measure_here(
+    layout: str, rounds: int, workdir: Path, at_once: bool, server: bool
+) -> dict[str, Any]:
+    if server:
+        server_settings()
+    return measure(layout, rounds, workdir, at_once=at_once)
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Print the ratios file / restore of each layout (medians of the rounds)."""
     p = argparse.ArgumentParser(
@@ -139,12 +162,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--at-once", action="store_true", help="restore right after the open (no wait)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.server_settings:
-        server_settings()
     rows = []
     with tempfile.TemporaryDirectory(prefix="cas_bank_library_") as tmp:
         for layout in args.layouts.split(","):
-            row = measure(layout, args.rounds, Path(tmp), at_once=args.at_once)
+            row = _measured_alone(
+                layout, args.rounds, Path(tmp), args.at_once, args.server_settings
+            )
             rows.append(row)
             print(
                 f"{row['layout']:>20} {row['mb']:6.1f} MB  file {row['file_ms']:7.1f} ms  "
