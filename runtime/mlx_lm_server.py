@@ -54,7 +54,7 @@ from .mlx_lm_requests import (
 from .mlx_lm_salts import SALT_ATTR, request_salt, salting_generator
 from .mlx_lm_worker import worker_generator
 from .models import LoadedModel, weights_digest
-from .process import freeze_startup_objects, server_settings
+from .process import freeze_startup_objects, server_settings, sigterm_as_interrupt
 from .prompt_cache_adapter import BankPromptCache
 
 READY = "cas-bank mlx-lm-server: listening on"
@@ -313,18 +313,6 @@ def _swapped_run(run: Callable[..., None]) -> Iterator[None]:
         mls.run = original
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def serve(
     bank: Bank,
     mlx_lm_args: Sequence[str],
@@ -368,7 +356,7 @@ def serve(
         )
         # A stop (Ctrl-C, SIGTERM) before mlx-lm's serve loop catches it (just after the
         # ready line) is a stop all the same, not an error.
-        with _swapped_run(run), _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
+        with _swapped_run(run), sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
             mls.main()
     finally:
         sys.argv = argv

@@ -25,7 +25,6 @@ import importlib
 import json
 import logging
 import re
-import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from typing import Any
 from cas_bank.bank import Bank
 
 from .mlx_vlm_apc import BankAPC
-from .process import server_settings
+from .process import server_settings, sigterm_as_interrupt
 
 READY = "cas-bank mlx-vlm-server: listening on"
 
@@ -130,22 +129,6 @@ def _announcing(json_line: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt. uvicorn takes SIGTERM while it serves, shuts down
-    gracefully, then raises the signal again with the handler it found: this one, so the
-    process goes on to close the bank instead of dying of the signal's default action."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
 def _swapped(manager: BankAPC) -> Iterator[None]:
     apc: Any = importlib.import_module("mlx_vlm.apc")
     app: Any = importlib.import_module("mlx_vlm.server.app")
@@ -185,7 +168,7 @@ def serve(
         with (
             _swapped(manager),
             _announcing(json_line),
-            _sigterm_as_interrupt(),
+            sigterm_as_interrupt(),
             contextlib.suppress(KeyboardInterrupt),
         ):
             cli.main()

@@ -11,6 +11,10 @@ The library sets nothing for the process on its own: what a bank's restores use
 from __future__ import annotations
 
 import gc
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from cas_bank.restore.destinations import keep_freed_memory
 
@@ -37,3 +41,20 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while inside: a server (mlx-lm's, mlx-vlm's
+    uvicorn, which re-raises the signal after its graceful shutdown with the handler it
+    found) then goes on to close its bank instead of dying of the signal's default
+    action."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -221,6 +221,19 @@ def open_writer(
         ) from None
 
 
+def open_for_serving(path: Path, config: BankConfig) -> Bank:
+    """The bank a server runs on (made if missing, its parent directory too); a clear
+    error for what the open refuses (a TLS file missing: the message names it) or when
+    another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return Bank.open(path, config)
+    except InvalidInputError as e:
+        raise CliError(str(e)) from None
+    except BankLockedError:
+        raise CliError(f"bank at {path} is held by another process (a server?)") from None
+
+
 # -- output --------------------------------------------------------------------------
 def console() -> Console:
     """A console for stdout; wide when piped, so tables are not wrapped at 80 columns."""

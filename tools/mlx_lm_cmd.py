@@ -16,8 +16,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cas_bank.errors import BankLockedError, InvalidInputError
-
 from .bank_args import add_bank_arguments, add_deprecated_inline_stores, bank_config
 from .common import (
     CliError,
@@ -25,6 +23,7 @@ from .common import (
     bank_path,
     check_port_arguments,
     dump_stacks_on_sigusr1,
+    open_for_serving,
 )
 from .serve_cmd import DEFAULT_BANK_DIR
 
@@ -66,20 +65,12 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     dump_stacks_on_sigusr1()
     check_port_arguments(args.extra)  # before the bank opens (mlx-lm: an OverflowError)
-    from cas_bank import Bank
 
     _check_model(args.extra)
     config = bank_config(args)
     from cas_bank.runtime.mlx_lm_server import serve  # MLX: after the checks without it
 
-    args.bank.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        bank = Bank.open(args.bank, config)
-    except InvalidInputError as e:  # e.g. a TLS file missing: the message names it
-        raise CliError(str(e)) from None
-    except BankLockedError:
-        raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
-    with bank:
+    with open_for_serving(args.bank, config) as bank:
         serve(
             bank,
             list(args.extra),

@@ -18,10 +18,15 @@ import os
 import sys
 from typing import Any
 
-from cas_bank.errors import BankLockedError, InvalidInputError
-
 from .bank_args import add_bank_arguments, bank_config
-from .common import CliError, add_command, bank_path, check_port_arguments, dump_stacks_on_sigusr1
+from .common import (
+    CliError,
+    add_command,
+    bank_path,
+    check_port_arguments,
+    dump_stacks_on_sigusr1,
+    open_for_serving,
+)
 from .serve_cmd import DEFAULT_BANK_DIR
 
 
@@ -51,19 +56,11 @@ def _run(args: argparse.Namespace) -> int:
     _check_model(args.extra)
     if importlib.util.find_spec("mlx_vlm") is None:
         raise CliError('mlx-vlm-server needs mlx-vlm: pip install "cas_bank[vision]"')
-    from cas_bank import Bank
 
     config = bank_config(args)
     from cas_bank.runtime.mlx_vlm_server import serve  # MLX, mlx-vlm: after the checks
 
-    args.bank.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        bank = Bank.open(args.bank, config)
-    except InvalidInputError as e:
-        raise CliError(str(e)) from None
-    except BankLockedError:
-        raise CliError(f"bank at {args.bank} is held by another process (a server?)") from None
-    with bank:
+    with open_for_serving(args.bank, config) as bank:
         serve(
             bank,
             list(args.extra),
