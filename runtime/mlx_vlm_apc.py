@@ -198,15 +198,10 @@ class BankAPC(APCManager):  # type: ignore[misc]  # mlx-vlm is untyped (Any)
         if not prompt.spans or vpc.features is None or vpc.kind not in FEATURE_TYPES:
             return None
         rows = []
-        for i, span in enumerate(prompt.spans):
-            features = vpc.features.get(span)
-            if features is None:
-                features = vpc._encode(prompt, i)
-                self.images_encoded += 1
-                if self.storing:
-                    vpc.features.put(span, features)
-            else:
-                self.feature_hits += 1
+        for i in range(len(prompt.spans)):
+            features, hit = vpc.image_features(prompt, i, store=self.storing)
+            self.feature_hits += hit
+            self.images_encoded += not hit
             rows.append(features)
         return mx.concatenate(rows)
 

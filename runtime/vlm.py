@@ -396,15 +396,8 @@ class VisionPrefixCache(PrefixCache):
         for i, s in enumerate(prompt.spans):
             if s.end <= start:
                 continue
-            features = self.features.get(s) if self.features is not None else None
-            if features is None:
-                features = self._encode(prompt, i)
-                self._check_widening(features, text)
-                encoded += 1
-                if self.features is not None and store and not self.bank.read_only:
-                    self.features.put(s, features)
-            else:
-                hits += 1
+            features, hit = self.image_features(prompt, i, store=store)
+            hits, encoded = hits + hit, encoded + (not hit)
             rows = features[max(s.start, start) - s.start :]
             pieces += [
                 text[:, at - start : max(s.start, start) - start],
@@ -425,6 +418,24 @@ class VisionPrefixCache(PrefixCache):
             else []
         )
         return embeds, deepstack
+
+    def image_features(
+        self, prompt: VisionPrompt, i: int, *, store: bool = True
+    ) -> tuple[mx.array, bool]:
+        """Image `i`'s vision encoder output, [its positions, width] (Qwen3-VL: its
+        deepstack layers' beside), and whether it came from the bank: else encoded now,
+        alone, and kept in the bank with `store` (images of fewer than 4 positions are
+        never kept). `UnsupportedVisionModel` where it would widen the embeddings."""
+        span = prompt.spans[i]
+        features = self.features.get(span) if self.features is not None else None
+        if features is not None:
+            return features, True
+        features = self._encode(prompt, i)
+        empty = mx.zeros((1, 0), dtype=mx.int32)
+        self._check_widening(features, self.vlm.language_model.model.embed_tokens(empty))
+        if self.features is not None and store and not self.bank.read_only:
+            self.features.put(span, features)
+        return features, False
 
     def _check_widening(self, features: mx.array, text: mx.array) -> None:
         """UnsupportedVisionModel where the encoder's features would widen the input
