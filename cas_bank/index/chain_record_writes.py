@@ -16,6 +16,7 @@ from cas_bank.index.chain_records import (
     encode_run,
     epoch_key,
     epoch_of,
+    fresh_epoch,
     run_head,
     run_prefix,
     run_size,
@@ -263,19 +264,21 @@ def _epochs(
     store: BlockStore, roots: list[bytes], raised: set[bytes]
 ) -> tuple[dict[bytes, int], set[bytes]]:
     """Each root's epoch as stored, and the roots without an epoch record yet; a root
-    whose record cannot be read is added to `raised` (written again, from 1)."""
+    whose record cannot be read (or the read failed) is added to `raised`, its epoch
+    written again from `fresh_epoch` (an epoch it had before may be that of records
+    left stale since: counting from 0 again would make them current)."""
     try:
-        stored = store.get_many(Family.CHAINS, [epoch_key(r) for r in roots])
+        stored: list[bytes | None] = store.get_many(Family.CHAINS, [epoch_key(r) for r in roots])
     except CorruptDataError:
-        stored = [None] * len(roots)
+        stored = [b""] * len(roots)  # read as unreadable, not as absent
     epochs: dict[bytes, int] = {}
     unwritten: set[bytes] = set()
     for r, v in zip(roots, stored, strict=True):
         epochs[r] = epoch_of(v)
         if v is None:
             unwritten.add(r)
-        elif epochs[r] < 0:  # unreadable: written again (from 1: no reader took it as 0)
-            epochs[r] = 0
+        elif epochs[r] < 0:
+            epochs[r] = fresh_epoch()
             raised.add(r)
     return epochs, unwritten
 

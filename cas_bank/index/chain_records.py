@@ -6,6 +6,7 @@ read of them. `index.chain_record_writes` keeps them true to every batch.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
@@ -84,6 +85,13 @@ def encode_run(
     flags = FLAG_PREFIX if prefix is not None else 0
     head = _RUN.pack(RUN_VERSION, flags, len(fixed), first, epoch)
     return head + b"".join(fixed) + (bytes(prefix) if prefix is not None else b"")
+
+
+def fresh_epoch() -> int:
+    """An epoch for a namespace whose epoch record did not read: one no record was
+    written at (random, below 2**62; the epochs written before it count up from 0,
+    each raise by one), so no record left stale becomes current again."""
+    return int.from_bytes(os.urandom(8), "little") >> 2
 
 
 def run_size(flags: int, count: int) -> int:
