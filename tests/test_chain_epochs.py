@@ -15,6 +15,7 @@ from cas_bank.blocks.store import Family
 from cas_bank.index import chain_records
 from cas_bank.index.chain import longest_chain, stored_chain
 from cas_bank.index.children import INDEXED_KEY
+from cas_bank.maintenance.verify import verify
 
 B = 4
 
@@ -60,3 +61,24 @@ def test_an_unreadable_epoch_never_makes_stale_records_current_again(tmp_path: P
         other = [int(t) for t in rng.integers(1000, 2000, 8 * B)]
         ns.store(other, random_layers(spec, len(other)), {len(other): random_state(spec)})
         _check_lookups(ns, tokens)
+
+
+def test_verify_fix_of_an_unreadable_epoch_makes_no_stale_record_current(
+    tmp_path: Path,
+) -> None:
+    """An epoch that does not read in `chains` is reported (beside `prefixes`' 0, or
+    alone), and `verify --fix` writes one no record was written at (one more than
+    either family's would be 1): the stale epoch-1 records stay stale."""
+    spec = hybrid_spec()
+    rng = np.random.default_rng(4)
+    tokens = [int(t) for t in rng.integers(0, 1000, 30 * B)]
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=B, file_min_bytes=None)) as bank:
+        ns = bank.namespace(spec)
+        key = _stale_at_1(bank, ns, tokens)
+        bank.store.put_batch([(Family.CHAINS, key, b"bad"), (Family.PREFIXES, key, None)])
+        assert ("bad_chain_record", key) in {(p.kind, p.chain_hash) for p in verify(bank).problems}
+        bank.store.put_batch([(Family.PREFIXES, key, chain_records.encode_epoch(0))])
+        report = verify(bank, fix=True)
+        assert report.fixed
+        _check_lookups(ns, tokens)
+        assert verify(bank).ok

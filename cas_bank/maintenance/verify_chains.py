@@ -36,17 +36,7 @@ def scan_chains(bank: Bank, index: HeaderIndex) -> list[Problem]:
     chains = dict(bank.store.readable(Family.CHAINS))
     kept = dict(bank.store.readable(Family.PREFIXES))
     epochs = _epochs(chains)
-    out = [
-        Problem(
-            "bad_chain_record",
-            key,
-            f"epoch {records.epoch_of(value)} in prefixes, "
-            f"{epochs.get(key[len(records.EPOCH_PREFIX) :], 0)} in chains",
-        )
-        for key, value in kept.items()
-        if _is_epoch(key)
-        and records.epoch_of(value) != epochs.get(key[len(records.EPOCH_PREFIX) :], 0)
-    ]
+    out = _epoch_problems(chains, kept)
     carried: dict[bytes, bytes] = {}  # block -> the prefix key its chain record carries
     for key, value in chains.items():
         if _is_epoch(key):
@@ -66,21 +56,20 @@ def scan_chains(bank: Bank, index: HeaderIndex) -> list[Problem]:
 
 
 def fix_chains(bank: Bank, bad: list[Problem], report: VerifyReport) -> None:
-    """Delete the bad chain and prefix records (an epoch that disagrees: raised in both
-    families, so no record written at either is current)."""
+    """Delete the bad chain and prefix records (an epoch that disagrees, or does not
+    read: written in both families as one no record was written at (`fresh_epoch`; one
+    more than either could be an epoch records were left stale at), so none is
+    current)."""
     chains = [p.chain_hash for p in bad if p.kind == "bad_chain_record"]
     kept = [p.chain_hash for p in bad if p.kind == "bad_prefix_record"]
     if not chains and not kept:
         return
     with bank.transaction(budget=False) as tx:
         for key in chains:
-            if _is_epoch(key):
-                value = max(
-                    records.epoch_of(bank.store.get(Family.CHAINS, key)),
-                    records.epoch_of(bank.store.get(Family.PREFIXES, key)),
-                )
+            if _is_epoch(key):  # one no record was written at: none is current
+                value = records.encode_epoch(records.fresh_epoch())
                 for family in (Family.CHAINS, Family.PREFIXES):
-                    tx.put(family, key, records.encode_epoch(value + 1))
+                    tx.put(family, key, value)
                 continue
             prefix = records.run_prefix(bank.store.get(Family.CHAINS, key))
             tx.delete(Family.CHAINS, key)
@@ -89,6 +78,20 @@ def fix_chains(bank: Bank, bad: list[Problem], report: VerifyReport) -> None:
         for key in kept:
             tx.delete(Family.PREFIXES, key)
     report.fixed = True
+
+
+def _epoch_problems(chains: dict[bytes, bytes], kept: dict[bytes, bytes]) -> list[Problem]:
+    """The namespaces' epochs that do not read in `chains`, or that `prefixes` holds
+    otherwise than `chains` (absent in `chains`: 0; absent in `prefixes`: not kept
+    there yet, no problem)."""
+    out: list[Problem] = []
+    for key in sorted(k for k in {*chains, *kept} if _is_epoch(k)):
+        epoch = records.epoch_of(chains.get(key))
+        mirrored = records.epoch_of(kept[key]) if key in kept else epoch
+        if epoch < 0 or mirrored != epoch:
+            why = f"epoch {mirrored} in prefixes, {epoch} in chains (-1: does not read)"
+            out.append(Problem("bad_chain_record", key, why))
+    return out
 
 
 def _is_epoch(key: bytes) -> bool:
