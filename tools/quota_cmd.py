@@ -215,7 +215,7 @@ def _revoke_config(args: argparse.Namespace) -> BankConfig | None:
     if not settings:
         return None
     try:
-        return BankConfig(hot_bytes=0, **settings)
+        return BankConfig(hot_bytes=0, spare_bytes=0, **settings)  # as `_TOOL_CONFIG`
     except ValidationError as e:
         why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
         raise CliError(f"bad --remote: {why}") from None

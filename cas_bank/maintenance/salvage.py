@@ -68,7 +68,7 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
         copy = scratch / "bank"
         report.unreadable_files = _copy_dir(src, copy)
         try:
-            old = Bank.open(copy, BankConfig(hot_bytes=0))
+            old = Bank.open(copy, _COPY_CONFIG)
         except NotABankError as e:  # another program's database: nothing to salvage
             raise NotABankError(str(e).replace(str(copy), str(src))) from None
         except CasBankError:
@@ -76,7 +76,7 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
 
             Rdict.repair(str(copy), Options(raw_mode=True))
             report.repaired = True
-            old = Bank.open(copy, BankConfig(hot_bytes=0))
+            old = Bank.open(copy, _COPY_CONFIG)
         with old:
             _copy(old, dst, report, _blob_records(src, key_length=32) if report.repaired else {})
     finally:
@@ -85,6 +85,9 @@ def salvage(src: str | Path, dst: str | Path) -> SalvageReport:
 
 
 _COPY_ATTEMPTS = 3
+# The copy read from: no hot tier (each record is read once), no spares (nothing is
+# restored; with them the copy's open would make its last session's, up to 1 GiB).
+_COPY_CONFIG = BankConfig(hot_bytes=0, spare_bytes=0)
 
 
 def _copy_dir(src: Path, copy: Path) -> list[str]:
