@@ -142,12 +142,7 @@ class Bank:
             policy=config.eviction_policy,
         )
         # What was removed, when and why (for explain), written with the removals.
-        self.evictions = EvictionMemory(config.eviction_memory)
-        if not self.read_only:
-            try:
-                self.evictions.start(store, self.counters.values()["blocks_evicted"], time.time())
-            except BankFullError as e:  # recording begins at the next open with room
-                log.warning("cas_bank: %s; removals are not recorded yet", e)
+        self.evictions = self._eviction_memory()
         self._namespaces: dict[str, Namespace] = {}
         # Tenants (salts): their namespaces and quotas (evict.tenants), read on first use.
         self.tenants = Tenants(config.block_size, config.tenant_quotas)
@@ -156,6 +151,16 @@ class Bank:
         if config.remote is not None:
             self._connect_remote()
         self._make_spares_ahead()  # last: nothing after it may fail the open
+
+    def _eviction_memory(self) -> EvictionMemory:
+        """What was removed, when and why, recorded from this open on (a writer's)."""
+        memory = EvictionMemory(self.config.eviction_memory)
+        if not self.read_only:
+            try:
+                memory.start(self.store, self.counters.values()["blocks_evicted"], time.time())
+            except BankFullError as e:  # recording begins at the next open with room
+                log.warning("cas_bank: %s; removals are not recorded yet", e)
+        return memory
 
     def _make_spares_ahead(self) -> None:
         """The spare arrays the bank's last session ended with, made by its spares'
