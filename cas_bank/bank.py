@@ -290,10 +290,15 @@ class Bank:
         if self.read_only or not recent:
             return
         raw = encode_wanted(recent)
-        if raw != self._spare_record:
+        if raw == self._spare_record:
+            return
+        try:
             with self.transaction(budget=False) as tx:
                 tx.put(Family.META, _KEY_SPARES, raw)
-            self._spare_record = raw
+        except BankFullError as e:  # advice: the counters and last uses are tried next
+            log.warning("cas_bank: %s; the spares' shapes are not kept for the next open", e)
+            return
+        self._spare_record = raw
 
     # -- writing -------------------------------------------------------------------
     @contextmanager

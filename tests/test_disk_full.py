@@ -113,7 +113,9 @@ def test_full_disk_degrades_then_recovers(small_disk: Path, files: bool) -> None
             assert exact(bank, p) == 10 * B
 
 
-def test_close_on_a_full_disk_releases_the_lock(small_disk: Path) -> None:
+def test_close_on_a_full_disk_releases_the_lock(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = wide_spec()
     rng = np.random.default_rng(4)
     path = small_disk / "bank"
@@ -121,12 +123,14 @@ def test_close_on_a_full_disk_releases_the_lock(small_disk: Path) -> None:
     ns = bank.namespace(spec)
     first = tokens_of(rng, 10 * B)
     ns.store(first, prefix_layers(spec, first))
+    assert exact(bank, first) == 10 * B  # its spares' shapes are recorded at close
     filler = fill(small_disk, 64 << 10)
     with pytest.raises(BankFullError):
         for _ in range(100):
             p = tokens_of(rng, 10 * B)
             ns.store(p, prefix_layers(spec, p))
     bank.close()  # no exception, and the lock is released
+    assert "spares' shapes are not kept" in caplog.text  # advice: the close went on
     with Bank.open(path, BankConfig(hot_bytes=0), mode="read_only") as reader:
         assert exact(reader, first) == 10 * B
     filler.unlink()
