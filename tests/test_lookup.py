@@ -497,7 +497,7 @@ def test_verify_finds_records_that_are_not_the_headers_and_fix_removes_them(
     """A current chain record that holds another payload digest, a prefix record under
     a key no chain record carries, one whose entries differ from its chain record's and
     an epoch that differs between the families are each reported; `fix` deletes the
-    records (raises the epoch in both), after which verify is clean and the lookup
+    records (writes a fresh epoch in both), after which verify is clean and the lookup
     gives what the headers say."""
     spec = attention_spec()
     tokens = list(range(130 * B))
