@@ -255,6 +255,20 @@ def print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
+def emit_listing(
+    as_json: bool, name: str, rows: list[dict[str, Any]], render: Callable[[list[Any]], Any]
+) -> int:
+    """A listing command's output: `{name: rows}` with `--json`, `no <name>` when
+    there are none, else `render(rows)` (a table); the command's exit status."""
+    if as_json:
+        print_json({name: rows})
+    elif not rows:
+        print(f"no {name}")
+    else:
+        emit(render(rows))
+    return 0
+
+
 RICH_TABLE_ROWS = 200
 """Above this many rows `table` lays text out itself: rich's per-row layout would make
 `ls` of a large bank take minutes (docs/design.md, "Where each figure is measured").

@@ -27,6 +27,7 @@ from .common import (
     add_bank_argument,
     add_command,
     emit,
+    emit_listing,
     fields,
     human_bytes,
     open_writer,
@@ -177,28 +178,22 @@ def _list(bank: Bank) -> list[dict[str, Any]]:
 
 
 def cmd_pins(args: argparse.Namespace) -> int:
-    rows = read_bank(args.bank, _list)
-    if args.json:
-        print_json({"pins": rows})
-        return 0
-    if not rows:
-        print("no pins")
-        return 0
-    emit(
-        table(
-            ["namespace", "tokens", "blocks", "bytes", "last block", "pinned", "first tokens"],
+    return emit_listing(args.json, "pins", read_bank(args.bank, _list), _pin_table)
+
+
+def _pin_table(rows: list[dict[str, Any]]) -> Any:
+    return table(
+        ["namespace", "tokens", "blocks", "bytes", "last block", "pinned", "first tokens"],
+        [
             [
-                [
-                    r["namespace"],
-                    r["tokens"],
-                    f"{r['blocks_stored']}/{r['blocks']}",
-                    human_bytes(r["bytes"]),
-                    short(bytes.fromhex(r["last_block"])) if r["last_block"] else "-",
-                    when(r["pinned_at"]),
-                    " ".join(str(t) for t in r["first_tokens"]),
-                ]
-                for r in rows
-            ],
-        )
+                r["namespace"],
+                r["tokens"],
+                f"{r['blocks_stored']}/{r['blocks']}",
+                human_bytes(r["bytes"]),
+                short(bytes.fromhex(r["last_block"])) if r["last_block"] else "-",
+                when(r["pinned_at"]),
+                " ".join(str(t) for t in r["first_tokens"]),
+            ]
+            for r in rows
+        ],
     )
-    return 0

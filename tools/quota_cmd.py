@@ -35,6 +35,7 @@ from .common import (
     add_bank_argument,
     add_command,
     emit,
+    emit_listing,
     fields,
     human_bytes,
     open_writer,
@@ -198,15 +199,7 @@ def tenant_table(rows: list[dict[str, Any]]) -> Any:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    rows = read_bank(args.bank, tenant_rows)
-    if args.json:
-        print_json({"tenants": rows})
-        return 0
-    if not rows:
-        print("no tenants")
-        return 0
-    emit(tenant_table(rows))
-    return 0
+    return emit_listing(args.json, "tenants", read_bank(args.bank, tenant_rows), tenant_table)
 
 
 def _revoke_config(args: argparse.Namespace) -> BankConfig | None:
