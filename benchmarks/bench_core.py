@@ -40,7 +40,7 @@ from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks import codec
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import Family
-from cas_bank.index.layout import BlockCutter, check_layers
+from cas_bank.spec import BlockCutter, check_layers
 
 GB = 1e9
 MiB = 1 << 20

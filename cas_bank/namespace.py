@@ -20,17 +20,17 @@ from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
 from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
 from cas_bank.index.ends import EndInput, end_place, find_end, prepare_end
-from cas_bank.index.layout import (
-    boundary_states,
-    check_layers,
-    group_layers,
-)
 from cas_bank.index.partial import find_partial
 from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.restore import restoring
 from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
-from cas_bank.spec import ModelSpec
+from cas_bank.spec import (
+    ModelSpec,
+    boundary_states,
+    check_layers,
+    group_layers,
+)
 from cas_bank.write import storing
 from cas_bank.write.end_records import write_end
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home

@@ -24,7 +24,7 @@ Each kind's class says, for one mlx-lm cache object of its kind:
 - `describe(entry)`: the `LayerSpec` of an object that has seen a token.
 
 `cache_kind(ls)` picks the class for a layer of a spec, `cache_kind_of(entry)` for a
-cache object; what the bank does with the arrays: `cas_bank.index.layout`'s kinds.
+cache object; what the bank does with the arrays: `cas_bank.spec`'s kinds.
 Supported classes: `SUPPORTED_CACHES` (`check_cache_class` names any other).
 """
 
@@ -39,14 +39,16 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_pro
 
 from cas_bank.arrays import dtype_named, dtype_of
 from cas_bank.errors import InvalidInputError
-from cas_bank.index.layout import (
+from cas_bank.spec import (
     ATTENTION_KV,
     QUANTIZED_KV,
     RECURRENT_STATE,
+    ArraySpec,
     LayerKind,
+    LayerSpec,
+    ModelSpec,
     kind_of,
 )
-from cas_bank.spec import ArraySpec, LayerSpec, ModelSpec
 
 # Attribute set on every cache object a PrefixCache makes: the fingerprint of its spec.
 _TAG = "_cas_bank_fingerprint"

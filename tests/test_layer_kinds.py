@@ -1,6 +1,6 @@
 """The per-kind protocols: each kind's arrays round-trip through flat/group, and a real
 mlx-lm cache object of each kind through blocks-or-snapshot/fill, checked by the same
-class (`cas_bank.index.layout`, `cas_bank.runtime.cache_io`)."""
+class (`cas_bank.spec`, `cas_bank.runtime.cache_io`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cas_bank.runtime.cache_io import cache_kind, cache_kind_of, cache_layers, n
 from cas_bank.runtime.model_spec import probe_model
 from runtime_helpers import wide
 
-from cas_bank.index.layout import (
+from cas_bank.spec import (
     ATTENTION_KV,
     QUANTIZED_KV,
     RECURRENT_STATE,

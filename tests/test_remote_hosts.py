@@ -26,7 +26,7 @@ from remote_host import (
     state_at,
 )
 
-from cas_bank.index.layout import merge_layers
+from cas_bank.spec import merge_layers
 
 
 def _host(role: str, bank: Path, url: str) -> subprocess.Popen[str]:

@@ -32,8 +32,7 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
 from cas_bank.errors import CorruptDataError, InvalidInputError
-from cas_bank.index.layout import check_layers, check_state
-from cas_bank.spec import ModelSpec
+from cas_bank.spec import ModelSpec, check_layers, check_state
 
 if TYPE_CHECKING:
     from cas_bank.stats import Counters

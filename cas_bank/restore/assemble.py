@@ -26,14 +26,13 @@ import numpy as np
 from cas_bank.arrays import DType, HeldArrays, cpu_fillable, dtype_named, to_numpy
 from cas_bank.blocks.codec import Decoded
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.layout import group_layers
 from cas_bank.restore import lease_copy, row_runs
 from cas_bank.restore.destinations import Destination, addresses_of
 from cas_bank.restore.file_read import BlockFiles, Layout, layout_of
 from cas_bank.restore.resources import Resources
 from cas_bank.restore.row_runs import RowRuns, contiguous_row_runs
 from cas_bank.restore.spares import Filled, SpareSet, spare_set
-from cas_bank.spec import ArraySpec, ModelSpec
+from cas_bank.spec import ArraySpec, ModelSpec, group_layers
 
 # A destination's field, read by a C-level map (a restore's every array at once).
 _FILLABLE = attrgetter("fillable")

@@ -20,11 +20,10 @@ from cas_bank.blocks.files import FileTier, PayloadFile
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.layout import decode_state
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.file_read import BlockFiles, Job, read_files, read_plain_blocks
 from cas_bank.restore.workers import ReadAhead
-from cas_bank.spec import ModelSpec
+from cas_bank.spec import ModelSpec, decode_state
 
 if TYPE_CHECKING:
     from cas_bank.blocks.hot import HotStore

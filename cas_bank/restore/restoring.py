@@ -28,7 +28,6 @@ from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, restore_blocks, stored_chain
 from cas_bank.index.ends import EndPlan, plan_end
-from cas_bank.index.layout import flat_attention, group_layers, merge_layers
 from cas_bank.index.partial import (
     PartialPlan,
     find_partial,
@@ -37,6 +36,7 @@ from cas_bank.index.partial import (
 from cas_bank.index.view import ReadView, is_queued, read_view
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.tails import end_layers, partial_layers, read_partial
+from cas_bank.spec import flat_attention, group_layers, merge_layers
 from cas_bank.stats import RestoreTimings
 
 if TYPE_CHECKING:

@@ -15,11 +15,10 @@ from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.ends import EndPlan
-from cas_bank.index.layout import group_layers
 from cas_bank.index.partial import PartialPlan
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.payloads import PayloadReader
-from cas_bank.spec import ModelSpec
+from cas_bank.spec import ModelSpec, group_layers
 from cas_bank.stats import Counters
 
 log = logging.getLogger("cas_bank")

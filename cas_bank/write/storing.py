@@ -22,8 +22,8 @@ from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.blocks.store import Family
 from cas_bank.index.chain import Header, read_headers
-from cas_bank.index.layout import BlockCutter, boundary_states, check_layers, encode_state
 from cas_bank.index.records import block_rewrite, state_write_delta
+from cas_bank.spec import BlockCutter, boundary_states, check_layers, encode_state
 
 if TYPE_CHECKING:
     from cas_bank.owner import Owner
