@@ -13,9 +13,11 @@ turn; the sum over every turn's save is printed too). The files hold KV buffers 
 to their offsets, which favours them.
 
 The lower bound on the bank's bytes: every distinct token's KV once (the system
-prompt once, each agent's own tokens once) plus the recurrent states the policy
-keeps, at their raw array sizes. The bank's bytes are its directory after a close
-(every file: tables, blob files, logs, manifest).
+prompt once, each agent's own tokens once) plus the recurrent states the bank keeps,
+at their raw array sizes: those the policy keeps at block boundaries and the one at
+each stored prompt's end (in its end record: the state a next turn resumes from,
+which a boundary state record held before end records). The bank's bytes are its
+directory after a close (every file: tables, blob files, logs, manifest).
 
 Scaling (why the defaults are what they are): the hybrid's GDN layers loop over tokens
 in Python on CPU, so a prompt costs roughly 1-2 ms per token on 2 cores. The first agent
@@ -154,7 +156,10 @@ def _bytes(
     # cas_bank keeps full blocks only: the distinct tokens it can hold are those below
     # each prompt's last block boundary (all of them when the sizes are block-aligned).
     kv_lower = _distinct(s) * served.spec.token_bytes
-    state_lower = stats.states * served.spec.state_bytes
+    # A hybrid model's end record always holds the state at its end (index.ends).
+    end_states = stats.ends if served.spec.is_hybrid else 0
+    states_kept = stats.states + end_states
+    state_lower = states_kept * served.spec.state_bytes
     lower = kv_lower + state_lower
     bank_bytes = dir_bytes(bank_path)
     session_bytes = dir_bytes(files)
@@ -163,7 +168,8 @@ def _bytes(
         "cas_bank_tables_and_blobs": stats.disk_bytes,
         "payload_bytes": stats.payload_bytes,
         "state_bytes": stats.state_bytes,
-        "states_kept": stats.states,
+        "states_kept": states_kept,
+        "end_states_kept": end_states,
         "lower_bound": lower,
         "lower_bound_kv": kv_lower,
         "lower_bound_states": state_lower,

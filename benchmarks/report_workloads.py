@@ -118,7 +118,8 @@ def fleet_section(r: dict[str, Any]) -> list[str]:
             ["lower bound (distinct KV once + kept states)", f"{_mb(b['lower_bound'])} MB"],
             [
                 "  distinct KV / states kept",
-                f"{_mb(b['lower_bound_kv'])} MB / {b['states_kept']} states, "
+                f"{_mb(b['lower_bound_kv'])} MB / {b['states_kept']} states "
+                f"({b.get('end_states_kept', 0)} of them in end records), "
                 f"{_mb(b['lower_bound_states'])} MB",
             ],
             ["ratio to the lower bound", f"{b['ratio_to_lower_bound']:.3f}"],
