@@ -164,28 +164,12 @@ def _seed(workdir: Path, s: LoadSettings, url: str) -> None:
 
 
 def run(workdir: Path, s: LoadSettings) -> dict[str, Any]:
+    """`s.clients` client processes restoring from a 3-node cluster at once: throughput,
+    latency, and what the cluster spent."""
     workdir.mkdir(parents=True, exist_ok=True)
     with LocalCluster(3) as cluster:
         _seed(workdir, s, cluster.url())
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.remote_load",
-                    "--client",
-                    str(workdir / f"c{i}"),
-                    cluster.url(i % 3),
-                    json.dumps(asdict(s)),
-                    str(i),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                cwd=REPO,
-            )
-            for i in range(s.clients)
-        ]
+        procs = [_client(workdir, s, cluster.url(i % 3), i) for i in range(s.clients)]
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         cpu0 = _node_cpu(cluster)
@@ -201,11 +185,33 @@ def run(workdir: Path, s: LoadSettings) -> dict[str, Any]:
             outs.append(json.loads(stdout.strip().splitlines()[-1]))
         wall = time.monotonic() - t0
         cpu = _node_cpu(cluster) - cpu0
-        memory = cluster.used_memory()
-        keys = len(cluster.all_keys())
+        cluster_figures = {
+            "cluster_used_memory": cluster.used_memory(),
+            "cluster_keys": len(cluster.all_keys()),
+            "cluster_cpu_s": cpu,
+            "cluster_cpu_share": cpu / wall,
+        }
+    return {**_client_figures(s, outs), **cluster_figures}
+
+
+def _client(workdir: Path, s: LoadSettings, url: str, i: int) -> subprocess.Popen[str]:
+    """Load client `i` (this module's `--client`), waiting for "go" on its stdin."""
+    argv = [sys.executable, "-m", "benchmarks.remote_load", "--client", str(workdir / f"c{i}")]
+    return subprocess.Popen(
+        [*argv, url, json.dumps(asdict(s)), str(i)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def _client_figures(s: LoadSettings, outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The clients' reports summed: restores, their latency, what was stored and lost."""
     lat = [x for o in outs for x in o["latencies_s"]]
     elapsed = max(o["elapsed_s"] for o in outs)
     fetched = sum(o["fetched_bytes"] for o in outs)
+    counted = ("stores", "published", "wrong", "short", "rejected", "errors")
     return {
         "settings": asdict(s),
         "restores": len(lat),
@@ -213,17 +219,8 @@ def run(workdir: Path, s: LoadSettings) -> dict[str, Any]:
         "p50_s": _percentile(lat, 50),
         "p99_s": _percentile(lat, 99),
         "gb_per_s_out": fetched / elapsed / 1e9,
-        "stores": sum(o["stores"] for o in outs),
-        "published": sum(o["published"] for o in outs),
+        **{k: sum(o[k] for o in outs) for k in counted},
         "publishes_dropped": sum(o["dropped"] for o in outs),
-        "wrong": sum(o["wrong"] for o in outs),
-        "short": sum(o["short"] for o in outs),
-        "rejected": sum(o["rejected"] for o in outs),
-        "errors": sum(o["errors"] for o in outs),
-        "cluster_used_memory": memory,
-        "cluster_keys": keys,
-        "cluster_cpu_s": cpu,
-        "cluster_cpu_share": cpu / wall,
     }
 
 

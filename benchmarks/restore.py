@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -218,66 +219,70 @@ def _ways(case: RestoreCase, s: RestoreSettings) -> dict[str, Callable[[str | No
     """The five ways to a cache of the prefix, each timed with what follows it (`_then`):
     mlx-lm's file, a reopened bank, the hot bank with room (copied ahead, and with the
     copy on the path), its lease handed out."""
-    prompt, length, hpc, last = case.prompt, case.length, case.hpc, case.last
-
-    def file_way(then: str | None) -> float:
-        t0 = time.perf_counter()
-        loaded = load_prompt_cache(str(case.file))
-        eval_cache(loaded)
-        _then(hpc, loaded, last, then)
-        return time.perf_counter() - t0
-
-    def reopened_way(then: str | None) -> float:
-        with Bank.open(case.path, BankConfig(block_size=s.block_size)) as bank:
-            rpc = PrefixCache(bank, case.lm)
-            bank.resources.settle()  # its spares made ahead (`Spares.make_ahead`)
-            t0 = time.perf_counter()
-            restored, n = rpc.restore(prompt)
-            eval_cache(restored)
-            _then(rpc, restored, last, then)
-            took = time.perf_counter() - t0
-            if n != length:
-                raise RuntimeError(f"{case.name}: restored {n} of {length} tokens")
-            return took
-
-    def hot_way(then: str | None) -> float:
-        t0 = time.perf_counter()
-        restored, _ = hpc.restore(prompt)
-        eval_cache(restored)
-        _then(hpc, restored, last, then)
-        return time.perf_counter() - t0
-
-    def on_path_way(then: str | None) -> float:
-        """The hot way with the lease copied on the restore's path: copies ahead off
-        (`Spares.copy_ahead` False), as a lease's first two restores
-        with room go, and every restore of a runtime that turns them off."""
-        spares = hpc.bank.resources.spares
-        ahead, spares.copy_ahead = spares.copy_ahead, False
-        try:
-            return hot_way(then)
-        finally:
-            spares.copy_ahead = ahead
-
-    def handout_way(then: str | None) -> float:
-        """The lease handed out as it is (no room asked for): no copy, so the first
-        prefill token copies the prefix (mlx-lm's concatenation) to write after it."""
-        t0 = time.perf_counter()
-        hit = hpc.namespace.restore(prompt[:-1])
-        if hit is None or hit.tokens != length:
-            raise RuntimeError(f"{case.name}: the lease handed out {hit and hit.tokens} tokens")
-        restored = hpc.new_cache()
-        fill_cache(hpc.spec, restored, hit.layers, hit.tokens)
-        eval_cache(restored)
-        _then(hpc, restored, last, then)
-        return time.perf_counter() - t0
-
     return {
-        "file": file_way,
-        "reopened": reopened_way,
-        "hot": hot_way,
-        "on_path": on_path_way,
-        "handout": handout_way,
+        "file": partial(_file_way, case),
+        "reopened": partial(_reopened_way, case, s.block_size),
+        "hot": partial(_hot_way, case),
+        "on_path": partial(_on_path_way, case),
+        "handout": partial(_handout_way, case),
     }
+
+
+def _file_way(case: RestoreCase, then: str | None) -> float:
+    t0 = time.perf_counter()
+    loaded = load_prompt_cache(str(case.file))
+    eval_cache(loaded)
+    _then(case.hpc, loaded, case.last, then)
+    return time.perf_counter() - t0
+
+
+def _reopened_way(case: RestoreCase, block_size: int, then: str | None) -> float:
+    with Bank.open(case.path, BankConfig(block_size=block_size)) as bank:
+        rpc = PrefixCache(bank, case.lm)
+        bank.resources.settle()  # its spares made ahead (`Spares.make_ahead`)
+        t0 = time.perf_counter()
+        restored, n = rpc.restore(case.prompt)
+        eval_cache(restored)
+        _then(rpc, restored, case.last, then)
+        took = time.perf_counter() - t0
+        if n != case.length:
+            raise RuntimeError(f"{case.name}: restored {n} of {case.length} tokens")
+        return took
+
+
+def _hot_way(case: RestoreCase, then: str | None) -> float:
+    t0 = time.perf_counter()
+    restored, _ = case.hpc.restore(case.prompt)
+    eval_cache(restored)
+    _then(case.hpc, restored, case.last, then)
+    return time.perf_counter() - t0
+
+
+def _on_path_way(case: RestoreCase, then: str | None) -> float:
+    """The hot way with the lease copied on the restore's path: copies ahead off
+    (`Spares.copy_ahead` False), as a lease's first two restores
+    with room go, and every restore of a runtime that turns them off."""
+    spares = case.hpc.bank.resources.spares
+    ahead, spares.copy_ahead = spares.copy_ahead, False
+    try:
+        return _hot_way(case, then)
+    finally:
+        spares.copy_ahead = ahead
+
+
+def _handout_way(case: RestoreCase, then: str | None) -> float:
+    """The lease handed out as it is (no room asked for): no copy, so the first
+    prefill token copies the prefix (mlx-lm's concatenation) to write after it."""
+    hpc = case.hpc
+    t0 = time.perf_counter()
+    hit = hpc.namespace.restore(case.prompt[:-1])
+    if hit is None or hit.tokens != case.length:
+        raise RuntimeError(f"{case.name}: the lease handed out {hit and hit.tokens} tokens")
+    restored = hpc.new_cache()
+    fill_cache(hpc.spec, restored, hit.layers, hit.tokens)
+    eval_cache(restored)
+    _then(hpc, restored, case.last, then)
+    return time.perf_counter() - t0
 
 
 def _forward_alone(case: RestoreCase) -> Callable[[], float]:

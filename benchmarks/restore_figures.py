@@ -25,11 +25,6 @@ def case_figures(
 ) -> dict[str, Any]:
     """The case's figures as the report and the targets read them."""
     rocks, hot, load, handout = m["reopened"], m["hot"], m["file"], m["handout"]
-    ceiling, mem, mem2 = (
-        floors["verified_floor_s"],
-        floors["memcpy_s"],
-        floors["memcpy_2_threads_s"],
-    )
     later = case.later
     caller = median([c for c, _ in later])
     return {
@@ -62,34 +57,47 @@ def case_figures(
             "mlx_lm_file": case.file.stat().st_size,
             "cas_bank": dir_bytes(case.path),
         },
-        "fractions": {
-            "rocksdb_restore_of_ceiling": speed_fraction(rocks, ceiling),
-            # The best a verified restore can do against the file: the file / the floor.
-            "file_load_over_floor": load / ceiling,
-            "file_load_over_blake3_floor": load / floors["blake3_floor_s"],
-            # TTFT ratios: the median of each round's (`_timed`), not of the medians.
-            "file_ttft_over_forward": m["file_over_forward"],
-            # A hot restore with room copies the prefix once (the bank keeps its own):
-            # the most it can reach is the file's TTFT over that forward and one copy.
-            # The prefix's copy at its best: the restore's own (streamed) or a memcpy.
-            "file_ttft_over_forward_and_copy": m["file_over_forward"]
-            * forward
-            / (forward + min(mem2, floors.get("hot_copy_floor_s", mem2))),
-            "hot_restore_of_memcpy": speed_fraction(hot, mem),
-            # What a background store costs the caller's thread, in memcpys of its bytes.
-            "store_later_caller_over_memcpy": caller / mem,
-            "file_load_over_rocksdb_restore": load / rocks,
-            "file_load_over_hot_restore": load / hot,
-            "file_load_over_hot_on_path": load / m["on_path"],
-            "file_ttft_over_on_path_ttft": m["file_over_on_path_ttft"],
-            "file_load_over_hot_handout": load / handout,
-            "file_ttft_over_reopened_ttft": m["file_over_reopened_ttft"],
-            "file_ttft_over_hot_ttft": m["file_over_hot_ttft"],
-            "file_ttft_over_handout_ttft": m["file_over_handout_ttft"],
-        },
+        "fractions": _fractions(m, floors, forward, caller),
         "gbps": {
             "file_load": case.nbytes / load / 1e9,
             "rocksdb_restore": case.nbytes / rocks / 1e9,
             "hot_restore": case.nbytes / hot / 1e9,
         },
+    }
+
+
+def _fractions(
+    m: dict[str, float], floors: dict[str, Any], forward: float, caller: float
+) -> dict[str, float]:
+    """The case's ratios: each way against its floor, and the file against each way."""
+    rocks, hot, load, handout = m["reopened"], m["hot"], m["file"], m["handout"]
+    ceiling, mem, mem2 = (
+        floors["verified_floor_s"],
+        floors["memcpy_s"],
+        floors["memcpy_2_threads_s"],
+    )
+    return {
+        "rocksdb_restore_of_ceiling": speed_fraction(rocks, ceiling),
+        # The best a verified restore can do against the file: the file / the floor.
+        "file_load_over_floor": load / ceiling,
+        "file_load_over_blake3_floor": load / floors["blake3_floor_s"],
+        # TTFT ratios: the median of each round's (`_timed`), not of the medians.
+        "file_ttft_over_forward": m["file_over_forward"],
+        # A hot restore with room copies the prefix once (the bank keeps its own):
+        # the most it can reach is the file's TTFT over that forward and one copy.
+        # The prefix's copy at its best: the restore's own (streamed) or a memcpy.
+        "file_ttft_over_forward_and_copy": m["file_over_forward"]
+        * forward
+        / (forward + min(mem2, floors.get("hot_copy_floor_s", mem2))),
+        "hot_restore_of_memcpy": speed_fraction(hot, mem),
+        # What a background store costs the caller's thread, in memcpys of its bytes.
+        "store_later_caller_over_memcpy": caller / mem,
+        "file_load_over_rocksdb_restore": load / rocks,
+        "file_load_over_hot_restore": load / hot,
+        "file_load_over_hot_on_path": load / m["on_path"],
+        "file_ttft_over_on_path_ttft": m["file_over_on_path_ttft"],
+        "file_load_over_hot_handout": load / handout,
+        "file_ttft_over_reopened_ttft": m["file_over_reopened_ttft"],
+        "file_ttft_over_hot_ttft": m["file_over_hot_ttft"],
+        "file_ttft_over_handout_ttft": m["file_over_handout_ttft"],
     }

@@ -123,25 +123,33 @@ def describe_machine() -> dict[str, Any]:
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of every part for this command line."""
-    if args.quick:
-        return {
-            "ttft": ttft.tiny_settings(),
-            "restore": restore.tiny_settings(),
-            "first_token": first_token.tiny_settings(),
-            "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
-            "fleet": fleet.tiny_settings(),
-            "admission": fleet.tiny_settings(),
-            "branching": fleet.tiny_branch_settings(),
-            "remote": remote_tier.tiny_settings(),
-            "remote_rtt": remote_rtt.tiny_settings(),
-            "remote_load": remote_load.tiny_settings(),
-            "remote_prefetch": remote_prefetch.tiny_settings(),
-            "scale": scale.tiny_settings(),
-            "server_store": server_store.tiny_settings(),
-            "eviction_policy": eviction_policy.tiny_settings(),
-            "vlm_agents": vlm_agents.tiny_settings(),
-            "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
-        }
+    return _quick_plan() if args.quick else _full_plan(args)
+
+
+def _quick_plan() -> dict[str, Any]:
+    """Tiny sizes for every part (the smoke test)."""
+    return {
+        "ttft": ttft.tiny_settings(),
+        "restore": restore.tiny_settings(),
+        "first_token": first_token.tiny_settings(),
+        "overhead": {"model": "tiny-qwen3", "tokens": 128, "repeats": 1},
+        "fleet": fleet.tiny_settings(),
+        "admission": fleet.tiny_settings(),
+        "branching": fleet.tiny_branch_settings(),
+        "remote": remote_tier.tiny_settings(),
+        "remote_rtt": remote_rtt.tiny_settings(),
+        "remote_load": remote_load.tiny_settings(),
+        "remote_prefetch": remote_prefetch.tiny_settings(),
+        "scale": scale.tiny_settings(),
+        "server_store": server_store.tiny_settings(),
+        "eviction_policy": eviction_policy.tiny_settings(),
+        "vlm_agents": vlm_agents.tiny_settings(),
+        "ceilings": {"memcpy_bytes": 2 * MiB, "rocks_mib": 2},
+    }
+
+
+def _full_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The default sizes, or `--large`'s, with the command line's choices."""
     t = ttft.TTFTSettings()
     if args.large:
         t = replace(
@@ -253,8 +261,8 @@ def run_all(p: dict[str, Any], workdir: Path, parts: Sequence[str] = PARTS) -> d
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run every benchmark and write RESULTS.md, results.json and ttft.png."""
+def _parser() -> argparse.ArgumentParser:
+    """`benchmarks.run`'s command line."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=main.__doc__)
     ap.add_argument(
         "--large", action="store_true", help="16k prompts, medium models, 1k-token overhead"
@@ -281,6 +289,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--workdir", type=Path, default=None, help="where the banks are built (a temp dir)"
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run every benchmark and write RESULTS.md, results.json and ttft.png."""
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.agents < 1 or args.turns < 1 or args.blocks < 1:
         ap.error("--agents, --turns and --blocks must be >= 1")
@@ -306,17 +320,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     results["mode"] = "quick" if args.quick else "large" if args.large else "default"
     results["targets"] = evaluate_targets(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    write_plot(results, args.out / "ttft.png")
-    write_markdown(results, args.out / "RESULTS.md")
+    _write(results, args.out)
+    return results
+
+
+def _write(results: dict[str, Any], out: Path) -> None:
+    """results.json, ttft.png and RESULTS.md in `out`; each target's verdict printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_plot(results, out / "ttft.png")
+    write_markdown(results, out / "RESULTS.md")
     for t in results["targets"]:
         print(
             f"[target] {'met   ' if t['met'] else 'MISSED'} {t['target']}: "
             f"{t['measured']} ({t['where']})"
         )
-    print(f"[bench] total {results['total_s']:.0f} s; report in {args.out / 'RESULTS.md'}")
-    return results
+    print(f"[bench] total {results['total_s']:.0f} s; report in {out / 'RESULTS.md'}")
 
 
 if __name__ == "__main__":
