@@ -23,12 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig, Namespace
-from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.hashing import BlockHash, end_hashes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain, chain_record_writes, chain_records, prefixes
+from cas_bank.index import chain, chain_record_writes, chain_records, ends, prefixes
 from cas_bank.index.chain import Header, longest_chain, stored_chain
 from cas_bank.index.children import INDEXED_KEY
 from cas_bank.index.header import FIXED
@@ -460,9 +460,10 @@ def test_prefix_keys_are_format_v1() -> None:
 def test_the_native_prefix_decoder_is_the_python_one(
     n: int, step: int, cuts: list[int], short: bool, seed: int
 ) -> None:
-    """`cas_bank._chain.prefix_run` makes the very headers `python_prefix_run` makes of
-    any prefix record's bytes, damaged ones too."""
-    if prefixes.decode_prefix_run is prefixes.python_prefix_run:
+    """`cas_bank._chain.prefix_record` makes the very record `python_prefix_record`
+    makes of any prefix record's bytes (its headers and their chain hashes), damaged
+    ones too (None both)."""
+    if prefixes.decode_prefix_record is prefixes.python_prefix_record:
         pytest.skip("the native helper is not built")
     rng = np.random.default_rng(seed)
     root = rng.bytes(32)
@@ -477,18 +478,44 @@ def test_the_native_prefix_decoder_is_the_python_one(
                    int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
                    int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
         fixed.append(h.encode()[: FIXED.size])
-    raw = bytearray(prefixes.encode_prefix(first, 0, fixed, hashes[first + count - 1]))
-    for c in cuts:
-        raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
+    raw = bytearray(prefixes.encode_prefix(first, 7, fixed, hashes[first + count - 1]))
+    for c in cuts:  # the head too: its version, flags, count, first block and epoch
+        raw[c % len(raw)] ^= 1 << (c % 8)
     data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
-    args = (bytes(raw), 16, first, count, root, data, step)
-    got = prefixes.decode_prefix_run(*args)
-    assert got == prefixes.python_prefix_run(*args)
+    args = (bytes(raw), root, data, step, prefixes.PrefixRun)
+    got = prefixes.decode_prefix_record(*args)
+    assert got == prefixes.python_prefix_record(*args)
+    assert got is None or type(got) is prefixes.PrefixRun
     if not cuts and not short:  # whole: the headers the record was made of
-        assert [h.chain_hash for h in got] == hashes[first : first + count]
-        assert [h.encode()[: FIXED.size] for h in got] == fixed
-        assert [h.tokens for h in got] == [tokens[i * step : (i + 1) * step] for i in
-                                           range(first, first + count)]  # fmt: skip
+        assert got is not None and (got.epoch, got.first) == (7, first)
+        assert list(got.hashes) == hashes[first : first + count]
+        assert [h.chain_hash for h in got.headers] == hashes[first : first + count]
+        assert [h.encode()[: FIXED.size] for h in got.headers] == fixed
+        assert [h.tokens for h in got.headers] == [tokens[i * step : (i + 1) * step] for i in
+                                                   range(first, first + count)]  # fmt: skip
+    # A record a byte short or long, or with the chain record's flag, is none.
+    whole = bytes(raw)
+    for other in (whole[:-1], whole + b"\0", whole[:1] + b"\1" + whole[2:]):
+        assert prefixes.decode_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
+        assert prefixes.python_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
+
+
+@given(tail=st.integers(0, 64), seed=st.integers(0, 2**32 - 1), strided=st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_the_native_end_keys_are_the_python_ones(tail: int, seed: int, strided: bool) -> None:
+    """`ends.candidate_keys` in C names the very keys, in the same order (the whole tail
+    first), that `end_hashes` makes: each `end_key` of the parent and a prefix of the
+    tail, from a strided array of ids too."""
+    if ends._native_end_keys is None:
+        pytest.skip("the native helper is not built")
+    rng = np.random.default_rng(seed)
+    parent = rng.bytes(32)
+    ids = rng.integers(0, 2**32, 2 * tail, dtype=np.uint32)
+    tokens = ids[::2] if strided else ids[:tail]
+    got = ends.candidate_keys(parent, tokens)
+    data = tokens.astype("<u4").tobytes()
+    assert got == [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
+    assert got == [ends.end_key(parent, data[: 4 * t]) for t in range(tail, -1, -1)]
 
 
 def test_verify_finds_records_that_are_not_the_headers_and_fix_removes_them(

@@ -153,6 +153,45 @@ done:
   return out;
 }
 
+/* The keys of the end records a lookup asks for under `parent` (cas_bank.index.ends:
+ * `find_end`): parent || blake3(derive_key=context, parent || the first t tokens of
+ * data), 64 bytes each, for t = len(data) / 4 down to 0 (deepest first), one hasher's
+ * digests. In Python (the blake3 package, a join a key) this cost a reopened lookup
+ * ~20 us with the caches cold; the hasher here is the one the prefix keys just ran. */
+static PyObject *end_keys(PyObject *self, PyObject *args) {
+  (void)self;
+  Py_buffer parent, data;
+  const char *context;
+  if (!PyArg_ParseTuple(args, "y*y*s", &parent, &data, &context)) return NULL;
+  PyObject *out = NULL;
+  if (parent.len != BLAKE3_OUT_LEN || data.len % 4 != 0) {
+    PyErr_SetString(PyExc_ValueError, "parent must be 32 bytes, data whole uint32s");
+    goto done;
+  }
+  Py_ssize_t n = data.len / 4 + 1;
+  out = PyList_New(n);
+  if (out == NULL) goto done;
+  blake3_hasher h;
+  uint8_t key[2 * BLAKE3_OUT_LEN];
+  memcpy(key, parent.buf, BLAKE3_OUT_LEN);
+  blake3_hasher_init_derive_key(&h, context);
+  blake3_hasher_update(&h, parent.buf, BLAKE3_OUT_LEN);
+  for (Py_ssize_t t = 0; t < n; t++) {
+    if (t > 0) blake3_hasher_update(&h, (const uint8_t *)data.buf + 4 * (t - 1), 4);
+    blake3_hasher_finalize(&h, key + BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    PyObject *item = PyBytes_FromStringAndSize((const char *)key, sizeof key);
+    if (item == NULL) {
+      Py_CLEAR(out);
+      goto done;
+    }
+    PyList_SET_ITEM(out, n - 1 - t, item);
+  }
+done:
+  PyBuffer_Release(&parent);
+  PyBuffer_Release(&data);
+  return out;
+}
+
 /* The largest of the little-endian uint32 ids in a buffer (0 if empty): a prompt's
  * vocabulary check. numpy's `max` of a 1k-token prompt cost a restore ~50 us with the
  * caches cold (its reduction machinery is large); this loop is a few lines. */
@@ -393,60 +432,112 @@ static PyObject *run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   return out;
 }
 
-/* A prefix record's entries made into headers (cas_bank.index.prefixes): as `run`, the
- * names read from the record itself: block i's, the parent field of the entry after
- * it, and the last block's the 32 bytes after the entries (`last`, at offset + count *
- * 152). The first entry's parent is taken as it stands, but for block 0 (the root):
- * the caller checks it against the block before. */
-static PyObject *prefix_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 7) {
-    PyErr_Format(PyExc_TypeError, "prefix_run() takes 7 arguments (%zd given)", nargs);
-    return NULL;
-  }
-  run_args a;
-  int nums[4] = {1, 2, 3, 6};
-  if (parse_run_args(args, 0, 5, nums, 4, &a) != 0) return NULL;
-  PyObject *out = PyList_New(0);
-  PyObject *parent = NULL, *size = NULL; /* new references */
-  Py_ssize_t last = a.offset + a.count * HEADER_FIXED;
-  if (out != NULL && a.count > 0 && last + 32 <= a.raw.len && entry_fits(&a, 0)) {
-    const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset;
-    parent = a.first == 0 ? Py_NewRef(a.root)
-                          : PyBytes_FromStringAndSize((const char *)e + 24, 32);
-    if (parent == NULL) Py_CLEAR(out);
-  }
-  for (Py_ssize_t j = 0; out != NULL && parent != NULL && j < a.count; j++) {
-    if (!entry_fits(&a, j)) break;
-    const uint8_t *e = (const uint8_t *)a.raw.buf + a.offset + j * HEADER_FIXED;
-    const char *name_at = j + 1 < a.count ? (const char *)e + HEADER_FIXED + 24
-                                          : (const char *)a.raw.buf + last;
-    PyObject *name = PyBytes_FromStringAndSize(name_at, 32);
-    if (name == NULL) {
-      Py_CLEAR(out);
-      break;
-    }
-    PyObject *h = entry_header(e, a.first + j, name, parent, a.root, &a.tokens, a.step, &size);
-    Py_SETREF(parent, name);
+/* A prefix record (cas_bank.index.prefixes: the chain record's head "<BBHIQ", its
+ * entries, then the chain hash of its block) parsed into cls(epoch, first, headers,
+ * hashes): the headers of its entries and their chain hashes, as tuples. Block i is
+ * named by the parent field of the entry after it, the last block by the 32 bytes after
+ * the entries. The first entry's parent is taken as it stands, but for block 0 (the
+ * root): the caller checks it against the block before. None where the record is not
+ * one (too short, another version, flags, no entries, a length that is not theirs) or
+ * an entry is not the block it stands for. One call a record: the head's checks and
+ * the tuples in Python cost a reopened 16k-token lookup's 4 records ~10 us more. */
+#define RUN_HEAD 16 /* version, flags, count, first block index, epoch */
+#define RUN_VERSION 1
+#define RUN_FIELDS 4
+
+/* The record's headers and names into two new tuples (*headers, *names); 0 where an
+ * entry is not its block (nothing made), -1 with an error set where memory ran out. */
+static int prefix_entries(const run_args *a, PyObject **headers, PyObject **names) {
+  Py_ssize_t last = a->offset + a->count * HEADER_FIXED;
+  const uint8_t *e = (const uint8_t *)a->raw.buf + a->offset;
+  PyObject *parent = a->first == 0 ? Py_NewRef(a->root)
+                                   : PyBytes_FromStringAndSize((const char *)e + 24, 32);
+  PyObject *size = NULL;
+  *headers = PyTuple_New(a->count);
+  *names = PyTuple_New(a->count);
+  int ok = parent != NULL && *headers != NULL && *names != NULL;
+  for (Py_ssize_t j = 0; ok && j < a->count; j++, e += HEADER_FIXED) {
+    const char *name_at = j + 1 < a->count ? (const char *)e + HEADER_FIXED + 24
+                                           : (const char *)a->raw.buf + last;
+    PyObject *name = entry_fits(a, j) ? PyBytes_FromStringAndSize(name_at, 32) : NULL;
+    PyObject *h = name != NULL
+                      ? entry_header(e, a->first + j, name, parent, a->root, &a->tokens, a->step,
+                                     &size)
+                      : NULL;
     if (h == NULL) {
-      if (PyErr_Occurred()) Py_CLEAR(out);
+      Py_XDECREF(name);
+      ok = 0;
       break;
     }
-    if (PyList_Append(out, h) != 0) Py_CLEAR(out);
-    Py_DECREF(h);
+    PyTuple_SET_ITEM(*headers, j, h);
+    PyTuple_SET_ITEM(*names, j, Py_NewRef(name));
+    Py_SETREF(parent, name);
   }
   Py_XDECREF(parent);
   Py_XDECREF(size);
+  if (ok) return 0;
+  Py_CLEAR(*headers);
+  Py_CLEAR(*names);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *prefix_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 5) {
+    PyErr_Format(PyExc_TypeError, "prefix_record() takes 5 arguments (%zd given)", nargs);
+    return NULL;
+  }
+  run_args a = {.root = args[1], .offset = RUN_HEAD, .step = PyLong_AsSsize_t(args[3])};
+  PyTypeObject *cls = (PyTypeObject *)args[4];
+  if (a.step == -1 && PyErr_Occurred()) return NULL;
+  if (header_type == NULL) {
+    PyErr_SetString(PyExc_RuntimeError, "set_header_type() was not called");
+    return NULL;
+  }
+  if (!PyType_Check(args[4]) || !PyType_IsSubtype(cls, &PyTuple_Type) ||
+      !PyBytes_Check(a.root) || PyBytes_GET_SIZE(a.root) != 32 || a.step <= 0) {
+    PyErr_SetString(PyExc_TypeError, "root must be 32 bytes, step > 0, cls a tuple subclass");
+    return NULL;
+  }
+  if (PyObject_GetBuffer(args[0], &a.raw, PyBUF_SIMPLE) != 0) return NULL;
+  if (PyObject_GetBuffer(args[2], &a.tokens, PyBUF_SIMPLE) != 0) {
+    PyBuffer_Release(&a.raw);
+    return NULL;
+  }
+  const uint8_t *at = a.raw.buf;
+  PyObject *out = NULL, *headers = NULL, *names = NULL;
+  if (a.raw.len >= RUN_HEAD) {
+    a.count = (Py_ssize_t)le(at + 2, 2);
+    a.first = (Py_ssize_t)le(at + 4, 4);
+  }
+  int readable = a.raw.len >= RUN_HEAD && at[0] == RUN_VERSION && at[1] == 0 && a.count > 0 &&
+                 a.raw.len == RUN_HEAD + a.count * HEADER_FIXED + 32;
+  if (readable && prefix_entries(&a, &headers, &names) == 0 && headers != NULL) {
+    PyObject *epoch = PyLong_FromUnsignedLongLong(le(at + 8, 8));
+    PyObject *first = PyLong_FromSsize_t(a.first);
+    out = epoch != NULL && first != NULL ? cls->tp_alloc(cls, RUN_FIELDS) : NULL;
+    if (out != NULL) {
+      PyObject *fields[RUN_FIELDS] = {epoch, first, headers, names};
+      for (int f = 0; f < RUN_FIELDS; f++) PyTuple_SET_ITEM(out, f, fields[f]);
+    } else {
+      Py_XDECREF(epoch);
+      Py_XDECREF(first);
+      Py_DECREF(headers);
+      Py_DECREF(names);
+    }
+  }
   PyBuffer_Release(&a.tokens);
   PyBuffer_Release(&a.raw);
+  if (out == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
   return out;
 }
 
 static PyMethodDef methods[] = {
-    {"prefix_run", (PyCFunction)(void (*)(void))prefix_run, METH_FASTCALL,
-     "prefix_run(record, offset, first, count, root, tokens, step) -> list[Header]: the "
-     "headers of a prefix record's entries, named by the parents of the entries after "
-     "them and the 32 bytes after the last, up to the first entry that is not its block."},
+    {"prefix_record", (PyCFunction)(void (*)(void))prefix_record, METH_FASTCALL,
+     "prefix_record(record, root, tokens, step, cls) -> cls(epoch, first, headers, hashes) "
+     "| None: a prefix record parsed, its entries' headers named by the parents of the "
+     "entries after them and the 32 bytes after the last; None where it is not one or an "
+     "entry is not its block."},
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(record, offset, first, count, root, hashes, tokens, step) -> list[Header]: the "
      "headers of a chain record's entries (each a header's fixed part, from offset) for "
@@ -465,6 +556,10 @@ static PyMethodDef methods[] = {
      "up to the end of every step-byte segment, then up to the end of each block-byte block "
      "of the short last one (only its end where block is 0) (index.prefixes); with context "
      "None, root is the key of the prefix data goes on from."},
+    {"end_keys", end_keys, METH_VARARGS,
+     "end_keys(parent, data, context) -> list[bytes]: parent followed by the end hash of "
+     "parent and each prefix of the uint32s of data, the whole of data first, none last "
+     "(index.ends: the keys of a lookup's candidate end records)."},
     {"max_id", max_id, METH_O,
      "max_id(ids) -> int: the largest little-endian uint32 of the buffer ids (0 if "
      "empty)."},

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -30,8 +30,16 @@ import numpy as np
 from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
-from cas_bank.blocks.hashing import BlockHash, Check, as_token_array, end_hash, end_hashes
+from cas_bank.blocks.hashing import (
+    END_CONTEXT,
+    BlockHash,
+    Check,
+    as_token_array,
+    end_hash,
+    end_hashes,
+)
 from cas_bank.errors import CorruptDataError, InvalidInputError
+from cas_bank.native import chain_module
 from cas_bank.spec import ModelSpec, check_layers, check_state
 
 if TYPE_CHECKING:
@@ -43,6 +51,10 @@ END_VERSION = 1
 FLAG_STATE, FLAG_LOGITS, FLAG_HIDDEN = 1, 2, 4
 _FIXED = struct.Struct("<BBHIQ32s32s32s")
 KEY_SIZE = 64
+_U4 = np.dtype("<u4")
+_native_end_keys: Callable[[bytes, np.ndarray, str], list[bytes]] | None = getattr(
+    chain_module, "end_keys", None
+)
 
 
 def end_key(parent: bytes, tail: bytes) -> bytes:
@@ -242,6 +254,16 @@ class EndRecords(Protocol):
     def end_records(self, keys: Sequence[bytes]) -> list[FoundEnd | None]: ...
 
 
+def candidate_keys(parent: bytes, tail: np.ndarray) -> list[bytes]:
+    """The `ends` keys under `parent` of the prompts ending with each prefix of `tail`
+    (token ids), the whole of it first, none last: a lookup's candidates. One C call
+    where `cas_bank._chain` is built (the same keys)."""
+    if _native_end_keys is not None:
+        return _native_end_keys(bytes(parent), np.ascontiguousarray(tail, _U4), END_CONTEXT)
+    data = tail.astype(_U4).tobytes()
+    return [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
+
+
 def find_end(
     view: EndRecords,
     root: bytes,
@@ -258,9 +280,7 @@ def find_end(
     longest = min(block_size - 1, len(tokens) - base)
     if longest < 0:
         return None
-    data = tokens[base : base + longest].astype("<u4").tobytes()
-    keys = [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
-    for found in view.end_records(keys):
+    for found in view.end_records(candidate_keys(parent, tokens[base : base + longest])):
         if found is None:
             continue
         header = found.header

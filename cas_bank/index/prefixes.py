@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import cast
+from typing import NamedTuple, cast
 
 import blake3
 
@@ -115,10 +115,10 @@ def encode_prefix(first: int, epoch: int, fixed: Sequence[bytes], last: bytes) -
 def python_prefix_run(
     value: bytes, offset: int, first: int, count: int, root: bytes, tokens: memoryview, step: int
 ) -> list[Header]:
-    """`cas_bank._chain.prefix_run`: the headers a prefix record's entries make, each
-    block named by the parent field of the entry after it (the last by the 32 bytes
-    after the entries), up to the first entry that is not its block. The first entry's
-    parent is taken as it stands (but for block 0: the root); the caller links it."""
+    """The headers a prefix record's entries make, each block named by the parent field
+    of the entry after it (the last by the 32 bytes after the entries), up to the first
+    entry that is not its block. The first entry's parent is taken as it stands (but
+    for block 0: the root); the caller links it."""
     size, at = FIXED.size, offset + 24  # an entry's parent field
     last = offset + count * size
     if count <= 0 or len(value) < last + DIGEST_SIZE:
@@ -133,34 +133,56 @@ def python_prefix_run(
     return records.python_run(value, offset, first, count, root, chain, tokens, step)
 
 
-def _native_prefix_run() -> Callable[..., list[Header]] | None:
-    run = getattr(chain_module, "prefix_run", None)
-    if run is None or records.decode_run is records.python_run:  # no header type set
+class PrefixRun(NamedTuple):
+    """A prefix record, parsed (what the hot tier keeps with it): the epoch it was
+    written at, the block its first entry stands for, the headers its entries make and
+    their chain hashes."""
+
+    epoch: int
+    first: int
+    headers: tuple[Header, ...]
+    hashes: tuple[BlockHash, ...]
+
+
+def python_prefix_record(
+    value: bytes, root: bytes, tokens: memoryview, step: int, cls: type[PrefixRun]
+) -> PrefixRun | None:
+    """`cas_bank._chain.prefix_record`: the prefix record `value` parsed, with the
+    headers its entries make of `tokens` (`python_prefix_run`); None where it is not
+    one (another version, flags, no entries, not its length) or an entry is not its
+    block."""
+    head = records.run_head(value, DIGEST_SIZE)
+    if head is None or head[0] or not head[1]:
         return None
-    return cast(Callable[..., list[Header]], run)
+    _, count, first, epoch = head
+    got = python_prefix_run(value, records.run_size(0, 0), first, count, root, tokens, step)
+    if len(got) != count:
+        return None
+    return cls(epoch, first, tuple(got), tuple(map(_CHAIN_HASH, got)))
 
 
-decode_prefix_run = _native_prefix_run() or python_prefix_run
+def _native_prefix_record() -> Callable[..., PrefixRun | None] | None:
+    parse = getattr(chain_module, "prefix_record", None)
+    if parse is None or records.decode_run is records.python_run:  # no header type set
+        return None
+    return cast(Callable[..., PrefixRun | None], parse)
+
+
+decode_prefix_record = _native_prefix_record() or python_prefix_record
 
 
 def _prefix_parser(
     root: bytes, tokens: memoryview, step: int
-) -> Callable[[bytes, bytes], records.Run | None]:
+) -> Callable[[bytes, bytes], PrefixRun | None]:
     """`parse` of the prefix records of a chain whose blocks are `tokens` (`step` bytes
-    each): the headers a record makes, named by the hashes it holds; None where it is
-    another version or an entry is not its block (`decode_prefix_run`). What it makes
-    depends on the record alone (its key names the tokens up to it)."""
-    offset = records.run_size(0, 0)
+    each): what `decode_prefix_record` makes of a record, None where it is another
+    version or an entry is not its block. What it makes depends on the record alone
+    (its key names the tokens up to it)."""
 
-    def parse(key: bytes, value: bytes) -> records.Run | None:
-        head = records.run_head(value, DIGEST_SIZE)
-        if head is None or len(key) != DIGEST_SIZE:
+    def parse(key: bytes, value: bytes) -> PrefixRun | None:
+        if len(key) != DIGEST_SIZE:
             return None
-        flags, count, first, epoch = head
-        if flags or not count:
-            return None
-        got = decode_prefix_run(value, offset, first, count, root, tokens, step)
-        return records.Run(epoch, first, tuple(got)) if len(got) == count else None
+        return decode_prefix_record(value, root, tokens, step, PrefixRun)
 
     return parse
 
@@ -192,14 +214,16 @@ def read_prefixes(
     except CorruptDataError:
         return [], []
     epoch = records.epoch_of(raws[0])
+    hashes: list[BlockHash] = []
     headers: list[Header] = []
-    for s, run in enumerate(cast(list[records.Run | None], runs[1:])):
+    for s, run in enumerate(cast(list[PrefixRun | None], runs[1:])):
         first, count = s * segment, segment if s < whole else tail
         if not _follows(run, epoch, headers, first, count):
             break
-        headers += cast(records.Run, run).headers
+        hashes += cast(PrefixRun, run).hashes
+        headers += cast(PrefixRun, run).headers
     if len(headers) != whole * segment or tail < 2:
-        return list(map(_CHAIN_HASH, headers)), headers
+        return hashes, headers
     # The chain's end is not stored: the deepest block of the last segment that is
     # (the keys of its blocks, going on from the whole segments').
     at = whole * segment * step
@@ -208,18 +232,19 @@ def read_prefixes(
     try:
         raws, runs = store.get_parsed(Family.PREFIXES, [epoch_key, *inner], parse)
     except CorruptDataError:
-        return list(map(_CHAIN_HASH, headers)), headers
+        return hashes, headers
     if records.epoch_of(raws[0]) == epoch:
         for b in range(tail - 1, 0, -1):
-            run = cast(records.Run | None, runs[b])
+            run = cast(PrefixRun | None, runs[b])
             if _follows(run, epoch, headers, whole * segment, b):
-                headers += cast(records.Run, run).headers
+                hashes += cast(PrefixRun, run).hashes
+                headers += cast(PrefixRun, run).headers
                 break
-    return list(map(_CHAIN_HASH, headers)), headers
+    return hashes, headers
 
 
 def _follows(
-    run: records.Run | None, epoch: int, before: list[Header], first: int, count: int
+    run: PrefixRun | None, epoch: int, before: list[Header], first: int, count: int
 ) -> bool:
     """Whether `run` is current and holds blocks `first` on, `count` of them, linked
     to the headers `before` (block 0's parent, the root, is checked with the record)."""
