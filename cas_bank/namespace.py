@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
-import numpy as np
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
@@ -25,12 +25,7 @@ from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.restore import restoring
 from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
-from cas_bank.spec import (
-    ModelSpec,
-    boundary_states,
-    check_layers,
-    group_layers,
-)
+from cas_bank.spec import ModelSpec, boundary_states, check_layers, kind_of
 from cas_bank.write import storing
 from cas_bank.write.end_records import write_end
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
@@ -44,6 +39,48 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _NOTHING_STORED = StoreReport(0, 0, 0, 0, 0, 0, 0, chain=[])
+
+
+@dataclass(frozen=True, slots=True)
+class EndOf:
+    """The end record a queued store keeps of its own tokens (`store_turn_later`): the
+    recurrent `state` at their end (per layer, None for attention layers; required for
+    a hybrid model), the last token's `logits` and a `hidden` state, where known.
+    `state_copied`: the state is the caller's copy, taken for this record (not copied
+    again)."""
+
+    state: Sequence[Any] | None = None
+    logits: Any = None
+    hidden: Any = None
+    state_copied: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """A queued store as `store_turn_later` prepared it: the checked input, its
+    attention arrays flat, and the records the read view shows until written."""
+
+    offer: storing.Offer
+    flat: list[mx.array]
+    queued_chain: QueuedChain | None
+    queued_end: QueuedEnd | None
+
+
+def _flat_layers(spec: ModelSpec, layers: Sequence[Any]) -> list[list[mx.array]]:
+    """`check_layers` of layers checked already: each attention layer's arrays, flat."""
+    return [
+        kind_of(ls).flat(layer)
+        for layer, ls in zip(layers, spec.layers, strict=True)
+        if ls.per_block
+    ]
+
+
+def _bytes_written(report: StoreReport) -> int:
+    return report.bytes_written
+
+
+def _nbytes(nbytes: int) -> int:
+    return nbytes
 
 
 def _skipping_full(store: Callable[[], T], skip: bool, nothing: T) -> Callable[[], T]:
@@ -139,35 +176,168 @@ class Namespace:
         `skip_when_full`: a full disk (`BankFullError`) skips the store with a warning
         (its report says nothing was written) instead of failing it.
         """
+        return self.store_turn_later(tokens, layers, states, skip_when_full=skip_when_full)[0]
+
+    def store_turn_later(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None = None,
+        *,
+        end: EndOf | None = None,
+        skip_when_full: bool = False,
+        checked: bool = False,
+    ) -> tuple[PendingStore[StoreReport], PendingStore[int] | None]:
+        """`store_later`, and with `end` the end record of the same `tokens` (a turn of
+        a conversation: `store_end_later`, the caller's arrays kept as its live lease).
+        The input is checked, hashed and snapshotted once for both, everything is in the
+        read view and leased before either is queued, and both are queued last, back to
+        back: nothing of this thread runs beside the writer once it has work. Returns
+        the store's `PendingStore` and the end record's (None without `end`).
+
+        `checked`: `layers` are a cache this namespace's model has just written, and the
+        caller checked it (`PrefixCache.prefill` checks its cache before the forward
+        pass): its arrays are not checked against the spec again (~2 us an array)."""
         writer = self.bank.writer
         if writer is None:
-            return self._store_now(tokens, layers, states, skip_when_full)
+            return self._store_turn_now(tokens, layers, states, end, skip_when_full)
         if self.bank.read_only:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
         if writer.closed:  # as `store` says it: nobody would write this one
             raise RuntimeError(f"bank at {self.bank.path} is closed")
+        turn = self._turn(tokens, layers, states, end, checked)
+        live = self._lease_turn(turn, layers)
+        try:
+            pending = writer.submit(
+                self._chain_job(turn, skip_when_full), _bytes_written, turn.queued_chain
+            )
+        except BaseException:  # not queued (closed since, or interrupted): never written
+            self._unlease_turn(turn, live, chain=True)
+            raise
+        if turn.queued_end is None:
+            return pending, None
+        try:
+            end_pending = writer.submit(
+                self._end_job(turn, skip_when_full), _nbytes, turn.queued_end
+            )
+        except BaseException:
+            self._unlease_turn(turn, live, chain=False)
+            raise
+        return pending, end_pending
+
+    def _turn(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None,
+        end: EndOf | None,
+        checked: bool = False,
+    ) -> _Turn:
+        """A queued store's input checked and hashed once, its arrays snapshotted
+        without a copy (new objects over the whole buffers: the cache's next update
+        copies its buffer instead of writing into them; `index.lease`) and evaluated,
+        its end record's copied, with the records the read view shows until written."""
         toks = as_token_array(tokens)
-        flat, kept = self._snapshot(toks, layers, states)
-        snapshot = group_layers(self.spec, flat, None)
-        by_layer = {b: group_layers(self.spec, None, st) for b, st in kept.items()}
+        n = len(toks)
+        arrays = _flat_layers(self.spec, layers) if checked else check_layers(self.spec, layers, n)
         hashes = self.chain(toks)
+        snapshot = [[a.reshape(a.shape) for a in layer] for layer in arrays]
+        flat = [a for layer in snapshot for a in layer]
+        kept = {  # new objects: the caller's are not ours
+            b: [a.reshape(a.shape) for a in st]
+            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
+        }
+        mx.eval(flat, list(kept.values()))
+        offer = storing.Offer(toks, snapshot, kept, hashes)
         # In the read view until written (`index.view`), unless admission will write none.
         admitted = len(hashes) * self.block_size >= self.bank.config.admit_min_tokens
-        queued = (
-            QueuedChain(self.root, hashes, toks, self.block_size, flat, kept) if admitted else None
+        chain = None
+        if admitted:
+            chain = QueuedChain(self.root, hashes, toks, self.block_size, flat, kept)
+        if end is None:
+            return _Turn(offer, flat, chain, None)
+        record = prepare_end(
+            self.spec,
+            self.block_size,
+            toks,
+            layers,
+            end.state,
+            end.logits,
+            end.hidden,
+            copy=True,
+            checked=arrays,
+            state_copied=end.state_copied,
         )
+        return _Turn(offer, flat, chain, QueuedEnd(self.root, hashes, record, self.block_size))
+
+    def _lease_turn(self, turn: _Turn, layers: Sequence[Any]) -> bool:
+        """Lease a queued turn: the caller's cache as the live lease of its end record
+        (which is also the lease of its blocks), else its blocks; its states. Whether a
+        live lease was kept."""
+        leases = self.bank.leases
+        if leases is None:
+            return False
+        offer, end = turn.offer, turn.queued_end
+        live = end is not None and self._lease_live(offer.hashes, end.end, layers, end.key)
+        if not live:
+            leases.put(offer.hashes, turn.flat)
+        leases.put_states(offer.hashes, offer.states)
+        return live
+
+    def _unlease_turn(self, turn: _Turn, live: bool, *, chain: bool) -> None:
+        """Undo `_lease_turn` of a turn not queued (`chain`: nor its blocks)."""
+        leases = self.bank.leases
+        if leases is None:
+            return
+        if chain:
+            leases.forget(turn.offer.hashes)
+        if live and turn.queued_end is not None:
+            leases.drop_live(turn.queued_end.key)
+
+    def _chain_job(self, turn: _Turn, skip_when_full: bool) -> Callable[[], StoreReport]:
+        """What the writer does for a queued turn's blocks: they are stored, and only what
+        the bank then holds stays leased."""
+        offer = turn.offer
         store = _skipping_full(
-            lambda: self.store(toks, snapshot, by_layer), skip_when_full, _NOTHING_STORED
+            lambda: storing.store_offer(self, offer), skip_when_full, _NOTHING_STORED
         )
         if self.bank.leases is None:
-            return writer.submit(store, lambda report: report.bytes_written, queued)
-        self.bank.leases.put_chain(hashes, flat, kept)
-        write = self._unleasing_unstored(store, hashes, flat)
-        try:
-            return writer.submit(write, lambda report: report.bytes_written, queued)
-        except BaseException:  # not queued (closed since, or interrupted): never written
-            self.bank.leases.forget(hashes)
-            raise
+            return store
+        return self._unleasing_unstored(store, offer.hashes, turn.flat)
+
+    def _end_job(self, turn: _Turn, skip_when_full: bool) -> Callable[[], int]:
+        """What the writer does for a queued turn's end record."""
+        queued = turn.queued_end
+        assert queued is not None
+        hashes, header = turn.offer.hashes, queued.header
+        place = (header.parent, header.tail, queued.key)
+        return _skipping_full(
+            lambda: write_end(self.bank, self.spec, self.root, hashes, queued.end, place),
+            skip_when_full,
+            0,
+        )
+
+    def _store_turn_now(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        states: Mapping[int, Sequence[Any]] | None,
+        end: EndOf | None,
+        skip_when_full: bool,
+    ) -> tuple[PendingStore[StoreReport], PendingStore[int] | None]:
+        """`store_turn_later` with no background writer: stored now, on this thread."""
+        pending = self._store_now(tokens, layers, states, skip_when_full)
+        if end is None:
+            return pending, None
+        written = self.prepare_end_later(
+            tokens,
+            layers,
+            end.state,
+            logits=end.logits,
+            hidden=end.hidden,
+            skip_when_full=skip_when_full,
+        )()
+        return pending, written
 
     def _store_now(
         self,
@@ -183,20 +353,6 @@ class Namespace:
         )
         done._set(store(), None)
         return done
-
-    def _snapshot(
-        self, toks: np.ndarray, layers: Sequence[Any], states: Mapping[int, Sequence[Any]] | None
-    ) -> tuple[list[mx.array], dict[int, list[mx.array]]]:
-        """The input checked and evaluated, without a copy: the attention arrays flat (cut
-        to the tokens) and the boundary states, as new array objects of our own."""
-        n = len(toks)
-        flat = [a[..., :n, :] for layer in check_layers(self.spec, layers, n) for a in layer]
-        kept = {
-            b: [a.reshape(a.shape) for a in st]  # new objects: the caller's are not ours
-            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
-        }
-        mx.eval(flat, list(kept.values()))
-        return flat, kept
 
     def _unleasing_unstored(
         self, store: Callable[[], StoreReport], hashes: list[BlockHash], flat: list[mx.array]
@@ -240,8 +396,9 @@ class Namespace:
             raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
         end = prepare_end(self.spec, self.block_size, tokens, layers, state, logits, hidden)
         hashes = self.chain(end.tokens)
-        written = write_end(self.bank, self.spec, self.root, hashes, end)
-        self._lease_live(hashes, end, layers)
+        place = end_place(self.root, hashes, end.tokens, self.block_size)
+        written = write_end(self.bank, self.spec, self.root, hashes, end, place)
+        self._lease_live(hashes, end, layers, place[2])
         return written
 
     def store_end_later(
@@ -296,30 +453,40 @@ class Namespace:
             self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
         )
         hashes = self.chain(end.tokens)
-        job = _skipping_full(
-            lambda: write_end(self.bank, self.spec, self.root, hashes, end), skip_when_full, 0
-        )
         # In the read view from the moment it is queued (`index.view`).
         queued = QueuedEnd(self.root, hashes, end, self.block_size)
+        place = (queued.header.parent, queued.header.tail, queued.key)
+        job = _skipping_full(
+            lambda: write_end(self.bank, self.spec, self.root, hashes, end, place),
+            skip_when_full,
+            0,
+        )
 
         def submit() -> PendingStore[int]:
-            pending = writer.submit(job, lambda nbytes: nbytes, queued)
-            self._lease_live(hashes, end, layers)
-            return pending
+            # Leased first: nothing of this thread runs beside the writer once queued.
+            live = self._lease_live(hashes, end, layers, queued.key)
+            try:
+                return writer.submit(job, _nbytes, queued)
+            except BaseException:  # not queued: nor leased
+                if live and self.bank.leases is not None:
+                    self.bank.leases.drop_live(queued.key)
+                raise
 
         return submit
 
-    def _lease_live(self, hashes: list[BlockHash], end: EndInput, layers: Sequence[Any]) -> None:
+    def _lease_live(
+        self, hashes: list[BlockHash], end: EndInput, layers: Sequence[Any], key: bytes
+    ) -> bool:
         """Keep the caller's own arrays (`layers`, whole buffers and all) as the live
-        lease of the end record of `end.tokens` (`index.lease`): the next turn of the
-        conversation takes them back without a copy, once a restore finds that record."""
+        lease of the end record of `end.tokens` under `key` (`index.lease`): the next
+        turn of the conversation takes them back without a copy, once a restore finds
+        that record. Whether it was kept."""
         leases = self.bank.leases
         if leases is None:
-            return
-        key = end_place(self.root, hashes, end.tokens, self.block_size)[2]
+            return False
         kept = [None if layer is None else tuple(layer) for layer in layers]
         full = hashes[: len(end.tokens) // self.block_size]
-        leases.put_live(key, full, kept, len(end.tokens), end.state)
+        return leases.put_live(key, full, kept, len(end.tokens), end.state)
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, tokens: Any) -> PinReport:

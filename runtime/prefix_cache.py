@@ -87,7 +87,7 @@ import numpy as np
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array, max_token
 from cas_bank.errors import BankFullError, InvalidInputError
-from cas_bank.namespace import Namespace
+from cas_bank.namespace import EndOf, Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.write.storing import StoreReport
 from cas_bank.write.writer import PendingStore
@@ -423,12 +423,22 @@ class PrefixCache:
         (then its report); with `end`, the end record (with the logits `last` and the
         `hidden` state) too."""
         if self.background:
-            # The end record is copied before anything is queued: the writer then
-            # works while this thread goes on to the first token.
-            queue_end = self._end_later(toks, cache, last, hidden=hidden) if end else None
-            self.last_pending = self.store_later(toks, cache, states)
-            if queue_end is not None:
-                self.last_end_pending = queue_end()
+            # `toks` and `cache` were checked when the prefill began, and the cache holds
+            # exactly `toks` (this model's pass wrote it): the blocks and the end record
+            # are prepared once, and queued last (the writer then works while this thread
+            # goes on to the first token).
+            layers = cache_layers(self.spec, cache, len(toks))
+            ends = self._end_of(cache, last, hidden) if end else None
+            self.last_pending, queued_end = self.namespace.store_turn_later(
+                toks,
+                layers,
+                states,
+                end=ends,
+                skip_when_full=self.skip_store_when_full,
+                checked=True,
+            )
+            if queued_end is not None:
+                self.last_end_pending = queued_end
             return None
         report = None
         try:
@@ -486,18 +496,22 @@ class PrefixCache:
         if self.background:
             # The end record is checked and copied before anything is queued (as a
             # prefill's): bad input queues nothing, and the writer works meanwhile.
-            queue_end = self._end_later_for_store(toks, cache, logits) if keep else None
-            pending = self.namespace.store_later(
-                toks, layers, by_boundary, skip_when_full=self.skip_store_when_full
+            ends = (
+                self._end_of(cache, logits)
+                if keep and self._keeps_end(toks, cache, logits)
+                else None
             )
-            if queue_end is not None:
-                self.last_end_pending = queue_end()
+            pending, queued_end = self.namespace.store_turn_later(
+                toks, layers, by_boundary, end=ends, skip_when_full=self.skip_store_when_full
+            )
+            if queued_end is not None:
+                self.last_end_pending = queued_end
             return pending
-        ends = self._end_for_store(toks, cache, logits) if keep else None
+        record = self._end_for_store(toks, cache, logits) if keep else None
         done: PendingStore[StoreReport] = PendingStore()
         done._set(self.namespace.store(toks, layers, by_boundary), None)
-        if ends is not None:
-            end_toks, end_layers, state = ends
+        if record is not None:
+            end_toks, end_layers, state = record
             end_done: PendingStore[int] = PendingStore()
             end_done._set(
                 self.namespace.store_end(end_toks, end_layers, state, logits=logits), None
@@ -505,34 +519,33 @@ class PrefixCache:
             self.last_end_pending = end_done
         return done
 
-    def _end_for_store(
-        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
-    ) -> tuple[np.ndarray, list[Any], list[Any] | None] | None:
-        """The end record `store` keeps of `toks` from `cache` (both checked by
-        `_store_input`), or None where there is none worth keeping: a hybrid cache past
+    def _keeps_end(self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None) -> bool:
+        """Whether `store` keeps an end record of `toks` from `cache` (both checked by
+        `_store_input`): not where there is none worth keeping, a hybrid cache past
         `toks` (its state is not theirs), or an attention-only one ending on a block
         boundary without logits (it would hold nothing the blocks do not)."""
         n = len(toks)
         if n == 0:
-            return None
+            return False
         if self.spec.is_hybrid:
-            if self._offset(cache, n) != n:
-                return None
-        elif n % self.block_size == 0 and logits is None:
+            return self._offset(cache, n) == n
+        return n % self.block_size != 0 or logits is not None
+
+    def _end_for_store(
+        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
+    ) -> tuple[np.ndarray, list[Any], list[Any] | None] | None:
+        """The end record `store` keeps of `toks` from `cache` (`_keeps_end`), or None."""
+        if not self._keeps_end(toks, cache, logits):
             return None
         return self._end_input(toks, cache, True, longer=not self.spec.is_hybrid)
 
-    def _end_later_for_store(
-        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
-    ) -> Callable[[], PendingStore[int]] | None:
-        """`_end_for_store`, copied now; the function returned queues it."""
-        end = self._end_for_store(toks, cache, logits)
-        if end is None:
-            return None
-        end_toks, layers, state = end
-        return self.namespace.prepare_end_later(
-            end_toks, layers, state, logits=logits, skip_when_full=self.skip_store_when_full
-        )
+    def _end_of(
+        self, cache: Sequence[Any], logits: mx.array | None, hidden: mx.array | None = None
+    ) -> EndOf:
+        """The end record of a checked `cache` at exactly its tokens, as a queued store
+        keeps it: a hybrid model's recurrent states copied now, the last `logits`."""
+        state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
+        return EndOf(state, logits, hidden, state_copied=True)
 
     def _store_inline(
         self,

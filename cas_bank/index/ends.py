@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import DType, dtype_named, dtype_of, from_numpy, to_numpy
+from cas_bank.arrays import DType, copied_rows, dtype_named, dtype_of, from_numpy, to_numpy
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import (
@@ -294,10 +294,23 @@ class EndInput:
     """What a store of an end record writes, checked against the spec."""
 
     tokens: np.ndarray
-    tail: list[mx.array]  # attention arrays (flat) of the tokens after the last full block
+    buffers: list[mx.array]  # attention arrays (flat), holding at least the tokens
+    base: int  # tokens in full blocks: the tail is rows base:len(tokens) of `buffers`
     state: list[mx.array] | None  # recurrent state arrays (flat) at len(tokens)
     logits: mx.array | None
     hidden: mx.array | None
+    _tail: list[list[mx.array]] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def tail(self) -> list[mx.array]:
+        """The attention arrays (flat) of the tokens after the last full block: copies
+        of those rows of `buffers`, made once, by whoever asks first (the writer, or a
+        restore that finds the record queued), not by the store's caller: `buffers` are
+        evaluated arrays nothing writes into (a cache copies a buffer the bank shares
+        before it writes), so any thread may copy from them."""
+        if not self._tail:  # two threads at once both copy; either copy is right
+            self._tail.append(copied_rows(self.buffers, self.base, len(self.tokens)))
+        return self._tail[0]
 
     @property
     def flags(self) -> int:
@@ -341,40 +354,65 @@ def prepare_end(
     hidden: Any,
     *,
     copy: bool = False,
+    checked: list[list[mx.array]] | None = None,
+    state_copied: bool = False,
 ) -> EndInput:
     """The checked input of `Namespace.store_end` (bad input raises `InvalidInputError`);
-    with `copy`, its arrays are copied and evaluated now (a queued store)."""
+    with `copy`, for a queued store: the recurrent state is copied, and the attention
+    arrays are held as new objects over the same buffers (what the tail copies from,
+    when it is first asked for: `EndInput.tail`), all evaluated now.
+
+    `checked`: `check_layers` of `layers` done already (the store of the same tokens
+    checked them), not done again. `state_copied`: `state` is the caller's copy, taken
+    for this record (`cache_io.snapshot_states`): not copied again."""
     toks = as_token_array(tokens)
     n = len(toks)
     if n == 0:
         raise InvalidInputError("an end record needs at least one token")
-    arrays = check_layers(spec, layers, n)
-    flat: list[mx.array] | None = None
+    arrays = check_layers(spec, layers, n) if checked is None else checked
+    flat = _end_state(spec, state)
+    logits = _end_logits(logits, hidden)
+    base = n - n % block_size
+    if not copy:
+        buffers = [a for layer in arrays for a in layer]
+        return EndInput(toks, buffers, base, flat, logits, hidden)
+    # New objects: an in-place update rebinds the caller's, never these (`index.lease`).
+    buffers = [a.reshape(a.shape) for layer in arrays for a in layer]
+    if flat is not None and not state_copied:
+        flat = [mx.array(a) for a in flat]
+    mx.eval(buffers, flat or [], [a for a in (logits, hidden) if a is not None])
+    return EndInput(toks, buffers, base, flat, logits, hidden)
+
+
+def _end_state(spec: ModelSpec, state: Sequence[Any] | None) -> list[mx.array] | None:
+    """An end record's recurrent state, checked and flat (None for an attention-only model)."""
     if spec.is_hybrid:
         if state is None:
             raise InvalidInputError(
                 f"{spec.name!r} has recurrent layers: an end record needs their state at its end"
             )
-        flat = check_state(spec, state, "end state")
-    elif state is not None and any(s is not None for s in state):
+        return check_state(spec, state, "end state")
+    if state is not None and any(s is not None for s in state):
         raise InvalidInputError(f"a state given but {spec.name!r} has no recurrent layers")
+    return None
+
+
+def _end_logits(logits: Any, hidden: Any) -> mx.array | None:
+    """An end record's logits, checked and flat (`hidden` is checked to be an array)."""
     for name, a in (("logits", logits), ("hidden", hidden)):
         if a is not None and not isinstance(a, mx.array):
             raise InvalidInputError(f"{name} must be an mlx array, got {type(a).__name__}")
-    if logits is not None:
-        if logits.ndim < 1 or any(d != 1 for d in logits.shape[:-1]):
-            raise InvalidInputError(
-                f"logits must be the last token's, shape [vocab] (or [1, vocab], [1, 1, "
-                f"vocab]); got shape {tuple(logits.shape)}: take logits[0, -1]"
-            )
-        logits = logits.reshape(-1)
-    base = n - n % block_size
-    tail = [a[..., base:n, :] for layer in arrays for a in layer]
-    if copy:
-        tail = [mx.array(a) for a in tail]
-        flat = [mx.array(a) for a in flat] if flat is not None else None
-        mx.eval(tail, flat or [], [a for a in (logits, hidden) if a is not None])
-    return EndInput(toks, tail, flat, logits, hidden)
+    if logits is None:
+        return None
+    if logits.ndim < 1 or any(d != 1 for d in logits.shape[:-1]):
+        raise InvalidInputError(
+            f"logits must be the last token's, shape [vocab] (or [1, vocab], [1, 1, "
+            f"vocab]); got shape {tuple(logits.shape)}: take logits[0, -1]"
+        )
+    # A reshape to the shape it has is a new object over the same array (the caller's
+    # object is not ours); any other is an MLX op, evaluated later (~20 us).
+    flat: mx.array = logits.reshape(logits.shape if logits.ndim == 1 else (-1,))
+    return flat
 
 
 @dataclass(frozen=True, slots=True)

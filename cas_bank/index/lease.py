@@ -107,27 +107,39 @@ class Leases:
 
     def put(self, hashes: Sequence[bytes], arrays: Sequence[mx.array]) -> None:
         """Keep `arrays` (each holding at least `len(hashes)` blocks on axis -2) as the
-        chain `hashes`. The arrays are sliced (no copy) and evaluated here."""
+        chain `hashes`: new objects over the same buffers (no copy), evaluated here.
+        Whoever reads them slices them to the blocks it takes (`probe`)."""
         if not hashes or self.max_bytes <= 0:
             return
-        n = len(hashes) * self.block_size
-        # Always new array objects (slices share the buffer, never the object): an
-        # in-place update rebinds the object it is applied to, so the bank must not
-        # hold the very objects the cache holds, nor hand out its own.
-        kept = [a[..., :n, :] for a in arrays]
+        last = bytes(hashes[-1])
+        if self._used(last, len(hashes) - 1):
+            return  # already leased (a live lease of the same cache, say): just used
+        # New array objects over the whole buffers (no slice: one would have to be
+        # evaluated, ~8 us an array): an in-place update rebinds the object it is
+        # applied to, so the bank must not hold the very objects the cache holds, nor
+        # hand out its own; and a cache never writes into a buffer the bank shares.
+        kept = [_view(a) for a in arrays]
         mx.eval(kept)
         # Charged for the whole buffers they keep alive (a padded cache buffer too).
-        nbytes = sum(map(_NBYTES, arrays))
+        nbytes = sum(map(_NBYTES, kept))
         if not self.budget.fits(nbytes):
             return
-        last = bytes(hashes[-1])
         with self._lock:
-            held = self._blocks.get(last)
-            if held is not None and held[1] == len(hashes) - 1 and held[0] in self._entries:
-                self._use(held[0])  # already leased: just used
+            if self._used(last, len(hashes) - 1, locked=True):
                 return
             self._insert(last, _Entry([bytes(h) for h in hashes], HeldArrays(kept), nbytes))
         self.budget.balance()
+
+    def _used(self, last: bytes, index: int, *, locked: bool = False) -> bool:
+        """Whether block `last` is leased at `index` of its chain (then it was used now)."""
+        if not locked:
+            with self._lock:
+                return self._used(last, index, locked=True)
+        held = self._blocks.get(last)
+        if held is None or held[1] != index or held[0] not in self._entries:
+            return False
+        self._use(held[0])
+        return True
 
     def put_chain(
         self,
@@ -135,9 +147,13 @@ class Leases:
         arrays: Sequence[mx.array],
         states: Mapping[int, Sequence[mx.array]],
     ) -> None:
-        """`put` of a stored chain and `put_state` of its boundary states (by token
-        position, a multiple of the block size)."""
+        """`put` of a stored chain and `put_states` of its boundary states."""
         self.put(hashes, arrays)
+        self.put_states(hashes, states)
+
+    def put_states(self, hashes: Sequence[bytes], states: Mapping[int, Sequence[mx.array]]) -> None:
+        """`put_state` of a chain's boundary states (by token position, a multiple of
+        the block size)."""
         for boundary, state in states.items():
             self.put_state(hashes[boundary // self.block_size - 1], state)
 
@@ -211,15 +227,16 @@ class Leases:
         layers: Sequence[tuple[mx.array, ...] | None],
         tokens: int,
         state: Sequence[mx.array] | None,
-    ) -> None:
+    ) -> bool:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
         recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
         the live lease of the end record `end_key`. New array objects over the same
         buffers: no copy, and the runtime's objects are never the bank's. The entry is
         also the lease of its whole blocks (`hashes`), in place of one over the same
-        buffers: the memory is charged once."""
+        buffers: the memory is charged once. Whether it was kept (False: over the
+        budget, or no attention layer)."""
         if self.max_bytes <= 0:
-            return
+            return False
         kept: list[tuple[mx.array, ...] | None] = [
             None if layer is None else tuple(_view(a) for a in layer) for layer in layers
         ]
@@ -228,13 +245,19 @@ class Leases:
         mx.eval(flat, flat_state or [])
         nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
         if not flat or not self.budget.fits(nbytes):
-            return  # no attention layer: nothing a copy would cost (the state is leased)
+            return False  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry([bytes(h) for h in hashes], HeldArrays(flat), nbytes)
         entry.live = Live(kept, tokens, flat_state)
         with self._lock:
-            self._drop_over(_buffers(entry), lives=False)
+            self._drop_over(entry, lives=False)
             self._insert(_live_key(end_key), entry)
         self.budget.balance()
+        return True
+
+    def drop_live(self, end_key: bytes) -> None:
+        """Let the live lease of the end record `end_key` go (its store was not queued)."""
+        with self._lock:
+            self._drop(_live_key(end_key))
 
     def take_live(self, end_key: bytes, tokens: int) -> Live | None:
         """The live lease of the end record `end_key` if it holds exactly `tokens`
@@ -246,17 +269,26 @@ class Leases:
             if entry is None or entry.live is None or entry.live.tokens != tokens:
                 return None
             self._drop(_live_key(end_key))
-            self._drop_over(_buffers(entry), lives=True)
+            self._drop_over(entry, lives=True)
         return entry.live
 
-    def _drop_over(self, buffers: set[int], *, lives: bool) -> None:
+    def _drop_over(self, live: _Entry, *, lives: bool) -> None:
         """Drop the leases of chains (and, with `lives`, the live leases) over any of
-        these buffers. Under the lock."""
-        for key in [k for k, e in self._entries.items() if e.hashes or e.live is not None]:
-            entry = self._entries[key]
-            if not entry.arrays or not (lives or entry.live is None):
-                continue
-            if entry.arrays.addresses()[0] in buffers:
+        the buffers of `live` (a live lease's entry, not among them). Under the lock.
+        Its buffers' addresses are found only when there is a lease to compare."""
+        over = [
+            k
+            for k, e in self._entries.items()
+            if e is not live
+            and e.arrays
+            and (e.hashes or e.live is not None)
+            and (lives or e.live is None)
+        ]
+        if not over:
+            return
+        buffers = _buffers(live)
+        for key in over:
+            if self._entries[key].arrays.addresses()[0] in buffers:
                 self._drop(key)
 
     @property

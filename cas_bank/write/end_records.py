@@ -20,16 +20,20 @@ def write_end(
     root: bytes,
     hashes: Sequence[BlockHash],
     end: EndInput,
+    place: tuple[bytes, bytes, bytes] | None = None,
 ) -> int:
     """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
     when nothing was written: the same record is stored already (holding at least as
     much, and intact), or its parent block is not stored (an end record never dangles).
 
-    `hashes`: the chain hashes of `end.tokens`.
+    `hashes`: the chain hashes of `end.tokens`; `place`: its `end_place`, where the
+    caller found it already.
     """
     state, logits, hidden = end.state, end.logits, end.hidden
     n = len(end.tokens)
-    parent, tail, key = end_place(root, hashes, end.tokens, bank.config.block_size)
+    if place is None:
+        place = end_place(root, hashes, end.tokens, bank.config.block_size)
+    parent, tail, key = place
     base = n - len(tail) // 4
     flags = end.flags
     if _holds(bank.store.get(Family.ENDS, key), key, flags):

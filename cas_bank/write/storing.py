@@ -65,9 +65,10 @@ class Storable(Protocol):
 
 
 @dataclass(slots=True)
-class _Offer:
-    """A store's input, checked: the tokens, per-layer arrays, the boundary states
-    offered (by token position) and the chain hashes."""
+class Offer:
+    """A store's input, checked: the tokens, per-layer arrays (`check_layers`: each
+    attention layer's arrays, flat), the boundary states offered (by token position,
+    `boundary_states`) and the chain hashes of the tokens."""
 
     toks: np.ndarray
     arrays: list[list[mx.array]]
@@ -94,10 +95,17 @@ def store(
 ) -> StoreReport:
     """`Namespace.store(tokens, layers, states)` of `ns` (its docstring says what it
     does)."""
+    if ns.bank.read_only:
+        raise RuntimeError(f"bank at {ns.bank.path} is open read-only: it cannot store")
+    return store_offer(ns, _checked_offer(ns, tokens, layers, states))
+
+
+def store_offer(ns: Storable, offer: Offer) -> StoreReport:
+    """`store` of input checked already (a queued store checked it when it was queued,
+    and hashed its tokens)."""
     bank = ns.bank
     if bank.read_only:
         raise RuntimeError(f"bank at {bank.path} is open read-only: it cannot store")
-    offer = _checked_offer(ns, tokens, layers, states)
     existing = read_headers(bank.store, offer.hashes)
     payloads, deferred = _new_blocks(ns, offer, existing)
     state_payloads = _new_states(ns, offer, existing, set(payloads))
@@ -113,11 +121,11 @@ def _checked_offer(
     tokens: Any,
     layers: Sequence[Any],
     states: Mapping[int, Sequence[Any]] | None,
-) -> _Offer:
+) -> Offer:
     """The store's input checked against `ns`'s spec, with its chain hashes."""
     toks = as_token_array(tokens)
     n = len(toks)
-    return _Offer(
+    return Offer(
         toks,
         check_layers(ns.spec, layers, n),
         boundary_states(ns.spec, states, n, ns.block_size),
@@ -128,7 +136,7 @@ def _checked_offer(
 def _record_store(
     ns: Storable,
     tx: Transaction,
-    offer: _Offer,
+    offer: Offer,
     current: list[Header | None],
     done: _Written,
     deferred: int,
@@ -159,7 +167,7 @@ def _record_store(
 
 def _after_commit(
     ns: Storable,
-    offer: _Offer,
+    offer: Offer,
     done: _Written,
     payloads: dict[int, bytes],
     state_payloads: dict[int, bytes],
@@ -181,7 +189,7 @@ def _after_commit(
         ns._lease_stored(hashes, kept, flat, {b: offer.states[b] for b in kept_states})
 
 
-def _report(offer: _Offer, done: _Written) -> StoreReport:
+def _report(offer: Offer, done: _Written) -> StoreReport:
     """What the store of `offer` did, `done` being what its transaction wrote."""
     hashes = offer.hashes
     return StoreReport(
@@ -197,7 +205,7 @@ def _report(offer: _Offer, done: _Written) -> StoreReport:
 
 
 def _new_blocks(
-    ns: Storable, offer: _Offer, existing: Sequence[Header | None]
+    ns: Storable, offer: Offer, existing: Sequence[Header | None]
 ) -> tuple[dict[int, bytes], int]:
     """The payloads of the blocks not stored yet (or suspect), by position, cut now;
     and how many trailing ones admission leaves out."""
@@ -212,7 +220,7 @@ def _new_blocks(
     return _cut(ns, offer, missing), deferred
 
 
-def _cut(ns: Storable, offer: _Offer, positions: Sequence[int]) -> dict[int, bytes]:
+def _cut(ns: Storable, offer: Offer, positions: Sequence[int]) -> dict[int, bytes]:
     """The encoded payloads of the blocks at `positions`."""
     bank = ns.bank
     cutter = BlockCutter(ns.spec, offer.arrays, ns.block_size)
@@ -220,7 +228,7 @@ def _cut(ns: Storable, offer: _Offer, positions: Sequence[int]) -> dict[int, byt
 
 
 def _new_states(
-    ns: Storable, offer: _Offer, existing: Sequence[Header | None], admitted: set[int]
+    ns: Storable, offer: Offer, existing: Sequence[Header | None], admitted: set[int]
 ) -> dict[int, bytes]:
     """The encoded boundary states to write, by block position: those offered whose
     block is stored or written now and holds no state (or a suspect one)."""
@@ -239,7 +247,7 @@ def _new_states(
 def _write(
     ns: Storable,
     tx: Transaction,
-    offer: _Offer,
+    offer: Offer,
     existing: list[Header | None],
     payloads: dict[int, bytes],
     state_payloads: dict[int, bytes],
@@ -270,7 +278,7 @@ def _write(
 def _write_blocks(
     ns: Storable,
     tx: Transaction,
-    offer: _Offer,
+    offer: Offer,
     current: Sequence[Header | None],
     damaged: set[int],
     payloads: Mapping[int, bytes],

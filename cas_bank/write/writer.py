@@ -226,6 +226,10 @@ class BackgroundWriter:
                     return
                 self._write(*item)
             finally:
+                # Let go of the job now, not when the next one comes: its closure holds
+                # the store's snapshot, views of a cache's buffers, and a cache whose
+                # buffers something else holds copies them before it writes.
+                item = None
                 self._queue.task_done()
 
     def _write(self, write: Callable[[], Any], pending: PendingStore[Any]) -> None:
