@@ -66,10 +66,17 @@ class _Turn:
     queued_end: QueuedEnd | None
 
 
-def _flat_layers(spec: ModelSpec, layers: Sequence[Any]) -> list[list[mx.array]]:
-    """`check_layers` of layers checked already: each attention layer's arrays, flat."""
+def _own(a: mx.array) -> mx.array:
+    """A new object over the same array (no copy, no MLX op): an in-place update rebinds
+    the object it is applied to, so a snapshot never holds the caller's objects."""
+    return a.reshape(a.shape)
+
+
+def _own_layers(spec: ModelSpec, layers: Sequence[Any]) -> list[list[mx.array]]:
+    """`check_layers` of layers checked already (each attention layer's arrays, flat),
+    as new objects (`_own`)."""
     return [
-        kind_of(ls).flat(layer)
+        [_own(a) for a in kind_of(ls).flat(layer)]
         for layer, ls in zip(layers, spec.layers, strict=True)
         if ls.per_block
     ]
@@ -239,15 +246,18 @@ class Namespace:
         its end record's copied, with the records the read view shows until written."""
         toks = as_token_array(tokens)
         n = len(toks)
-        arrays = _flat_layers(self.spec, layers) if checked else check_layers(self.spec, layers, n)
+        if checked:
+            snapshot = _own_layers(self.spec, layers)
+        else:
+            snapshot = [[_own(a) for a in layer] for layer in check_layers(self.spec, layers, n)]
         hashes = self.chain(toks)
-        snapshot = [[a.reshape(a.shape) for a in layer] for layer in arrays]
         flat = [a for layer in snapshot for a in layer]
         kept = {  # new objects: the caller's are not ours
-            b: [a.reshape(a.shape) for a in st]
+            b: [_own(a) for a in st]
             for b, st in boundary_states(self.spec, states, n, self.block_size).items()
         }
-        mx.eval(flat, list(kept.values()))
+        extras = [] if end is None else [end.logits, end.hidden, *(end.state or ())]
+        mx.eval(flat, list(kept.values()), [a for a in extras if isinstance(a, mx.array)])
         offer = storing.Offer(toks, snapshot, kept, hashes)
         # In the read view until written (`index.view`), unless admission will write none.
         admitted = len(hashes) * self.block_size >= self.bank.config.admit_min_tokens
@@ -265,7 +275,7 @@ class Namespace:
             end.logits,
             end.hidden,
             copy=True,
-            checked=arrays,
+            checked=snapshot,
             state_copied=end.state_copied,
         )
         return _Turn(offer, flat, chain, QueuedEnd(self.root, hashes, record, self.block_size))
@@ -484,9 +494,8 @@ class Namespace:
         leases = self.bank.leases
         if leases is None:
             return False
-        kept = [None if layer is None else tuple(layer) for layer in layers]
         full = hashes[: len(end.tokens) // self.block_size]
-        return leases.put_live(key, full, kept, len(end.tokens), end.state)
+        return leases.put_live(key, full, layers, len(end.tokens), end.state)
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, tokens: Any) -> PinReport:

@@ -363,8 +363,10 @@ def prepare_end(
     when it is first asked for: `EndInput.tail`), all evaluated now.
 
     `checked`: `check_layers` of `layers` done already (the store of the same tokens
-    checked them), not done again. `state_copied`: `state` is the caller's copy, taken
-    for this record (`cache_io.snapshot_states`): not copied again."""
+    checked them), not done again; with `copy`, its arrays are new objects of the
+    caller's (a queued store's snapshot), evaluated, held as they are. `state_copied`:
+    `state` is the caller's copy, taken for this record (`cache_io.snapshot_states`):
+    not copied again."""
     toks = as_token_array(tokens)
     n = len(toks)
     if n == 0:
@@ -377,7 +379,7 @@ def prepare_end(
         buffers = [a for layer in arrays for a in layer]
         return EndInput(toks, buffers, base, flat, logits, hidden)
     # New objects: an in-place update rebinds the caller's, never these (`index.lease`).
-    buffers = [a.reshape(a.shape) for layer in arrays for a in layer]
+    buffers = [a if checked else a.reshape(a.shape) for layer in arrays for a in layer]
     if flat is not None and not state_copied:
         flat = [mx.array(a) for a in flat]
     mx.eval(buffers, flat or [], [a for a in (logits, hidden) if a is not None])

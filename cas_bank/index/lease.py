@@ -38,6 +38,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import count, repeat
 from operator import attrgetter
 from typing import Any
 
@@ -237,16 +238,19 @@ class Leases:
         budget, or no attention layer)."""
         if self.max_bytes <= 0:
             return False
-        kept: list[tuple[mx.array, ...] | None] = [
-            None if layer is None else tuple(_view(a) for a in layer) for layer in layers
-        ]
+        kept: list[tuple[mx.array, ...] | None] = []
+        flat: list[mx.array] = []
+        for layer in layers:  # one pass: this runs before a prefill returns its logits
+            views = None if layer is None else tuple([_view(a) for a in layer])
+            kept.append(views)
+            if views is not None:
+                flat.extend(_flat(views))
         flat_state = [a.reshape(a.shape) for a in state] if state is not None else None
-        flat = [a for layer in kept if layer is not None for a in _flat(layer)]
         mx.eval(flat, flat_state or [])
         nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
         if not flat or not self.budget.fits(nbytes):
             return False  # no attention layer: nothing a copy would cost (the state is leased)
-        entry = _Entry([bytes(h) for h in hashes], HeldArrays(flat), nbytes)
+        entry = _Entry(list(map(bytes, hashes)), HeldArrays(flat), nbytes)
         entry.live = Live(kept, tokens, flat_state)
         with self._lock:
             self._drop_over(entry, lives=False)
@@ -325,8 +329,8 @@ class Leases:
         self._drop(key)
         entry.tick = self.budget.tick()
         self._entries[key] = entry
-        for i, h in enumerate(entry.hashes):
-            self._blocks[h] = (key, i)
+        # h -> (key, i) for each block, at C speed (the hashes end; the others do not).
+        self._blocks.update(zip(entry.hashes, zip(repeat(key), count()), strict=False))
         self._bytes += entry.nbytes
 
     def _use(self, key: bytes) -> None:
