@@ -214,14 +214,17 @@ def read_prefixes(
     except CorruptDataError:
         return [], []
     epoch = records.epoch_of(raws[0])
+    found = cast("list[PrefixRun | None]", runs)
     hashes: list[BlockHash] = []
     headers: list[Header] = []
-    for s, run in enumerate(cast(list[PrefixRun | None], runs[1:])):
-        first, count = s * segment, segment if s < whole else tail
-        if not _follows(run, epoch, headers, first, count):
+    for s in range(len(keys)):
+        run = found[1 + s]
+        if run is None or not _follows(
+            run, epoch, hashes, s * segment, segment if s < whole else tail
+        ):
             break
-        hashes += cast(PrefixRun, run).hashes
-        headers += cast(PrefixRun, run).headers
+        hashes += run.hashes
+        headers += run.headers
     if len(headers) != whole * segment or tail < 2:
         return hashes, headers
     # The chain's end is not stored: the deepest block of the last segment that is
@@ -234,24 +237,23 @@ def read_prefixes(
     except CorruptDataError:
         return hashes, headers
     if records.epoch_of(raws[0]) == epoch:
+        found = cast("list[PrefixRun | None]", runs)
         for b in range(tail - 1, 0, -1):
-            run = cast(PrefixRun | None, runs[b])
-            if _follows(run, epoch, headers, whole * segment, b):
-                hashes += cast(PrefixRun, run).hashes
-                headers += cast(PrefixRun, run).headers
+            run = found[b]
+            if run is not None and _follows(run, epoch, hashes, whole * segment, b):
+                hashes += run.hashes
+                headers += run.headers
                 break
     return hashes, headers
 
 
-def _follows(
-    run: PrefixRun | None, epoch: int, before: list[Header], first: int, count: int
-) -> bool:
+def _follows(run: PrefixRun, epoch: int, before: list[BlockHash], first: int, count: int) -> bool:
     """Whether `run` is current and holds blocks `first` on, `count` of them, linked
-    to the headers `before` (block 0's parent, the root, is checked with the record)."""
+    to the chain hashes `before` (block 0's parent, the root, is checked with the
+    record)."""
     return (
-        run is not None
-        and run.epoch == epoch
+        run.epoch == epoch
         and run.first == first
-        and len(run.headers) == count
-        and (not before or run.headers[0].parent == before[-1].chain_hash)
+        and len(run.hashes) == count
+        and (not before or run.headers[0].parent == before[-1])
     )
