@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from cas_bank.arrays import DType, copied_rows, dtype_named, dtype_of, from_numpy, to_numpy
+from cas_bank.arrays import (
+    DType,
+    copied_rows,
+    dtype_named,
+    dtype_of,
+    from_numpy,
+    mlx_backend,
+    to_numpy,
+)
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
 from cas_bank.blocks.hashing import (
@@ -165,15 +173,16 @@ def with_check(key: bytes, value: bytes, check: Check) -> bytes:
 
 def encode_end(
     spec: ModelSpec,
-    tail_arrays: Sequence[mx.array],
+    tail: tuple[Sequence[np.ndarray], Sequence[DType]],
     state: Sequence[mx.array] | None,
     logits: mx.array | None,
     hidden: mx.array | None,
     compression: Compression,
     check: Check = "xxh3",
 ) -> tuple[bytes, int]:
-    """The payload of an end record, and its flags."""
-    arrays = list(tail_arrays)
+    """The payload of an end record, and its flags. `tail`: the tail's attention arrays
+    as numpy views (bf16 as uint16) and their dtypes (`EndInput.tail_views`)."""
+    arrays: list[mx.array] = []
     flags = 0
     if state is not None:
         arrays += list(state)
@@ -183,8 +192,9 @@ def encode_end(
             arrays.append(extra)
             flags |= flag
     mx.eval(*arrays)
-    views = [to_numpy(a) for a in arrays]
-    return codec.encode(views, [dtype_of(a) for a in arrays], compression, check), flags
+    views = [*tail[0], *(to_numpy(a) for a in arrays)]
+    dtypes = [*tail[1], *(dtype_of(a) for a in arrays)]
+    return codec.encode(views, dtypes, compression, check), flags
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,13 +314,24 @@ class EndInput:
     @property
     def tail(self) -> list[mx.array]:
         """The attention arrays (flat) of the tokens after the last full block: copies
-        of those rows of `buffers`, made once, by whoever asks first (the writer, or a
-        restore that finds the record queued), not by the store's caller: `buffers` are
-        evaluated arrays nothing writes into (a cache copies a buffer the bank shares
-        before it writes), so any thread may copy from them."""
+        of those rows of `buffers`, made once, by whoever asks first (a restore that
+        finds the record queued; the writer reads `tail_views`), not by the store's
+        caller: `buffers` are evaluated arrays nothing writes into (a cache copies a
+        buffer the bank shares before it writes), so any thread may copy from them."""
         if not self._tail:  # two threads at once both copy; either copy is right
             self._tail.append(copied_rows(self.buffers, self.base, len(self.tokens)))
         return self._tail[0]
+
+    def tail_views(self) -> tuple[list[np.ndarray], list[DType]]:
+        """The tail as numpy views (bf16 as uint16) and their dtypes, for its payload:
+        rows of `buffers`' views, no copy and no MLX op where they are contiguous (the
+        writer's thread then runs none). On CUDA views of `tail`'s copies, made on the
+        GPU: a CPU pointer to a whole cache buffer moves it into unified memory."""
+        if self._tail or mlx_backend() == "cuda":
+            return [to_numpy(a) for a in self.tail], [dtype_of(a) for a in self.tail]
+        rows = slice(self.base, len(self.tokens))
+        views = [to_numpy(a)[..., rows, :] for a in self.buffers]
+        return views, [dtype_of(a) for a in self.buffers]
 
     @property
     def flags(self) -> int:
@@ -383,7 +404,9 @@ def prepare_end(
     if flat is not None and not state_copied:
         flat = [mx.array(a) for a in flat]
     mx.eval(buffers, flat or [], [a for a in (logits, hidden) if a is not None])
-    return EndInput(toks, buffers, base, flat, logits, hidden)
+    # On CUDA the tail is copied now, on the GPU, on this thread (`EndInput.tail_views`).
+    tail = [copied_rows(buffers, base, n)] if mlx_backend() == "cuda" else []
+    return EndInput(toks, buffers, base, flat, logits, hidden, tail)
 
 
 def _end_state(spec: ModelSpec, state: Sequence[Any] | None) -> list[mx.array] | None:

@@ -40,7 +40,7 @@ def write_end(
         bank.access.touch((), ends=[parent])
         return 0
     payload, flags = encode_end(
-        spec, end.tail, state, logits, hidden, bank.config.compression, bank.payload_check
+        spec, end.tail_views(), state, logits, hidden, bank.config.compression, bank.payload_check
     )
     header = EndHeader(parent, root, n, tail, codec.embedded_digest(payload), len(payload), flags)
     value = header.encode() + payload
