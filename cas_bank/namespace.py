@@ -224,9 +224,8 @@ class Namespace:
         if turn.queued_end is None:
             return pending, None
         try:
-            end_pending = writer.submit(
-                self._end_job(turn, skip_when_full), _nbytes, turn.queued_end
-            )
+            job = self._end_job(turn.offer.hashes, turn.queued_end, skip_when_full)
+            end_pending = writer.submit(job, _nbytes, turn.queued_end)
         except BaseException:
             self._unlease_turn(turn, live, chain=False)
             raise
@@ -315,11 +314,11 @@ class Namespace:
             return store
         return self._unleasing_unstored(store, offer.hashes, turn.flat)
 
-    def _end_job(self, turn: _Turn, skip_when_full: bool) -> Callable[[], int]:
-        """What the writer does for a queued turn's end record."""
-        queued = turn.queued_end
-        assert queued is not None
-        hashes, header = turn.offer.hashes, queued.header
+    def _end_job(
+        self, hashes: list[BlockHash], queued: QueuedEnd, skip_when_full: bool
+    ) -> Callable[[], int]:
+        """What the writer does for a queued end record (`hashes`: of its tokens)."""
+        header = queued.header
         place = (header.parent, header.tail, queued.key)
         return _skipping_full(
             lambda: write_end(self.bank, self.spec, self.root, hashes, queued.end, place),
@@ -339,15 +338,8 @@ class Namespace:
         pending = self._store_now(tokens, layers, states, skip_when_full)
         if end is None:
             return pending, None
-        written = self.prepare_end_later(
-            tokens,
-            layers,
-            end.state,
-            logits=end.logits,
-            hidden=end.hidden,
-            skip_when_full=skip_when_full,
-        )()
-        return pending, written
+        args = (end.state, end.logits, end.hidden, skip_when_full)
+        return pending, self._end_now(tokens, layers, *args)
 
     def _store_now(
         self,
@@ -437,40 +429,33 @@ class Namespace:
         logits: Any = None,
         hidden: Any = None,
         skip_when_full: bool = False,
+        state_copied: bool = False,
     ) -> Callable[[], PendingStore[int]]:
         """`store_end_later` in two steps: the input is checked and copied now, and the
         function returned queues it (in the read view from then on, as `store_later`'s
-        blocks; if queueing raises, not in it) or, with no writer, writes it. A runtime
-        storing a prompt's blocks and its end record prepares the end first, then queues
-        both: nothing of its own then runs while the writer works on the blocks."""
+        blocks; if queueing raises, not in it) or, with no writer, writes it. (A store
+        of a prompt's blocks and its end record together: `store_turn_later`.)
+        `state_copied`: `state` is the caller's own copy, taken for this record."""
         writer = self.bank.writer
         if writer is None or self.bank.read_only:
-
-            def now() -> PendingStore[int]:
-                done: PendingStore[int] = PendingStore()
-                store = _skipping_full(
-                    lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
-                    skip_when_full,
-                    0,
-                )
-                done._set(store(), None)
-                return done
-
-            return now
+            return lambda: self._end_now(tokens, layers, state, logits, hidden, skip_when_full)
         if writer.closed:
             raise RuntimeError(f"bank at {self.bank.path} is closed")
         end = prepare_end(
-            self.spec, self.block_size, tokens, layers, state, logits, hidden, copy=True
+            self.spec,
+            self.block_size,
+            tokens,
+            layers,
+            state,
+            logits,
+            hidden,
+            copy=True,
+            state_copied=state_copied,
         )
         hashes = self.chain(end.tokens)
         # In the read view from the moment it is queued (`index.view`).
         queued = QueuedEnd(self.root, hashes, end, self.block_size)
-        place = (queued.header.parent, queued.header.tail, queued.key)
-        job = _skipping_full(
-            lambda: write_end(self.bank, self.spec, self.root, hashes, end, place),
-            skip_when_full,
-            0,
-        )
+        job = self._end_job(hashes, queued, skip_when_full)
 
         def submit() -> PendingStore[int]:
             # Leased first: nothing of this thread runs beside the writer once queued.
@@ -483,6 +468,25 @@ class Namespace:
                 raise
 
         return submit
+
+    def _end_now(
+        self,
+        tokens: Any,
+        layers: Sequence[Any],
+        state: Sequence[Any] | None,
+        logits: Any,
+        hidden: Any,
+        skip_when_full: bool,
+    ) -> PendingStore[int]:
+        """`store_end` now, on this thread (no background writer), as a `PendingStore`."""
+        done: PendingStore[int] = PendingStore()
+        store = _skipping_full(
+            lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
+            skip_when_full,
+            0,
+        )
+        done._set(store(), None)
+        return done
 
     def _lease_live(
         self, hashes: list[BlockHash], end: EndInput, layers: Sequence[Any], key: bytes

@@ -638,6 +638,7 @@ class PrefixCache:
             logits=logits,
             hidden=hidden,
             skip_when_full=self.skip_store_when_full,
+            state_copied=state is not None,  # `snapshot_states` copied it
         )
 
     def store_later(
