@@ -23,12 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cas_bank import Bank, BankConfig, Namespace
-from cas_bank.blocks.hashing import BlockHash, end_hashes
+from cas_bank.blocks.hashing import BlockHash
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import RocksStore
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.index import chain, chain_record_writes, chain_records, ends, prefixes
+from cas_bank.index import chain, chain_record_writes, chain_records, prefixes
 from cas_bank.index.chain import Header, longest_chain, stored_chain
 from cas_bank.index.children import INDEXED_KEY
 from cas_bank.index.header import FIXED
@@ -319,43 +319,6 @@ def test_a_bank_written_before_the_records_opens_and_restores(tmp_path: Path) ->
         assert hit is not None and hit.tokens == len(longer) // B * B
 
 
-@given(
-    n=st.integers(1, 80),
-    step=st.sampled_from([4, 16, 64]),
-    cuts=st.lists(st.integers(0, 10**6), max_size=3),
-    short=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
-@settings(max_examples=200, deadline=None)
-def test_the_native_records_decoder_is_the_python_one(
-    n: int, step: int, cuts: list[int], short: bool, seed: int
-) -> None:
-    """`cas_bank._chain.run` makes the very headers `_python_run` makes of any record
-    bytes, damaged ones too (a flipped bit ends the list at its entry)."""
-    if chain_records.decode_run is chain_records.python_run:
-        pytest.skip("the native helper is not built")
-    rng = np.random.default_rng(seed)
-    root = rng.bytes(32)
-    hashes = [BlockHash(rng.bytes(32)) for _ in range(n)]
-    tokens = rng.bytes(n * step)
-    first = int(rng.integers(0, n))
-    count = int(rng.integers(0, n - first + 1))
-    fixed = []
-    for i in range(first, first + count):
-        state = rng.bytes(32) if rng.random() < 0.3 else None
-        h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
-                   int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
-                   int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
-        fixed.append(h.encode()[: FIXED.size])
-    raw = bytearray(chain_records.encode_run(first, 0, fixed))
-    for c in cuts:
-        if len(raw) > 16:
-            raw[16 + c % (len(raw) - 16)] ^= 1 << (c % 8)
-    data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
-    args = (bytes(raw), 16, first, count, root, hashes, data, step)
-    assert chain_records.decode_run(*args) == chain_records.python_run(*args)
-
-
 # -- prefix records (`index.prefixes`, kept by `index.chain_record_writes`) -------------
 def test_a_stored_chain_is_found_by_its_prefix_records_alone(tmp_path: Path) -> None:
     """300 blocks stored in one go: the restore's lookup of them reads one multi-get of
@@ -447,75 +410,6 @@ def test_prefix_keys_are_format_v1() -> None:
     rest = data[2 * 64 * 64 * 4 :]
     on = prefixes.prefix_keys(root, rest, 64 * 64 * 4, 64 * 4, after=keys[1])
     assert on == every[2:] == prefixes.python_prefix_keys(root, rest, 64 * 64 * 4, 64 * 4, keys[1])
-
-
-@given(
-    n=st.integers(1, 80),
-    step=st.sampled_from([4, 16, 64]),
-    cuts=st.lists(st.integers(0, 10**6), max_size=3),
-    short=st.booleans(),
-    seed=st.integers(0, 2**32 - 1),
-)
-@settings(max_examples=200, deadline=None)
-def test_the_native_prefix_decoder_is_the_python_one(
-    n: int, step: int, cuts: list[int], short: bool, seed: int
-) -> None:
-    """`cas_bank._chain.prefix_record` makes the very record `python_prefix_record`
-    makes of any prefix record's bytes (its headers and their chain hashes), damaged
-    ones too (None both)."""
-    if prefixes.decode_prefix_record is prefixes.python_prefix_record:
-        pytest.skip("the native helper is not built")
-    rng = np.random.default_rng(seed)
-    root = rng.bytes(32)
-    hashes = [BlockHash(rng.bytes(32)) for _ in range(n)]
-    tokens = rng.bytes(n * step)
-    first = int(rng.integers(0, n))
-    count = int(rng.integers(1, n - first + 1))
-    fixed = []
-    for i in range(first, first + count):
-        state = rng.bytes(32) if rng.random() < 0.3 else None
-        h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
-                   int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
-                   int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
-        fixed.append(h.encode()[: FIXED.size])
-    raw = bytearray(prefixes.encode_prefix(first, 7, fixed, hashes[first + count - 1]))
-    for c in cuts:  # the head too: its version, flags, count, first block and epoch
-        raw[c % len(raw)] ^= 1 << (c % 8)
-    data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
-    args = (bytes(raw), root, data, step, prefixes.PrefixRun)
-    got = prefixes.decode_prefix_record(*args)
-    assert got == prefixes.python_prefix_record(*args)
-    assert got is None or type(got) is prefixes.PrefixRun
-    if not cuts and not short:  # whole: the headers the record was made of
-        assert got is not None and (got.epoch, got.first) == (7, first)
-        assert list(got.hashes) == hashes[first : first + count]
-        assert [h.chain_hash for h in got.headers] == hashes[first : first + count]
-        assert [h.encode()[: FIXED.size] for h in got.headers] == fixed
-        assert [h.tokens for h in got.headers] == [tokens[i * step : (i + 1) * step] for i in
-                                                   range(first, first + count)]  # fmt: skip
-    # A record a byte short or long, or with the chain record's flag, is none.
-    whole = bytes(raw)
-    for other in (whole[:-1], whole + b"\0", whole[:1] + b"\1" + whole[2:]):
-        assert prefixes.decode_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
-        assert prefixes.python_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
-
-
-@given(tail=st.integers(0, 64), seed=st.integers(0, 2**32 - 1), strided=st.booleans())
-@settings(max_examples=60, deadline=None)
-def test_the_native_end_keys_are_the_python_ones(tail: int, seed: int, strided: bool) -> None:
-    """`ends.candidate_keys` in C names the very keys, in the same order (the whole tail
-    first), that `end_hashes` makes: each `end_key` of the parent and a prefix of the
-    tail, from a strided array of ids too."""
-    if ends._native_end_keys is None:
-        pytest.skip("the native helper is not built")
-    rng = np.random.default_rng(seed)
-    parent = rng.bytes(32)
-    ids = rng.integers(0, 2**32, 2 * tail, dtype=np.uint32)
-    tokens = ids[::2] if strided else ids[:tail]
-    got = ends.candidate_keys(parent, tokens)
-    data = tokens.astype("<u4").tobytes()
-    assert got == [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
-    assert got == [ends.end_key(parent, data[: 4 * t]) for t in range(tail, -1, -1)]
 
 
 def test_verify_finds_records_that_are_not_the_headers_and_fix_removes_them(
