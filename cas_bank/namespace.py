@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
@@ -64,6 +64,8 @@ class _Turn:
     flat: list[mx.array]
     queued_chain: QueuedChain | None
     queued_end: QueuedEnd | None
+    # What its leases replaced, freed by the writer once it has written the turn.
+    released: list[object] = field(default_factory=list)
 
 
 def _own(a: mx.array) -> mx.array:
@@ -224,7 +226,7 @@ class Namespace:
         if turn.queued_end is None:
             return pending, None
         try:
-            job = self._end_job(turn.offer.hashes, turn.queued_end, skip_when_full)
+            job = self._end_job(turn.offer.hashes, turn.queued_end, skip_when_full, turn.released)
             end_pending = writer.submit(job, _nbytes, turn.queued_end)
         except BaseException:
             self._unlease_turn(turn, live, chain=False)
@@ -287,7 +289,9 @@ class Namespace:
         if leases is None:
             return False
         offer, end = turn.offer, turn.queued_end
-        live = end is not None and self._lease_live(offer.hashes, end.end, layers, end.key)
+        live = end is not None and self._lease_live(
+            offer.hashes, end.end, layers, end.key, turn.released
+        )
         if not live:
             leases.put(offer.hashes, turn.flat)
         leases.put_states(offer.hashes, offer.states)
@@ -315,16 +319,25 @@ class Namespace:
         return self._unleasing_unstored(store, offer.hashes, turn.flat)
 
     def _end_job(
-        self, hashes: list[BlockHash], queued: QueuedEnd, skip_when_full: bool
+        self,
+        hashes: list[BlockHash],
+        queued: QueuedEnd,
+        skip_when_full: bool,
+        released: list[object],
     ) -> Callable[[], int]:
-        """What the writer does for a queued end record (`hashes`: of its tokens)."""
+        """What the writer does for a queued end record (`hashes`: of its tokens). The
+        job holds `released` (the leases its live lease replaced) and frees them on the
+        writer's thread, not the caller's."""
+
+        def write() -> int:
+            try:
+                return write_end(self.bank, self.spec, self.root, hashes, queued.end, place)
+            finally:
+                released.clear()  # freed here, on the writer's thread
+
         header = queued.header
         place = (header.parent, header.tail, queued.key)
-        return _skipping_full(
-            lambda: write_end(self.bank, self.spec, self.root, hashes, queued.end, place),
-            skip_when_full,
-            0,
-        )
+        return _skipping_full(write, skip_when_full, 0)
 
     def _store_turn_now(
         self,
@@ -455,11 +468,12 @@ class Namespace:
         hashes = self.chain(end.tokens)
         # In the read view from the moment it is queued (`index.view`).
         queued = QueuedEnd(self.root, hashes, end, self.block_size)
-        job = self._end_job(hashes, queued, skip_when_full)
+        released: list[object] = []
+        job = self._end_job(hashes, queued, skip_when_full, released)
 
         def submit() -> PendingStore[int]:
             # Leased first: nothing of this thread runs beside the writer once queued.
-            live = self._lease_live(hashes, end, layers, queued.key)
+            live = self._lease_live(hashes, end, layers, queued.key, released)
             try:
                 return writer.submit(job, _nbytes, queued)
             except BaseException:  # not queued: nor leased
@@ -489,7 +503,12 @@ class Namespace:
         return done
 
     def _lease_live(
-        self, hashes: list[BlockHash], end: EndInput, layers: Sequence[Any], key: bytes
+        self,
+        hashes: list[BlockHash],
+        end: EndInput,
+        layers: Sequence[Any],
+        key: bytes,
+        released: list[object] | None = None,
     ) -> bool:
         """Keep the caller's own arrays (`layers`, whole buffers and all) as the live
         lease of the end record of `end.tokens` under `key` (`index.lease`): the next
@@ -499,7 +518,7 @@ class Namespace:
         if leases is None:
             return False
         full = hashes[: len(end.tokens) // self.block_size]
-        return leases.put_live(key, full, layers, len(end.tokens), end.state)
+        return leases.put_live(key, full, layers, len(end.tokens), end.state, released)
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, tokens: Any) -> PinReport:

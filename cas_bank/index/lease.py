@@ -228,6 +228,7 @@ class Leases:
         layers: Sequence[tuple[mx.array, ...] | None],
         tokens: int,
         state: Sequence[mx.array] | None,
+        released: list[object] | None = None,
     ) -> bool:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
         recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
@@ -235,7 +236,12 @@ class Leases:
         buffers: no copy, and the runtime's objects are never the bank's. The entry is
         also the lease of its whole blocks (`hashes`), in place of one over the same
         buffers: the memory is charged once. Whether it was kept (False: over the
-        budget, or no attention layer)."""
+        budget, or no attention layer).
+
+        `released`: where the live lease this one replaces goes once out of the leases
+        (uncharged at once), so that its buffers are freed by whoever lets go of that
+        list: a queued store's job, off this thread (~15 us, the buffers and the copy
+        plans made from them, of a store a prefill's caller waits for)."""
         if self.max_bytes <= 0:
             return False
         kept: list[tuple[mx.array, ...] | None] = []
@@ -252,9 +258,13 @@ class Leases:
             return False  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry(list(map(bytes, hashes)), HeldArrays(flat), nbytes)
         entry.live = Live(kept, tokens, flat_state)
+        key = _live_key(end_key)
         with self._lock:
             self._drop_over(entry, lives=False)
-            self._insert(_live_key(end_key), entry)
+            replaced = self._entries.get(key)
+            self._insert(key, entry)
+        if released is not None and replaced is not None:
+            released.append(replaced)
         self.budget.balance()
         return True
 
