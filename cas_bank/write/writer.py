@@ -48,7 +48,12 @@ class PendingStore(Generic[T]):
     """
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        # Held until the store is settled: a waiter passes once `_set` releases it (two
+        # C-level locks, where a threading.Event is a Condition built in Python: this is
+        # made on the caller's thread for every queued store).
+        self._unsettled = threading.Lock()
+        self._unsettled.acquire()
+        self._settled = False
         self._value: T | None = None
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[T], None]] = []
@@ -58,7 +63,8 @@ class PendingStore(Generic[T]):
     def _set(self, value: T | None, error: BaseException | None) -> None:
         with self._lock:
             self._value, self._error = value, error
-            self._done.set()
+            self._settled = True
+            self._unsettled.release()
             callbacks, self._callbacks = self._callbacks, []
         if error is None:
             for fn in callbacks:
@@ -69,7 +75,7 @@ class PendingStore(Generic[T]):
         failed. On the writer's thread: keep it short. What `fn` raises is logged, not
         raised (the writer goes on; the store's result is its own)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._settled:
                 self._callbacks.append(fn)
                 return
         if self._error is None:
@@ -81,11 +87,20 @@ class PendingStore(Generic[T]):
         return getattr(self.result(), name)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._settled
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Whether the store is settled, waiting up to `timeout` seconds (None: for ever)."""
+        if self._settled:
+            return True
+        if not self._unsettled.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            return False
+        self._unsettled.release()  # the next waiter passes too
+        return True
 
     def result(self, timeout: float | None = None) -> T:
         """The store's report once written; its exception if it failed."""
-        if not self._done.wait(timeout):
+        if not self._wait(timeout):
             raise TimeoutError("the store is still queued")
         if self._error is not None:
             self._reported = True
