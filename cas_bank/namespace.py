@@ -25,7 +25,7 @@ from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.restore import restoring
 from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
-from cas_bank.spec import ModelSpec, boundary_states, check_layers, kind_of
+from cas_bank.spec import LayerKind, ModelSpec, boundary_states, check_layers, kind_of
 from cas_bank.write import storing
 from cas_bank.write.end_records import write_end
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
@@ -74,14 +74,12 @@ def _own(a: mx.array) -> mx.array:
     return a.reshape(a.shape)
 
 
-def _own_layers(spec: ModelSpec, layers: Sequence[Any]) -> list[list[mx.array]]:
+def _own_layers(
+    block_kinds: Sequence[tuple[int, LayerKind]], layers: Sequence[Any]
+) -> list[list[mx.array]]:
     """`check_layers` of layers checked already (each attention layer's arrays, flat),
-    as new objects (`_own`)."""
-    return [
-        [_own(a) for a in kind_of(ls).flat(layer)]
-        for layer, ls in zip(layers, spec.layers, strict=True)
-        if ls.per_block
-    ]
+    as new objects (`_own`). `block_kinds`: `Namespace.block_kinds`."""
+    return [[_own(a) for a in kind.flat(layers[i])] for i, kind in block_kinds]
 
 
 def _bytes_written(report: StoreReport) -> int:
@@ -124,6 +122,8 @@ class Namespace:
             resources=bank.resources,
         )
         self.block_size = bank.config.block_size
+        # The layers stored per block and their kinds (`spec.kind_of`), found once.
+        self.block_kinds = [(i, kind_of(ls)) for i, ls in enumerate(spec.layers) if ls.per_block]
 
     def chain(self, tokens: Any) -> list[BlockHash]:
         """Chain hashes of the full blocks of `tokens` (validates the ids)."""
@@ -248,7 +248,7 @@ class Namespace:
         toks = as_token_array(tokens)
         n = len(toks)
         if checked:
-            snapshot = _own_layers(self.spec, layers)
+            snapshot = _own_layers(self.block_kinds, layers)
         else:
             snapshot = [[_own(a) for a in layer] for layer in check_layers(self.spec, layers, n)]
         hashes = self.chain(toks)

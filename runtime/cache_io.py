@@ -150,9 +150,21 @@ def check_cache(spec: ModelSpec, cache: Any, start: int) -> None:
 def cache_layers(spec: ModelSpec, cache: Sequence[Any], n_tokens: int) -> list[Any]:
     """The attention layers' arrays (whole buffers) for `Namespace.store`; None elsewhere."""
     return [
-        cache_kind(ls).blocks(entry, i, n_tokens)
-        for i, (entry, ls) in enumerate(zip(cache, spec.layers, strict=True))
+        kind.blocks(entry, i, n_tokens)
+        for i, (entry, kind) in enumerate(zip(cache, cache_kinds(spec), strict=True))
     ]
+
+
+def cache_kinds(spec: ModelSpec) -> tuple[CacheKind, ...]:
+    """`cache_kind` of each of the spec's layers, found once per spec (a prefill's store
+    asks for every layer's: ~1 us a layer of a 60-layer model's, each time)."""
+    kinds = _KINDS.get(spec.fingerprint)
+    if kinds is None:
+        kinds = _KINDS[spec.fingerprint] = tuple(cache_kind(ls) for ls in spec.layers)
+    return kinds
+
+
+_KINDS: dict[str, tuple[CacheKind, ...]] = {}  # by spec fingerprint
 
 
 def snapshot_states(spec: ModelSpec, cache: Sequence[Any]) -> list[Any]:
