@@ -244,7 +244,9 @@ class Namespace:
         """A queued store's input checked and hashed once, its arrays snapshotted
         without a copy (new objects over the whole buffers: the cache's next update
         copies its buffer instead of writing into them; `index.lease`) and evaluated,
-        its end record's copied, with the records the read view shows until written."""
+        its end record prepared from the same snapshot (`prepare_end`: its state copied,
+        its tail copied only when asked for), with the records the read view shows
+        until written."""
         toks = as_token_array(tokens)
         n = len(toks)
         if checked:
@@ -257,8 +259,7 @@ class Namespace:
             b: [_own(a) for a in st]
             for b, st in boundary_states(self.spec, states, n, self.block_size).items()
         }
-        extras = [] if end is None else [end.logits, end.hidden, *(end.state or ())]
-        mx.eval(flat, list(kept.values()), [a for a in extras if isinstance(a, mx.array)])
+        mx.eval(flat, list(kept.values()))
         offer = storing.Offer(toks, snapshot, kept, hashes)
         # In the read view until written (`index.view`), unless admission will write none.
         admitted = len(hashes) * self.block_size >= self.bank.config.admit_min_tokens

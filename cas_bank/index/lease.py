@@ -4,7 +4,8 @@ out again without a copy.
 MLX arrays are values: a slice shares its buffer, and an in-place update of an
 array (mlx-lm's `cache.keys[..., a:b, :] = k`) writes into its buffer only when
 nothing else holds that buffer; otherwise it copies first. So the bank may keep a
-slice of a cache's buffer and hand out slices of it: whatever a runtime later does
+cache's buffer (new array objects over it, whole: a slice would cost an evaluation)
+and hand out slices of it: whatever a runtime later does
 to its cache (prefill, decode, trim then overwrite) copies before it writes, and the
 bank's bytes never change (tests/test_lease.py shows it). The price is paid once, by
 the cache: its next update after a store copies the buffer it shares with the bank.
