@@ -84,8 +84,10 @@ def find_partial(
     `tokens` after it, checked (written or queued: `view`); None when none shares a
     token (or its record does not hold up: a stale or damaged entry is a miss,
     `verify` reports it)."""
-    parent = bytes(root if blocks == 0 else hashes[blocks - 1])
     base = blocks * block_size
+    if base >= len(tokens):  # no token after the matched blocks: nothing to share
+        return None
+    parent = bytes(root if blocks == 0 else hashes[blocks - 1])
     after = tokens[base : base + block_size].astype(">u4").tobytes()
     found = nearest_child(view, parent, after)
     if found is None:
