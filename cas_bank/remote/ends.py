@@ -24,10 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from cas_bank.blocks.hashing import end_hashes
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.continuation import FetchedEnd
-from cas_bank.index.ends import KEY_SIZE, EndPlan, decode_end, split_record
+from cas_bank.index.ends import KEY_SIZE, EndPlan, candidate_keys, decode_end, split_record
 from cas_bank.owner import Owner
 from cas_bank.remote import keys
 from cas_bank.spec import ModelSpec
@@ -65,8 +64,7 @@ def candidates(
     longest = min(block_size - 1, len(toks) - base)
     if longest < 0:
         return []
-    data = toks[base : base + longest].astype("<u4").tobytes()
-    local = [bytes(parent) + h for h in reversed(end_hashes(parent, data))]
+    local = candidate_keys(parent, toks[base : base + longest])
     return [(k, remote_key(root, k)) for k in local]
 
 
