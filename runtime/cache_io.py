@@ -17,8 +17,8 @@ Each kind's class says, for one mlx-lm cache object of its kind:
   `InvalidInputError` naming the problem);
 - `blocks(entry, i, n_tokens)`: the arrays a store cuts into blocks (the whole
   buffers), or None for a kind stored only at boundaries;
-- `snapshot(entry)`: copies of its state for a boundary, or None for a kind with no
-  boundary state;
+- `snapshot(entry)`: its state for a boundary (new objects over its arrays, no copy),
+  or None for a kind with no boundary state;
 - `fill(entry, layer, n)`: a fresh cache object filled from a restore's arrays
   covering `n` tokens (mlx-lm's `from_state`, into the object the model made);
 - `describe(entry)`: the `LayerSpec` of an object that has seen a token.
@@ -168,10 +168,14 @@ _KINDS: dict[str, tuple[CacheKind, ...]] = {}  # by spec fingerprint
 
 
 def snapshot_states(spec: ModelSpec, cache: Sequence[Any]) -> list[Any]:
-    """Copies of every recurrent layer's state, evaluated; None for attention layers.
+    """Every recurrent layer's state, evaluated, as new array objects of our own over
+    the same arrays (no copy); None for attention layers.
 
-    `mx.array(a)` makes a new array: a later in-place update of the cache's arrays
-    (slice assignment mutates an mx.array object) cannot reach the snapshot.
+    A later in-place update of the cache's arrays (slice assignment rebinds the mx.array
+    object it is applied to) cannot reach the snapshot: it rebinds the cache's objects,
+    never these, and MLX copies a buffer that another array holds before it writes into
+    it (as for the KV a lease holds: `index.lease`). A copy (`mx.array(a)`) cost an MLX
+    evaluation on the caller's thread, ~20 us, at every boundary and every end record.
     """
     out = [cache_kind(ls).snapshot(entry) for entry, ls in zip(cache, spec.layers, strict=True)]
     mx.eval([s for s in out if s is not None])
@@ -315,8 +319,9 @@ class ArraysCacheKind:
         return None
 
     def snapshot(self, entry: Any) -> tuple[mx.array, ...] | None:
-        """New arrays: a later in-place update of the cache's cannot reach them."""
-        return tuple(mx.array(a) for a in entry.cache)
+        """New objects over its arrays: a later in-place update of the cache's cannot
+        reach them (`snapshot_states`)."""
+        return tuple(a.reshape(a.shape) for a in entry.cache)
 
     def fill(self, entry: Any, layer: tuple[Any, ...], n: int) -> None:
         entry.cache = list(layer)  # replaced, never written in place
