@@ -76,18 +76,29 @@ def as_token_array(tokens: Any) -> np.ndarray:
             _explain_bad_tokens(seq)
             raise
         # Only bools pass (as 0 and 1): look at element types only when those appear.
-        if ((arr == 0) | (arr == 1)).any() and not all(map(_is_int_type, set(map(type, seq)))):
+        if (arr <= 1).any() and not all(map(_is_int_type, set(map(type, seq)))):
             _explain_bad_tokens(seq)
+        return arr  # in range: array("I") checked every id
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:
         raise InvalidInputError(f"tokens must be 1-D (or [1, T]); got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidInputError(f"token ids must be integers; got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+    if arr.size and _out_of_range(arr):
         bad = int(arr[(arr < 0) | (arr > _MAX_TOKEN)][0])
         raise InvalidInputError(f"token id {bad} is outside [0, 2**32)")
     return arr.astype("<u4", copy=False)
+
+
+def _out_of_range(arr: np.ndarray) -> bool:
+    """Whether an integer array holds an id outside [0, 2**32), in one reduction where
+    one will do (a restore's tokens are checked on every request)."""
+    if arr.dtype.kind == "u":
+        return arr.itemsize > 4 and int(arr.max()) > _MAX_TOKEN
+    if arr.itemsize == 8:  # seen as unsigned, a negative id is above the range too
+        return int(arr.view(np.uint64).max()) > _MAX_TOKEN
+    return int(arr.min()) < 0  # a signed id of 4 bytes or fewer is below 2**32
 
 
 def _explain_bad_tokens(seq: list[Any]) -> None:
