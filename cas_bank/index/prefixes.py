@@ -121,7 +121,10 @@ def python_prefix_run(
     for block 0: the root); the caller links it."""
     size, at = FIXED.size, offset + 24  # an entry's parent field
     last = offset + count * size
-    if count <= 0 or len(value) < last + DIGEST_SIZE:
+    # A block past the tokens: `python_run` would take no entry. Checked first because
+    # `names` below has `first` items and `first` is the record's own (up to 2**32 - 1
+    # in a damaged one: 32 GiB of list), not the prompt's.
+    if count <= 0 or len(value) < last + DIGEST_SIZE or (first + 1) * step > len(tokens):
         return []
     # names[i] for i in first - 1 .. first + count - 1 (what `decode_run` reads)
     names: list[bytes | None] = [None] * (first - 1) if first else []
