@@ -54,52 +54,63 @@ def test_the_native_records_decoder_is_the_python_one(
 
 
 @given(
-    n=st.integers(1, 80),
+    n=st.one_of(st.integers(1, 80), st.integers(256, 300)),
     step=st.sampled_from([4, 16, 64]),
+    base=st.sampled_from([0, 2**16 - 1]),
+    epoch=st.integers(0, 2**64 - 1),
     cuts=st.lists(st.integers(0, 10**6), max_size=3),
     short=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
 @settings(max_examples=200, deadline=None)
 def test_the_native_prefix_decoder_is_the_python_one(
-    n: int, step: int, cuts: list[int], short: bool, seed: int
+    n: int, step: int, base: int, epoch: int, cuts: list[int], short: bool, seed: int
 ) -> None:
     """`cas_bank._chain.prefix_record` makes the very record `python_prefix_record`
     makes of any prefix record's bytes (its headers and their chain hashes), damaged
-    ones too (None both)."""
+    ones too (None both). Every field of the head at its width: counts past a byte,
+    first blocks past two, epochs to 2**64 - 1."""
     if prefixes.decode_prefix_record is prefixes.python_prefix_record:
         pytest.skip("the native helper is not built")
     rng = np.random.default_rng(seed)
     root = rng.bytes(32)
-    hashes = [BlockHash(rng.bytes(32)) for _ in range(n)]
-    tokens = rng.bytes(n * step)
-    first = int(rng.integers(0, n))
-    count = int(rng.integers(1, n - first + 1))
+    # names[k + 1]: block base + k's chain hash; names[0] the block before (root: none)
+    names = [root if base == 0 else BlockHash(rng.bytes(32))]
+    names += [BlockHash(rng.bytes(32)) for _ in range(n)]
+    tokens = bytes(base * step) + rng.bytes(n * step)
+    whole_chain = rng.random() < 0.5  # of all n blocks but a few: counts past a byte
+    count = n - int(rng.integers(0, min(n, 4))) if whole_chain else int(rng.integers(1, n + 1))
+    start = int(rng.integers(0, n - count + 1))
+    first = base + start
     fixed = []
-    for i in range(first, first + count):
+    for k in range(start, start + count):
+        i = base + k
         state = rng.bytes(32) if rng.random() < 0.3 else None
-        h = Header(hashes[i], root if i == 0 else hashes[i - 1], i, root, rng.bytes(32),
+        h = Header(names[k + 1], names[k], i, root, rng.bytes(32),
                    int(rng.integers(0, 2**40)), tokens[i * step : (i + 1) * step], state,
                    int(rng.integers(0, 2**40)) if state else 0)  # fmt: skip
         fixed.append(h.encode()[: FIXED.size])
-    raw = bytearray(prefixes.encode_prefix(first, 7, fixed, hashes[first + count - 1]))
+    raw = bytearray(prefixes.encode_prefix(first, epoch, fixed, names[start + count]))
     for c in cuts:  # the head too: its version, flags, count, first block and epoch
         raw[c % len(raw)] ^= 1 << (c % 8)
-    data = memoryview(tokens[: len(tokens) // 2] if short else tokens)
+    data = memoryview(tokens[: len(tokens) - n * step // 2] if short else tokens)
     args = (bytes(raw), root, data, step, prefixes.PrefixRun)
     got = prefixes.decode_prefix_record(*args)
     assert got == prefixes.python_prefix_record(*args)
     assert got is None or type(got) is prefixes.PrefixRun
     if not cuts and not short:  # whole: the headers the record was made of
-        assert got is not None and (got.epoch, got.first) == (7, first)
-        assert list(got.hashes) == hashes[first : first + count]
-        assert [h.chain_hash for h in got.headers] == hashes[first : first + count]
+        assert got is not None and (got.epoch, got.first) == (epoch, first)
+        assert list(got.hashes) == names[start + 1 : start + count + 1]
+        assert [h.chain_hash for h in got.headers] == names[start + 1 : start + count + 1]
         assert [h.encode()[: FIXED.size] for h in got.headers] == fixed
         assert [h.tokens for h in got.headers] == [tokens[i * step : (i + 1) * step] for i in
                                                    range(first, first + count)]  # fmt: skip
     # A record a byte short or long, or with the chain record's flag, is none.
     whole = bytes(raw)
-    for other in (whole[:-1], whole + b"\0", whole[:1] + b"\1" + whole[2:]):
+    others = [whole[:-1], whole + b"\0", whole[:1] + b"\1" + whole[2:]]
+    if first == 0:  # block 0's parent is the root: a first entry naming another is none
+        others.append(whole[:40] + bytes([whole[40] ^ 1]) + whole[41:])
+    for other in others:
         assert prefixes.decode_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
         assert prefixes.python_prefix_record(other, root, data, step, prefixes.PrefixRun) is None
 
