@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import operator
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -111,6 +112,45 @@ def copied_rows(arrays: Sequence[mx.array], lo: int, hi: int) -> list[mx.array]:
     out = [mx.array(a[..., lo:hi, :]) for a in arrays]
     mx.eval(out)
     return out
+
+
+def compacted(arrays: Sequence[mx.array]) -> list[mx.array]:
+    """`arrays` evaluated, each one that is a view of part of a much larger buffer
+    (`VIEW_SLACK`) replaced by a copy of its own: held as it is, such a view keeps that
+    whole buffer alive, where whoever holds it counts its `nbytes` (a lease:
+    `index.lease`). mlx-lm's conv states are such views in several models (the last
+    rows of a forward pass's input: lfm2's, mamba2's), of up to a chunk of rows.
+
+    Where the CPU reads MLX's memory, a view is told by the extent of its strides (~1 us
+    an array, no MLX op for one that is not copied; rows at an offset with the strides
+    of their own shape are not told); elsewhere (CUDA, where a CPU pointer would move a
+    buffer into unified memory) by `mx.contiguous`, which copies such a view and shares
+    any other buffer (an evaluation)."""
+    if mlx_backend() not in ("cpu", "metal"):
+        out = [mx.contiguous(a) for a in arrays]
+        mx.eval(out)
+        return out
+    mx.eval(list(arrays))
+    out = [mx.array(a) if _keeps_more(a) else a for a in arrays]
+    copies = [c for c, a in zip(out, arrays, strict=True) if c is not a]
+    if copies:
+        mx.eval(copies)
+    return out
+
+
+VIEW_SLACK = 16384
+"""Bytes a view's buffer may hold past its own before `compacted` copies it: MLX's own
+(`mx.contiguous` shares a buffer up to this much larger), so that a view mlx-lm made
+contiguous that way, of a few rows more, is not copied again."""
+
+
+def _keeps_more(a: mx.array) -> bool:
+    """Whether evaluated `a` spans more than `VIEW_SLACK` bytes past its own, by its
+    strides (a size-1 axis keeps the stride of the buffer it was cut from)."""
+    view = memoryview(cast(Any, a))
+    strides, shape = view.strides or (), view.shape or ()
+    extent = max(map(operator.mul, map(abs, strides), shape), default=0)
+    return extent - view.nbytes > VIEW_SLACK
 
 
 @functools.lru_cache(maxsize=256)

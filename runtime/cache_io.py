@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from cas_bank.arrays import dtype_named, dtype_of
+from cas_bank.arrays import compacted, dtype_named, dtype_of
 from cas_bank.errors import InvalidInputError
 from cas_bank.spec import (
     ATTENTION_KV,
@@ -169,16 +169,25 @@ _KINDS: dict[str, tuple[CacheKind, ...]] = {}  # by spec fingerprint
 
 def snapshot_states(spec: ModelSpec, cache: Sequence[Any]) -> list[Any]:
     """Every recurrent layer's state, evaluated, as new array objects of our own over
-    the same arrays (no copy); None for attention layers.
+    the same arrays (no copy); None for attention layers. An array that is a view of
+    part of a larger buffer (a model's conv state: the last rows of its pass's input)
+    is copied (`arrays.compacted`): held as a view, it would keep that whole buffer
+    alive for as long as a lease or a queued store holds the state, charged for its
+    own few rows.
 
     A later in-place update of the cache's arrays (slice assignment rebinds the mx.array
     object it is applied to) cannot reach the snapshot: it rebinds the cache's objects,
     never these, and MLX copies a buffer that another array holds before it writes into
-    it (as for the KV a lease holds: `index.lease`). A copy (`mx.array(a)`) cost an MLX
-    evaluation on the caller's thread, ~20 us, at every boundary and every end record.
+    it (as for the KV a lease holds: `index.lease`). A copy of every array (`mx.array`)
+    cost an MLX evaluation on the caller's thread, ~20 us, at every boundary and every
+    end record.
     """
     out = [cache_kind(ls).snapshot(entry) for entry, ls in zip(cache, spec.layers, strict=True)]
-    mx.eval([s for s in out if s is not None])
+    flat = compacted([a for s in out if s is not None for a in s])
+    at = 0
+    for i, s in enumerate(out):
+        if s is not None:
+            out[i], at = tuple(flat[at : at + len(s)]), at + len(s)
     return out
 
 

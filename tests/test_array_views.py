@@ -9,7 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cas_bank.arrays import HeldArrays, address_of, buffer_address, copied_rows, to_numpy
+from cas_bank.arrays import (
+    HeldArrays,
+    address_of,
+    buffer_address,
+    compacted,
+    copied_rows,
+    to_numpy,
+)
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int8]
 
@@ -70,3 +77,15 @@ def test_copied_rows_are_those_rows_and_own_their_memory(dtype: mx.Dtype, lo: in
         assert c.dtype == a.dtype and c.shape == (1, 2, hi - lo, 16)
         assert np.array_equal(_mlx_bits(c), _mlx_bits(a[..., lo:hi, :]))
         assert buffer_address(c) != buffer_address(a)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_compacted_copies_a_view_of_a_larger_buffer_and_keeps_any_other(dtype: mx.Dtype) -> None:
+    whole = _array(dtype, tokens=600)  # 600 rows of 2 x 16: ~38-77 KiB
+    tail = whole[:, :, -3:, :]  # the last rows: a view that keeps all of it alive
+    few = _array(dtype, tokens=10)[:, :, -3:, :]  # within MLX's slack: kept as it is
+    kept = [whole, whole.reshape(whole.shape), few]
+    out = compacted([tail, *kept])
+    assert buffer_address(out[0]) != buffer_address(tail)
+    assert np.array_equal(_mlx_bits(out[0]), _mlx_bits(tail))
+    assert all(o is a for o, a in zip(out[1:], kept, strict=True))

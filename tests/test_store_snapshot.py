@@ -1,0 +1,155 @@
+"""A queued store's snapshot (new objects over the cache's buffers, no copy: docs/design.md,
+"Background writer") against what a runtime does to its cache before the writer has
+written it, with real mlx-lm caches, models and RocksDB: the bank writes and hands out
+exactly what the prefill computed. And what a snapshot of a recurrent state keeps
+alive: no more memory than a lease is charged for it, where a model's state is a view
+of a larger buffer (the last rows of a forward pass's input, as lfm2's conv state is).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from cas_bank.runtime import PrefixCache
+from mlx_lm.utils import _get_classes
+from runtime_helpers import random_tokens, temp_bank, tiny
+
+BLOCK = 16
+
+
+def _bits(a: mx.array) -> bytes:
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+def _cache_bits(cache: list[Any], n: int) -> list[bytes]:
+    """The bits of the first `n` tokens' KV of every attention layer, and of every
+    recurrent layer's state."""
+    out = []
+    for c in cache:
+        if hasattr(c, "keys"):
+            out += [_bits(c.keys[..., :n, :]), _bits(c.values[..., :n, :])]
+        else:
+            out += [_bits(a) for a in c.cache]
+    return out
+
+
+def _abuse(pc: PrefixCache, cache: list[Any], n: int) -> None:
+    """What a runtime does to a cache in place after its prefill: decode steps, a trim
+    back below the stored end (into the end record's tail and the last full block),
+    new tokens over the trimmed rows, direct slice writes into the KV below `n`, and
+    writes into the recurrent states."""
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        pc.model(mx.array([[int(rng.integers(0, 200))]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    hybrid = pc.spec.is_hybrid
+    for c in cache:
+        if hasattr(c, "keys"):
+            c.trim(c.offset - (n - BLOCK + 2))
+    if not hybrid:  # a recurrent state cannot be trimmed: no new tokens over the KV
+        pc.model(mx.array([[int(t) for t in rng.integers(0, 200, 12)]]), cache=cache)
+    for c in cache:
+        if hasattr(c, "keys"):
+            c.keys[..., :4, :] = mx.zeros_like(c.keys[..., :4, :])
+            c.values[..., n - 3 : n, :] = mx.zeros_like(c.values[..., n - 3 : n, :])
+        else:
+            for i in range(len(c.cache)):
+                c.cache[i][...] = 0
+    mx.eval([c.state for c in cache])
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("tiny-qwen3", "float32"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen3_5", "bfloat16")],
+)
+def test_a_queued_store_writes_what_the_prefill_computed_whatever_its_cache_does_next(
+    name: str, dtype: str
+) -> None:
+    pc_model = tiny(name, dtype)
+    tokens = random_tokens(np.random.default_rng(11), 3 * BLOCK + 5, 200)
+    n = len(tokens)
+    with temp_bank(BLOCK) as bank:
+        assert bank.writer is not None and bank.leases is not None
+        pc = PrefixCache(bank, pc_model)
+        reference = pc.new_cache()
+        want_logits = _bits(pc.prefill(tokens, reference, store=False))
+        want = _cache_bits(reference, n)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(60))  # the prefill's store stays queued
+        try:
+            cache = pc.new_cache()
+            pc.prefill(tokens, cache)
+            _abuse(pc, cache, n)
+            queued, k, logits = pc.restore_exact(tokens)  # from the queued records
+            assert k == n and logits is not None
+            assert _cache_bits(queued, n) == want and _bits(logits) == want_logits
+        finally:
+            gate.set()
+        bank.flush()
+        bank.leases.clear()  # what was written, read back
+        written, k, logits = pc.restore_exact(tokens)
+        assert k == n and logits is not None
+        assert _cache_bits(written, n) == want and _bits(logits) == want_logits
+
+
+def _lfm2() -> nn.Module:
+    """A tiny mlx-lm lfm2 model (a conv layer, an attention layer): its conv state is
+    the last rows of the forward pass's input, a view of that whole buffer."""
+    config: dict[str, Any] = dict(
+        model_type="lfm2",
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        norm_eps=1e-5,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_dim=64,
+        block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=False,
+        block_ff_dim=128,
+        layer_types=["conv", "full_attention"],
+    )
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(copy.deepcopy(config)))
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_leased_state_keeps_no_more_memory_alive_than_it_is_charged_for() -> None:
+    with temp_bank(BLOCK, spare_bytes=0) as bank:
+        leases = bank.leases
+        assert leases is not None
+        pc = PrefixCache(bank, _lfm2(), chunk_size=4096)
+        cache = pc.new_cache()
+        tokens = random_tokens(np.random.default_rng(2), 2100, 200)
+        pc.prefill(tokens, cache)  # one pass to 2096 (its state captured), one to 2100
+        assert pc.last_prefill is not None and pc.last_prefill.captured == [2096]
+        bank.flush()
+        del cache
+        entries = list(leases._entries.items())
+        assert any(key.startswith(b"s") for key, _ in entries), "no state was leased"
+        del entries
+        for key in list(leases._entries):
+            charged = leases._entries[key].nbytes
+            gc.collect()
+            before = mx.get_active_memory()
+            with leases._lock:
+                leases._drop(key)
+            gc.collect()
+            freed = before - mx.get_active_memory()
+            # A 2098-row view of the pass's input would keep ~0.5 MiB, charged 512 bytes.
+            assert freed <= charged + 16384, (key[:1], freed, charged)
+        assert leases.used_bytes == 0
