@@ -46,8 +46,8 @@ class EndOf:
     """The end record a queued store keeps of its own tokens (`store_turn_later`): the
     recurrent `state` at their end (per layer, None for attention layers; required for
     a hybrid model), the last token's `logits` and a `hidden` state, where known.
-    `state_copied`: the state is the caller's copy, taken for this record (not copied
-    again)."""
+    `state_copied`: the state is the caller's own snapshot, taken for this record (new
+    objects nothing writes into: `cache_io.snapshot_states`), not copied."""
 
     state: Sequence[Any] | None = None
     logits: Any = None
@@ -244,9 +244,9 @@ class Namespace:
         """A queued store's input checked and hashed once, its arrays snapshotted
         without a copy (new objects over the whole buffers: the cache's next update
         copies its buffer instead of writing into them; `index.lease`) and evaluated,
-        its end record prepared from the same snapshot (`prepare_end`: its state copied,
-        its tail copied only when asked for), with the records the read view shows
-        until written."""
+        its end record prepared from the same snapshot (`prepare_end`: its state copied
+        unless `end.state_copied`, its tail copied only when asked for), with the records
+        the read view shows until written."""
         toks = as_token_array(tokens)
         n = len(toks)
         if checked:
@@ -428,7 +428,8 @@ class Namespace:
         skip_when_full: bool = False,
     ) -> PendingStore[int]:
         """`store_end` through the bank's background writer, after the stores queued
-        before it (their blocks are its parents); the arrays are copied now.
+        before it (their blocks are its parents); the input is checked and snapshotted
+        now (`prepare_end_later`).
         `skip_when_full` as for `store_later` (0 bytes written)."""
         return self.prepare_end_later(
             tokens, layers, state, logits=logits, hidden=hidden, skip_when_full=skip_when_full
@@ -445,11 +446,12 @@ class Namespace:
         skip_when_full: bool = False,
         state_copied: bool = False,
     ) -> Callable[[], PendingStore[int]]:
-        """`store_end_later` in two steps: the input is checked and copied now, and the
+        """`store_end_later` in two steps: the input is checked and snapshotted now (new
+        objects over the attention arrays, the state copied unless `state_copied`), and the
         function returned queues it (in the read view from then on, as `store_later`'s
         blocks; if queueing raises, not in it) or, with no writer, writes it. (A store
         of a prompt's blocks and its end record together: `store_turn_later`.)
-        `state_copied`: `state` is the caller's own copy, taken for this record."""
+        `state_copied`: `state` is the caller's own snapshot, taken for this record."""
         writer = self.bank.writer
         if writer is None or self.bank.read_only:
             return lambda: self._end_now(tokens, layers, state, logits, hidden, skip_when_full)

@@ -11,8 +11,9 @@ A runtime's whole integration is two calls per prompt:
 returns the logits of the last one when an end record (docs/design.md, "End records")
 holds them: an exact repeat of a prompt then needs no forward pass at all.
 `prefill` runs the model over `tokens[start:]` in chunks that end on the grid of
-`chunk_size` and on every boundary where a recurrent state must be captured, copies
-the states there before the next forward pass, and stores the new full blocks and the
+`chunk_size` and on every boundary where a recurrent state must be captured, takes
+a snapshot of the states there before the next forward pass (`cache_io.snapshot_states`:
+new objects over them, which the pass cannot write into), and stores the new full blocks and the
 states in one batch when the prompt is done.
 
 Exact ends (the default, `keep_end=True`): `prefill` and `store` also store the end
@@ -494,7 +495,7 @@ class PrefixCache:
         keep = self.keep_end if end is None else end
         toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
         if self.background:
-            # The end record is checked and copied before anything is queued (as a
+            # The end record is checked and snapshotted before anything is queued (as a
             # prefill's): bad input queues nothing, and the writer works meanwhile.
             ends = (
                 self._end_of(cache, logits)
@@ -543,7 +544,8 @@ class PrefixCache:
         self, cache: Sequence[Any], logits: mx.array | None, hidden: mx.array | None = None
     ) -> EndOf:
         """The end record of a checked `cache` at exactly its tokens, as a queued store
-        keeps it: a hybrid model's recurrent states copied now, the last `logits`."""
+        keeps it: a hybrid model's recurrent states snapshotted now (`snapshot_states`:
+        taken for this record, not copied again), the last `logits`."""
         state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
         return EndOf(state, logits, hidden, state_copied=True)
 
@@ -629,7 +631,7 @@ class PrefixCache:
         hidden: mx.array | None = None,
         this_model: bool = False,
     ) -> Callable[[], PendingStore[int]]:
-        """The end record checked and copied now; the function returned queues it."""
+        """The end record checked and snapshotted now; the function returned queues it."""
         toks, layers, state = self._end_input(tokens, cache, this_model)
         return self.namespace.prepare_end_later(
             toks,
@@ -638,7 +640,7 @@ class PrefixCache:
             logits=logits,
             hidden=hidden,
             skip_when_full=self.skip_store_when_full,
-            state_copied=state is not None,  # `snapshot_states` copied it
+            state_copied=state is not None,  # `snapshot_states` took it for this record
         )
 
     def store_later(

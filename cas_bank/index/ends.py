@@ -379,15 +379,16 @@ def prepare_end(
     state_copied: bool = False,
 ) -> EndInput:
     """The checked input of `Namespace.store_end` (bad input raises `InvalidInputError`);
-    with `copy`, for a queued store: the recurrent state is copied, and the attention
-    arrays are held as new objects over the same buffers (what the tail copies from,
-    when it is first asked for: `EndInput.tail`), all evaluated now.
+    with `copy`, for a queued store: the recurrent state is copied (unless
+    `state_copied`), and the attention arrays are held as new objects over the same
+    buffers (what the tail copies from, when it is first asked for: `EndInput.tail`),
+    all evaluated now.
 
     `checked`: `check_layers` of `layers` done already (the store of the same tokens
     checked them), not done again; with `copy`, its arrays are new objects of the
     caller's (a queued store's snapshot), evaluated, held as they are. `state_copied`:
-    `state` is the caller's copy, taken for this record (`cache_io.snapshot_states`):
-    not copied again."""
+    `state` is the caller's own snapshot, taken for this record (new objects nothing
+    writes into: `cache_io.snapshot_states`): not copied."""
     toks = as_token_array(tokens)
     n = len(toks)
     if n == 0:

@@ -3,8 +3,9 @@ one thread, so that encoding, digests, payload files and the RocksDB batch run o
 caller's thread (MTPLX's idle-lane spill).
 
 - The caller pays for checking its input and for a zero-copy snapshot of its arrays
-  (slices: MLX arrays are values, so the cache's next in-place update copies its
-  buffer once instead of writing into the snapshot; `index.lease`). The snapshot is
+  (new objects over the whole buffers: MLX arrays are values, so the cache's next
+  in-place update copies its buffer once instead of writing into the snapshot;
+  `index.lease`). The snapshot is
   leased at once: a restore right after sees the blocks from memory.
 - The queue is bounded (`BankConfig.write_behind` stores): when it is full the caller
   waits. Nothing is dropped: a store that fails keeps its exception, which its
