@@ -20,6 +20,7 @@ from cas_bank.errors import BankFullError, CorruptDataError
 from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
 from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
 from cas_bank.index.ends import EndInput, end_place, find_end, prepare_end
+from cas_bank.index.lease import Live
 from cas_bank.index.partial import find_partial
 from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
 from cas_bank.restore import restoring
@@ -226,7 +227,9 @@ class Namespace:
         if turn.queued_end is None:
             return pending, None
         try:
-            job = self._end_job(turn.offer.hashes, turn.queued_end, skip_when_full, turn.released)
+            job = self._end_job(
+                turn.offer.hashes, turn.queued_end, skip_when_full, turn.released, live
+            )
             end_pending = writer.submit(job, _nbytes, turn.queued_end)
         except BaseException:
             self._unlease_turn(turn, live, chain=False)
@@ -282,31 +285,31 @@ class Namespace:
         )
         return _Turn(offer, flat, chain, QueuedEnd(self.root, hashes, record, self.block_size))
 
-    def _lease_turn(self, turn: _Turn, layers: Sequence[Any]) -> bool:
+    def _lease_turn(self, turn: _Turn, layers: Sequence[Any]) -> Live | None:
         """Lease a queued turn: the caller's cache as the live lease of its end record
-        (which is also the lease of its blocks), else its blocks; its states. Whether a
-        live lease was kept."""
+        (which is also the lease of its blocks), else its blocks; its states. The live
+        lease kept, if one was."""
         leases = self.bank.leases
         if leases is None:
-            return False
+            return None
         offer, end = turn.offer, turn.queued_end
-        live = end is not None and self._lease_live(
-            offer.hashes, end.end, layers, end.key, turn.released
-        )
-        if not live:
+        live = None
+        if end is not None:
+            live = self._lease_live(offer.hashes, end.end, layers, end.key, turn.released)
+        if live is None:
             leases.put(offer.hashes, turn.flat)
         leases.put_states(offer.hashes, offer.states)
         return live
 
-    def _unlease_turn(self, turn: _Turn, live: bool, *, chain: bool) -> None:
+    def _unlease_turn(self, turn: _Turn, live: Live | None, *, chain: bool) -> None:
         """Undo `_lease_turn` of a turn not queued (`chain`: nor its blocks)."""
         leases = self.bank.leases
         if leases is None:
             return
         if chain:
             leases.forget(turn.offer.hashes)
-        if live and turn.queued_end is not None:
-            leases.drop_live(turn.queued_end.key)
+        if live is not None and turn.queued_end is not None:
+            leases.drop_live(turn.queued_end.key, live)
 
     def _chain_job(self, turn: _Turn, skip_when_full: bool) -> Callable[[], StoreReport]:
         """What the writer does for a queued turn's blocks: they are stored, and only what
@@ -325,14 +328,21 @@ class Namespace:
         queued: QueuedEnd,
         skip_when_full: bool,
         released: list[object],
+        live: Live | None,
     ) -> Callable[[], int]:
         """What the writer does for a queued end record (`hashes`: of its tokens). The
         job holds `released` (the leases its live lease replaced) and frees them on the
-        writer's thread, not the caller's."""
+        writer's thread, not the caller's. A record not written (it failed, or a full
+        disk skipped it) takes its `live` lease with it: no restore would find it."""
+        leases = self.bank.leases
 
         def write() -> int:
             try:
                 return write_end(self.bank, self.spec, self.root, hashes, queued.end, place)
+            except BaseException:
+                if live is not None and leases is not None:
+                    leases.drop_live(queued.key, live)
+                raise
             finally:
                 released.clear()  # freed here, on the writer's thread
 
@@ -471,17 +481,17 @@ class Namespace:
         hashes = self.chain(end.tokens)
         # In the read view from the moment it is queued (`index.view`).
         queued = QueuedEnd(self.root, hashes, end, self.block_size)
-        released: list[object] = []
-        job = self._end_job(hashes, queued, skip_when_full, released)
 
         def submit() -> PendingStore[int]:
             # Leased first: nothing of this thread runs beside the writer once queued.
+            released: list[object] = []
             live = self._lease_live(hashes, end, layers, queued.key, released)
+            job = self._end_job(hashes, queued, skip_when_full, released, live)
             try:
                 return writer.submit(job, _nbytes, queued)
             except BaseException:  # not queued: nor leased
-                if live and self.bank.leases is not None:
-                    self.bank.leases.drop_live(queued.key)
+                if live is not None and self.bank.leases is not None:
+                    self.bank.leases.drop_live(queued.key, live)
                 raise
 
         return submit
@@ -512,14 +522,14 @@ class Namespace:
         layers: Sequence[Any],
         key: bytes,
         released: list[object] | None = None,
-    ) -> bool:
+    ) -> Live | None:
         """Keep the caller's own arrays (`layers`, whole buffers and all) as the live
         lease of the end record of `end.tokens` under `key` (`index.lease`): the next
         turn of the conversation takes them back without a copy, once a restore finds
-        that record. Whether it was kept."""
+        that record. The live lease kept (None: none)."""
         leases = self.bank.leases
         if leases is None:
-            return False
+            return None
         full = hashes[: len(end.tokens) // self.block_size]
         return leases.put_live(key, full, layers, len(end.tokens), end.state, released)
 

@@ -8,6 +8,7 @@ the next turn's logits are bit-identical to the same forward passes on a fresh c
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,10 @@ from mlx_lm.sample_utils import make_sampler
 from runtime_helpers import bit_equal, forward, random_tokens, temp_bank, tiny
 from test_next_turn import BLOCK, NEW, turn_one
 
+from cas_bank import Bank, BankConfig
 from cas_bank.arrays import address_of, to_numpy
+from cas_bank.blocks.rocks import RocksStore
+from cas_bank.blocks.store import Write
 
 MODELS = ["tiny-qwen3", "tiny-hybrid"]
 
@@ -199,3 +203,30 @@ def test_an_exact_repeat_without_logits_keeps_its_live_cache_one_token_short() -
         assert buffer_of(cache, pc) == where
         again = pc.prefill(finished, cache, n, end=False)
         assert bit_equal(again, forward(pc, pc.new_cache(), finished, 0, ends))
+
+
+@pytest.mark.parametrize("failing", ["blocks", "ends"])
+def test_a_failed_store_keeps_no_live_lease(tmp_path: Path, failing: str) -> None:
+    """A turn whose blocks or end record fail to be written leaves the read view, and
+    the live lease kept for that end record goes too (nothing would ever take it: no
+    restore finds a record that was not written); `flush()` raises the failure."""
+
+    class Failing(RocksStore):
+        def put_batch(self, writes: list[Write]) -> None:  # type: ignore[override]
+            if any(w[0].value == failing for w in writes):
+                raise OSError("disk full")
+            super().put_batch(writes)
+
+    with Bank.open(Failing(tmp_path / "bank"), BankConfig(block_size=BLOCK)) as bank:
+        assert bank.writer is not None
+        pc = PrefixCache(bank, tiny("tiny-qwen3"))
+        tokens = random_tokens(np.random.default_rng(31), 3 * BLOCK + 5)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(60))
+        pc.prefill(tokens, pc.new_cache())
+        assert bank.stats().live_bytes > 0  # kept while queued
+        gate.set()
+        with pytest.raises(OSError, match="disk full"):
+            bank.flush()
+        assert bank.stats().live_bytes == 0
+        assert pc.match([*tokens, 1]) == (0 if failing == "blocks" else 3 * BLOCK)

@@ -230,21 +230,21 @@ class Leases:
         tokens: int,
         state: Sequence[mx.array] | None,
         released: list[object] | None = None,
-    ) -> bool:
+    ) -> Live | None:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
         recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
         the live lease of the end record `end_key`. New array objects over the same
         buffers: no copy, and the runtime's objects are never the bank's. The entry is
         also the lease of its whole blocks (`hashes`), in place of one over the same
-        buffers: the memory is charged once. Whether it was kept (False: over the
-        budget, or no attention layer).
+        buffers: the memory is charged once. The live lease kept (None: over the budget,
+        or no attention layer).
 
         `released`: where the live lease this one replaces goes once out of the leases
         (uncharged at once), so that its buffers are freed by whoever lets go of that
         list: a queued store's job, off this thread (~15 us, the buffers and the copy
         plans made from them, of a store a prefill's caller waits for)."""
         if self.max_bytes <= 0:
-            return False
+            return None
         kept: list[tuple[mx.array, ...] | None] = []
         flat: list[mx.array] = []
         for layer in layers:  # one pass: this runs before a prefill returns its logits
@@ -256,9 +256,9 @@ class Leases:
         mx.eval(flat, flat_state or [])
         nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
         if not flat or not self.budget.fits(nbytes):
-            return False  # no attention layer: nothing a copy would cost (the state is leased)
+            return None  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry(list(map(bytes, hashes)), HeldArrays(flat), nbytes)
-        entry.live = Live(kept, tokens, flat_state)
+        entry.live = live = Live(kept, tokens, flat_state)
         key = _live_key(end_key)
         with self._lock:
             self._drop_over(entry, lives=False)
@@ -267,12 +267,17 @@ class Leases:
         if released is not None and replaced is not None:
             released.append(replaced)
         self.budget.balance()
-        return True
+        return live
 
-    def drop_live(self, end_key: bytes) -> None:
-        """Let the live lease of the end record `end_key` go (its store was not queued)."""
+    def drop_live(self, end_key: bytes, live: Live | None = None) -> None:
+        """Let the live lease of the end record `end_key` go (its store was not queued,
+        or failed: no restore finds that record); with `live`, only if it is that one
+        (`put_live`'s: a later store of the same end may have replaced it)."""
+        key = _live_key(end_key)
         with self._lock:
-            self._drop(_live_key(end_key))
+            entry = self._entries.get(key)
+            if entry is not None and (live is None or entry.live is live):
+                self._drop(key)
 
     def take_live(self, end_key: bytes, tokens: int) -> Live | None:
         """The live lease of the end record `end_key` if it holds exactly `tokens`
