@@ -510,8 +510,14 @@ static PyObject *prefix_record(PyObject *self, PyObject *const *args, Py_ssize_t
     a.count = (Py_ssize_t)le(at + 2, 2);
     a.first = (Py_ssize_t)le(at + 4, 4);
   }
+  /* No entry is its block where the first block is past the tokens (the record's own
+   * number, up to 2**32 - 1) or step is no entry's token count (a uint16 of tokens):
+   * checked here, the products `entry_fits` and `entry_header` make of them stay
+   * within the tokens' length and 2**35 more, whatever the record and the step. */
   int readable = a.raw.len >= RUN_HEAD && at[0] == RUN_VERSION && at[1] == 0 && a.count > 0 &&
-                 a.raw.len == RUN_HEAD + a.count * HEADER_FIXED + 32;
+                 a.raw.len == RUN_HEAD + a.count * HEADER_FIXED + 32 &&
+                 a.step <= 4 * (Py_ssize_t)0xFFFF &&
+                 le(at + 4, 4) < (uint64_t)(a.tokens.len / a.step);
   if (readable && prefix_entries(&a, &headers, &names) == 0 && headers != NULL) {
     PyObject *epoch = PyLong_FromUnsignedLongLong(le(at + 8, 8));
     PyObject *first = PyLong_FromSsize_t(a.first);
