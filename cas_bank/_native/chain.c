@@ -344,8 +344,10 @@ static PyObject *entry_header(const uint8_t *e, Py_ssize_t i, PyObject *name, Py
   return h;
 }
 
-/* The arguments `run` and `prefix_run` share, checked: the record and tokens buffers
- * (released by the caller on success), offset, first, count, step and root. */
+/* A record's entries and what they are read against: the record and tokens buffers
+ * (released by the caller on success), offset, first, count, step and root; `run`'s
+ * from its arguments, checked (`parse_run_args`), `prefix_record`'s from the record's
+ * head. */
 typedef struct {
   Py_buffer raw, tokens;
   Py_ssize_t offset, first, count, step;
