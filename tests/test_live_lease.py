@@ -230,3 +230,29 @@ def test_a_failed_store_keeps_no_live_lease(tmp_path: Path, failing: str) -> Non
             bank.flush()
         assert bank.stats().live_bytes == 0
         assert pc.match([*tokens, 1]) == (0 if failing == "blocks" else 3 * BLOCK)
+
+
+def test_a_restore_copying_from_a_live_lease_is_not_written_by_the_cache_that_takes_it() -> None:
+    """The live lease is also the lease of its blocks: a restore on another thread may be
+    copying them (from numpy views of the leased arrays) when the next turn takes the
+    cache back. A numpy view holds the array object, not its buffer: had the taker got
+    those very objects, its trim and new tokens would write into the rows being copied."""
+    with temp_bank(BLOCK) as bank:
+        assert bank.leases is not None
+        pc = PrefixCache(bank, tiny("tiny-qwen3"))
+        rng = np.random.default_rng(5)
+        tokens = random_tokens(rng, 3 * BLOCK + 5)
+        pc.prefill(tokens, pc.new_cache())
+        bank.flush()
+        blocks, held = bank.leases.probe(pc.namespace.chain(tokens))  # the other restore's
+        assert blocks == 3
+        views = held.numpy_views()
+        rows = blocks * BLOCK
+        want = [v[..., :rows, :].copy() for v in views]
+        cache, n = pc.restore([*tokens, *random_tokens(rng, NEW)])
+        assert n == len(tokens) and bank.stats().live_hits == 1  # the live cache, taken
+        for c in cache:
+            c.trim(c.offset - 2)  # back into the first block, then new tokens over it
+        pc.model(mx.array([random_tokens(rng, 9)]), cache=cache)
+        mx.eval([c.state for c in cache])
+        assert all(np.array_equal(v[..., :rows, :], w) for v, w in zip(views, want, strict=True))

@@ -283,14 +283,23 @@ class Leases:
         """The live lease of the end record `end_key` if it holds exactly `tokens`
         tokens, removed from the leases with every other lease over the same buffers
         (whole blocks, another end of the same cache), so that the taker holds them
-        alone; None if there is none."""
+        alone; None if there is none.
+
+        As new objects over its arrays: the taker's cache rebinds the objects it holds
+        when it writes in place, and the lease's own may still be read where it was
+        handed out as the lease of its blocks (`probe`: a restore on another thread
+        copying them from their numpy views, which hold the objects, not the buffers).
+        MLX then copies a buffer before the taker writes into it, until that lets go."""
         with self._lock:
             entry = self._entries.get(_live_key(end_key))
             if entry is None or entry.live is None or entry.live.tokens != tokens:
                 return None
             self._drop(_live_key(end_key))
             self._drop_over(entry, lives=True)
-        return entry.live
+        live = entry.live
+        layers = [None if layer is None else tuple(map(_view, layer)) for layer in live.layers]
+        state = None if live.state is None else [_view(a) for a in live.state]
+        return Live(layers, live.tokens, state)
 
     def _drop_over(self, live: _Entry, *, lives: bool) -> None:
         """Drop the leases of chains (and, with `lives`, the live leases) over any of
