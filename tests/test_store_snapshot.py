@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,6 +21,10 @@ import pytest
 from cas_bank.runtime import PrefixCache
 from mlx_lm.utils import _get_classes
 from runtime_helpers import random_tokens, temp_bank, tiny
+
+from cas_bank import Bank, BankConfig
+from cas_bank.blocks.rocks import RocksStore
+from cas_bank.blocks.store import Write
 
 BLOCK = 16
 
@@ -153,3 +158,30 @@ def test_a_leased_state_keeps_no_more_memory_alive_than_it_is_charged_for() -> N
             # A 2098-row view of the pass's input would keep ~0.5 MiB, charged 512 bytes.
             assert freed <= charged + 16384, (key[:1], freed, charged)
         assert leases.used_bytes == 0
+
+
+@pytest.mark.parametrize("failing", ["blocks", "ends"])
+def test_a_failed_store_lets_go_of_its_snapshot(tmp_path: Path, failing: str) -> None:
+    """The exception a failed store keeps (for `flush()` and its `PendingStore`) holds
+    no frame's locals: not the job, whose snapshot is the cache's whole buffers."""
+
+    class Failing(RocksStore):
+        def put_batch(self, writes: list[Write]) -> None:  # type: ignore[override]
+            if any(w[0].value == failing for w in writes):
+                raise OSError("disk full")
+            super().put_batch(writes)
+
+    config = BankConfig(block_size=BLOCK, spare_bytes=0)
+    with Bank.open(Failing(tmp_path / "bank"), config) as bank:
+        pc = PrefixCache(bank, tiny("tiny-qwen3"))
+        gc.collect()
+        before = mx.get_active_memory()
+        cache = pc.new_cache()
+        pc.prefill(random_tokens(np.random.default_rng(3), 300, 200), cache)
+        with pytest.raises(OSError, match="disk full"):
+            bank.flush()
+        del cache
+        gc.collect()
+        assert bank.leases is not None and bank.leases.used_bytes == 0
+        assert pc.last_pending is not None and pc.last_end_pending is not None  # kept
+        assert mx.get_active_memory() - before <= 16384

@@ -10,8 +10,8 @@ caller's thread (MTPLX's idle-lane spill).
 - The queue is bounded (`BankConfig.write_behind` stores): when it is full the caller
   waits. Nothing is dropped: a store that fails keeps its exception, which its
   `PendingStore.result()` raises, and the first since the last flush `Bank.flush()`
-  too (not `close()` once `result()` has raised it). A failed store's traceback keeps
-  its lines, not its frames' locals: those held the store's KV snapshot.
+  too (not `close()` once `result()` has raised it). A failed store's exception keeps
+  its traceback's lines, not its frames: those held the store's KV snapshot.
 - Each store is one transaction, as on the caller's thread: under SIGKILL a store is
   whole or absent; one whose `Bank.flush()` returned is on disk (`durability="wal"`).
   What a SIGKILL loses is at most what was still queued.
@@ -108,6 +108,25 @@ class PendingStore(Generic[T]):
             raise self._error
         assert self._value is not None
         return self._value
+
+
+def _keep_lines_only(error: BaseException) -> None:
+    """Let go of the frames of `error`'s traceback, and of the exceptions it chains,
+    keeping their lines (as a note, from Python 3.11). A frame keeps its locals, and
+    from Python 3.11 its function: a job's closure, which holds the store's KV snapshot,
+    past `frame.clear()`. Kept whole, a failed store's exception (in its `PendingStore`,
+    for `flush()`, wherever its caller keeps it) kept the cache's whole buffers."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        tb = e.__traceback__
+        if tb is not None:
+            if hasattr(e, "add_note"):  # Python 3.11 on
+                e.add_note("in the background writer:\n" + "".join(traceback.format_tb(tb)))
+                e.__traceback__ = None
+            traceback.clear_frames(tb)
+        e = e.__cause__ or e.__context__
 
 
 def _call(fn: Callable[[T], None], value: T) -> None:
@@ -253,7 +272,8 @@ class BackgroundWriter:
         try:
             value = write()
         except BaseException as e:  # kept for flush(): never dropped silently
-            traceback.clear_frames(e.__traceback__)  # the KV snapshot goes
+            del write  # this frame's job (it is in the traceback, and still running)
+            _keep_lines_only(e)  # the KV snapshot goes with the frames
             with self._lock:
                 if self._first_error is None:
                     self._first_error = (e, pending)
