@@ -1,9 +1,10 @@
 """A queued store's snapshot (new objects over the cache's buffers, no copy: docs/design.md,
 "Background writer") against what a runtime does to its cache before the writer has
 written it, with real mlx-lm caches, models and RocksDB: the bank writes and hands out
-exactly what the prefill computed. And what a snapshot of a recurrent state keeps
-alive: no more memory than a lease is charged for it, where a model's state is a view
-of a larger buffer (the last rows of a forward pass's input, as lfm2's conv state is).
+exactly what the prefill computed. And what a snapshot keeps alive: a recurrent
+state's, no more memory than a lease is charged for it, where a model's state is a view
+of a larger buffer (the last rows of a forward pass's input, as lfm2's conv state is);
+a failed store's, nothing once it has failed (its exception keeps no frame).
 """
 
 from __future__ import annotations
