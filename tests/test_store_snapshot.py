@@ -73,7 +73,12 @@ def _abuse(pc: PrefixCache, cache: list[Any], n: int) -> None:
 
 @pytest.mark.parametrize(
     "name,dtype",
-    [("tiny-qwen3", "float32"), ("tiny-qwen3", "bfloat16"), ("tiny-qwen3_5", "bfloat16")],
+    [
+        ("tiny-qwen3", "float32"),
+        ("tiny-qwen3", "bfloat16"),
+        ("tiny-hybrid", "float32"),
+        ("tiny-qwen3_5", "bfloat16"),
+    ],
 )
 def test_a_queued_store_writes_what_the_prefill_computed_whatever_its_cache_does_next(
     name: str, dtype: str
