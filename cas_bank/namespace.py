@@ -250,7 +250,10 @@ class Namespace:
         its end record prepared from the same snapshot (`prepare_end`: its state copied
         unless `end.state_copied`, its tail copied only when asked for), with the records
         the read view shows until written."""
-        toks = as_token_array(tokens)
+        # Our own copy: the writer reads the tokens later (its headers', under the chain
+        # hashes made here from them), and the caller's array (or the MLX array numpy
+        # views) may be written meanwhile.
+        toks = as_token_array(tokens).copy()
         n = len(toks)
         if checked:
             snapshot = _own_layers(self.block_kinds, layers)

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache
+from conftest import attention_spec, prefix_layers, tokens_of
 from mlx_lm.utils import _get_classes
 from runtime_helpers import random_tokens, temp_bank, tiny
 
@@ -191,3 +192,59 @@ def test_a_failed_store_lets_go_of_its_snapshot(tmp_path: Path, failing: str) ->
         assert bank.leases is not None and bank.leases.used_bytes == 0
         assert pc.last_pending is not None and pc.last_end_pending is not None  # kept
         assert mx.get_active_memory() - before <= 16384
+
+
+@pytest.mark.parametrize("kind", ["numpy", "mlx"])
+def test_a_queued_store_keeps_its_own_tokens(kind: str) -> None:
+    """A caller may write new tokens into the array it prefilled from (a reused buffer,
+    an MLX array updated in place, which numpy's view of it then shows) before the
+    writer has written the store: the blocks are stored under the tokens they were
+    computed from, and a prompt of the new tokens restores none of them."""
+    rng = np.random.default_rng(1)
+    first = np.array(random_tokens(rng, 4 * BLOCK + 3, 200), dtype=np.uint32)
+    other = np.array(random_tokens(rng, len(first), 200), dtype=np.uint32)
+    with temp_bank(BLOCK) as bank:
+        assert bank.writer is not None and bank.leases is not None
+        pc = PrefixCache(bank, tiny("tiny-qwen3"))
+        tokens: Any = first.copy() if kind == "numpy" else mx.array(first)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(60))  # the prefill's store stays queued
+        try:
+            pc.prefill(tokens, pc.new_cache())
+            tokens[:] = other if kind == "numpy" else mx.array(other)
+            mx.eval(tokens)
+        finally:
+            gate.set()
+        bank.flush()
+        bank.leases.clear()  # what was written, read back
+        assert pc.restore([*first.tolist(), 1])[1] == len(first)
+        assert pc.restore([*other.tolist(), 1])[1] == 0
+
+
+def test_a_queued_end_record_keeps_its_own_logits_and_hidden_state(tmp_path: Path) -> None:
+    """The caller's logits and hidden state, written in place after the end record was
+    queued: the record holds what they were when it was stored."""
+    spec = attention_spec()
+    prompt = tokens_of(np.random.default_rng(0), 9)
+    layers = prefix_layers(spec, prompt)
+    with Bank.open(tmp_path / "bank", BankConfig(block_size=4)) as bank:
+        assert bank.writer is not None and bank.leases is not None
+        ns = bank.namespace(spec)
+        ns.store(prompt, layers)
+        logits, hidden = mx.ones((50,)), mx.ones((8,))
+        mx.eval(logits, hidden)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(60))
+        try:
+            ns.store_end_later(prompt, layers, logits=logits, hidden=hidden)
+            logits[:] = 5.0
+            hidden[:] = 7.0
+            mx.eval(logits, hidden)
+        finally:
+            gate.set()
+        bank.flush()
+        bank.leases.clear()
+        hit = ns.restore(prompt)
+        assert hit is not None and hit.logits is not None and hit.hidden is not None
+        assert np.array_equal(np.array(hit.logits), np.ones(50, np.float32))
+        assert np.array_equal(np.array(hit.hidden), np.ones(8, np.float32))

@@ -396,6 +396,8 @@ def prepare_end(
     arrays = check_layers(spec, layers, n) if checked is None else checked
     flat = _end_state(spec, state)
     logits = _end_logits(logits, hidden)
+    if hidden is not None:  # a new object, as the logits: the caller's may be written
+        hidden = hidden.reshape(hidden.shape)
     base = n - n % block_size
     if not copy:
         buffers = [a for layer in arrays for a in layer]
