@@ -4,7 +4,9 @@ written it, with real mlx-lm caches, models and RocksDB: the bank writes and han
 exactly what the prefill computed. And what a snapshot keeps alive: a recurrent
 state's, no more memory than a lease is charged for it, where a model's state is a view
 of a larger buffer (the last rows of a forward pass's input, as lfm2's conv state is);
-a failed store's, nothing once it has failed (its exception keeps no frame).
+a failed store's, nothing once it has failed (its exception keeps no frame). And what
+a queued store reads of its caller's later: nothing the caller may write meanwhile (its
+token array, its logits and hidden state).
 """
 
 from __future__ import annotations
