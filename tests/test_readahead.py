@@ -4,7 +4,7 @@ counted miss, the reader stopped when a restore stops early); and hot restores l
 enough that the assembler copies them on two threads.
 
 Real RocksDB under tmp_path and real MLX arrays; blocks of 256 KiB (the smallest that
-read ahead), four of them.
+read ahead), four of them. Blocks too small to read ahead are read in one multi-get.
 """
 
 from __future__ import annotations
@@ -139,3 +139,47 @@ def test_a_large_hot_restore_copied_on_two_threads_is_bit_identical(bank_path: P
         k1[..., :1, :] = 0
         assert layers_bits(second.layers, spec) == want
         assert k2 is not k1
+
+
+# -- small payloads: one multi-get -------------------------------------------------
+SMALL = 16  # tokens per block: 2 arrays x 16 tokens x 2 heads x 32 x fp16 = 4 KiB
+
+
+def _small_stored(bank_path: Path) -> tuple[ModelSpec, np.ndarray, list, list]:
+    layer = LayerSpec.attention(kv_heads=2, head_dim=32, dtype="float16")
+    spec = ModelSpec(name="small", layers=(layer,), weights_digest="w-small")
+    tokens = tokens_of(np.random.default_rng(41), 6 * SMALL)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=SMALL, file_min_bytes=None)) as bank:
+        chain = bank.namespace(spec).store(tokens, layers).chain
+    return spec, tokens, layers, chain
+
+
+def _store_reads(bank: Bank, calls: list[int]) -> None:
+    """Count the keys of each BLOCKS read the restore asks of the store below the hot
+    tier (a spy on the real RocksDB store: its reads still happen)."""
+    inner = bank.store.inner if hasattr(bank.store, "inner") else bank.store
+    get_many = inner.get_many
+
+    def counted(family: Family, keys: list[bytes]) -> list[bytes | None]:
+        if family is Family.BLOCKS:
+            calls.append(len(keys))
+        return get_many(family, keys)
+
+    inner.get_many = counted
+
+
+@pytest.mark.parametrize("how", [None, "flip", "delete"])
+def test_small_payloads_are_read_in_one_multi_get(bank_path: Path, how: str | None) -> None:
+    spec, tokens, layers, chain = _small_stored(bank_path)
+    if how is not None:
+        _corrupt(bank_path, Family.BLOCKS, chain[3], how)
+    calls: list[int] = []
+    with Bank.open(bank_path, BankConfig(hot_bytes=64 << 20)) as bank:
+        _store_reads(bank, calls)
+        hit = bank.namespace(spec).restore(tokens)
+        good = 6 if how is None else 3
+        assert hit is not None and hit.tokens == good * SMALL
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, good * SMALL)
+        assert bank.stats().corrupt_reads == (0 if how is None else 1)
+    assert calls == [6]  # every block's payload in one read, not one read a block

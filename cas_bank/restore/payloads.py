@@ -288,14 +288,17 @@ class PayloadReader:
     ) -> tuple[int, int]:
         """`assemble` one payload at a time through the store (and the hot tier).
 
-        From the first payload read from the store on, if enough bytes remain, the rest
-        are read and verified on a background thread one block ahead (`ReadAhead`)
-        while this one copies.
+        Payloads too small to read ahead are read in one multi-get (`_fetch_all`).
+        Otherwise, from the first payload read from the store on, if enough bytes
+        remain, the rest are read and verified on a background thread one block ahead
+        (`ReadAhead`) while this one copies.
         """
         items = [(h.chain_hash, h.payload_digest) for h in headers]
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
         results: Iterator[_Fetched] | None = None
+        if not worth_reading_ahead([h.payload_size for h in headers[first:]]):
+            results = self._fetch_all(Family.BLOCKS, items[first:])
         i = first
         try:
             for i, (key, expected) in enumerate(items):
@@ -351,6 +354,38 @@ class PayloadReader:
         if hot is not None:
             hot.keep_decoded(family, key, raw, expected, block)
         return block, from_hot
+
+    def _fetch_all(
+        self, family: Family, items: Sequence[tuple[bytes, bytes]]
+    ) -> Iterator[_Fetched]:
+        """`_fetch` of each (key, expected) in order, decoded as they are asked for, the
+        store's reads of those not hot made in one multi-get first (one read each cost
+        a small model's reopened restore ~45 us a block). A multi-get RocksDB's own
+        checks refuse is read again one by one, so that only the damaged one fails."""
+        hot = self.hot
+        cached = [hot.lookup(family, k, e) if hot is not None else None for k, e in items]
+        missing = [k for (k, _), c in zip(items, cached, strict=True) if c is None]
+        try:
+            read = iter(self.store.get_many(family, missing) if missing else ())
+        except CorruptDataError:
+            yield from (self._fetch(family, k, e) for k, e in items)
+            return
+        for (key, expected), c in zip(items, cached, strict=True):
+            if isinstance(c, codec.Decoded):
+                yield c, True  # no digest check: verified when it got hot
+                continue
+            raw, from_hot = (c, True) if c is not None else (next(read), False)
+            if raw is None:
+                yield None, False
+                continue
+            try:
+                block = codec.decode(raw, expected)
+            except CorruptDataError as e:  # the digest failed
+                yield e, from_hot
+                continue
+            if hot is not None:
+                hot.keep_decoded(family, key, raw, expected, block)
+            yield block, from_hot
 
     def _fetch_block(self, item: tuple[bytes, bytes]) -> _Fetched:
         return self._fetch(Family.BLOCKS, *item)
