@@ -183,3 +183,19 @@ def test_small_payloads_are_read_in_one_multi_get(bank_path: Path, how: str | No
         assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, good * SMALL)
         assert bank.stats().corrupt_reads == (0 if how is None else 1)
     assert calls == [6]  # every block's payload in one read, not one read a block
+
+
+def test_small_payloads_are_asked_64_at_a_time(bank_path: Path) -> None:
+    layer = LayerSpec.attention(kv_heads=2, head_dim=32, dtype="float16")
+    spec = ModelSpec(name="small", layers=(layer,), weights_digest="w-small")
+    tokens = tokens_of(np.random.default_rng(42), 70 * SMALL)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=SMALL, file_min_bytes=None)) as bank:
+        bank.namespace(spec).store(tokens, layers)
+    calls: list[int] = []
+    with Bank.open(bank_path, BankConfig(hot_bytes=64 << 20)) as bank:
+        _store_reads(bank, calls)
+        hit = bank.namespace(spec).restore(tokens)
+        assert hit is not None and hit.tokens == 70 * SMALL
+        assert layers_bits(hit.layers, spec) == kv_prefix_bits(layers, spec, 70 * SMALL)
+    assert calls == [64, 6]  # bounded bytes held at once
