@@ -337,24 +337,30 @@ class PayloadReader:
 
         Counts nothing, so it may run on a read-ahead thread.
         """
-        hot = self.hot
-        if hot is not None:
-            cached = hot.lookup(family, key, expected)
-            if isinstance(cached, codec.Decoded):
-                return cached, True  # no digest check: verified when it got hot
-            raw, from_hot = cached, cached is not None
-        else:
-            raw, from_hot = None, False
+        cached = self.hot.lookup(family, key, expected) if self.hot is not None else None
+        if isinstance(cached, codec.Decoded):
+            return cached, True  # no digest check: verified when it got hot
+        if cached is not None:
+            return self._decoded(family, key, expected, cached, True)
         try:
-            if raw is None:
-                raw = self.store.get(family, key)
-                if raw is None:
-                    return None, False
+            raw = self.store.get(family, key)
+        except CorruptDataError as e:  # RocksDB's own checks failed
+            return e, False
+        return self._decoded(family, key, expected, raw, False)
+
+    def _decoded(
+        self, family: Family, key: bytes, expected: bytes, raw: bytes | None, from_hot: bool
+    ) -> _Fetched:
+        """`_fetch`'s answer for `raw` (None: absent): decoded and checked against
+        `expected`, and kept decoded in the hot tier; or the `CorruptDataError`."""
+        if raw is None:
+            return None, False
+        try:
             block = codec.decode(raw, expected)
-        except CorruptDataError as e:  # the digest, or RocksDB's own checks, failed
+        except CorruptDataError as e:  # the digest failed
             return e, from_hot
-        if hot is not None:
-            hot.keep_decoded(family, key, raw, expected, block)
+        if self.hot is not None:
+            self.hot.keep_decoded(family, key, raw, expected, block)
         return block, from_hot
 
     def _fetch_all(
@@ -382,19 +388,10 @@ class PayloadReader:
         for (key, expected), c in zip(items, cached, strict=True):
             if isinstance(c, codec.Decoded):
                 yield c, True  # no digest check: verified when it got hot
-                continue
-            raw, from_hot = (c, True) if c is not None else (next(read), False)
-            if raw is None:
-                yield None, False
-                continue
-            try:
-                block = codec.decode(raw, expected)
-            except CorruptDataError as e:  # the digest failed
-                yield e, from_hot
-                continue
-            if hot is not None:
-                hot.keep_decoded(family, key, raw, expected, block)
-            yield block, from_hot
+            elif c is not None:
+                yield self._decoded(family, key, expected, c, True)
+            else:
+                yield self._decoded(family, key, expected, next(read), False)
 
     def _fetch_block(self, item: tuple[bytes, bytes]) -> _Fetched:
         return self._fetch(Family.BLOCKS, *item)
