@@ -89,7 +89,8 @@ class QueuedChain:
         self.root = bytes(root)
         self.hashes = [bytes(h) for h in hashes]
         self.position = {h: i for i, h in enumerate(self.hashes)}
-        self.tokens = tokens[: len(hashes) * block_size].astype("<u4")
+        # The queued store's own copy (`Namespace._turn`): a view of it, not another copy.
+        self.tokens = tokens[: len(hashes) * block_size].astype("<u4", copy=False)
         self.block_size = block_size
         self.arrays = HeldArrays(arrays)
         self.states = {self.hashes[b // block_size - 1]: list(st) for b, st in states.items()}
