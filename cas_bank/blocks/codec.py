@@ -154,14 +154,14 @@ def read_plain_lead(data: bytes | bytearray | memoryview) -> tuple[bool, int, by
     return plain, body_len, claimed
 
 
-def embedded_digest(data: bytes) -> bytes:
+def embedded_digest(data: bytes | memoryview) -> bytes:
     """The digest a payload claims for itself (not checked)."""
     if len(data) < LEAD.size or not is_payload(data):
         raise CorruptDataError("not a cas_bank payload (bad magic or truncated)")
-    return data[DIGEST_AT : LEAD.size]
+    return bytes(data[DIGEST_AT : LEAD.size])
 
 
-def verify(data: bytes, expected: bytes | None = None) -> bool:
+def verify(data: bytes | memoryview, expected: bytes | None = None) -> bool:
     """True if the payload's bytes match its digest (and `expected`, when given)."""
     try:
         claimed = embedded_digest(data)
@@ -173,19 +173,19 @@ def verify(data: bytes, expected: bytes | None = None) -> bool:
     return payload_check(view[:DIGEST_AT], view[LEAD.size :], check=check_of(claimed)) == claimed
 
 
-def with_check(data: bytes, check: Check) -> bytes:
+def with_check(data: bytes | memoryview, check: Check) -> bytes:
     """`data` (a payload that verifies) with its digest field recomputed as `check`:
     the same bytes otherwise. A payload that fails its check raises `CorruptDataError`."""
     if not verify(data):
         raise CorruptDataError("payload digest mismatch")
     if check_of(embedded_digest(data)) == check:
-        return data
+        return bytes(data)
     view = memoryview(data)
     field = payload_check(view[:DIGEST_AT], view[LEAD.size :], check=check)
     return b"".join([view[:DIGEST_AT], field, view[LEAD.size :]])
 
 
-def decode(data: bytes, expected: bytes | None = None) -> Decoded:
+def decode(data: bytes | memoryview, expected: bytes | None = None) -> Decoded:
     """The arrays of a payload, after checking its digest; `CorruptDataError` otherwise.
 
     Uncompressed arrays are zero-copy read-only views of `data`.
