@@ -244,15 +244,19 @@ def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes | memoryview) 
 @dataclass(frozen=True, slots=True)
 class FoundEnd:
     """An end record a lookup found: its header, and its payload as the record's bytes
-    (written) or as the arrays a store queued for the background writer (`held`)."""
+    (written) or as the arrays a store queued for the background writer (`held`); and
+    the written record's arrays where a lease holds them decoded (`leased`)."""
 
     header: EndHeader
     raw: bytes | memoryview | None = None
     held: EndInput | None = None
+    leased: EndPayload | None = None
 
     def payload(self, spec: ModelSpec) -> EndPayload:
         """Its arrays: the record's decoded after checking its digest (a failure raises
-        `CorruptDataError`), or the queued store's own."""
+        `CorruptDataError`), the leased ones, or the queued store's own."""
+        if self.leased is not None:
+            return self.leased
         if self.held is not None:
             return held_payload(self.held)
         assert self.raw is not None
@@ -264,6 +268,10 @@ class EndRecords(Protocol):
     the stored one under the same key where it holds more)."""
 
     def end_records(self, keys: Sequence[bytes]) -> list[FoundEnd | None]: ...
+
+    def keep_end(self, found: FoundEnd, payload: EndPayload) -> None:
+        """Keep a written record's arrays, decoded, for the next restore of it."""
+
 
 def candidate_keys(parent: bytes, tail: np.ndarray) -> list[bytes]:
     """The `ends` keys under `parent` of the prompts ending with each prefix of `tail`
@@ -495,4 +503,6 @@ def plan_end(
             e,
         )
         return None
+    if found.raw is not None and found.leased is None:
+        view.keep_end(found, payload)
     return EndPlan(header, payload, header.parent_blocks(block_size), found.held is not None)

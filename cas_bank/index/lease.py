@@ -17,7 +17,10 @@ Entries are chains: block i of an entry is the block named `hashes[i]`, and a ch
 hash names its whole prefix, so an entry that holds block k of a prompt holds blocks
 0..k as well. A restore probes once: the deepest of its matched blocks that some
 entry holds. A hybrid model's recurrent state at a boundary is leased the same way,
-by the chain hash of the block that ends there (`put_state`, `state`). Bounded by
+by the chain hash of the block that ends there (`put_state`, `state`), and an end
+record's decoded arrays by its key and payload digest (`put_end`, `end`): a restore
+of the same end again reads, checks and copies none of its payload (a hybrid model's
+record holds its recurrent state, ~5 MB for the medium one at 1k tokens). Bounded by
 bytes (the buffers held, chains and states together), least recently used first out:
 the bank's leases share one budget with its hot tier (`blocks.hot.MemoryBudget`,
 `BankConfig.hot_bytes`), so the two together stay within it.
@@ -44,9 +47,11 @@ from operator import attrgetter
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hot import MemoryBudget
+from cas_bank.index.ends import EndPayload
 
 _NBYTES = attrgetter("nbytes")  # an array's bytes, read by a C-level map
 
@@ -58,6 +63,7 @@ class _Entry:
     nbytes: int
     tick: int = 0  # the budget's clock at its last use (`blocks.hot.MemoryBudget`)
     live: Live | None = None  # a live lease's cache (`put_live`)
+    end: tuple[bytes, EndPayload] | None = None  # an end record's: (payload digest, arrays)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,11 @@ class Live:
 def _live_key(end_key: bytes) -> bytes:
     """A live lease's entry key: never a chain's nor a state's."""
     return b"l" + bytes(end_key)
+
+
+def _end_entry_key(end_key: bytes) -> bytes:
+    """An end record's entry key: never a chain's, a state's nor a live lease's."""
+    return b"e" + bytes(end_key)
 
 
 def _buffers(entry: _Entry) -> set[int]:
@@ -221,6 +232,47 @@ class Leases:
         out = [a.reshape(a.shape) for a in entry.arrays]
         mx.eval(out)
         return out
+
+    def put_end(self, end_key: bytes, digest: bytes, payload: EndPayload) -> None:
+        """Keep the decoded arrays of the end record `end_key` whose payload has digest
+        `digest` (checked when it was decoded). Its tail is copied out of the record's
+        bytes (a view would hold the whole record, state and all)."""
+        if self.max_bytes <= 0:
+            return
+        tail = [np.array(t) for t in payload.tail]
+        for t in tail:
+            t.flags.writeable = False
+        state = [a.reshape(a.shape) for a in payload.state] if payload.state is not None else None
+        again = [
+            a.reshape(a.shape) if a is not None else None for a in (payload.logits, payload.hidden)
+        ]
+        arrays = [*(state or ()), *(a for a in again if a is not None)]
+        mx.eval(arrays)
+        nbytes = sum(map(_NBYTES, arrays)) + sum(t.nbytes for t in tail)
+        if not self.budget.fits(nbytes):
+            return
+        kept = EndPayload(tail, list(payload.tail_dtypes), state, *again)
+        entry = _Entry([], HeldArrays(arrays), nbytes, end=(bytes(digest), kept))
+        with self._lock:
+            self._insert(_end_entry_key(end_key), entry)
+        self.budget.balance()
+
+    def end(self, end_key: bytes, digest: bytes) -> EndPayload | None:
+        """The decoded arrays of the end record `end_key` if they are leased for a
+        payload of digest `digest` (a record rewritten since has another digest): the
+        MLX arrays as new objects on the leased buffers, the tail as read-only numpy
+        arrays. None if not."""
+        key = _end_entry_key(end_key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.end is None or entry.end[0] != digest:
+                return None
+            self._use(key)
+        kept = entry.end[1]
+        state = [_view(a) for a in kept.state] if kept.state is not None else None
+        again = [_view(a) if a is not None else None for a in (kept.logits, kept.hidden)]
+        mx.eval([*(state or ()), *(a for a in again if a is not None)])
+        return EndPayload(kept.tail, kept.tail_dtypes, state, *again)
 
     def put_live(
         self,

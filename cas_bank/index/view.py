@@ -36,6 +36,7 @@ chain reaches at least as deep as its deepest queued header.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
@@ -50,6 +51,7 @@ from cas_bank.index.children import KIND_BLOCK, child_key, end_entry
 from cas_bank.index.ends import (
     EndHeader,
     EndInput,
+    EndPayload,
     FoundEnd,
     end_place,
     stored_record,
@@ -215,10 +217,21 @@ class ReadView:
             stored = _stored_end(key, value)
             queued = self._ends.get(bytes(key))
             if queued is None or (stored is not None and _holds_more(stored, queued)):
-                out.append(stored)
+                out.append(self._leased(key, stored))
             else:
                 out.append(FoundEnd(queued.header, None, queued.end))
         return out
+
+    def _leased(self, key: bytes, stored: FoundEnd | None) -> FoundEnd | None:
+        """`stored` with its arrays where a lease holds them for its payload digest."""
+        if stored is None or self.leases is None:
+            return stored
+        leased = self.leases.end(key, stored.header.payload_digest)
+        return stored if leased is None else replace(stored, leased=leased)
+
+    def keep_end(self, found: FoundEnd, payload: EndPayload) -> None:
+        if self.leases is not None:
+            self.leases.put_end(found.header.key(), found.header.payload_digest, payload)
 
     def held_blocks(self, hashes: Sequence[bytes]) -> tuple[int, HeldArrays]:
         """(k, arrays): the arrays in memory (a queued chain's, or a lease's) of the
