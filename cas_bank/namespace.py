@@ -1,109 +1,39 @@
 """`Namespace`: one model's view of a bank: store, match, restore.
 
-A store's steps are in `cas_bank.write.storing` and a restore's in `cas_bank.restore.restoring`
-(`Namespace.store` and `Namespace.restore` call them); background stores, end
-records and lookups are here.
+A store's steps are in `cas_bank.write.storing`, a queued store's and its end record's
+(`store_later`, `store_turn_later`, `prepare_end_later`) in `cas_bank.write.queued_turn`
+and a restore's in `cas_bank.restore.restoring`: the methods here call them. Inline end
+records, the leases of what was stored and lookups are here.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
 from cas_bank.blocks.store import Family
-from cas_bank.errors import BankFullError, CorruptDataError
+from cas_bank.errors import CorruptDataError
 from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
 from cas_bank.index.chain import Header, longest_chain, plan_boundaries, read_headers, stored_prefix
 from cas_bank.index.ends import EndInput, end_place, find_end, prepare_end
 from cas_bank.index.lease import Live
 from cas_bank.index.partial import find_partial
-from cas_bank.index.view import QueuedChain, QueuedEnd, ReadView, read_view
+from cas_bank.index.view import ReadView, read_view
 from cas_bank.restore import restoring
 from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
-from cas_bank.spec import LayerKind, ModelSpec, boundary_states, check_layers, kind_of
-from cas_bank.write import storing
+from cas_bank.spec import ModelSpec, kind_of
+from cas_bank.write import queued_turn, storing
 from cas_bank.write.end_records import write_end
+from cas_bank.write.queued_turn import EndOf as EndOf  # re-exported: its old home
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
 from cas_bank.write.writer import PendingStore
 
-log = logging.getLogger("cas_bank")
-
 if TYPE_CHECKING:
     from cas_bank.owner import Owner
-
-
-T = TypeVar("T")
-_NOTHING_STORED = StoreReport(0, 0, 0, 0, 0, 0, 0, chain=[])
-
-
-@dataclass(frozen=True, slots=True)
-class EndOf:
-    """The end record a queued store keeps of its own tokens (`store_turn_later`): the
-    recurrent `state` at their end (per layer, None for attention layers; required for
-    a hybrid model), the last token's `logits` and a `hidden` state, where known.
-    `state_copied`: the state is the caller's own snapshot, taken for this record (new
-    objects nothing writes into: `cache_io.snapshot_states`), not copied."""
-
-    state: Sequence[Any] | None = None
-    logits: Any = None
-    hidden: Any = None
-    state_copied: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Turn:
-    """A queued store as `store_turn_later` prepared it: the checked input, its
-    attention arrays flat, and the records the read view shows until written."""
-
-    offer: storing.Offer
-    flat: list[mx.array]
-    queued_chain: QueuedChain | None
-    queued_end: QueuedEnd | None
-    # What its leases replaced, freed by the writer once it has written the turn.
-    released: list[object] = field(default_factory=list)
-
-
-def _own(a: mx.array) -> mx.array:
-    """A new object over the same array (no copy, no MLX op): an in-place update rebinds
-    the object it is applied to, so a snapshot never holds the caller's objects."""
-    return a.reshape(a.shape)
-
-
-def _own_layers(
-    block_kinds: Sequence[tuple[int, LayerKind]], layers: Sequence[Any]
-) -> list[list[mx.array]]:
-    """`check_layers` of layers checked already (each attention layer's arrays, flat),
-    as new objects (`_own`). `block_kinds`: `Namespace.block_kinds`."""
-    return [[_own(a) for a in kind.flat(layers[i])] for i, kind in block_kinds]
-
-
-def _bytes_written(report: StoreReport) -> int:
-    return report.bytes_written
-
-
-def _nbytes(nbytes: int) -> int:
-    return nbytes
-
-
-def _skipping_full(store: Callable[[], T], skip: bool, nothing: T) -> Callable[[], T]:
-    """`store`, or (`skip`) `store` that logs a full disk and returns `nothing`."""
-    if not skip:
-        return store
-
-    def skipping() -> T:
-        try:
-            return store()
-        except BankFullError as e:
-            log.warning("cas_bank: not stored: %s", e)
-            return nothing
-
-    return skipping
 
 
 class Namespace:
@@ -208,202 +138,15 @@ class Namespace:
         `checked`: `layers` are a cache this namespace's model has just written, and the
         caller checked it (`PrefixCache.prefill` checks its cache before the forward
         pass): its arrays are not checked against the spec again (~2 us an array)."""
-        writer = self.bank.writer
-        if writer is None:
-            return self._store_turn_now(tokens, layers, states, end, skip_when_full)
-        if self.bank.read_only:
-            raise RuntimeError(f"bank at {self.bank.path} is open read-only: it cannot store")
-        if writer.closed:  # as `store` says it: nobody would write this one
-            raise RuntimeError(f"bank at {self.bank.path} is closed")
-        turn = self._turn(tokens, layers, states, end, checked)
-        live = self._lease_turn(turn, layers)
-        try:
-            pending = writer.submit(
-                self._chain_job(turn, skip_when_full), _bytes_written, turn.queued_chain
-            )
-        except BaseException:  # not queued (closed since, or interrupted): never written
-            self._unlease_turn(turn, live, chain=True)
-            raise
-        if turn.queued_end is None:
-            return pending, None
-        try:
-            job = self._end_job(
-                turn.offer.hashes, turn.queued_end, skip_when_full, turn.released, live
-            )
-            end_pending = writer.submit(job, _nbytes, turn.queued_end)
-        except BaseException:
-            self._unlease_turn(turn, live, chain=False)
-            raise
-        return pending, end_pending
-
-    def _turn(
-        self,
-        tokens: Any,
-        layers: Sequence[Any],
-        states: Mapping[int, Sequence[Any]] | None,
-        end: EndOf | None,
-        checked: bool = False,
-    ) -> _Turn:
-        """A queued store's input checked and hashed once, its arrays snapshotted
-        without a copy (new objects over the whole buffers: the cache's next update
-        copies its buffer instead of writing into them; `index.lease`) and evaluated,
-        its end record prepared from the same snapshot (`prepare_end`: its state copied
-        unless `end.state_copied`, its tail copied only when asked for), with the records
-        the read view shows until written."""
-        # Our own copy: the writer reads the tokens later (its headers', under the chain
-        # hashes made here from them), and the caller's array (or the MLX array numpy
-        # views) may be written meanwhile.
-        toks = as_token_array(tokens).copy()
-        n = len(toks)
-        if checked:
-            snapshot = _own_layers(self.block_kinds, layers)
-        else:
-            snapshot = [[_own(a) for a in layer] for layer in check_layers(self.spec, layers, n)]
-        hashes = self.chain(toks)
-        flat = [a for layer in snapshot for a in layer]
-        kept = {  # new objects: the caller's are not ours
-            b: [_own(a) for a in st]
-            for b, st in boundary_states(self.spec, states, n, self.block_size).items()
-        }
-        mx.eval(flat, list(kept.values()))
-        offer = storing.Offer(toks, snapshot, kept, hashes)
-        # In the read view until written (`index.view`), unless admission will write none.
-        admitted = len(hashes) * self.block_size >= self.bank.config.admit_min_tokens
-        chain = None
-        if admitted:
-            chain = QueuedChain(self.root, hashes, toks, self.block_size, flat, kept)
-        if end is None:
-            return _Turn(offer, flat, chain, None)
-        record = prepare_end(
-            self.spec,
-            self.block_size,
-            toks,
+        return queued_turn.store_turn_later(
+            self,
+            tokens,
             layers,
-            end.state,
-            end.logits,
-            end.hidden,
-            copy=True,
-            checked=snapshot,
-            state_copied=end.state_copied,
+            states,
+            end=end,
+            skip_when_full=skip_when_full,
+            checked=checked,
         )
-        return _Turn(offer, flat, chain, QueuedEnd(self.root, hashes, record, self.block_size))
-
-    def _lease_turn(self, turn: _Turn, layers: Sequence[Any]) -> Live | None:
-        """Lease a queued turn: the caller's cache as the live lease of its end record
-        (which is also the lease of its blocks), else its blocks; its states. The live
-        lease kept, if one was."""
-        leases = self.bank.leases
-        if leases is None:
-            return None
-        offer, end = turn.offer, turn.queued_end
-        live = None
-        if end is not None:
-            live = self._lease_live(offer.hashes, end.end, layers, end.key, turn.released)
-        if live is None:
-            leases.put(offer.hashes, turn.flat)
-        leases.put_states(offer.hashes, offer.states)
-        return live
-
-    def _unlease_turn(self, turn: _Turn, live: Live | None, *, chain: bool) -> None:
-        """Undo `_lease_turn` of a turn not queued (`chain`: nor its blocks)."""
-        leases = self.bank.leases
-        if leases is None:
-            return
-        if chain:
-            leases.forget(turn.offer.hashes)
-        if live is not None and turn.queued_end is not None:
-            leases.drop_live(turn.queued_end.key, live)
-
-    def _chain_job(self, turn: _Turn, skip_when_full: bool) -> Callable[[], StoreReport]:
-        """What the writer does for a queued turn's blocks: they are stored, and only what
-        the bank then holds stays leased."""
-        offer = turn.offer
-        store = _skipping_full(
-            lambda: storing.store_offer(self, offer), skip_when_full, _NOTHING_STORED
-        )
-        if self.bank.leases is None:
-            return store
-        return self._unleasing_unstored(store, offer.hashes, turn.flat)
-
-    def _end_job(
-        self,
-        hashes: list[BlockHash],
-        queued: QueuedEnd,
-        skip_when_full: bool,
-        released: list[object],
-        live: Live | None,
-    ) -> Callable[[], int]:
-        """What the writer does for a queued end record (`hashes`: of its tokens). The
-        job holds `released` (the leases its live lease replaced) and frees them on the
-        writer's thread, not the caller's. A record not written (it failed, or a full
-        disk skipped it) takes its `live` lease with it: no restore would find it."""
-        leases = self.bank.leases
-
-        def write() -> int:
-            try:
-                return write_end(self.bank, self.spec, self.root, hashes, queued.end, place)
-            except BaseException:
-                if live is not None and leases is not None:
-                    leases.drop_live(queued.key, live)
-                raise
-            finally:
-                released.clear()  # freed here, on the writer's thread
-
-        header = queued.header
-        place = (header.parent, header.tail, queued.key)
-        return _skipping_full(write, skip_when_full, 0)
-
-    def _store_turn_now(
-        self,
-        tokens: Any,
-        layers: Sequence[Any],
-        states: Mapping[int, Sequence[Any]] | None,
-        end: EndOf | None,
-        skip_when_full: bool,
-    ) -> tuple[PendingStore[StoreReport], PendingStore[int] | None]:
-        """`store_turn_later` with no background writer: stored now, on this thread."""
-        pending = self._store_now(tokens, layers, states, skip_when_full)
-        if end is None:
-            return pending, None
-        args = (end.state, end.logits, end.hidden, skip_when_full)
-        return pending, self._end_now(tokens, layers, *args)
-
-    def _store_now(
-        self,
-        tokens: Any,
-        layers: Sequence[Any],
-        states: Mapping[int, Sequence[Any]] | None,
-        skip_when_full: bool,
-    ) -> PendingStore[StoreReport]:
-        """`store_later` with no background writer: stored now, on this thread."""
-        done: PendingStore[StoreReport] = PendingStore()
-        store = _skipping_full(
-            lambda: self.store(tokens, layers, states), skip_when_full, _NOTHING_STORED
-        )
-        done._set(store(), None)
-        return done
-
-    def _unleasing_unstored(
-        self, store: Callable[[], StoreReport], hashes: list[BlockHash], flat: list[mx.array]
-    ) -> Callable[[], StoreReport]:
-        """`store`, which (failed or skipped) then keeps leased only what the bank holds."""
-
-        def write() -> StoreReport:
-            # A store that failed or was skipped leases nothing the bank does not hold.
-            try:
-                report = store()
-            except BaseException:
-                self._unlease_unstored(hashes, flat)
-                raise
-            if report is _NOTHING_STORED:
-                self._unlease_unstored(hashes, flat)
-            return report
-
-        return write
-
-    def _unlease_unstored(self, hashes: list[BlockHash], flat: list[mx.array]) -> None:
-        """Keep leased only the leading blocks of `hashes` the bank holds (no states)."""
-        self._lease_stored(hashes, stored_prefix(self.bank.store, hashes), flat, {})
 
     def store_end(
         self,
@@ -465,58 +208,16 @@ class Namespace:
         blocks; if queueing raises, not in it) or, with no writer, writes it. (A store
         of a prompt's blocks and its end record together: `store_turn_later`.)
         `state_copied`: `state` is the caller's own snapshot, taken for this record."""
-        writer = self.bank.writer
-        if writer is None or self.bank.read_only:
-            return lambda: self._end_now(tokens, layers, state, logits, hidden, skip_when_full)
-        if writer.closed:
-            raise RuntimeError(f"bank at {self.bank.path} is closed")
-        end = prepare_end(
-            self.spec,
-            self.block_size,
+        return queued_turn.prepare_end_later(
+            self,
             tokens,
             layers,
             state,
-            logits,
-            hidden,
-            copy=True,
+            logits=logits,
+            hidden=hidden,
+            skip_when_full=skip_when_full,
             state_copied=state_copied,
         )
-        hashes = self.chain(end.tokens)
-        # In the read view from the moment it is queued (`index.view`).
-        queued = QueuedEnd(self.root, hashes, end, self.block_size)
-
-        def submit() -> PendingStore[int]:
-            # Leased first: nothing of this thread runs beside the writer once queued.
-            released: list[object] = []
-            live = self._lease_live(hashes, end, layers, queued.key, released)
-            job = self._end_job(hashes, queued, skip_when_full, released, live)
-            try:
-                return writer.submit(job, _nbytes, queued)
-            except BaseException:  # not queued: nor leased
-                if live is not None and self.bank.leases is not None:
-                    self.bank.leases.drop_live(queued.key, live)
-                raise
-
-        return submit
-
-    def _end_now(
-        self,
-        tokens: Any,
-        layers: Sequence[Any],
-        state: Sequence[Any] | None,
-        logits: Any,
-        hidden: Any,
-        skip_when_full: bool,
-    ) -> PendingStore[int]:
-        """`store_end` now, on this thread (no background writer), as a `PendingStore`."""
-        done: PendingStore[int] = PendingStore()
-        store = _skipping_full(
-            lambda: self.store_end(tokens, layers, state, logits=logits, hidden=hidden),
-            skip_when_full,
-            0,
-        )
-        done._set(store(), None)
-        return done
 
     def _lease_live(
         self,

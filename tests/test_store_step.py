@@ -18,6 +18,7 @@ from runtime_helpers import random_tokens, temp_bank, tiny
 import cas_bank.index.view
 import cas_bank.namespace
 import cas_bank.write.end_records
+import cas_bank.write.queued_turn
 import cas_bank.write.storing
 from cas_bank.namespace import Namespace
 
@@ -39,7 +40,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     monkeypatch.setattr(Namespace, "chain", counting("hash", Namespace.chain))
     for module in (prefix_cache, cache_io):
         monkeypatch.setattr(module, "check_cache", counting("check", cache_io.check_cache))
-    for module in (cas_bank.namespace, cas_bank.write.storing):
+    for module in (cas_bank.write.queued_turn, cas_bank.write.storing):
         monkeypatch.setattr(module, "check_layers", counting("check", module.check_layers))
     for module in (cas_bank.index.view, cas_bank.namespace, cas_bank.write.end_records):
         monkeypatch.setattr(module, "end_place", counting("place", module.end_place))
