@@ -76,7 +76,6 @@ Thread safety: one PrefixCache per runtime thread; the bank itself may be shared
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -87,21 +86,14 @@ import numpy as np
 
 from cas_bank.bank import Bank
 from cas_bank.blocks.hashing import as_token_array, max_token
-from cas_bank.errors import BankFullError, InvalidInputError
-from cas_bank.namespace import EndOf, Namespace
+from cas_bank.errors import InvalidInputError
+from cas_bank.namespace import Namespace
 from cas_bank.spec import ModelSpec
 from cas_bank.write.storing import StoreReport
 from cas_bank.write.writer import PendingStore
 
-from .cache_io import (
-    cache_layers,
-    check_cache,
-    fill_cache,
-    new_cache,
-    snapshot_states,
-    tag_cache,
-    vouch_for,
-)
+from . import cache_stores
+from .cache_io import check_cache, fill_cache, new_cache, tag_cache, vouch_for
 from .model_spec import probe_model, unwrap
 from .models import LoadedModel
 from .prefill import (
@@ -114,8 +106,6 @@ from .prefill import (
     resume_point,
 )
 from .state_recorder import StateRecorder
-
-log = logging.getLogger("cas_bank")
 
 
 class PrefixCache:
@@ -377,7 +367,11 @@ class PrefixCache:
             end = resume_point(self.spec, self.block_size, cache, pos, states)
         t1 = time.perf_counter()
         storing = store and not self.bank.read_only
-        report = self._store_prefill(toks, cache, states, kept, end, hidden) if storing else None
+        report = (
+            cache_stores.store_prefill(self, toks, cache, states, kept, end, hidden)
+            if storing
+            else None
+        )
         self.last_prefill = PrefillReport(
             start=start,
             tokens=len(toks),
@@ -410,47 +404,6 @@ class PrefixCache:
         else:
             vouch_for(self.spec, cache, this_model)
         return at
-
-    def _store_prefill(
-        self,
-        toks: np.ndarray,
-        cache: list[Any],
-        states: dict[int, list[Any]],
-        last: mx.array | None,
-        end: bool,
-        hidden: mx.array | None = None,
-    ) -> StoreReport | None:
-        """Store what a prefill computed: queued for the background writer, or inline
-        (then its report); with `end`, the end record (with the logits `last` and the
-        `hidden` state) too."""
-        if self.background:
-            # `toks` and `cache` were checked when the prefill began, and the cache holds
-            # exactly `toks` (this model's pass wrote it): the blocks and the end record
-            # are prepared once, and queued last (the writer then works while this thread
-            # goes on to the first token).
-            layers = cache_layers(self.spec, cache, len(toks))
-            ends = self._end_of(cache, last, hidden) if end else None
-            self.last_pending, queued_end = self.namespace.store_turn_later(
-                toks,
-                layers,
-                states,
-                end=ends,
-                skip_when_full=self.skip_store_when_full,
-                checked=True,
-            )
-            if queued_end is not None:
-                self.last_end_pending = queued_end
-            return None
-        report = None
-        try:
-            report = self._store_inline(toks, cache, states)
-            if end:
-                self.store_end(toks, cache, logits=last, hidden=hidden)
-        except BankFullError as e:
-            if not self.skip_store_when_full:
-                raise
-            log.warning("cas_bank: prefill not stored: %s", e)
-        return report
 
     # -- store ---------------------------------------------------------------------
     def recorder(self, cache: Sequence[Any]) -> StateRecorder:
@@ -492,90 +445,9 @@ class PrefixCache:
         `PendingStore`: `.result()` is the `StoreReport` (it waits for the write), and
         the report's fields read through it (`pc.store(...).blocks_written`).
         """
-        keep = self.keep_end if end is None else end
-        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
-        if self.background:
-            # The end record is checked and snapshotted before anything is queued (as a
-            # prefill's): bad input queues nothing, and the writer works meanwhile.
-            ends = (
-                self._end_of(cache, logits)
-                if keep and self._keeps_end(toks, cache, logits)
-                else None
-            )
-            pending, queued_end = self.namespace.store_turn_later(
-                toks, layers, by_boundary, end=ends, skip_when_full=self.skip_store_when_full
-            )
-            if queued_end is not None:
-                self.last_end_pending = queued_end
-            return pending
-        record = self._end_for_store(toks, cache, logits) if keep else None
-        done: PendingStore[StoreReport] = PendingStore()
-        done._set(self.namespace.store(toks, layers, by_boundary), None)
-        if record is not None:
-            end_toks, end_layers, state = record
-            end_done: PendingStore[int] = PendingStore()
-            end_done._set(
-                self.namespace.store_end(end_toks, end_layers, state, logits=logits), None
-            )
-            self.last_end_pending = end_done
-        return done
-
-    def _keeps_end(self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None) -> bool:
-        """Whether `store` keeps an end record of `toks` from `cache` (both checked by
-        `_store_input`): not where there is none worth keeping, a hybrid cache past
-        `toks` (its state is not theirs), or an attention-only one ending on a block
-        boundary without logits (it would hold nothing the blocks do not)."""
-        n = len(toks)
-        if n == 0:
-            return False
-        if self.spec.is_hybrid:
-            return self._offset(cache, n) == n
-        return n % self.block_size != 0 or logits is not None
-
-    def _end_for_store(
-        self, toks: np.ndarray, cache: Sequence[Any], logits: mx.array | None
-    ) -> tuple[np.ndarray, list[Any], list[Any] | None] | None:
-        """The end record `store` keeps of `toks` from `cache` (`_keeps_end`), or None."""
-        if not self._keeps_end(toks, cache, logits):
-            return None
-        return self._end_input(toks, cache, True, longer=not self.spec.is_hybrid)
-
-    def _end_of(
-        self, cache: Sequence[Any], logits: mx.array | None, hidden: mx.array | None = None
-    ) -> EndOf:
-        """The end record of a checked `cache` at exactly its tokens, as a queued store
-        keeps it: a hybrid model's recurrent states snapshotted now (`snapshot_states`:
-        taken for this record, not copied again), the last `logits`."""
-        state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
-        return EndOf(state, logits, hidden, state_copied=True)
-
-    def _store_inline(
-        self,
-        tokens: Any,
-        cache: Sequence[Any],
-        states: Mapping[int, Sequence[Any]] | StateRecorder | None = None,
-        *,
-        this_model: bool = False,
-    ) -> StoreReport:
-        """`store`, written on this thread now."""
-        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
-        return self.namespace.store(toks, layers, by_boundary)
-
-    def _store_input(
-        self,
-        tokens: Any,
-        cache: Sequence[Any],
-        states: Mapping[int, Sequence[Any]] | StateRecorder | None,
-        this_model: bool,
-    ) -> tuple[np.ndarray, list[Any], Mapping[int, Sequence[Any]] | None]:
-        """A store's tokens, the cache's layers holding them and the states by boundary,
-        checked: the cache must come from this PrefixCache (or `this_model=True`)."""
-        toks = self.tokens(tokens)
-        check_cache(self.spec, cache, self._offset(cache, len(toks)))
-        vouch_for(self.spec, cache, this_model)
-        if isinstance(states, StateRecorder):
-            states = states.states_for(len(toks))
-        return toks, cache_layers(self.spec, cache, len(toks)), states
+        return cache_stores.store(
+            self, tokens, cache, states, end=end, logits=logits, this_model=this_model
+        )
 
     def store_end(
         self,
@@ -593,54 +465,8 @@ class PrefixCache:
         Through the background writer when this PrefixCache stores in the background.
         Returns the bytes written now (0: nothing new, or queued).
         """
-        if self.background:
-            self.last_end_pending = self._end_later(
-                tokens, cache, logits, hidden=hidden, this_model=this_model
-            )()
-            return 0
-        toks, layers, state = self._end_input(tokens, cache, this_model)
-        return self.namespace.store_end(toks, layers, state, logits=logits, hidden=hidden)
-
-    def _end_input(
-        self, tokens: Any, cache: Sequence[Any], this_model: bool, *, longer: bool = False
-    ) -> tuple[np.ndarray, list[Any], list[Any] | None]:
-        """An end record's tokens, layers and state from `cache`, checked. `longer`: an
-        attention-only cache may hold more than the tokens (their KV is its first
-        rows); else it must hold exactly them."""
-        toks = self.tokens(tokens)
-        n = len(toks)
-        if n == 0:
-            raise InvalidInputError("an end record needs at least one token")
-        offset = self._offset(cache, n)
-        if offset != n and not (longer and offset > n):
-            raise InvalidInputError(
-                f"an end record needs a cache of exactly its {n} tokens; this one holds {offset}"
-            )
-        check_cache(self.spec, cache, offset)
-        vouch_for(self.spec, cache, this_model)
-        layers = cache_layers(self.spec, cache, n)
-        state = snapshot_states(self.spec, cache) if self.spec.is_hybrid else None
-        return toks, layers, state
-
-    def _end_later(
-        self,
-        tokens: Any,
-        cache: Sequence[Any],
-        logits: mx.array | None,
-        *,
-        hidden: mx.array | None = None,
-        this_model: bool = False,
-    ) -> Callable[[], PendingStore[int]]:
-        """The end record checked and snapshotted now; the function returned queues it."""
-        toks, layers, state = self._end_input(tokens, cache, this_model)
-        return self.namespace.prepare_end_later(
-            toks,
-            layers,
-            state,
-            logits=logits,
-            hidden=hidden,
-            skip_when_full=self.skip_store_when_full,
-            state_copied=state is not None,  # `snapshot_states` took it for this record
+        return cache_stores.store_end(
+            self, tokens, cache, logits=logits, hidden=hidden, this_model=this_model
         )
 
     def store_later(
@@ -654,20 +480,7 @@ class PrefixCache:
         """`store` through the bank's background writer (`Namespace.store_later`); the
         same checks (the cache must come from this PrefixCache, or `this_model=True`),
         and `skip_store_when_full` holds for the write."""
-        toks, layers, by_boundary = self._store_input(tokens, cache, states, this_model)
-        return self.namespace.store_later(
-            toks, layers, by_boundary, skip_when_full=self.skip_store_when_full
-        )
-
-    def _offset(self, cache: Any, default: int) -> int:
-        """Tokens the cache's attention layers hold (they must agree)."""
-        if not isinstance(cache, (list, tuple)) or len(cache) != len(self.spec.layers):
-            check_cache(self.spec, cache, 0)  # raises, naming what is wrong
-        offsets = {getattr(cache[i], "offset", None) for i in self.spec.attention_layers}
-        if len(offsets) > 1:
-            raise InvalidInputError(f"the cache's attention layers disagree on length: {offsets}")
-        offset = offsets.pop() if offsets else default
-        return offset if isinstance(offset, int) else default
+        return cache_stores.store_later(self, tokens, cache, states, this_model=this_model)
 
     def __repr__(self) -> str:
         return (
