@@ -70,6 +70,9 @@ Spares: the bank keeps spare restore destinations (`cas_bank.restore.spares`, in
 its forward pass, so that refill never runs beside the pass that the time to first
 token waits for (at most `Spares.hold_s`, for a caller that prefills elsewhere).
 
+Where the code is: the restores and the prefill here (a prefill's chunks and passes:
+`runtime.prefill`), the stores in `runtime.cache_stores`.
+
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
 
