@@ -34,6 +34,7 @@ slow way or stops the restore there.
 from __future__ import annotations
 
 import array
+import ctypes
 import functools
 import math
 import os
@@ -41,7 +42,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from cas_bank.arrays import DType
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import PAYLOAD_CONTEXT, check_of, payload_check
 from cas_bank.native import fill_module
+from cas_bank.restore import row_runs as runs_of
 from cas_bank.restore.row_runs import RowRuns, placed, row_runs
 from cas_bank.restore.workers import Workers
 
@@ -75,6 +77,9 @@ _FAILURES = {
 _LEAD_SIZE = codec.LEAD.size
 _DIGEST_AT = codec.DIGEST_AT
 _KEY_LEN = 32  # a block's key (its chain hash)
+# Bytes copied in from memory (`BlockFiles.copy_in`) from which the native partner
+# thread copies half: below, waking it costs more than it saves.
+_TWO_THREADS_FROM = 4 << 20
 
 
 def _buffer(scratch: threading.local | None, size: int) -> bytearray:
@@ -256,6 +261,41 @@ class BlockFiles:
                 rows = shape[-2]
                 np.copyto(dest[..., index * rows : (index + 1) * rows, :], src)
         return None
+
+    @property
+    def copies_in(self) -> bool:
+        """Whether payloads held in memory can be copied in by `copy_in` (the native
+        copy and these destinations' runs)."""
+        return self._segments is not None and runs_of.available()
+
+    def holds(self, payload: bytes, expected: bytes) -> bool:
+        """Whether `payload` (a record's bytes) is a plain payload of this layout whose
+        digest field is `expected` and whose check confirms it: what the native reader
+        checks of a file (its head, then the check over the rest), and all `copy_in`
+        needs. Anything else (compressed, another layout, damaged) is False: the caller
+        decodes it, and the codec says what is wrong with it."""
+        if len(payload) != self._file_len or not payload.startswith(self._head(expected)):
+            return False
+        view = memoryview(payload)
+        check = payload_check(view[:_DIGEST_AT], view[_LEAD_SIZE:], check=check_of(expected))
+        return check == expected
+
+    def copy_in(self, payloads: Sequence[tuple[int, bytes]]) -> None:
+        """Copy each (block index, payload) into that block's rows, in one native call
+        (`copies_in` only); every payload `holds` here. A block's rows are the same a
+        read of its file would fill."""
+        if not payloads:
+            return
+        assert self._segments is not None
+        # A bytes object's buffer, as ctypes passes one to C (no copy; held by `payloads`).
+        at = [(i, ctypes.cast(cast(Any, p), ctypes.c_void_p).value or 0) for i, p in payloads]
+        body = len(payloads) * self.body_len
+        runs_of.copy_payloads(
+            self._segments,
+            _LEAD_SIZE + len(self.desc),
+            at,
+            two_threads=body >= _TWO_THREADS_FROM,
+        )
 
     def read_all(self, items: Sequence[Job], workers: Workers | None = None) -> list[str | None]:
         """`read` of every (index, path, size, digest), on both cores; results in order

@@ -290,17 +290,17 @@ class PayloadReader:
     ) -> tuple[int, int]:
         """`assemble` one payload at a time through the store (and the hot tier).
 
-        Payloads too small to read ahead are read in one multi-get (`_fetch_all`).
+        Payloads too small to read ahead are read by multi-gets (`_assemble_small`).
         Otherwise, from the first payload read from the store on, if enough bytes
         remain, the rest are read and verified on a background thread one block ahead
         (`ReadAhead`) while this one copies.
         """
+        if not worth_reading_ahead([h.payload_size for h in headers[first:]]):
+            return self._assemble_small(headers, assembler, first)
         items = [(h.chain_hash, h.payload_digest) for h in headers]
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
         results: Iterator[_Fetched] | None = None
-        if not worth_reading_ahead([h.payload_size for h in headers[first:]]):
-            results = self._fetch_all(Family.BLOCKS, items[first:])
         i = first
         try:
             for i, (key, expected) in enumerate(items):
@@ -330,6 +330,71 @@ class PayloadReader:
             if ahead is not None:
                 ahead.close()
         return i, hot_hits
+
+    def _assemble_small(
+        self, headers: Sequence[Header], assembler: Assembler, first: int
+    ) -> tuple[int, int]:
+        """`_assemble_each` of payloads too small to read ahead: asked of the store
+        `_MULTI_GET` at a time (one read each cost a small model's reopened restore
+        ~45 us a block), up to the first missing or corrupt one.
+
+        Where the native copy fills the arrays (`BlockFiles.copies_in`), a payload that
+        is a plain one of the block layout is checked here as the native reader checks
+        a file (its head, then its check) and all that pass in a multi-get are copied
+        in by one native call; decoding each and copying it array by array was most of a
+        reopened tiny-hybrid restore's Python time (~30 us a block). They are not kept
+        decoded in the hot tier (its raw copy is checked again when a restore takes it).
+        The rest are decoded and put one at a time, as before.
+        """
+        direct = assembler.block_files() if assembler.direct else None
+        plain = direct if direct is not None and direct.copies_in else None
+        hot_hits = 0
+        for at in range(first, len(headers), _MULTI_GET):
+            chunk = headers[at : at + _MULTI_GET]
+            checked: list[tuple[int, bytes]] = []
+            try:
+                for j, (value, from_hot) in enumerate(self._read_some(Family.BLOCKS, chunk)):
+                    header = chunk[j]
+                    hot_hits += from_hot
+                    if (
+                        plain is not None
+                        and type(value) is bytes
+                        and plain.holds(value, header.payload_digest)
+                    ):
+                        checked.append((at + j, value))
+                        continue
+                    if not self._put_one(assembler, at + j, header, value, from_hot):
+                        return at + j, hot_hits
+            finally:  # the blocks checked before a failing one are good
+                if plain is not None:
+                    plain.copy_in(checked)
+        return len(headers), hot_hits
+
+    def _put_one(
+        self,
+        assembler: Assembler,
+        index: int,
+        header: Header,
+        value: codec.Decoded | bytes | CorruptDataError | None,
+        from_hot: bool,
+    ) -> bool:
+        """Block `index` put in from what `_read_some` gave for it (decoded and checked
+        here where it is bytes); False after counting why it cannot be."""
+        key = header.chain_hash
+        fetched: codec.Decoded | CorruptDataError | None
+        if isinstance(value, bytes):
+            fetched = self._decoded(Family.BLOCKS, key, header.payload_digest, value, from_hot)[0]
+        else:
+            fetched = value
+        block = self._verified(Family.BLOCKS, key, fetched)
+        if block is None:
+            return False
+        try:
+            assembler.put(index, block, later=from_hot)
+        except CorruptDataError as e:
+            self._corrupt(Family.BLOCKS, key, str(e))
+            return False
+        return True
 
     def _fetch(self, family: Family, key: bytes, expected: bytes) -> _Fetched:
         """A payload decoded and checked against `expected`, None if absent, or the
@@ -363,35 +428,25 @@ class PayloadReader:
             self.hot.keep_decoded(family, key, raw, expected, block)
         return block, from_hot
 
-    def _fetch_all(
-        self, family: Family, items: Sequence[tuple[bytes, bytes]]
-    ) -> Iterator[_Fetched]:
-        """`_fetch` of each (key, expected) in order, decoded as they are asked for, the
-        store's reads of those not hot made a multi-get of up to `_MULTI_GET` at a time
-        (one read each cost a small model's reopened restore ~45 us a block)."""
-        for at in range(0, len(items), _MULTI_GET):
-            yield from self._fetch_some(family, items[at : at + _MULTI_GET])
-
-    def _fetch_some(
-        self, family: Family, items: Sequence[tuple[bytes, bytes]]
-    ) -> Iterator[_Fetched]:
-        """`_fetch_all` of a few: one multi-get of those not hot. A multi-get RocksDB's
-        own checks refuse is read again one by one, so that only the damaged one fails."""
+    def _read_some(
+        self, family: Family, headers: Sequence[Header]
+    ) -> list[tuple[codec.Decoded | bytes | CorruptDataError | None, bool]]:
+        """The payloads of `headers`, in order, and whether each came from the hot tier:
+        decoded where the hot tier holds it decoded (checked when it got hot), else its
+        bytes, unchecked (None: absent). Those not hot are asked of the store in one
+        multi-get; one RocksDB's own checks refuse is read again one by one (decoded
+        then, or the error), so that only the damaged one fails."""
         hot = self.hot
-        cached = [hot.lookup(family, k, e) if hot is not None else None for k, e in items]
-        missing = [k for (k, _), c in zip(items, cached, strict=True) if c is None]
+        cached = [
+            hot.lookup(family, h.chain_hash, h.payload_digest) if hot is not None else None
+            for h in headers
+        ]
+        missing = [h.chain_hash for h, c in zip(headers, cached, strict=True) if c is None]
         try:
             read = iter(self.store.get_many(family, missing) if missing else ())
         except CorruptDataError:
-            yield from (self._fetch(family, k, e) for k, e in items)
-            return
-        for (key, expected), c in zip(items, cached, strict=True):
-            if isinstance(c, codec.Decoded):
-                yield c, True  # no digest check: verified when it got hot
-            elif c is not None:
-                yield self._decoded(family, key, expected, c, True)
-            else:
-                yield self._decoded(family, key, expected, next(read), False)
+            return [self._fetch(family, h.chain_hash, h.payload_digest) for h in headers]
+        return [(next(read), False) if c is None else (c, True) for c in cached]
 
     def _fetch_block(self, item: tuple[bytes, bytes]) -> _Fetched:
         return self._fetch(Family.BLOCKS, *item)

@@ -213,3 +213,25 @@ def _lead_offsets(view: View, rows: int) -> tuple[np.ndarray | None, int]:
     if strides[-1] != item or (rows > 1 and strides[-2] != row):
         return None, 0
     return lead_offsets(shape[:-2], strides[:-2]), rows * row
+
+
+# -- payloads in memory copied in ---------------------------------------------------
+def copy_payloads(
+    segments: bytes, body_at: int, blocks: Sequence[tuple[int, int]], *, two_threads: bool
+) -> None:
+    """Copy the bodies of plain payloads held in memory into their rows, one native call
+    for all: `blocks` are (block index, address of the payload's first byte), each body
+    starting `body_at` bytes in and laid out as the native reader reads a file's into
+    `segments` (`row_runs`' triples placed at the destinations: block i's k-th run goes
+    to address + i * step and takes the body's next `length` bytes). The caller holds
+    the payloads until this returns and has checked each of them."""
+    assert _copy_runs is not None  # only with the native helper (`available`)
+    seg = np.frombuffer(segments, dtype=np.int64).reshape(-1, 3)
+    lengths = seg[:, 1]
+    body_offsets = np.cumsum(lengths) - lengths + body_at
+    pairs = np.array(blocks, dtype=np.int64).reshape(-1, 2)
+    runs = np.empty((len(pairs), len(seg), 3), dtype=np.int64)
+    np.add(seg[:, 0], np.multiply.outer(pairs[:, 0], seg[:, 2]), out=runs[..., 0])
+    np.add.outer(pairs[:, 1], body_offsets, out=runs[..., 1])
+    runs[..., 2] = lengths
+    _copy_runs(runs, two_threads)
