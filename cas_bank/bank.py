@@ -7,7 +7,6 @@ no index rebuild, so its cost does not grow with the number of blocks.
 from __future__ import annotations
 
 import logging
-import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -18,17 +17,18 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from cas_bank.arrays import cpu_fillable, dtype_named
+from cas_bank.bank_format import BLAKE3_ONLY_VERSION as BLAKE3_ONLY_VERSION  # re-exported
+from cas_bank.bank_format import FORMAT_VERSION as FORMAT_VERSION  # re-exported: its old home
+from cas_bank.bank_format import check_settings
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.files import FileTier
-from cas_bank.blocks.hashing import HASH_FORMAT_VERSION, Check, namespace_root, salt_bytes
+from cas_bank.blocks.hashing import Check, namespace_root, salt_bytes
 from cas_bank.blocks.hot import HotStore
 from cas_bank.blocks.rocks import AccessMode
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.config import BankConfig
 from cas_bank.errors import (
-    BankDamagedError,
     BankFullError,
-    BankSettingsError,
     InvalidInputError,
 )
 from cas_bank.evict.access import AccessLog
@@ -49,7 +49,7 @@ from cas_bank.evict.tenants import (
     tenant_stats,
 )
 from cas_bank.index.chain_record_writes import run_writes
-from cas_bank.index.children import INDEXED_KEY, index_writes
+from cas_bank.index.children import index_writes
 from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
@@ -67,24 +67,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cas_bank")
 
-FORMAT_VERSION = 4
-"""1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
-(`blocks.files`), their records stubs. 3: the `ends` and `evicted` families (end
-records, `index.ends`; the eviction memory, `evict.evicted`). 4: payloads may carry
-an XXH3-128 check instead of blake3 (the digest field says which: `blocks.codec`).
-An older bank opens as it is (its payloads stay readable where they are, their blake3
-digests checked; the writer's open creates the missing families) and is marked 3 by
-its first writer, 4 only by one that writes XXH3-128 (`BankConfig.payload_check`); a
-cas_bank that reads an older version refuses a newer bank, naming the version."""
-BLAKE3_ONLY_VERSION = 3  # the newest format whose payloads are all blake3-checked
-_KEY_FORMAT = b"format_version"
-_KEY_BLOCK_SIZE = b"block_size"
-_KEY_HASH_FORMAT = b"hash_format_version"
-_KEY_CREATED = b"created"
 _KEY_REMOTE = b"remote_url"  # the shared tier last opened with (password hidden)
 _KEY_SPARES = b"spare_shapes"  # what the spares' pool would hold at the last close
 _PRIMED = 8  # restore capacities a new namespace makes the shapes of (`_ready_restores`)
-_U32 = struct.Struct("<I")
 _NEVER = 1 << 62  # a payload size no payload reaches
 
 
@@ -223,7 +208,7 @@ class Bank:
             built = True
         where = Path(store.location)
         try:  # anything failing here must not keep the directory's LOCK
-            config = _check_settings(store, where, config)
+            config = check_settings(store, where, config)
             if built and Path(store.location).is_dir():
                 # Large payloads live in files beside the database (blocks.files),
                 # fsync'd before their batch commits under durability="wal".
@@ -543,78 +528,10 @@ def _owned(lock: threading.RLock) -> bool:
     return bool(is_owned()) if is_owned is not None else False
 
 
-def _version_for(check: str) -> int:
-    """The format version a bank whose writer writes `check` payloads is marked with:
-    the oldest that reads them."""
-    return FORMAT_VERSION if check == "xxh3" else BLAKE3_ONLY_VERSION
-
-
 def _indexes(store: BlockStore, writes: list[Write]) -> list[Write]:
     """The writes that keep the bank's indexes true to a batch: the children index
     (`index.children`) and the chain records (`index.chain`)."""
     return [*index_writes(store, writes), *run_writes(store, writes)]
-
-
-def _check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
-    """Compare the bank's persisted settings with `config`; write them on creation."""
-    fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
-    if fmt is None:
-        if store.read_only:
-            files = [*path.glob("*.sst"), *path.glob("*.blob")]
-            if files and next(iter(store.keys(Family.HEADERS)), None) is None:
-                raise BankDamagedError(
-                    f"bank at {path} does not open cleanly: its MANIFEST names no records "
-                    f"but {len(files)} table and blob files are present (a truncated or "
-                    f"damaged MANIFEST). `cas-bank salvage {path} NEW_DIR` copies every "
-                    "block that still verifies into a new bank"
-                )
-            raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
-        if any(next(iter(store.keys(f)), None) is not None for f in Family):
-            raise BankDamagedError(
-                f"{path} holds a RocksDB database with records but no cas_bank format "
-                "record: not a cas_bank bank (or its meta table was lost); it was not "
-                "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
-            )
-        check = config.payload_check or "xxh3"
-        store.put_batch(
-            [
-                (Family.META, _KEY_FORMAT, _U32.pack(_version_for(check))),
-                (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
-                (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
-                (Family.META, _KEY_CREATED, str(time.time()).encode()),
-                (Family.META, INDEXED_KEY, b"1"),  # every record it will hold is indexed
-            ]
-        )
-        return config.model_copy(update={"payload_check": check})
-    version = _U32.unpack(fmt)[0]
-    if version > FORMAT_VERSION:
-        raise BankSettingsError(
-            f"bank at {path} has format version {version}; this cas_bank reads up to "
-            f"{FORMAT_VERSION}: upgrade cas_bank"
-        )
-    # None: the bank's own check. An older bank keeps blake3 unless asked (so the
-    # cas_bank that wrote it still opens it); nothing stored is rewritten.
-    check = config.payload_check or ("xxh3" if version > BLAKE3_ONLY_VERSION else "blake3")
-    marked = max(version, _version_for(check))
-    if marked > version and not store.read_only:
-        # 1 -> 2 -> 3 -> 4 need no rewrite: new large payloads go to files, the ends
-        # family was created by this open, new payloads carry XXH3-128.
-        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(marked))])
-    config = config.model_copy(update={"payload_check": check})
-    hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
-    if hash_version != HASH_FORMAT_VERSION:
-        raise BankSettingsError(
-            f"bank at {path} uses hash format {hash_version}, this build {HASH_FORMAT_VERSION}"
-        )
-    stored_bs = _U32.unpack(bs)[0] if bs else config.block_size
-    if "block_size" not in config.model_fields_set:
-        return config.model_copy(update={"block_size": stored_bs})
-    if stored_bs != config.block_size:
-        raise BankSettingsError(
-            f"bank at {path} was created with block_size={stored_bs}; it cannot be opened "
-            f"with block_size={config.block_size}"
-        )
-    return config
 
 
 def _file_tier_under(store: object) -> FileTier | None:

@@ -9,9 +9,10 @@
    `stats`), then the paths a reader follows
    (`cas_bank.write`, `cas_bank.evict`, `cas_bank.restore`, the shared tier
    `cas_bank.remote`, and `cas_bank.owner`, the protocols that join them to the bank),
-   then the API (`cas_bank.bank`, `cas_bank.namespace`, the package itself, the
-   maintenance tools `cas_bank.maintenance`, the store conformance suite
-   `cas_bank.testing`, the runtime and the command line). Every module is in one
+   then the API (`cas_bank.bank` and its format `cas_bank.bank_format`,
+   `cas_bank.namespace`, the package itself, the maintenance tools
+   `cas_bank.maintenance`, the store conformance suite `cas_bank.testing`, the
+   runtime and the command line). Every module is in one
    layer and imports nothing of a layer above its own.
    Code below the API takes the narrow collaborators it uses (a store, counters, an
    access log), or `cas_bank.owner`'s protocols, never the `Bank`.
@@ -41,6 +42,7 @@ LAYERS = (
     ("cas_bank.write", "cas_bank.evict", "cas_bank.restore", "cas_bank.remote", "cas_bank.owner"),
     (
         "cas_bank.bank",
+        "cas_bank.bank_format",
         "cas_bank.namespace",
         "cas_bank.maintenance",
         "cas_bank.testing",
