@@ -40,7 +40,6 @@ reopened; one a close interrupts raises the closed error instead of ending early
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -50,13 +49,7 @@ from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from rocksdict import (
-    AccessType,
-    Options,
-    Rdict,
-    WriteBatch,
-    WriteOptions,
-)
+from rocksdict import WriteBatch, WriteOptions
 
 from cas_bank.blocks import bankdir, damage
 from cas_bank.blocks.damage import (
@@ -64,16 +57,13 @@ from cas_bank.blocks.damage import (
     View,
     free_bytes,
     full_error,
-    is_corruption,
-    is_no_space,
-    open_full_error,
     read_error,
-    real,
     write_error,
 )
+from cas_bank.blocks.rocks_open import access_type, families_to_open, open_db, open_error
 from cas_bank.blocks.rocks_options import BLOB_FAMILIES, db_options, family_options
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Capability, Family, Write
-from cas_bank.errors import BankFullError, BankLockedError, CasBankError, CorruptDataError
+from cas_bank.errors import BankFullError
 
 AccessMode = Literal["read_write", "read_only", "secondary"]
 
@@ -150,68 +140,14 @@ class RocksStore(BlockStore):
                 time.sleep(0.02 * (attempt + 1))
                 self._view.sync()
 
-    def _access(self) -> Any:
-        """RocksDB's access type for this store's mode."""
-        if self.mode == "read_write":
-            return AccessType.read_write()
-        if self.mode == "read_only":
-            return AccessType.read_only()
-        assert self._view is not None
-        return AccessType.secondary(str(self._view.scratch))
-
-    def _families_to_open(self, where: Path | str) -> dict[str, Any]:
-        """Each family's options by name: all of them for the writer; for a reader, the
-        families the writer made (an old bank may lack new ones)."""
-        families = {f.value: family_options(f) for f in Family}
-        if self.mode == "read_write":
-            return families
-        try:
-            existing = set(Rdict.list_cf(str(where)))
-        except Exception as e:
-            why = real(e, self.path, self._view_path())
-            raise CorruptDataError(
-                f"bank at {self.path} is damaged: its CURRENT or MANIFEST is unreadable ({why})"
-            ) from None
-        bankdir.check_families(self.path, existing)  # the writer's preflight does too
-        return {k: v for k, v in families.items() if k in existing}
-
-    def _open_error(self, e: Exception) -> Exception | None:
-        """The cas_bank error an open that raised `e` means; None: `e` as it is."""
-        if bankdir.is_foreign(e):
-            return bankdir.foreign_error(self.path, real(e, self.path, self._view_path()))
-        if is_corruption(e):
-            return CorruptDataError(
-                f"bank at {self.path} is damaged: {real(e, self.path, self._view_path())}. "
-                f"Nothing was changed; `cas-bank salvage {self.path} NEW_DIR` copies what "
-                "still verifies into a new bank"
-            )
-        if "Read-only file system" in str(e) or "os error 30" in str(e):
-            return CasBankError(
-                f"bank at {self.path} is on a read-only file system: it cannot be "
-                "opened for writing; open it read-only (mode='read_only')"
-            )
-        if is_no_space(e):
-            return open_full_error(self.path, real(e, self.path, self._view_path()))
-        # Match the LOCK file, not the word: "block checksum mismatch" holds "lock".
-        if "/LOCK" not in str(e):
-            return None
-        if "current process" in str(e):
-            return BankLockedError(
-                f"bank at {self.path} is already open for writing in this process; "
-                f"close that Bank first ({e})"
-            )
-        return BankLockedError(
-            f"bank at {self.path} is held by another writer process; open it "
-            f"read-only or as a secondary to read it ({e})"
-        )
-
     def _open(self) -> None:
         where = self._view.path if self._view is not None else self.path
-        families = self._families_to_open(where)
+        families = families_to_open(self.path, where, self.mode, self._view_path())
         try:
-            self._db: Any = self._open_db(where, families, self._durability, self._access())
+            access = access_type(self.mode, self._view)
+            self._db: Any = open_db(where, families, self._durability, access)
         except Exception as e:
-            translated = self._open_error(e)
+            translated = open_error(self.path, e, self._view_path())
             if translated is None:
                 raise
             raise translated from None
@@ -243,27 +179,6 @@ class RocksStore(BlockStore):
                     raise
                 time.sleep(0.01 * (attempt + 1))
         raise AssertionError("unreachable")
-
-    def _open_db(
-        self, where: Path, families: dict[str, Options], durability: str, access: Any
-    ) -> Any:
-        def attempt() -> Any:
-            return Rdict(
-                str(where),
-                options=db_options(durability),
-                column_families=families,
-                access_type=access,
-            )
-
-        try:
-            return attempt()
-        except Exception as e:
-            if "current process" not in str(e):
-                raise
-            # A closed store of this process may still sit in a reference cycle that
-            # holds a family handle (and so the LOCK): collect it and try once more.
-            gc.collect()
-            return attempt()
 
     @property
     def location(self) -> str:
