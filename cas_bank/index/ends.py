@@ -245,22 +245,29 @@ def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes | memoryview) 
 class FoundEnd:
     """An end record a lookup found: its header, and its payload as the record's bytes
     (written) or as the arrays a store queued for the background writer (`held`); and
-    the written record's arrays where a lease holds them decoded (`leased`)."""
+    for a written one, where a lease may hold its arrays decoded (`lease`: asked only
+    when its arrays are, since most lookups read a record for its header alone)."""
 
     header: EndHeader
     raw: bytes | memoryview | None = None
     held: EndInput | None = None
-    leased: EndPayload | None = None
+    lease: Callable[[], EndPayload | None] | None = None
 
     def payload(self, spec: ModelSpec) -> EndPayload:
-        """Its arrays: the record's decoded after checking its digest (a failure raises
-        `CorruptDataError`), the leased ones, or the queued store's own."""
-        if self.leased is not None:
-            return self.leased
+        """Its arrays (`arrays`)."""
+        return self.arrays(spec)[0]
+
+    def arrays(self, spec: ModelSpec) -> tuple[EndPayload, bool]:
+        """Its arrays, and whether a lease held them: the queued store's own, the
+        leased ones, or the record's decoded after checking its digest (a failure
+        raises `CorruptDataError`)."""
         if self.held is not None:
-            return held_payload(self.held)
+            return held_payload(self.held), False
+        leased = self.lease() if self.lease is not None else None
+        if leased is not None:
+            return leased, True
         assert self.raw is not None
-        return decode_end(spec, self.header, self.raw)
+        return decode_end(spec, self.header, self.raw), False
 
 
 class EndRecords(Protocol):
@@ -494,7 +501,7 @@ def plan_end(
     if header.n_tokens <= floor and header.n_tokens != len(tokens):
         return None
     try:
-        payload = found.payload(spec)
+        payload, leased = found.arrays(spec)
     except CorruptDataError as e:
         counters.count(corrupt_reads=1)
         log.warning(
@@ -503,6 +510,6 @@ def plan_end(
             e,
         )
         return None
-    if found.raw is not None and found.leased is None:
+    if found.raw is not None and not leased:
         view.keep_end(found, payload)
     return EndPlan(header, payload, header.parent_blocks(block_size), found.held is not None)

@@ -18,7 +18,8 @@ and `index.children` take it as a store), and adds what only memory holds:
 - headers of queued blocks, with a placeholder digest (`QUEUED_DIGEST`); a written
   header wins (its digests are real), a queued state is added to it;
 - end records (`end_records`: queued ones with their arrays, `FoundEnd.held`, unless
-  the stored one holds more: logits or a hidden state the queued one lacks);
+  the stored one holds more: logits or a hidden state the queued one lacks; a stored
+  one with where a lease may hold its arrays decoded, `FoundEnd.lease`);
 - the children index's entries of queued blocks and end records;
 - arrays in memory: a queued chain's or a lease's blocks (`held_blocks`), states
   (`held_state`), a queued block's arrays as a payload would decode (`queued_block`).
@@ -36,7 +37,7 @@ chain reaches at least as deep as its deepest queued header.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
@@ -210,24 +211,20 @@ class ReadView:
         """The end records under `keys` (one multi-get of the store's): a queued one,
         unless the stored one holds more (`_holds_more`: the write will skip the queued
         one as held, so the stored one is what stays); a stored one that does not split
-        is None (`verify` reports it)."""
+        is None (`verify` reports it). A stored one is told where a lease may hold its
+        arrays for its payload digest (`FoundEnd.lease`): asked only by a restore that
+        takes them, not by a lookup that reads headers (`Namespace.match`) nor for the
+        shallower records found beside the one a restore resumes from."""
         values = self.store.get_many(Family.ENDS, list(keys)) if keys else []
         out: list[FoundEnd | None] = []
         for key, value in zip(keys, values, strict=True):
-            stored = _stored_end(key, value)
+            stored = _stored_end(key, value, self.leases)
             queued = self._ends.get(bytes(key))
             if queued is None or (stored is not None and _holds_more(stored, queued)):
-                out.append(self._leased(key, stored))
+                out.append(stored)
             else:
                 out.append(FoundEnd(queued.header, None, queued.end))
         return out
-
-    def _leased(self, key: bytes, stored: FoundEnd | None) -> FoundEnd | None:
-        """`stored` with its arrays where a lease holds them for its payload digest."""
-        if stored is None or self.leases is None:
-            return stored
-        leased = self.leases.end(key, stored.header.payload_digest)
-        return stored if leased is None else replace(stored, leased=leased)
 
     def keep_end(self, found: FoundEnd, payload: EndPayload) -> None:
         if self.leases is not None:
@@ -311,10 +308,15 @@ class ReadView:
         return lo, chain.arrays
 
 
-def _stored_end(key: bytes, value: bytes | None) -> FoundEnd | None:
-    """The stored end record `value` under `key`; None if absent or it does not split."""
+def _stored_end(key: bytes, value: bytes | None, leases: Leases | None) -> FoundEnd | None:
+    """The stored end record `value` under `key`, with where `leases` may hold its
+    arrays; None if absent or it does not split."""
     split = stored_record(key, value)
-    return None if split is None else FoundEnd(*split)
+    if split is None:
+        return None
+    header, raw = split
+    lease = None if leases is None else partial(leases.end, key, header.payload_digest)
+    return FoundEnd(header, raw, None, lease)
 
 
 def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:
