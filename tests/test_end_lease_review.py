@@ -302,3 +302,27 @@ def test_only_the_record_a_restore_resumes_from_is_asked_of_the_leases(
     records = list(bank.store.iterate(Family.ENDS))
     (deepest,) = [k for k, v in records if split_record(k, v)[0].n_tokens == len(tokens)]
     assert asked == [deepest]
+
+
+def test_a_record_damaged_under_its_lease_is_served_the_leased_arrays_until_they_go(
+    bank: Bank,
+) -> None:
+    """The lease is named by the payload digest the header claims, and the payload
+    under it is not read again: a record damaged after its lease was made (its header
+    intact) restores the arrays it was written with, and no corrupt read is counted;
+    once the lease is gone, the same record is read, fails its digest and is a miss."""
+    tokens = tokens_of(np.random.default_rng(10), 2 * B + 3)
+    state = _store(bank, HYBRID, tokens, 1, logits=_logits(1))
+    ns = bank.namespace(HYBRID)
+    assert ns.restore(tokens) is not None and _end_leases(bank)
+    _damage(bank)
+    corrupt = bank.stats().corrupt_reads
+    hit = ns.restore(tokens)
+    assert hit is not None and bits(hit.logits) == bits(_logits(1))  # type: ignore[arg-type]
+    assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+    assert bank.stats().corrupt_reads == corrupt
+    assert bank.leases is not None
+    bank.leases.clear()
+    hit = ns.restore(tokens)
+    assert hit is None or hit.logits is None
+    assert bank.stats().corrupt_reads == corrupt + 1

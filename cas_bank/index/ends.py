@@ -12,8 +12,9 @@ An end record is a leaf: it goes with its parent block (`evict.eviction`).
 
 Record value, little-endian: the end header (`_FIXED` then the tail tokens as <u4)
 followed by the codec payload (`blocks.codec`; its digest is in the header too and
-is checked on every read): the tail's attention arrays in spec order, then the state
-arrays (flag), the logits (flag), the hidden state (flag).
+is checked on every read of it, where a lease does not hold its arrays for that digest:
+`FoundEnd.lease`, `index.lease`): the tail's attention arrays in spec order, then the
+state arrays (flag), the logits (flag), the hidden state (flag).
 """
 
 from __future__ import annotations
@@ -201,8 +202,10 @@ def encode_end(
 
 @dataclass(frozen=True, slots=True)
 class EndPayload:
-    """An end record's arrays: the tail's KV as numpy views of the record's bytes (bf16
-    as uint16: `tail_arrays` copies them into MLX), the rest as MLX arrays (copies)."""
+    """An end record's arrays: the tail's KV as numpy arrays, bf16 as uint16 (views of
+    the record's bytes, or a lease's read-only copies: `tail_arrays` copies them into
+    MLX), the rest as MLX arrays (copies of the record's, or new objects over a lease's
+    buffers)."""
 
     tail: list[np.ndarray]  # attention arrays of the tail tokens, flat, in spec order
     tail_dtypes: list[DType]

@@ -19,8 +19,10 @@ hash names its whole prefix, so an entry that holds block k of a prompt holds bl
 entry holds. A hybrid model's recurrent state at a boundary is leased the same way,
 by the chain hash of the block that ends there (`put_state`, `state`), and an end
 record's decoded arrays by its key and payload digest (`put_end`, `end`): a restore
-of the same end again reads, checks and copies none of its payload (a hybrid model's
-record holds its recurrent state, ~5 MB for the medium one at 1k tokens). Bounded by
+of the same end again decodes, checks and copies none of its payload (a hybrid model's
+record holds its recurrent state, ~5 MB for the medium one at 1k tokens); it reads the
+record still (the hot tier's copy, or RocksDB's), for the digest its header claims, so
+a record damaged since under an intact header restores its leased arrays. Bounded by
 bytes (the buffers held, chains and states together), least recently used first out:
 the bank's leases share one budget with its hot tier (`blocks.hot.MemoryBudget`,
 `BankConfig.hot_bytes`), so the two together stay within it.

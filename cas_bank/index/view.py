@@ -322,8 +322,9 @@ def _stored_end(key: bytes, value: bytes | None, leases: Leases | None) -> Found
 def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:
     """Whether the stored record holds all the queued one does and more (logits or the
     hidden state it lacks): `write_end` will skip the queued one as held (the stored one
-    intact; a damaged one reads as a miss until the write replaces it). With the same
-    flags the queued one is read (its arrays are in memory; the two are of one prompt)."""
+    intact; a damaged one reads as a miss until the write replaces it, unless a lease
+    holds its arrays for the digest its header claims). With the same flags the queued
+    one is read (its arrays are in memory; the two are of one prompt)."""
     return stored.header.holds(queued.header.flags) and stored.header.flags != queued.header.flags
 
 
