@@ -138,7 +138,7 @@ class PayloadReader:
         state_job = self._state_file(state, assembler) if state is not None else None
         read = self._read_files(headers, first, blocks, state_job)
         if read is None:  # no payload of the file tier's size
-            return (*self._assemble_each(headers, assembler, first), None)
+            return (*self._assemble_each(headers, assembler, first, blocks), None)
         located, results = read
         along: StateRead | None = None
         if state is not None and state_job is not None:
@@ -286,9 +286,14 @@ class PayloadReader:
         return len(headers), hot_hits
 
     def _assemble_each(
-        self, headers: Sequence[Header], assembler: Assembler, first: int = 0
+        self,
+        headers: Sequence[Header],
+        assembler: Assembler,
+        first: int = 0,
+        blocks: BlockFiles | None = None,
     ) -> tuple[int, int]:
-        """`assemble` one payload at a time through the store (and the hot tier).
+        """`assemble` one payload at a time through the store (and the hot tier);
+        `blocks`: the assembler's `block_files()`, where the caller made it.
 
         Payloads too small to read ahead are read by multi-gets (`_assemble_small`).
         Otherwise, from the first payload read from the store on, if enough bytes
@@ -296,7 +301,7 @@ class PayloadReader:
         (`ReadAhead`) while this one copies.
         """
         if not worth_reading_ahead([h.payload_size for h in headers[first:]]):
-            return self._assemble_small(headers, assembler, first)
+            return self._assemble_small(headers, assembler, first, blocks)
         items = [(h.chain_hash, h.payload_digest) for h in headers]
         hot_hits = 0
         ahead: ReadAhead[tuple[bytes, bytes], _Fetched] | None = None
@@ -332,7 +337,11 @@ class PayloadReader:
         return i, hot_hits
 
     def _assemble_small(
-        self, headers: Sequence[Header], assembler: Assembler, first: int
+        self,
+        headers: Sequence[Header],
+        assembler: Assembler,
+        first: int,
+        blocks: BlockFiles | None = None,
     ) -> tuple[int, int]:
         """`_assemble_each` of payloads too small to read ahead: asked of the store
         `_MULTI_GET` at a time (one read each cost a small model's reopened restore
@@ -346,8 +355,9 @@ class PayloadReader:
         decoded in the hot tier (its raw copy is checked again when a restore takes it).
         The rest are decoded and put one at a time, as before.
         """
-        direct = assembler.block_files() if assembler.direct else None
-        plain = direct if direct is not None and direct.copies_in else None
+        if blocks is None and assembler.direct:
+            blocks = assembler.block_files()
+        plain = blocks if blocks is not None and blocks.copies_in else None
         hot_hits = 0
         for at in range(first, len(headers), _MULTI_GET):
             chunk = headers[at : at + _MULTI_GET]
