@@ -1,21 +1,26 @@
-"""A prefill's forward passes (`PrefixCache.prefill`): where its chunks end, the passes
-themselves with the states they capture, and what it reports (or raises when cancelled).
+"""A prefill (`PrefixCache.prefill`): its start checked against the cache, the states
+it captures planned, where its chunks end, the forward passes themselves with the
+states they capture, its store (`cache_stores.store_prefill`), and what it reports (or
+raises when cancelled).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cas_bank.errors import InvalidInputError
 from cas_bank.spec import ModelSpec
 from cas_bank.write.storing import StoreReport
 
-from .cache_io import snapshot_states
+from .cache_io import check_cache, snapshot_states, tag_cache, vouch_for
+from .cache_stores import StoringCache, store_prefill
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -148,3 +153,78 @@ def forward_chunks(
             break
     assert logits is not None
     return states, logits, pos, hidden if pos == n else None
+
+
+class PrefillingCache(StoringCache, Protocol):
+    """What a prefill needs of a `PrefixCache` (which meets it; a protocol, so that
+    this module does not import the one that imports it)."""
+
+    model: nn.Module
+    chunk_size: int
+    hidden_parts: tuple[Body, Head] | None
+    last_prefill: PrefillReport | None
+
+
+def run_prefill(
+    pc: PrefillingCache,
+    tokens: Any,
+    cache: list[Any],
+    start: int,
+    store: bool,
+    hints: Sequence[int] | None,
+    this_model: bool,
+    end: bool,
+    cancelled: Callable[[], bool] | None,
+) -> mx.array:
+    """`PrefixCache.prefill`'s work (it releases the held refill whatever happens
+    here; its docstring says what a prefill does)."""
+    toks = pc.tokens(tokens)
+    start = _prefill_start(pc, toks, cache, start, this_model)
+    boundaries = pc.namespace.plan_states(toks, start, hints=hints) if pc.spec.is_hybrid else []
+    ends = chunk_ends(len(toks), start, pc.chunk_size, boundaries)
+    t0 = time.perf_counter()
+    parts = pc.hidden_parts if store and end else None
+    states, logits, pos, hidden = forward_chunks(
+        pc.model, pc.spec, toks, cache, start, ends, boundaries, cancelled, parts
+    )
+    total = len(toks)
+    last = logits[0, -1]
+    mx.eval(last)
+    kept: mx.array | None = last
+    if pos < total:  # cancelled: stored so that the next attempt resumes at `pos`
+        toks, ends, kept = toks[:pos], ends[: ends.index(pos) + 1], None
+        end = resume_point(pc.spec, pc.block_size, cache, pos, states)
+    t1 = time.perf_counter()
+    storing = store and not pc.bank.read_only
+    report = store_prefill(pc, toks, cache, states, kept, end, hidden) if storing else None
+    pc.last_prefill = PrefillReport(
+        start=start,
+        tokens=len(toks),
+        chunk_ends=ends,
+        captured=sorted(states),
+        forward_s=t1 - t0,
+        store_s=time.perf_counter() - t1 if storing else 0.0,
+        stored=report,
+    )
+    if len(toks) < total:
+        raise PrefillCancelled(len(toks), total)
+    return last
+
+
+def _prefill_start(
+    pc: PrefillingCache, toks: np.ndarray, cache: list[Any], start: Any, this_model: bool
+) -> int:
+    """`start` checked against the tokens and the cache (which is tagged as this
+    model's when empty, or vouched for); InvalidInputError names a bad one."""
+    n = len(toks)
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+        raise InvalidInputError(f"start must be an int, got {start!r}")
+    at = int(start)
+    if not 0 <= at < n:
+        raise InvalidInputError(f"start={at} must leave at least one of the {n} tokens to prefill")
+    check_cache(pc.spec, cache, at)
+    if at == 0:
+        tag_cache(cache, pc.spec)  # empty: what it will hold comes from this model
+    else:
+        vouch_for(pc.spec, cache, this_model)
+    return at

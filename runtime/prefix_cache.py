@@ -70,8 +70,8 @@ Spares: the bank keeps spare restore destinations (`cas_bank.restore.spares`, in
 its forward pass, so that refill never runs beside the pass that the time to first
 token waits for (at most `Spares.hold_s`, for a caller that prefills elsewhere).
 
-Where the code is: the restores and the prefill here (a prefill's chunks and passes:
-`runtime.prefill`), the stores in `runtime.cache_stores`.
+Where the code is: the restores here; a prefill's steps in `runtime.prefill`
+(`run_prefill`), the stores in `runtime.cache_stores`.
 
 Thread safety: one PrefixCache per runtime thread; the bank itself may be shared.
 """
@@ -79,7 +79,6 @@ Thread safety: one PrefixCache per runtime thread; the bank itself may be shared
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -96,18 +95,10 @@ from cas_bank.write.storing import StoreReport
 from cas_bank.write.writer import PendingStore
 
 from . import cache_stores
-from .cache_io import check_cache, fill_cache, new_cache, tag_cache, vouch_for
+from .cache_io import fill_cache, new_cache, tag_cache
 from .model_spec import probe_model, unwrap
 from .models import LoadedModel
-from .prefill import (
-    DEFAULT_CHUNK_SIZE,
-    PrefillCancelled,
-    PrefillReport,
-    chunk_ends,
-    exact_parts,
-    forward_chunks,
-    resume_point,
-)
+from .prefill import DEFAULT_CHUNK_SIZE, PrefillReport, exact_parts, run_prefill
 from .state_recorder import StateRecorder
 
 
@@ -334,79 +325,11 @@ class PrefixCache:
         """
         keep = self.keep_end if end is None else end
         try:
-            return self._prefill(tokens, cache, start, store, hints, this_model, keep, cancelled)
+            return run_prefill(
+                self, tokens, cache, start, store, hints, this_model, keep, cancelled
+            )
         finally:  # the refill the restore held (the next restore's spares) may start
             self.bank.resources.release()
-
-    def _prefill(
-        self,
-        tokens: Any,
-        cache: list[Any],
-        start: int,
-        store: bool,
-        hints: Sequence[int] | None,
-        this_model: bool,
-        end: bool,
-        cancelled: Callable[[], bool] | None,
-    ) -> mx.array:
-        """`prefill`'s work (it releases the held refill whatever happens here)."""
-        toks = self.tokens(tokens)
-        start = self._prefill_start(toks, cache, start, this_model)
-        boundaries = (
-            self.namespace.plan_states(toks, start, hints=hints) if self.spec.is_hybrid else []
-        )
-        ends = chunk_ends(len(toks), start, self.chunk_size, boundaries)
-        t0 = time.perf_counter()
-        parts = self.hidden_parts if store and end else None
-        states, logits, pos, hidden = forward_chunks(
-            self.model, self.spec, toks, cache, start, ends, boundaries, cancelled, parts
-        )
-        total = len(toks)
-        last = logits[0, -1]
-        mx.eval(last)
-        kept: mx.array | None = last
-        if pos < total:  # cancelled: stored so that the next attempt resumes at `pos`
-            toks, ends, kept = toks[:pos], ends[: ends.index(pos) + 1], None
-            end = resume_point(self.spec, self.block_size, cache, pos, states)
-        t1 = time.perf_counter()
-        storing = store and not self.bank.read_only
-        report = (
-            cache_stores.store_prefill(self, toks, cache, states, kept, end, hidden)
-            if storing
-            else None
-        )
-        self.last_prefill = PrefillReport(
-            start=start,
-            tokens=len(toks),
-            chunk_ends=ends,
-            captured=sorted(states),
-            forward_s=t1 - t0,
-            store_s=time.perf_counter() - t1 if storing else 0.0,
-            stored=report,
-        )
-        if len(toks) < total:
-            raise PrefillCancelled(len(toks), total)
-        return last
-
-    def _prefill_start(
-        self, toks: np.ndarray, cache: list[Any], start: Any, this_model: bool
-    ) -> int:
-        """`start` checked against the tokens and the cache (which is tagged as this
-        model's when empty, or vouched for); InvalidInputError names a bad one."""
-        n = len(toks)
-        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-            raise InvalidInputError(f"start must be an int, got {start!r}")
-        at = int(start)
-        if not 0 <= at < n:
-            raise InvalidInputError(
-                f"start={at} must leave at least one of the {n} tokens to prefill"
-            )
-        check_cache(self.spec, cache, at)
-        if at == 0:
-            tag_cache(cache, self.spec)  # empty: what it will hold comes from this model
-        else:
-            vouch_for(self.spec, cache, this_model)
-        return at
 
     # -- store ---------------------------------------------------------------------
     def recorder(self, cache: Sequence[Any]) -> StateRecorder:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cas_bank.runtime import PrefixCache, cache_io, prefix_cache
+from cas_bank.runtime import PrefixCache, cache_io, cache_stores, prefill
 from runtime_helpers import random_tokens, temp_bank, tiny
 
 import cas_bank.index.view
@@ -38,7 +38,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         return call
 
     monkeypatch.setattr(Namespace, "chain", counting("hash", Namespace.chain))
-    for module in (prefix_cache, cache_io):
+    for module in (prefill, cache_stores, cache_io):
         monkeypatch.setattr(module, "check_cache", counting("check", cache_io.check_cache))
     for module in (cas_bank.write.queued_turn, cas_bank.write.storing):
         monkeypatch.setattr(module, "check_layers", counting("check", module.check_layers))
