@@ -325,6 +325,9 @@ class Bank:
                         states = [k for f, k, v in tx.writes if f is Family.STATES and v is None]
                         if states:
                             self.leases.forget_states(states)
+                        ends = [k for f, k, v in tx.writes if f is Family.ENDS and v is None]
+                        if ends:
+                            self.leases.forget_ends(ends)
             finally:
                 self._in_transaction = False
             if budget:
@@ -495,6 +498,8 @@ class Bank:
             log.warning("cas_bank: %s; closing without the last counters", e)
         finally:
             self.resources.close()  # the spares' thread joined, its arrays released
+            if self.leases is not None:
+                self.leases.clear()  # the arrays it held released with the bank
             self.store.close()
             self._namespaces.clear()
         if isinstance(failed, BankFullError):

@@ -115,7 +115,22 @@ def test_an_evicted_record_is_not_restored_from_its_lease(bank_path: Path) -> No
         assert ns.restore(tokens) is not None and _end_leases(bank)
         evict_to_budget(bank, 0)
         assert bank.stats().ends == 0
+        assert not _end_leases(bank)  # the decoded arrays went with the record
         assert ns.restore(tokens) is None
+        assert bank.leases is not None
+        leases = bank.leases
+    assert leases.used_bytes == 0 and not leases._entries  # nothing held past close()
+
+
+def test_a_revoked_tenants_end_leases_go_with_its_records(bank: Bank) -> None:
+    tokens = tokens_of(np.random.default_rng(9), 2 * B + 3)
+    layers = prefix_layers(HYBRID, tokens)
+    ns = bank.namespace(HYBRID, salt="tenant-a")
+    ns.store(tokens, layers)
+    assert ns.store_end(tokens, layers, random_state(HYBRID, 9), logits=_logits(9)) > 0
+    assert ns.restore(tokens) is not None and _end_leases(bank)
+    assert bank.revoke("tenant-a").ends == 1
+    assert not _end_leases(bank)
 
 
 def test_without_a_memory_budget_nothing_is_leased(tmp_path: Path, decodes: list[bytes]) -> None:

@@ -396,6 +396,14 @@ class Leases:
             for h in hashes:
                 self._drop(_state_key(h))
 
+    def forget_ends(self, end_keys: Sequence[bytes]) -> None:
+        """Drop the decoded arrays and the live leases of these end records (removed:
+        evicted, revoked or replaced by a fix); no restore would find them again."""
+        with self._lock:
+            for k in end_keys:
+                self._drop(_end_entry_key(k))
+                self._drop(_live_key(k))
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
