@@ -86,6 +86,10 @@ its cache type: quantized or not) from memory until it is written.
 `blocks_written`, `bytes_written` and `end_bytes_written` count what the writer wrote
 (`bank.flush()` waits for it); a queued store that fails is logged and raised by the
 next `bank.flush()` (and `close()`). `background=False` stores inline.
+
+Here: mlx-lm's interface, the namespaces and the fetches; what an insert stores (the
+steps above: blocks, end records, the hybrid states prefilled again, the draft model's
+part) is `runtime.prompt_cache_inserts`.
 """
 
 from __future__ import annotations
@@ -97,19 +101,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Final
 
-from mlx_lm.models.cache import QuantizedKVCache
-
 from cas_bank.bank import Bank
 from cas_bank.errors import InvalidInputError
 from cas_bank.evict.eviction import evict_to_budget
-from cas_bank.write.storing import StoreReport
-from cas_bank.write.writer import PendingStore
 
-from .cache_io import check_cache_class, snapshot_states
-from .draft_cache import held as tokens_held
 from .draft_cache import restore_together
 from .models import LoadedModel
 from .prefix_cache import PrefixCache
+from .prompt_cache_inserts import QuantKey, store_insert
 
 if TYPE_CHECKING:
     # mypy cannot see `mlx.nn.Module` through the package's star imports.
@@ -122,8 +121,6 @@ CACHE_TYPES: Final = ("assistant", "user", "system")
 
 # `model_key` default: accept every key mlx-lm passes (one model per server).
 ANY_MODEL: Final = object()
-
-QuantKey = tuple[int, int] | None  # (bits, group size) of quantized KV, None for plain
 
 
 @dataclass
@@ -312,7 +309,7 @@ class BankPromptCache:
         self.counters.inserts += 1
         self._counts[cache_type] += 1
         try:
-            self._store(tokens, prompt_cache, cache_type, capture)
+            store_insert(self, tokens, prompt_cache, cache_type, capture)
         except Exception:
             log.exception("cas_bank: storing a prompt cache failed; nothing of it is kept")
             self.counters.failures += 1
@@ -387,126 +384,6 @@ class BankPromptCache:
         self.bank.resources.release()
         return (cache, n) if n else None
 
-    def _store(
-        self, tokens: Sequence[int], cache: list[Any], cache_type: str, capture: bool
-    ) -> None:
-        for i, entry in enumerate(cache):
-            check_cache_class(entry, i)  # refuses what the bank cannot hold, by name
-        cache, draft = self._split(cache)
-        pc = self._prefix_for(self._quant_key(cache))
-        held = self._held(pc, cache)
-        n = min(held, len(tokens))
-        if draft is not None:
-            self._store_draft(tokens, draft, n, cache_type)
-        repeat = self._repeat_point(pc, tokens, n) if capture and self.keep_end else None
-        if n >= pc.block_size or repeat is not None:
-            stored = self._store_blocks(pc, tokens, cache, n, held, capture, repeat, cache_type)
-            for pending in stored:
-                pending.when_written(
-                    lambda r: self._count(cache_type, r.blocks_written, r.bytes_written)
-                )
-        if n == held and n > 0 and self.keep_end:
-            # The cache holds exactly tokens[:held]: its end record (KV of the partial
-            # block, the recurrent state right there) lets a longer prompt resume here.
-            self._store_end(pc, tokens[:held], cache, cache_type)
-
-    @staticmethod
-    def _quant_key(cache: Sequence[Any]) -> QuantKey:
-        quant = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
-        return None if quant is None else (quant.bits, quant.group_size)
-
-    def _split(self, cache: list[Any]) -> tuple[list[Any], list[Any] | None]:
-        """The model's caches and the draft model's (None: no draft part)."""
-        if self._draft is None:
-            return cache, None
-        n, d = len(self.prefix_cache.spec.layers), len(self._draft[None].spec.layers)
-        if len(cache) == n + d:
-            return cache[:n], cache[n:]
-        if len(cache) == n:  # the model's alone (no speculative decoding in this one)
-            return cache, None
-        raise InvalidInputError(
-            f"a cache of {len(cache)} layers is neither the model's {n} nor the model's "
-            f"and the draft model's {n} + {d}"
-        )
-
-    def _store_draft(
-        self, tokens: Sequence[int], cache: list[Any], model_n: int, cache_type: str
-    ) -> None:
-        """The draft model's part of an insert: its blocks and end record up to the tokens
-        it holds; a hybrid draft model's prefilled again up to `model_n`, the tokens the
-        model's part holds, so that both end there (see the module docstring)."""
-        pc = self._prefix_for(self._quant_key(cache), draft=True)
-        if pc.spec.is_hybrid:
-            if model_n > 0:
-                self._prefill_draft(pc, list(tokens), model_n, cache_type)
-            return
-        n = min(tokens_held(pc, cache), len(tokens))
-        if n == 0:
-            return
-        pc.last_end_pending = None
-        pending = pc.store(list(tokens[:n]), cache, end=self.keep_end, this_model=True)
-        pending.when_written(
-            lambda r: self._count(cache_type, r.blocks_written, r.bytes_written, draft=True)
-        )
-        end = pc.last_end_pending
-        if end is not None:
-            end.when_written(
-                lambda nbytes: self._count(cache_type, 0, nbytes, end=True, draft=True)
-            )
-
-    def _prefill_draft(self, pc: PrefixCache, tokens: list[int], n: int, cache_type: str) -> None:
-        """A hybrid draft model's cache after speculative decoding may hold rejected draft
-        tokens (mlx-lm cannot trim its recurrent state): prefill the draft model over
-        the tokens of `tokens[:n]` the bank does not restore yet, and store that (blocks,
-        the planned states, the end record at `n`, and, as for a hybrid model, the one
-        a repeat of the last fetched prompt restores: `_repeat_point`)."""
-        repeat = self._repeat_point(pc, tokens, n) if self.keep_end else None
-        if repeat is None and pc.match([*tokens[:n], 0]) >= n:
-            return  # stored already
-        stops = [n] if repeat is None else [repeat, n]
-        cache, start = pc.restore(tokens[: stops[0] + 1])  # at most the first stop
-        for stop in stops:
-            if start >= stop:
-                continue
-            for pending in self._prefill(pc, tokens[:stop], cache, start):
-                pending.when_written(
-                    lambda r: self._count(cache_type, r.blocks_written, r.bytes_written, draft=True)
-                )
-            if self.keep_end:
-                self._store_end(pc, tokens[:stop], cache, cache_type, draft=True)
-            start = stop
-
-    def _store_end(
-        self,
-        pc: PrefixCache,
-        tokens: Sequence[int],
-        cache: list[Any],
-        cache_type: str,
-        *,
-        draft: bool = False,
-    ) -> None:
-        """The end record of `tokens`, which `cache` holds exactly, counted once written."""
-        end_bytes = pc.store_end(list(tokens), cache, this_model=True)
-        end = pc.last_end_pending if pc.background else None
-        if end is not None:
-            end.when_written(
-                lambda nbytes: self._count(cache_type, 0, nbytes, end=True, draft=draft)
-            )
-        else:
-            self._count(cache_type, 0, end_bytes, end=True, draft=draft)
-
-    def _repeat_point(self, pc: PrefixCache, tokens: Sequence[int], n: int) -> int | None:
-        """For a hybrid model: the last fetch's prompt less its last token, when the
-        cache of `tokens` goes past it (mlx-lm's sequential path inserts the prompt and
-        its answer) and the bank cannot yet restore that far: what a repeat of the
-        prompt restores once an end record sits there (see the module docstring)."""
-        prompt = self._fetched
-        if not pc.spec.is_hybrid or prompt is None or not 2 <= len(prompt) <= n:
-            return None
-        if list(tokens[: len(prompt)]) != prompt or pc.match(prompt) >= len(prompt) - 1:
-            return None
-        return len(prompt) - 1
-
     def _count(
         self, cache_type: str, blocks: int, nbytes: int, *, end: bool = False, draft: bool = False
     ) -> None:
@@ -520,82 +397,9 @@ class BankPromptCache:
                 self.counters.draft_bytes_written += nbytes
             self._bytes[cache_type] += nbytes
 
-    def _store_blocks(
-        self,
-        pc: PrefixCache,
-        tokens: Sequence[int],
-        cache: list[Any],
-        n: int,
-        held: int,
-        capture: bool,
-        repeat: int | None,
-        cache_type: str,
-    ) -> list[PendingStore[StoreReport]]:
-        """Store the full blocks of `tokens[:n]` (and for a hybrid model, the states and
-        the end record at `repeat`: `_repeat_point`); what each store will write."""
-        states = None
-        boundary = (n // pc.block_size) * pc.block_size
-        stored: list[PendingStore[StoreReport]] = []
-        if pc.spec.is_hybrid:
-            on_boundary = n == held and n % pc.block_size == 0
-            if repeat is not None or (capture and not on_boundary):
-                go_on = None if on_boundary else boundary  # on a boundary: its own state
-                stored = self._capture(pc, tokens, go_on, repeat, cache_type)
-                if go_on is not None:
-                    return stored
-            if on_boundary:
-                states = {n: snapshot_states(pc.spec, cache)}  # the cache ends on a boundary
-            else:
-                # The recurrent state is at `held`; without a boundary there, a hybrid
-                # restore of these blocks needs the end record stored next.
-                n = boundary
-        # mlx-lm made this cache for the model this adapter serves (`_accepts`); its end
-        # record is `_store`'s (counted there).
-        return [*stored, pc.store(list(tokens[:n]), cache, states, end=False, this_model=True)]
-
-    def _capture(
-        self,
-        pc: PrefixCache,
-        tokens: Sequence[int],
-        boundary: int | None,
-        repeat: int | None,
-        cache_type: str,
-    ) -> list[PendingStore[StoreReport]]:
-        """Prefill the tokens again from the deepest stored state: to `repeat` (and store
-        the end record there), then on to `boundary`, stopping on the boundaries where
-        states are due (`PrefixCache.prefill`); store it all, blocks and states of one
-        computation. Runs only over what the bank does not yet cover."""
-        first = repeat if repeat is not None else boundary
-        assert first is not None
-        cache, start = pc.restore(list(tokens[: first + 1]))  # restores at most `first`
-        stored: list[PendingStore[StoreReport]] = []
-        if repeat is not None and start < repeat:
-            stored += self._prefill(pc, tokens[:repeat], cache, start)
-            self._store_end(pc, tokens[:repeat], cache, cache_type)
-            start = repeat
-        if boundary is not None and start < boundary:
-            # One token past the boundary: prefill states no boundary at its very end.
-            stored += self._prefill(pc, tokens[: boundary + 1], cache, start)
-        return stored
-
-    def _prefill(
-        self, pc: PrefixCache, tokens: Sequence[int], cache: list[Any], start: int
-    ) -> list[PendingStore[StoreReport]]:
-        """`pc.prefill` of `tokens[start:]` into `cache`, stored; what it will write."""
-        pc.last_pending = None
-        pc.prefill(list(tokens), cache, start=start, end=False)  # end records: `_store`'s
-        self.counters.recomputed_tokens += len(tokens) - start
-        report = pc.last_prefill.stored if pc.last_prefill is not None else None
-        if report is None:  # queued (or not stored: a full disk)
-            return [pc.last_pending] if pc.last_pending is not None else []
-        done: PendingStore[StoreReport] = PendingStore()
-        done._set(report, None)
-        return [done]
-
-    @staticmethod
-    def _held(pc: PrefixCache, cache: Sequence[Any]) -> int:
-        """Tokens the cache holds: its attention layers' offset."""
-        return tokens_held(pc, cache)
+    def _count_recomputed(self, tokens: int) -> None:
+        """Tokens an insert prefilled again (a hybrid model's states; on its thread)."""
+        self.counters.recomputed_tokens += tokens
 
     def __repr__(self) -> str:
         draft = self.draft_prefix_cache
