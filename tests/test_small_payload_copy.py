@@ -55,9 +55,9 @@ def _count_copies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     copy = row_runs.copy_payloads
 
-    def counted(segments: bytes, body_at: int, blocks: Any, *, two_threads: bool) -> None:
-        calls.append(len(blocks))
-        copy(segments, body_at, blocks, two_threads=two_threads)
+    def counted(segments: bytes, body_at: int, indices: Any, *rest: Any, **options: Any) -> None:
+        calls.append(len(indices))
+        copy(segments, body_at, indices, *rest, **options)
 
     monkeypatch.setattr(row_runs, "copy_payloads", counted)
     return calls
@@ -160,3 +160,24 @@ def test_raw_payloads_from_the_hot_tier_are_checked_and_copied(bank_path: Path) 
         hit = ns.restore(tokens)
         assert hit is not None and hit.tokens == SMALL
         assert bank.stats().corrupt_reads == 1
+
+
+@native
+@pytest.mark.parametrize("indices", [[0, 1, 2, 3], [5, 6, 7], [0, 2, 3, 70], [65, 66]])
+def test_copy_runs_from_the_layout_table_are_those_made_from_the_segments(
+    indices: list[int],
+) -> None:
+    """The runs placed from the table at address 0 (`_placed_payload_runs`) are the ones
+    made from the placed segments (`_payload_runs`): views of other row sizes (steps),
+    runs of blocks and blocks apart, past the table's first size. Addresses only: no
+    copy is made."""
+    shapes = [(1, 2, 80 * SMALL, 32), (1, 3, 80 * SMALL, 8)]
+    runs = row_runs.contiguous_row_runs(shapes, [2, 4], [SMALL, SMALL])
+    assert runs is not None
+    addresses = np.array([1 << 20, 1 << 30], dtype=np.int64)
+    segments = row_runs.placed(runs, addresses)
+    sources = [(1 << 40) + (1 << 24) * j for j in range(len(indices))]
+    made = row_runs._payload_runs(segments, 72, indices, sources)
+    placed = row_runs._placed_payload_runs(runs, addresses, 72, indices, sources)
+    assert made.tobytes() == placed
+    assert len(made.reshape(-1, 3)) == len(indices) * (2 + 3)

@@ -172,6 +172,8 @@ class BlockFiles:
         self._lead_prefix = layout.lead_prefix
         self._file_len = layout.file_len
         self._dests = list(dests)
+        # What the segments were placed from, kept for `copy_in` (None: made from the views).
+        self._runs, self._addresses = runs, addresses
         if runs is not None and addresses is not None:
             self._segments = placed(runs, addresses) if _read_into is not None else None
         else:
@@ -288,13 +290,16 @@ class BlockFiles:
             return
         assert self._segments is not None
         # A bytes object's buffer, as ctypes passes one to C (no copy; held by `payloads`).
-        at = [(i, ctypes.cast(cast(Any, p), ctypes.c_void_p).value or 0) for i, p in payloads]
-        body = len(payloads) * self.body_len
+        address = ctypes.c_void_p
+        sources = [ctypes.cast(cast(Any, p), address).value or 0 for _, p in payloads]
         runs_of.copy_payloads(
             self._segments,
             _LEAD_SIZE + len(self.desc),
-            at,
-            two_threads=body >= _TWO_THREADS_FROM,
+            [i for i, _ in payloads],
+            sources,
+            two_threads=len(payloads) * self.body_len >= _TWO_THREADS_FROM,
+            runs=self._runs,
+            addresses=self._addresses,
         )
 
     def read_all(self, items: Sequence[Job], workers: Workers | None = None) -> list[str | None]:

@@ -28,6 +28,7 @@ native partner thread, cas_bank/_native/pair.h).
 
 from __future__ import annotations
 
+import array
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -217,21 +218,103 @@ def _lead_offsets(view: View, rows: int) -> tuple[np.ndarray | None, int]:
 
 # -- payloads in memory copied in ---------------------------------------------------
 def copy_payloads(
-    segments: bytes, body_at: int, blocks: Sequence[tuple[int, int]], *, two_threads: bool
+    segments: bytes,
+    body_at: int,
+    indices: Sequence[int],
+    sources: Sequence[int],
+    *,
+    two_threads: bool,
+    runs: RowRuns | None = None,
+    addresses: np.ndarray | None = None,
 ) -> None:
     """Copy the bodies of plain payloads held in memory into their rows, one native call
-    for all: `blocks` are (block index, address of the payload's first byte), each body
-    starting `body_at` bytes in and laid out as the native reader reads a file's into
-    `segments` (`row_runs`' triples placed at the destinations: block i's k-th run goes
-    to address + i * step and takes the body's next `length` bytes). The caller holds
-    the payloads until this returns and has checked each of them."""
+    for all: block `indices[j]` (increasing) from the payload whose first byte is at
+    `sources[j]`, its body starting `body_at` bytes in and laid out as the native
+    reader reads a file's into `segments` (`row_runs`' triples placed at the
+    destinations: block i's k-th run goes to address + i * step and takes the body's
+    next `length` bytes). The caller holds the payloads until this returns and has
+    checked each of them.
+
+    `runs` and `addresses`: the template `segments` was placed from and the views'
+    addresses, where the caller has them: the runs are then taken from a table at
+    address 0 made once per layout (`_block_runs`) and placed by two native calls; a
+    restore of 16 small blocks spent ~0.1 ms in the dozen numpy calls of making them
+    (`_payload_runs`, the way without them)."""
     assert _copy_runs is not None  # only with the native helper (`available`)
+    work: bytes | np.ndarray
+    if runs is not None and addresses is not None and _place is not None:
+        work = _placed_payload_runs(runs, addresses, body_at, indices, sources)
+    else:
+        work = _payload_runs(segments, body_at, indices, sources)
+    _copy_runs(work, two_threads)
+
+
+def _payload_runs(
+    segments: bytes, body_at: int, indices: Sequence[int], sources: Sequence[int]
+) -> np.ndarray:
+    """`copy_payloads`' (destination, source, length) triples, from `segments`."""
     seg = np.frombuffer(segments, dtype=np.int64).reshape(-1, 3)
     lengths = seg[:, 1]
     body_offsets = np.cumsum(lengths) - lengths + body_at
-    pairs = np.array(blocks, dtype=np.int64).reshape(-1, 2)
-    runs = np.empty((len(pairs), len(seg), 3), dtype=np.int64)
-    np.add(seg[:, 0], np.multiply.outer(pairs[:, 0], seg[:, 2]), out=runs[..., 0])
-    np.add.outer(pairs[:, 1], body_offsets, out=runs[..., 1])
-    runs[..., 2] = lengths
-    _copy_runs(runs, two_threads)
+    index = np.array(indices, dtype=np.int64)
+    source = np.array(sources, dtype=np.int64)
+    out = np.empty((len(index), len(seg), 3), dtype=np.int64)
+    np.add(seg[:, 0], np.multiply.outer(index, seg[:, 2]), out=out[..., 0])
+    np.add.outer(source, body_offsets, out=out[..., 1])
+    out[..., 2] = lengths
+    return out
+
+
+def _placed_payload_runs(
+    runs: RowRuns,
+    addresses: np.ndarray,
+    body_at: int,
+    indices: Sequence[int],
+    sources: Sequence[int],
+) -> bytes:
+    """`copy_payloads`' triples from the layout's table at address 0 (`_block_runs`):
+    the blocks' rows, each view's address added to their destinations and each
+    payload's to their sources (`_fill.place`)."""
+    assert _place is not None
+    template, counts = runs
+    n, first = len(indices), indices[0]
+    table = _block_runs(template.tobytes(), body_at, _blocks_for(indices[-1] + 1))
+    if indices[-1] - first == n - 1:  # a run of blocks: a slice of the table
+        rows = table[first : first + n]
+    else:
+        rows = table[np.array(indices, dtype=np.int64)]
+    per_view, per_block = _tiled(counts.tobytes(), n, len(template))
+    at_views = _place(rows, per_view, np.tile(addresses, n), 0)
+    return cast(bytes, _place(at_views, per_block, array.array("q", sources), 1))
+
+
+def _blocks_for(n: int) -> int:
+    """The table size `_block_runs` is asked for to hold `n` blocks (a power of two from
+    64, so that restores of other lengths find it made)."""
+    return max(64, 1 << (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=64)
+def _block_runs(template: bytes, body_at: int, blocks: int) -> np.ndarray:
+    """Blocks 0..blocks-1's copy runs at address 0 for views of row runs `template`
+    (int64 triples, `row_runs`' at address 0): (offset in its view, offset in the
+    payload, length), shaped (blocks, runs, 3); read only."""
+    seg = np.frombuffer(template, dtype=np.int64).reshape(-1, 3)
+    lengths = seg[:, 1]
+    out = np.empty((blocks, len(seg), 3), dtype=np.int64)
+    index = np.arange(blocks, dtype=np.int64)
+    np.add(seg[:, 0], np.multiply.outer(index, seg[:, 2]), out=out[..., 0])
+    out[..., 1] = np.cumsum(lengths) - lengths + body_at
+    out[..., 2] = lengths
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _tiled(counts: bytes, n: int, runs: int) -> tuple[np.ndarray, np.ndarray]:
+    """For `n` blocks: how many runs each view has, block after block (`counts` n
+    times), and how many each block has (`runs` each); int64, read only."""
+    per_view = np.tile(np.frombuffer(counts, dtype=np.int64), n)
+    per_block = np.full(n, runs, dtype=np.int64)
+    per_view.flags.writeable = per_block.flags.writeable = False
+    return per_view, per_block
