@@ -21,6 +21,9 @@ Callers hand `submit` a sink: it receives a `TextDelta` per generated token (the
 text may be "" while a character or a possible stop string is incomplete), then the
 `GenerationResult`, or an exception. The sink runs on the worker thread and must
 not block.
+
+Here: the queue, the worker and the engine's life (open, check, submit, stop, close);
+one request on the worker (the steps above) is `runtime.generate_request`.
 """
 
 from __future__ import annotations
@@ -28,27 +31,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
-import secrets
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from cas_bank.bank import Bank
 from cas_bank.config import BankConfig
-from cas_bank.errors import BankFullError, InvalidInputError
+from cas_bank.errors import InvalidInputError
 
 from . import prompts
-from .decoding import Sampler, TextStream
+from .decoding import Sampler
+from .generate_request import Job, generate_request
 from .generation import (
     EngineBusyError,
     EngineClosedError,
     EngineStats,
     Event,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     RequestError,
@@ -60,9 +59,8 @@ from .generation import (
 from .models import DEFAULT_MODEL as DEFAULT_MODEL
 from .models import LoadedModel, model_context_length, resolve_model
 from .prefetch import Prefetcher
-from .prefill import DEFAULT_CHUNK_SIZE, PrefillCancelled
+from .prefill import DEFAULT_CHUNK_SIZE
 from .prefix_cache import PrefixCache
-from .state_recorder import StateRecorder
 from .tokenizer import eos_token_ids
 
 log = logging.getLogger("cas_bank.engine")
@@ -78,34 +76,6 @@ def _bank_config(config: BankConfig | None, given: Mapping[str, Any]) -> BankCon
     settings = {} if config is None else config.model_dump(include=config.model_fields_set)
     settings.update({k: v for k, v in given.items() if v is not None})
     return BankConfig(**settings)
-
-
-class Job:
-    """A submitted request; `cancel()` stops it at the next token (its blocks are kept)."""
-
-    def __init__(self, request: GenerationRequest, sink: Sink) -> None:
-        self.request = request
-        self.sink = sink
-        self.enqueued_at = time.perf_counter()
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Decoded:
-    """What decoding made: the sampled tokens, why it stopped, the time to the first
-    token (from the request's start) and the logits the last token was sampled from."""
-
-    tokens: list[int]
-    finish: FinishReason
-    ttft: float
-    logits: mx.array
 
 
 class Engine:
@@ -387,7 +357,7 @@ class Engine:
                 self._busy = True
                 self._current = job
             try:
-                result = self._generate(job)
+                result = generate_request(self, job)
             except Exception as e:  # reported to the caller; the worker keeps serving
                 log.exception("cas_bank: request failed")
                 self._count(failed=1)
@@ -404,146 +374,6 @@ class Engine:
                 with self._lock:
                     self._busy = False
                     self._current = None
-
-    def _generate(self, job: Job) -> GenerationResult:
-        request = job.request
-        assert request.max_tokens is not None, "submit resolves max_tokens"
-        started = time.perf_counter()
-        pc = self.prefix_cache.salted(request.cache_salt)
-        prompt = list(request.prompt)
-        # An exact repeat (a regenerate, a retry) restores the prompt's end record with
-        # its logits: the first token is sampled from them, with no forward pass.
-        cache, cached, stored_logits = pc.restore_exact(prompt)
-        if stored_logits is not None:
-            logits = stored_logits
-        else:
-            try:
-                logits = self._prefill(job, pc, prompt, cache, cached)
-            except PrefillCancelled as e:  # its blocks so far are stored
-                log.info("cas_bank: request cancelled during its prefill: %s", e)
-                return self._cancelled_in_prefill(job, cached, started)
-        recorder = pc.recorder(cache)
-        text = TextStream(self.loaded.tokenizer, request.stop)
-        decoded = self._decode(job, cache, recorder, text, logits, started)
-        generated = decoded.tokens
-        # The last sampled token never went through the model: the cache ends before it.
-        # Its end record holds the logits the last token was sampled from: a next turn
-        # (or the same conversation again) resumes exactly here.
-        through_model = prompt + generated[:-1]
-        if self.stores != "off":
-            self._store_answer(pc, prompt, through_model, cache, recorder, decoded.logits)
-        return GenerationResult(
-            text=text.text,
-            token_ids=generated,
-            finish_reason=decoded.finish,
-            prompt_tokens=len(prompt),
-            cached_tokens=cached,
-            queue_s=started - job.enqueued_at,
-            ttft_s=decoded.ttft,
-            total_s=time.perf_counter() - started,
-        )
-
-    def _prefill(
-        self, job: Job, pc: PrefixCache, prompt: list[int], cache: list[Any], cached: int
-    ) -> mx.array:
-        """The prompt after its `cached` restored tokens through the model (storing its
-        blocks and, with `keep_end`, its end record, unless stores are off); the last
-        token's logits.
-        Raises `PrefillCancelled` when the job is cancelled between chunks."""
-        return pc.prefill(
-            prompt,
-            cache,
-            start=cached,
-            hints=job.request.branch_hints,
-            cancelled=lambda: job.cancelled,
-            store=self.stores != "off",
-        )
-
-    def _decode(
-        self,
-        job: Job,
-        cache: list[Any],
-        recorder: StateRecorder,
-        text: TextStream,
-        logits: mx.array,
-        started: float,
-    ) -> _Decoded:
-        """Sample from `logits`, then token by token on `cache`, sending each token's
-        text to the job's sink, until an end token, a stop string, `max_tokens` or a
-        cancel; the state recorder sees every step."""
-        request = job.request
-        assert request.max_tokens is not None, "submit resolves max_tokens"
-        sampler = self._sampler(request)
-        generated: list[int] = []
-        finish: FinishReason = "length"
-        ttft = 0.0
-        while len(generated) < request.max_tokens:
-            if generated:
-                logits = self.loaded.model(mx.array([[generated[-1]]]), cache=cache)[0, -1]
-                recorder.observe()  # copies the GDN state when a boundary was just reached
-            token = sampler(logits)
-            generated.append(token)
-            if len(generated) == 1:
-                ttft = time.perf_counter() - started
-            if token in self.eos_ids:
-                finish = "stop"
-                job.sink(TextDelta(token, text.finish()))
-                break
-            piece = text.add(token)
-            job.sink(TextDelta(token, piece))
-            if text.stopped:
-                finish = "stop"
-                break
-            if job.cancelled:
-                finish = "cancelled"
-                break
-        tail = text.finish()
-        if tail:
-            job.sink(TextDelta(generated[-1], tail))
-        return _Decoded(generated, finish, ttft, logits)
-
-    @staticmethod
-    def _store_answer(
-        pc: PrefixCache,
-        prompt: list[int],
-        through_model: list[int],
-        cache: list[Any],
-        recorder: Any,
-        logits: mx.array,
-    ) -> None:
-        """Store what decoding added: its new full blocks and (`keep_end`) the end record."""
-        block = pc.block_size
-        try:
-            if len(through_model) // block > len(prompt) // block:
-                pc.store(through_model, cache, states=recorder, logits=logits)
-            elif len(through_model) > len(prompt) and pc.keep_end:
-                pc.store_end(through_model, cache, logits=logits)
-        except BankFullError as e:  # degraded: the answer still goes out
-            log.warning("cas_bank: answer not stored: %s", e)
-
-    def _cancelled_in_prefill(self, job: Job, cached: int, started: float) -> GenerationResult:
-        now = time.perf_counter()
-        return GenerationResult(
-            text="",
-            token_ids=[],
-            finish_reason="cancelled",
-            prompt_tokens=len(job.request.prompt),
-            cached_tokens=cached,
-            queue_s=started - job.enqueued_at,
-            ttft_s=0.0,
-            total_s=now - started,
-        )
-
-    def _sampler(self, request: GenerationRequest) -> Sampler:
-        # A request without a seed gets a fresh one (greedy decoding uses none).
-        seed = request.seed if request.seed is not None else secrets.randbits(64)
-        return Sampler(
-            self.prefix_cache.vocab_size,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            seed=seed,
-            logit_bias=request.logit_bias,
-        )
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
