@@ -33,25 +33,34 @@ records stay (they hold no cache data), and so does its quota.
 
 What a tenant holds is summed from the leaf index (`LeafIndex.root_bytes`), its hits
 from the per-namespace counters (`stats.Counters.root_hit`).
+
+Here: who the tenants are, their quotas, revocation and what each holds; the removal
+of a tenant's entries in eviction order (`TenantHeap`, `evict_tenant`) is
+`evict.tenant_eviction`.
 """
 
 from __future__ import annotations
 
-import heapq
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import blake3
 
 from cas_bank.blocks.hashing import namespace_root, salt_bytes
 from cas_bank.blocks.store import BlockStore, Family, Write
 from cas_bank.errors import InvalidInputError
-from cas_bank.evict.eviction import Evicted, _count_evicted, _evict, leaf_index
-from cas_bank.evict.leaves import EndGroup, LeafIndex, Node
+from cas_bank.evict.eviction import leaf_index
+from cas_bank.evict.leaves import LeafIndex
 from cas_bank.evict.pins import read_pins
+
+# Removing a tenant's entries lives in `tenant_eviction`; its names stay importable here.
+from cas_bank.evict.tenant_eviction import TenantEviction as TenantEviction
+from cas_bank.evict.tenant_eviction import TenantHeap as TenantHeap
+from cas_bank.evict.tenant_eviction import Victim as Victim
+from cas_bank.evict.tenant_eviction import evict_tenant as evict_tenant
+from cas_bank.evict.tenant_eviction import held_bytes as held_bytes
 from cas_bank.index.tree import load_namespaces
 from cas_bank.owner import Writer
 
@@ -63,9 +72,6 @@ _DIGEST = 16
 _QUOTA = struct.Struct("<BQ")
 SHORT = 12  # hex characters of a tenant id shown in tables and metrics
 _ID = re.compile(r"[0-9a-f]{32}")
-
-# Heap kinds, as the leaf index orders them.
-_STATE, _ENDS, _BLOCK = 0, 1, 2
 
 
 def tenant_digest(salt: str | bytes | None) -> bytes:
@@ -180,155 +186,6 @@ class Tenants:
                 roots.setdefault(r, "root:" + r[:8].hex())  # for again at every store
         # A copy first: `noted` (a namespace opened on another thread) may add a root.
         return {r for r, t in list(roots.items()) if t == tenant}
-
-
-# -- choosing a tenant's victims ------------------------------------------------------
-Victim = tuple[Literal["block", "state", "ends"], bytes, Node | EndGroup]
-
-
-class TenantHeap:
-    """The leaf index's candidates under some roots, in its order: a heap of their own,
-    built once (linear in their entries) and kept complete by the index, which pushes
-    every candidate it queues under those roots (`LeafIndex.watchers`) until `close`.
-    Entries are checked when they surface, as the index's own are."""
-
-    def __init__(self, index: LeafIndex, roots: set[bytes], *, pinned: bool = False) -> None:
-        self.index, self.roots, self.pinned = index, frozenset(roots), pinned
-        self.heap: list[tuple[float, float, int, bytes]] = []
-        self._build()
-
-    def _build(self) -> None:
-        index, roots = self.index, self.roots
-        heap = self.heap
-        heap.clear()
-        for key, node in index.nodes.items():
-            if node.root in roots:
-                if node.has_state:
-                    heap.append((node.state_prio, node.state_used, _STATE, key))
-                if node.children == 0:
-                    heap.append((node.prio, node.used, _BLOCK, key))
-        for parent, group in index.ends.items():
-            if group.root in roots:
-                heap.append((group.prio, group.used, _ENDS, parent))
-        heapq.heapify(heap)
-        for r in roots:
-            watching = index.watchers.setdefault(r, [])
-            if not any(w is heap for w in watching):
-                watching.append(heap)
-
-    def fresh(self, index: LeafIndex, roots: set[bytes]) -> bool:
-        """Whether this heap still serves `roots` of `index`; rebuilt in place when stale
-        entries outnumber the index's (so it never grows without bound)."""
-        if index is not self.index or roots != self.roots:
-            return False
-        if len(self.heap) > 2 * (len(index.nodes) + len(index.ends)) + 1024:
-            self._build()
-        return True
-
-    def close(self) -> None:
-        for r in self.roots:
-            watching = [w for w in self.index.watchers.get(r, []) if w is not self.heap]
-            if watching:
-                self.index.watchers[r] = watching
-            else:
-                self.index.watchers.pop(r, None)
-
-    def pop(self) -> Victim | None:
-        index = self.index
-        while self.heap:
-            prio, t, kind, key = heapq.heappop(self.heap)
-            if kind == _ENDS:
-                group = index.ends.get(key)
-                if group is None or (not self.pinned and index.ends_pinned(key)):
-                    continue
-                if (group.prio, group.used) != (prio, t):  # used since: at its new key
-                    heapq.heappush(self.heap, (group.prio, group.used, _ENDS, key))
-                    continue
-                return "ends", key, group
-            node = index.nodes.get(key)
-            if node is None or (not self.pinned and index.pinned(key)):
-                continue
-            if kind == _STATE:
-                if not node.has_state:
-                    continue
-                if (node.state_prio, node.state_used) != (prio, t):
-                    heapq.heappush(self.heap, (node.state_prio, node.state_used, _STATE, key))
-                    continue
-                return "state", key, node
-            if node.children:
-                continue
-            if (node.prio, node.used) != (prio, t):
-                heapq.heappush(self.heap, (node.prio, node.used, _BLOCK, key))
-                continue
-            return "block", key, node
-        return None
-
-
-@dataclass(frozen=True, slots=True)
-class TenantEviction:
-    """What one `evict_tenant` removed."""
-
-    tenant: str
-    bytes_before: int
-    bytes_after: int
-    evicted: list[Evicted]
-
-    @property
-    def bytes_evicted(self) -> int:
-        return sum(e.size for e in self.evicted)
-
-
-def held_bytes(index: LeafIndex, roots: Iterable[bytes]) -> int:
-    return sum(index.root_bytes.get(r, 0) for r in roots)
-
-
-def evict_tenant(
-    bank: Writer,
-    tenant: str,
-    roots: set[bytes],
-    *,
-    limit: int | None = None,
-    most: int | None = None,
-    revoking: bool = False,
-    heaps: dict[str, TenantHeap] | None = None,
-) -> TenantEviction:
-    """Remove the candidates under `roots` in eviction order, in one transaction,
-    until they hold at most `limit` bytes (None: all of them) or `most` went.
-
-    `revoking`: pinned ones too, and no removal records (the namespace is going).
-    `heaps`: the tenants' heaps kept from one call to the next (by tenant); without
-    it the heap is built for this call and closed after it.
-    """
-    access = bank.access
-    with bank.transaction(budget=False) as tx:
-        index = leaf_index(tx.store, access)
-        before = held_bytes(index, roots)
-        kept = heaps.get(tenant) if heaps is not None else None
-        if kept is not None and (kept.pinned != revoking or not kept.fresh(index, roots)):
-            kept.close()
-            kept = None
-        heap = kept or TenantHeap(index, roots, pinned=revoking)
-        if heaps is not None:
-            heaps[tenant] = heap
-        else:
-            tx.on_abort(heap.close)
-        evicted: list[Evicted] = []
-        while (limit is None or held_bytes(index, roots) > limit) and (
-            most is None or len(evicted) < most
-        ):
-            victim = heap.pop()
-            if victim is None:
-                break
-            if not evicted:  # the index runs ahead of the disk: if the batch fails, rebuild it
-                tx.on_abort(lambda: setattr(access, "index", None))
-            evicted.append(_evict(tx, index, victim, None if revoking else "budget"))
-        _count_evicted(tx, evicted)
-        if not evicted:
-            tx.abort()
-        after = held_bytes(index, roots)
-    if heaps is None:
-        heap.close()
-    return TenantEviction(tenant, before, after, evicted)
 
 
 def enforce_quotas(bank: Writer, tenants: Tenants) -> list[TenantEviction]:
