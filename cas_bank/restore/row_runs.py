@@ -294,7 +294,7 @@ def _blocks_for(n: int) -> int:
     return max(64, 1 << (n - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)  # a model's layout or two; each up to ~1 MB at 4k blocks
 def _block_runs(template: bytes, body_at: int, blocks: int) -> np.ndarray:
     """Blocks 0..blocks-1's copy runs at address 0 for views of row runs `template`
     (int64 triples, `row_runs`' at address 0): (offset in its view, offset in the
