@@ -10,6 +10,7 @@ import struct
 import time
 from pathlib import Path
 
+from cas_bank.blocks.bankdir import FORMAT_KEY
 from cas_bank.blocks.hashing import HASH_FORMAT_VERSION
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
@@ -26,7 +27,6 @@ digests checked; the writer's open creates the missing families) and is marked 3
 its first writer, 4 only by one that writes XXH3-128 (`BankConfig.payload_check`); a
 cas_bank that reads an older version refuses a newer bank, naming the version."""
 BLAKE3_ONLY_VERSION = 3  # the newest format whose payloads are all blake3-checked
-_KEY_FORMAT = b"format_version"
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
@@ -41,7 +41,7 @@ def _version_for(check: str) -> int:
 
 def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
     """Compare the bank's persisted settings with `config`; write them on creation."""
-    fmt, bs, hf = store.get_many(Family.META, [_KEY_FORMAT, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
+    fmt, bs, hf = store.get_many(Family.META, [FORMAT_KEY, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
     if fmt is None:
         if store.read_only:
             files = [*path.glob("*.sst"), *path.glob("*.blob")]
@@ -62,7 +62,7 @@ def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCon
         check = config.payload_check or "xxh3"
         store.put_batch(
             [
-                (Family.META, _KEY_FORMAT, _U32.pack(_version_for(check))),
+                (Family.META, FORMAT_KEY, _U32.pack(_version_for(check))),
                 (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
                 (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
                 (Family.META, _KEY_CREATED, str(time.time()).encode()),
@@ -83,7 +83,7 @@ def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCon
     if marked > version and not store.read_only:
         # 1 -> 2 -> 3 -> 4 need no rewrite: new large payloads go to files, the ends
         # family was created by this open, new payloads carry XXH3-128.
-        store.put_batch([(Family.META, _KEY_FORMAT, _U32.pack(marked))])
+        store.put_batch([(Family.META, FORMAT_KEY, _U32.pack(marked))])
     config = config.model_copy(update={"payload_check": check})
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION
     if hash_version != HASH_FORMAT_VERSION:

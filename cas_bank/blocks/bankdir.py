@@ -33,7 +33,9 @@ MARKER_FAMILY = "meta"
 BANK_FAMILIES = frozenset(f.value for f in Family)
 """Every column family a bank has."""
 FORMAT_KEY = b"format_version"
-"""The key in `meta` every bank writes at its first open (`bank_format.py`'s `_KEY_FORMAT`)."""
+"""The key in `meta` of a bank's format version, written at its first open and checked at
+every open (`cas_bank.bank_format`); defined here, in the lowest layer that reads it
+(`blocks.damage`)."""
 
 # What Finder leaves in any directory it shows; what mkfs puts in a fresh ext4/xfs volume.
 _IGNORED = frozenset({".DS_Store", "lost+found"})
