@@ -12,7 +12,10 @@ import io
 import json
 import math
 import struct
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from operator import attrgetter
 from typing import Any, BinaryIO, cast
 
@@ -26,6 +29,14 @@ _BATCH_EVAL_BYTES = 16 << 20  # below this, one mx.eval allocates every destinat
 # An array below this is zeroed rather than left unfilled: `unfilled` costs ~85-115 us
 # an array (MLX's load call), a zero fill ~7 GB/s (1 MiB: ~150 us) measured here.
 UNFILLED_FROM = 1 << 20
+# While `unfilled` loads, a thread that asks for the GIL waits at most this long before
+# its holder is told to let it go (Python's default: 5 ms). MLX's I/O thread asks for it
+# at each call into the stream, a few a load: beside any busy Python thread (a
+# runtime's, the background writer's) a load of 0.3 ms took 21-25 ms at the default.
+LOAD_SWITCH_INTERVAL = 1e-4
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
 
 
 class Destination:
@@ -254,18 +265,43 @@ def unfilled(wanted: Sequence[tuple[tuple[int, ...], DType]]) -> list[mx.array] 
     if not wanted:
         return []
     stream = _Unfilled(wanted)
-    try:
-        # On the CPU stream everywhere: on CUDA `mx.load` would otherwise load on the GPU,
-        # into device memory a CPU pointer does not reach (`arrays.fill_stream`).
-        loaded = mx.load(cast(BinaryIO, stream), format="safetensors", stream=mx.cpu)
-    except Exception:  # an MLX without file-like loads: the caller zero-fills
-        return None
-    finally:
-        del stream  # not left to the collector: a late one aborted at exit once
-    assert isinstance(loaded, dict)
-    out = [loaded[str(i)] for i in range(len(wanted))]
-    mx.eval(out)
+    with short_gil_waits():  # the load runs in `mx.eval`, calling back into the stream
+        try:
+            # On the CPU stream everywhere: on CUDA `mx.load` would otherwise load on the
+            # GPU, into device memory a CPU pointer does not reach (`arrays.fill_stream`).
+            loaded = mx.load(cast(BinaryIO, stream), format="safetensors", stream=mx.cpu)
+        except Exception:  # an MLX without file-like loads: the caller zero-fills
+            return None
+        finally:
+            del stream  # not left to the collector: a late one aborted at exit once
+        assert isinstance(loaded, dict)
+        out = [loaded[str(i)] for i in range(len(wanted))]
+        mx.eval(out)
     return out
+
+
+@contextmanager
+def short_gil_waits() -> Iterator[None]:
+    """Python's switch interval at most `LOAD_SWITCH_INTERVAL` inside the block, put back
+    when the last of the threads inside leaves, unless someone set another meanwhile.
+    Process-wide, as the interval is, and only for the ~0.3 ms of a load: the other
+    threads then hand the GIL over sooner, and lose nothing else."""
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            if _switch_saved > LOAD_SWITCH_INTERVAL:
+                sys.setswitchinterval(LOAD_SWITCH_INTERVAL)
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            # (`getswitchinterval` gives back the interval as held: in microseconds.)
+            still_ours = abs(sys.getswitchinterval() - LOAD_SWITCH_INTERVAL) < 1e-9
+            if _switch_users == 0 and _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
+                sys.setswitchinterval(_switch_saved)
 
 
 # glibc's mallopt parameters (malloc.h)
