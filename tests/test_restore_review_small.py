@@ -203,6 +203,44 @@ def test_leased_blocks_before_and_multi_gets_past_the_first_table(
         assert calls == [3, 64, 63, 9, 64, 63, 9]
 
 
+@pytest.mark.parametrize("spare_bytes", [0, 1 << 30])
+def test_unfilled_and_spare_destinations_hold_the_stored_bytes(
+    bank_path: Path, spare_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Destinations of 4 MiB ([1, 8, 2048, 64] float32 with room), over
+    `UNFILLED_FROM`: made unfilled (no spares) or taken from the spares (zeroed off the
+    path), then filled by the small payloads' copy; every row handed out is a stored
+    one."""
+    from cas_bank.restore import destinations
+
+    layer = LayerSpec.attention(kv_heads=8, head_dim=64, dtype="float32")
+    spec = ModelSpec(name="rv-big-dest", layers=(layer,), weights_digest="w-rv")
+    tokens = tokens_of(np.random.default_rng(4), 20 * B)
+    layers = prefix_layers(spec, tokens)
+    config = BankConfig(block_size=B, file_min_bytes=None)
+    with Bank.open(bank_path, config) as bank:
+        bank.namespace(spec).store(tokens, layers)
+    made_unfilled: list[int] = []
+    unfilled = destinations.unfilled
+
+    def counted(wanted: Any) -> Any:
+        made_unfilled.append(len(wanted))
+        return unfilled(wanted)
+
+    monkeypatch.setattr(destinations, "unfilled", counted)
+    want = kv_prefix_bits(layers, spec, len(tokens))
+    with Bank.open(bank_path, BankConfig(hot_bytes=0, spare_bytes=spare_bytes)) as bank:
+        ns = bank.namespace(spec)
+        for _ in range(4):
+            hit = ns.restore([*tokens, 7], room_for=2000)
+            assert hit is not None and hit.tokens == len(tokens)
+            assert _first_rows(hit, spec) == want
+            bank.resources.spares.settle()
+        assert bank.stats().corrupt_reads == 0
+    # Unfilled each time without spares; with them, only the first restore's.
+    assert made_unfilled == ([2] * 4 if spare_bytes == 0 else [2])  # keys, values
+
+
 # -- damage ------------------------------------------------------------------------
 _LEAD = codec.LEAD
 _DAMAGED_AT = 5  # the block damaged (plain, after the lz4 one)
