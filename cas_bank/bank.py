@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cas_bank.arrays import cpu_fillable, dtype_named
 from cas_bank.bank_format import BLAKE3_ONLY_VERSION as BLAKE3_ONLY_VERSION  # re-exported
 from cas_bank.bank_format import FORMAT_VERSION as FORMAT_VERSION  # re-exported: its old home
-from cas_bank.bank_format import check_settings
+from cas_bank.bank_format import check_settings, record_files
 from cas_bank.blocks.backends import open_store
 from cas_bank.blocks.files import FileTier
 from cas_bank.blocks.hashing import Check, namespace_root, salt_bytes
@@ -217,6 +217,7 @@ class Bank:
                     where / "payloads",
                     min_bytes=_NEVER if config.file_min_bytes is None else config.file_min_bytes,
                     durable=config.durability == "wal",
+                    record_digests=record_files(config),
                 )
             if config.hot_bytes > 0:
                 store = HotStore(store, config.hot_bytes)

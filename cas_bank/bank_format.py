@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cas_bank.blocks.bankdir import FORMAT_KEY
@@ -16,21 +17,31 @@ from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.config import BankConfig
 from cas_bank.errors import BankDamagedError, BankSettingsError
 from cas_bank.index.children import INDEXED_KEY
+from cas_bank.index.ends import named_digest
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """1: every payload in RocksDB. 2: payloads of 64 KiB and more may be files beside it
 (`blocks.files`), their records stubs. 3: the `ends` and `evicted` families (end
 records, `index.ends`; the eviction memory, `evict.evicted`). 4: payloads may carry
 an XXH3-128 check instead of blake3 (the digest field says which: `blocks.codec`).
+5: end records of 64 KiB and more may be files too (a hybrid model's holds its state).
 An older bank opens as it is (its payloads stay readable where they are, their blake3
 digests checked; the writer's open creates the missing families) and is marked 3 by
-its first writer, 4 only by one that writes XXH3-128 (`BankConfig.payload_check`); a
-cas_bank that reads an older version refuses a newer bank, naming the version."""
+its first writer, 5 only by one that writes XXH3-128 (`BankConfig.payload_check`,
+which writes end-record files too); a cas_bank that reads an older version refuses a
+newer bank, naming the version."""
 BLAKE3_ONLY_VERSION = 3  # the newest format whose payloads are all blake3-checked
 _KEY_BLOCK_SIZE = b"block_size"
 _KEY_HASH_FORMAT = b"hash_format_version"
 _KEY_CREATED = b"created"
 _U32 = struct.Struct("<I")
+
+
+def record_files(config: BankConfig) -> dict[Family, Callable[[bytes], bytes | None]]:
+    """The records other than payloads a bank of `config` (as `check_settings` left it)
+    writes as files when large (`blocks.files.FileTier`): end records, in a bank marked
+    5 (its writer writes XXH3-128); none in an older one, which older cas_banks read."""
+    return {Family.ENDS: named_digest} if config.payload_check == "xxh3" else {}
 
 
 def _version_for(check: str) -> int:
@@ -81,8 +92,9 @@ def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCon
     check = config.payload_check or ("xxh3" if version > BLAKE3_ONLY_VERSION else "blake3")
     marked = max(version, _version_for(check))
     if marked > version and not store.read_only:
-        # 1 -> 2 -> 3 -> 4 need no rewrite: new large payloads go to files, the ends
-        # family was created by this open, new payloads carry XXH3-128.
+        # 1 -> 2 -> 3 -> 4 -> 5 need no rewrite: new large payloads go to files, the
+        # ends family was created by this open, new payloads carry XXH3-128, new large
+        # end records go to files.
         store.put_batch([(Family.META, FORMAT_KEY, _U32.pack(marked))])
     config = config.model_copy(update={"payload_check": check})
     hash_version = _U32.unpack(hf)[0] if hf else HASH_FORMAT_VERSION

@@ -178,12 +178,12 @@ def test_reopen_with_another_block_size(bank_path: Path) -> None:
 def test_reopen_a_newer_format(bank_path: Path, key: bytes) -> None:
     Bank.open(bank_path, BankConfig(block_size=B)).close()
     with RocksStore(bank_path) as raw:
-        raw.put_batch([(Family.META, key, struct.pack("<I", 5 if key == b"format_version" else 2))])
+        raw.put_batch([(Family.META, key, struct.pack("<I", 6 if key == b"format_version" else 2))])
         before = {f: list(raw.iterate(f)) for f in Family}
     with pytest.raises(BankSettingsError) as err:
         Bank.open(bank_path)
     if key == b"format_version":
-        assert f"bank at {bank_path} has format version 5; this cas_bank reads up to 4" in str(
+        assert f"bank at {bank_path} has format version 6; this cas_bank reads up to 5" in str(
             err.value
         )
     else:

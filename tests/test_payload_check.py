@@ -62,7 +62,9 @@ def _checks(path: Path) -> dict[str, set[str]]:
             if stub is not None:
                 out["stubs"].add(check_of(stub[0]))
         for key, value in raw.iterate(Family.ENDS):
-            out["ends"].add(check_of(split_record(key, value)[0].payload_digest))
+            stub = stub_of(value)  # a large end record is a file (format 5)
+            digest = stub[0] if stub is not None else split_record(key, value)[0].payload_digest
+            out["ends"].add(check_of(digest))
     return out
 
 
@@ -93,14 +95,16 @@ def test_the_xxh3_check_field_and_its_vector() -> None:
     assert check_of(payload_check(b"abc", check="blake3")) == "blake3"
 
 
-def test_a_new_bank_is_format_4_and_every_record_carries_xxh3(bank_path: Path) -> None:
+def test_a_new_bank_is_format_5_and_every_record_carries_xxh3(bank_path: Path) -> None:
     with Bank.open(bank_path, BankConfig(block_size=B, file_min_bytes=256)) as bank:
         assert bank.payload_check == "xxh3"
         ns = bank.namespace(SPEC)
         layers = prefix_layers(SPEC, PROMPT_FILES)
         ns.store(PROMPT_FILES, layers)
         assert ns.store_end(PROMPT_FILES, layers) > 0  # its bytes
-    assert _format(bank_path) == 4
+    assert _format(bank_path) == 5
+    with RocksStore(bank_path, mode="read_only") as raw:  # the end record is a file (5)
+        assert all(stub_of(v) is not None for _, v in raw.iterate(Family.ENDS))
     assert _checks(bank_path) == {"headers": {"xxh3"}, "stubs": {"xxh3"}, "ends": {"xxh3"}}
     with Bank.open(bank_path, mode="read_only") as bank:
         assert _restores_bit_exact(bank, PROMPT_FILES) == len(PROMPT_FILES)  # the end record
@@ -153,17 +157,17 @@ def test_a_flipped_byte_in_an_old_banks_payload_is_caught(tmp_path: Path, where:
         assert ("payload_corrupt", chain[1]) in found
 
 
-def test_asking_for_xxh3_marks_an_old_bank_4_and_leaves_its_records(tmp_path: Path) -> None:
+def test_asking_for_xxh3_marks_an_old_bank_5_and_leaves_its_records(tmp_path: Path) -> None:
     path = _old_bank(tmp_path)
     before = _contents(path)
     longer = [*PROMPT_DB, 7, 8, 9, 10]
     with Bank.open(path, BankConfig(payload_check="xxh3")) as bank:
         bank.namespace(SPEC).store(longer, prefix_layers(SPEC, longer))
-    assert _format(path) == 4
+    assert _format(path) == 5
     assert _checks(path)["headers"] == {"blake3", "xxh3"}
     after = _contents(path)
     assert all(after[n] == before[n] for n in before if n.startswith("payloads/"))
-    with Bank.open(path, BankConfig(hot_bytes=0)) as bank:  # 4 now: XXH3 by default
+    with Bank.open(path, BankConfig(hot_bytes=0)) as bank:  # 5 now: XXH3 by default
         assert bank.payload_check == "xxh3"
         for prompt in (longer, PROMPT_FILES):
             _restores_bit_exact(bank, prompt)

@@ -2,7 +2,11 @@
 
 A wrapper store (like the hot tier). A block or state payload of at least
 `min_bytes` is written to its own file, named by its key and digest, and the
-database keeps a small stub in its place (`CASF`, the payload's digest and size).
+database keeps a small stub in its place (`CASF`, the payload's digest and size);
+so is an end record of that size where the bank's format allows it (5: `record_digests`
+says how to read the digest a record names). Besides the restore's reads below, this
+keeps large values out of rocksdict, whose writes hold the GIL: a hybrid model's 4.9 MB
+end record written through it stalled every Python thread 13-20 ms.
 RocksDB stays the index and the single commit point:
 
 - write: the files first (written whole under a temporary name, fsync'd when
@@ -29,7 +33,7 @@ import contextlib
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +42,10 @@ from cas_bank.blocks.damage import RESUME_MARGIN, free_bytes, full_error, is_no_
 from cas_bank.blocks.store import PAYLOAD_FAMILIES, BlockStore, Family, Write
 from cas_bank.errors import BankFullError, CorruptDataError
 
+# Families whose values may be files: the payloads, and (format 5) end records. A read
+# of any of them resolves a stub, whatever the bank's format (an end record's value
+# begins with its version byte, never with the stub's magic).
+FILE_FAMILIES = (*PAYLOAD_FAMILIES, Family.ENDS)
 STUB_MAGIC = b"CASF"
 _STUB = struct.Struct("<4s32sQ")
 MIN_FILE_BYTES = 64 * 1024
@@ -76,6 +84,7 @@ class FileTier(BlockStore):
         *,
         min_bytes: int = MIN_FILE_BYTES,
         durable: bool = True,
+        record_digests: Mapping[Family, Callable[[bytes], bytes | None]] | None = None,
     ) -> None:
         self.inner = inner
         self.capabilities = inner.capabilities  # files first, then inner's one batch
@@ -89,8 +98,14 @@ class FileTier(BlockStore):
         self.files_written = 0
         self.file_bytes_written = 0
         self._full: str | None = None  # why files are refused: the disk was full
+        # How to read the digest a large value names, by the families written as files:
+        # a payload's lead; `record_digests` adds others (None: not one, kept in place).
+        self._digests: dict[Family, Callable[[bytes], bytes | None]] = {
+            family: _payload_digest for family in PAYLOAD_FAMILIES
+        }
+        self._digests.update(record_digests or {})
         if not self.read_only:
-            for family in PAYLOAD_FAMILIES:
+            for family in self._digests:
                 (self.directory / family.value).mkdir(parents=True, exist_ok=True)
             dirty = self.directory / _DIRTY
             if dirty.exists():
@@ -147,7 +162,7 @@ class FileTier(BlockStore):
     # -- reads ---------------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:
         values = self.inner.get_many(family, keys)
-        if family not in PAYLOAD_FAMILIES:
+        if family not in FILE_FAMILIES:
             return values
         return [self._resolve(family, k, v) for k, v in zip(keys, values, strict=True)]
 
@@ -165,7 +180,7 @@ class FileTier(BlockStore):
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         for key, value in self.inner.iterate(family, values=values):
-            if values and family in PAYLOAD_FAMILIES:
+            if values and family in FILE_FAMILIES:
                 resolved = self._resolve(family, key, value)
                 if resolved is None:
                     continue
@@ -175,19 +190,33 @@ class FileTier(BlockStore):
     def prefixed(self, family: Family, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         if family in PAYLOAD_FAMILIES:
             return super().prefixed(family, prefix)
+        if family in FILE_FAMILIES:
+            return self._resolved(family, self.inner.prefixed(family, prefix))
         return self.inner.prefixed(family, prefix)
 
     def around(self, family: Family, key: bytes, prefix: bytes) -> list[tuple[bytes, bytes]]:
         if family in PAYLOAD_FAMILIES:
             return super().around(family, key, prefix)
+        if family in FILE_FAMILIES:
+            return list(self._resolved(family, self.inner.around(family, key, prefix)))
         return self.inner.around(family, key, prefix)
+
+    def _resolved(
+        self, family: Family, pairs: Iterator[tuple[bytes, bytes]] | list[tuple[bytes, bytes]]
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """`pairs` read from the inner store with their stubs resolved (a missing file's
+        pair left out)."""
+        for key, value in pairs:
+            resolved = self._resolve(family, key, value)
+            if resolved is not None:
+                yield key, resolved
 
     # -- writes --------------------------------------------------------------------
     def put_batch(self, writes: Sequence[Write]) -> None:
         if self.read_only:
             self.inner.put_batch(writes)  # raises, naming the mode
             return
-        touched = [(f, k) for f, k, _ in writes if f in PAYLOAD_FAMILIES]
+        touched = [(f, k) for f, k, _ in writes if f in FILE_FAMILIES]
         needed = sum(len(v) for f, _, v in writes if v is not None and self._as_file(f, v))
         with self._lock:
             # After a full disk: refuse at once while it is still full (RocksDB does the
@@ -199,17 +228,17 @@ class FileTier(BlockStore):
             new: list[Path] = []
             try:
                 for family, key, value in writes:
-                    if self._as_file(family, value):
+                    digest = self._file_digest(family, value)
+                    if digest is not None:
                         assert value is not None
-                        digest = codec.digest_field(value)
                         path = self.path(family, key, digest)
                         self._write_file(path, value)
                         new.append(path)
                         value = _STUB.pack(STUB_MAGIC, digest, len(value))
                     out.append((family, key, value))
                 if new and self.durable:
-                    for family in PAYLOAD_FAMILIES:
-                        _fsync_dir(self.directory / family.value)
+                    for folder in {p.parent for p in new}:
+                        _fsync_dir(folder)
                 self.inner.put_batch(out)
                 self._full = None
             except BaseException as e:
@@ -230,17 +259,19 @@ class FileTier(BlockStore):
                         path.unlink()
 
     def _as_file(self, family: Family, value: bytes | None) -> bool:
-        return (
-            family in PAYLOAD_FAMILIES
-            and value is not None
-            and self.stores_as_file(len(value))
-            and codec.is_payload(value)
-        )
+        return self._file_digest(family, value) is not None
+
+    def _file_digest(self, family: Family, value: bytes | None) -> bytes | None:
+        """The digest naming `value`'s file where it is written as one; else None."""
+        digest_of = self._digests.get(family)
+        if digest_of is None or value is None or not self.stores_as_file(len(value)):
+            return None
+        return digest_of(value)
 
     def _names(self, touched: list[tuple[Family, bytes]]) -> dict[tuple[Family, bytes], Path]:
         """The files the inner store's stubs name now, for these keys."""
         out: dict[tuple[Family, bytes], Path] = {}
-        for family in PAYLOAD_FAMILIES:
+        for family in FILE_FAMILIES:
             keys = [k for f, k in touched if f is family]
             for key, value in zip(keys, self._get_each(family, keys), strict=True):
                 found = self._stub_path(family, key, value) if value else None
@@ -288,7 +319,7 @@ class FileTier(BlockStore):
         """Remove files no stub names (a crash between a file and its batch); returns
         how many. Needs the writer: a store in flight would lose its new files."""
         removed = 0
-        for family in PAYLOAD_FAMILIES:
+        for family in FILE_FAMILIES:
             folder = self.directory / family.value
             if not folder.is_dir():
                 continue
@@ -315,7 +346,7 @@ class FileTier(BlockStore):
         the listing and its `stat` (a `.tmp` made final, an eviction): it is not
         counted (stats() during a background store failed on exactly that)."""
         total = 0
-        for family in PAYLOAD_FAMILIES:
+        for family in FILE_FAMILIES:
             folder = self.directory / family.value
             if folder.is_dir():
                 total += sum(map(_size_if_there, os.scandir(folder)))
@@ -350,6 +381,11 @@ class FileTier(BlockStore):
         if not self.read_only:
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / _DIRTY).unlink()
+
+
+def _payload_digest(value: bytes) -> bytes | None:
+    """A payload's digest field (its lead's); None if `value` is not a payload."""
+    return codec.digest_field(value) if codec.is_payload(value) else None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -152,6 +152,17 @@ def split_record(key: bytes, value: bytes) -> tuple[EndHeader, memoryview]:
     return header, payload
 
 
+def named_digest(value: bytes) -> bytes | None:
+    """The payload digest an end record's value names in its header (not checked); None
+    if it is not an end record of this version: what the file tier names the file of a
+    large one by (`blocks.files`)."""
+    try:
+        fields = _FIXED.unpack_from(value)
+    except struct.error:
+        return None
+    return bytes(fields[-1]) if fields[0] == END_VERSION else None
+
+
 def stored_record(key: bytes, value: bytes | None) -> tuple[EndHeader, memoryview] | None:
     """`split_record` of a value read from the store; None if it is absent or is not
     an end record."""
