@@ -4,8 +4,9 @@ destination's load shortens Python's switch interval for its ~0.3 ms and puts it
 
 A process forked while a load is under way on another thread (`multiprocessing`'s
 default start on Linux, a server's worker) inherits the short interval and the count
-of threads inside, but not the thread that would put it back: in the child the
-interval stays at 0.1 ms for good, whatever loads come and go there.
+of threads inside, but not the thread that would put it back: without a fork handler
+(`destinations._short_waits_after_fork`) the child kept 0.1 ms for good, whatever
+loads came and went there.
 
 Real threads and a real fork; the child only reads the interval, runs one more
 `short_gil_waits` and reports through a pipe.
@@ -71,11 +72,5 @@ def _child_interval() -> float:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-@pytest.mark.xfail(
-    strict=True,
-    reason="short_gil_waits has no fork handler: a child forked during a load keeps the "
-    "0.1 ms switch interval and a count of 1 for good (fix: os.register_at_fork "
-    "after_in_child resets the count and lock and puts the interval back if still ours)",
-)
 def test_a_child_forked_during_a_load_gets_its_switch_interval_back() -> None:
     assert _child_interval() == pytest.approx(DEFAULT)

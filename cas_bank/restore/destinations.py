@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import struct
 import sys
 import threading
@@ -303,6 +304,23 @@ def short_gil_waits() -> Iterator[None]:
             if _switch_users == 0 and _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
                 sys.setswitchinterval(_switch_saved)
 
+
+def _short_waits_after_fork() -> None:
+    """In a forked child: no thread of the parent's is inside `short_gil_waits` here, so
+    none would put the interval back (a child forked during a load kept 0.1 ms for
+    good), and its lock may have been copied held. Start over: a new lock, no thread
+    inside, the interval put back as the last thread out would have."""
+    global _switch_lock, _switch_users
+    _switch_lock = threading.Lock()
+    if _switch_users:
+        _switch_users = 0
+        still_ours = abs(sys.getswitchinterval() - LOAD_SWITCH_INTERVAL) < 1e-9
+        if _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
+            sys.setswitchinterval(_switch_saved)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_short_waits_after_fork)
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
