@@ -54,33 +54,7 @@ def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCon
     """Compare the bank's persisted settings with `config`; write them on creation."""
     fmt, bs, hf = store.get_many(Family.META, [FORMAT_KEY, _KEY_BLOCK_SIZE, _KEY_HASH_FORMAT])
     if fmt is None:
-        if store.read_only:
-            files = [*path.glob("*.sst"), *path.glob("*.blob")]
-            if files and next(iter(store.keys(Family.HEADERS)), None) is None:
-                raise BankDamagedError(
-                    f"bank at {path} does not open cleanly: its MANIFEST names no records "
-                    f"but {len(files)} table and blob files are present (a truncated or "
-                    f"damaged MANIFEST). `cas-bank salvage {path} NEW_DIR` copies every "
-                    "block that still verifies into a new bank"
-                )
-            raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
-        if any(next(iter(store.keys(f)), None) is not None for f in Family):
-            raise BankDamagedError(
-                f"{path} holds a RocksDB database with records but no cas_bank format "
-                "record: not a cas_bank bank (or its meta table was lost); it was not "
-                "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
-            )
-        check = config.payload_check or "xxh3"
-        store.put_batch(
-            [
-                (Family.META, FORMAT_KEY, _U32.pack(_version_for(check))),
-                (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
-                (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
-                (Family.META, _KEY_CREATED, str(time.time()).encode()),
-                (Family.META, INDEXED_KEY, b"1"),  # every record it will hold is indexed
-            ]
-        )
-        return config.model_copy(update={"payload_check": check})
+        return _create(store, path, config)
     version = _U32.unpack(fmt)[0]
     if version > FORMAT_VERSION:
         raise BankSettingsError(
@@ -111,3 +85,36 @@ def check_settings(store: BlockStore, path: Path, config: BankConfig) -> BankCon
             f"with block_size={config.block_size}"
         )
     return config
+
+
+def _create(store: BlockStore, path: Path, config: BankConfig) -> BankConfig:
+    """A new bank's settings written (`check_settings` where meta holds no format): refused
+    where the directory holds something else (a read-only open of no bank, a damaged
+    MANIFEST, another program's database)."""
+    if store.read_only:
+        files = [*path.glob("*.sst"), *path.glob("*.blob")]
+        if files and next(iter(store.keys(Family.HEADERS)), None) is None:
+            raise BankDamagedError(
+                f"bank at {path} does not open cleanly: its MANIFEST names no records "
+                f"but {len(files)} table and blob files are present (a truncated or "
+                f"damaged MANIFEST). `cas-bank salvage {path} NEW_DIR` copies every "
+                "block that still verifies into a new bank"
+            )
+        raise BankSettingsError(f"{path} holds no cas_bank bank (no format record)")
+    if any(next(iter(store.keys(f)), None) is not None for f in Family):
+        raise BankDamagedError(
+            f"{path} holds a RocksDB database with records but no cas_bank format "
+            "record: not a cas_bank bank (or its meta table was lost); it was not "
+            "opened. Use an empty directory, or `cas-bank salvage` for a damaged bank"
+        )
+    check = config.payload_check or "xxh3"
+    store.put_batch(
+        [
+            (Family.META, FORMAT_KEY, _U32.pack(_version_for(check))),
+            (Family.META, _KEY_BLOCK_SIZE, _U32.pack(config.block_size)),
+            (Family.META, _KEY_HASH_FORMAT, _U32.pack(HASH_FORMAT_VERSION)),
+            (Family.META, _KEY_CREATED, str(time.time()).encode()),
+            (Family.META, INDEXED_KEY, b"1"),  # every record it will hold is indexed
+        ]
+    )
+    return config.model_copy(update={"payload_check": check})
