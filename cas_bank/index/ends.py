@@ -227,6 +227,26 @@ class EndPayload:
     def tail_arrays(self) -> list[mx.array]:
         return [from_numpy(a, d) for a, d in zip(self.tail, self.tail_dtypes, strict=True)]
 
+    def mlx_arrays(self) -> list[mx.array]:
+        """Its MLX arrays: the state's, then the logits and the hidden state it holds."""
+        extra = [a for a in (self.logits, self.hidden) if a is not None]
+        return [*(self.state or ()), *extra]
+
+    def over_same_buffers(self, tail: list[np.ndarray] | None = None) -> EndPayload:
+        """These arrays as new MLX objects over the same buffers, evaluated (what a
+        holder hands out: a taker's in-place writes rebind its own objects, and MLX
+        copies a buffer another array holds before writing into it), with `tail` in
+        place of its own where given."""
+
+        def view(a: mx.array | None) -> mx.array | None:
+            return None if a is None else a.reshape(a.shape)
+
+        state = [a.reshape(a.shape) for a in self.state] if self.state is not None else None
+        tail = self.tail if tail is None else tail
+        out = EndPayload(tail, self.tail_dtypes, state, view(self.logits), view(self.hidden))
+        mx.eval(out.mlx_arrays())
+        return out
+
 
 def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes | memoryview) -> EndPayload:
     """The arrays of an end payload after checking its digest and its fit with `spec`."""
@@ -387,12 +407,10 @@ def end_place(
 def held_payload(end: EndInput) -> EndPayload:
     """The arrays of an end record not written yet, as a restore takes them: the tail
     as numpy views (bf16 as uint16), the rest as new MLX arrays on the same buffers."""
-    again = [a.reshape(a.shape) if a is not None else None for a in (end.logits, end.hidden)]
-    state = [a.reshape(a.shape) for a in end.state] if end.state is not None else None
-    mx.eval([a for a in again if a is not None], state or [])
-    return EndPayload(
-        [to_numpy(a) for a in end.tail], [dtype_of(a) for a in end.tail], state, *again
-    )
+    tail = [to_numpy(a) for a in end.tail]
+    state = list(end.state) if end.state is not None else None
+    held = EndPayload(tail, [dtype_of(a) for a in end.tail], state, end.logits, end.hidden)
+    return held.over_same_buffers()
 
 
 def prepare_end(

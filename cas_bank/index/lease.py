@@ -244,16 +244,11 @@ class Leases:
         tail = [np.array(t) for t in payload.tail]
         for t in tail:
             t.flags.writeable = False
-        state = [a.reshape(a.shape) for a in payload.state] if payload.state is not None else None
-        again = [
-            a.reshape(a.shape) if a is not None else None for a in (payload.logits, payload.hidden)
-        ]
-        arrays = [*(state or ()), *(a for a in again if a is not None)]
-        mx.eval(arrays)
+        kept = payload.over_same_buffers(tail)
+        arrays = kept.mlx_arrays()
         nbytes = sum(map(_NBYTES, arrays)) + sum(t.nbytes for t in tail)
         if not self.budget.fits(nbytes):
             return
-        kept = EndPayload(tail, list(payload.tail_dtypes), state, *again)
         entry = _Entry([], HeldArrays(arrays), nbytes, end=(bytes(digest), kept))
         with self._lock:
             self._insert(_end_entry_key(end_key), entry)
@@ -270,11 +265,7 @@ class Leases:
             if entry is None or entry.end is None or entry.end[0] != digest:
                 return None
             self._use(key)
-        kept = entry.end[1]
-        state = [_view(a) for a in kept.state] if kept.state is not None else None
-        again = [_view(a) if a is not None else None for a in (kept.logits, kept.hidden)]
-        mx.eval([*(state or ()), *(a for a in again if a is not None)])
-        return EndPayload(kept.tail, kept.tail_dtypes, state, *again)
+        return entry.end[1].over_same_buffers()
 
     def put_live(
         self,
