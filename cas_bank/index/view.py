@@ -19,7 +19,7 @@ and `index.children` take it as a store), and adds what only memory holds:
   header wins (its digests are real), a queued state is added to it;
 - end records (`end_records`: queued ones with their arrays, `FoundEnd.held`, unless
   the stored one holds more: logits or a hidden state the queued one lacks; a stored
-  one with where a lease may hold its arrays decoded, `FoundEnd.lease`);
+  one, with where a lease may hold its arrays decoded, `FoundEnd.lease`);
 - the children index's entries of queued blocks and end records;
 - arrays in memory: a queued chain's or a lease's blocks (`held_blocks`), states
   (`held_state`), a queued block's arrays as a payload would decode (`queued_block`).
@@ -92,7 +92,7 @@ class QueuedChain:
         self.root = bytes(root)
         self.hashes = [bytes(h) for h in hashes]
         self.position = {h: i for i, h in enumerate(self.hashes)}
-        # The queued store's own copy (`Namespace._turn`): a view of it, not another copy.
+        # The queued store's own copy (`write.queued_turn._turn`): a view of it, not another.
         self.tokens = tokens[: len(hashes) * block_size].astype("<u4", copy=False)
         self.block_size = block_size
         self.arrays = HeldArrays(arrays)

@@ -299,10 +299,17 @@ def short_gil_waits() -> Iterator[None]:
     finally:
         with _switch_lock:
             _switch_users -= 1
-            # (`getswitchinterval` gives back the interval as held: in microseconds.)
-            still_ours = abs(sys.getswitchinterval() - LOAD_SWITCH_INTERVAL) < 1e-9
-            if _switch_users == 0 and _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
-                sys.setswitchinterval(_switch_saved)
+            if _switch_users == 0:
+                _put_interval_back()
+
+
+def _put_interval_back() -> None:
+    """The interval saved by the first thread in, unless it was no longer than ours or
+    someone set another meanwhile. (`getswitchinterval` gives back the interval as
+    held: in microseconds.)"""
+    still_ours = abs(sys.getswitchinterval() - LOAD_SWITCH_INTERVAL) < 1e-9
+    if _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
+        sys.setswitchinterval(_switch_saved)
 
 
 def _short_waits_after_fork() -> None:
@@ -314,9 +321,7 @@ def _short_waits_after_fork() -> None:
     _switch_lock = threading.Lock()
     if _switch_users:
         _switch_users = 0
-        still_ours = abs(sys.getswitchinterval() - LOAD_SWITCH_INTERVAL) < 1e-9
-        if _switch_saved > LOAD_SWITCH_INTERVAL and still_ours:
-            sys.setswitchinterval(_switch_saved)
+        _put_interval_back()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX
