@@ -2,11 +2,14 @@
 thread calls back into the stream for the GIL a few times a load, and beside a busy
 Python thread each call waited the default 5 ms (a 0.3 ms load took 21-25 ms here).
 The interval is process-wide, so what matters is that it is put back: after every
-load, with loads on two threads at once, after an error, and never over a setting
-someone made meanwhile."""
+load, with loads on two threads at once, after an error, in a child forked during a
+load on another thread (which has not the thread that would put it back:
+`destinations._short_waits_after_fork`), and never over a setting someone made
+meanwhile."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -85,3 +88,45 @@ def test_a_setting_made_meanwhile_is_kept_and_a_short_one_is_left_alone() -> Non
     with short_gil_waits():
         assert sys.getswitchinterval() == pytest.approx(1e-5)
     assert sys.getswitchinterval() == pytest.approx(1e-5)
+
+
+def _child_interval() -> float:
+    """Fork while another thread is inside `short_gil_waits`; the child runs a load's
+    `short_gil_waits` of its own and says what its switch interval is then."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def load() -> None:
+        with short_gil_waits():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the loading thread is not here
+            code = 1
+            try:
+                with short_gil_waits():
+                    pass
+                os.write(write, repr(sys.getswitchinterval()).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        got = os.read(read, 64)
+        os.close(read)
+    finally:
+        leave.set()
+        thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sys.getswitchinterval() == pytest.approx(DEFAULT)  # the parent's is back
+    return float(got)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_during_a_load_gets_its_switch_interval_back() -> None:
+    assert _child_interval() == pytest.approx(DEFAULT)
