@@ -117,6 +117,32 @@ def random_state(spec: ModelSpec, seed: int = 0) -> list[Any]:
     ]
 
 
+def random_logits(seed: int) -> mx.array:
+    """A last token's logits for an end record (50 float32, of `seed`)."""
+    return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
+
+
+def end_leases(bank: Bank) -> list[Any]:
+    """The bank's leases of end records' decoded arrays: entries under b"e" and a
+    64-byte end key (a chain's entry is under its 32-byte chain hash, which begins with
+    b"e" for some tokens: those of seed 429 after a store of 2 * BLOCK_SIZE + 3)."""
+    assert bank.leases is not None
+    return [e for k, e in bank.leases._entries.items() if len(k) == 65 and k[:1] == b"e"]
+
+
+def stored_hybrid_end(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any], list[Any]]:
+    """`n` tokens of seed `n` stored in `hybrid_spec()`'s namespace, their blocks and
+    end record (a state of seed `n`; `extra`: logits, hidden): (tokens, layers, state)."""
+    spec = hybrid_spec()
+    tokens = tokens_of(np.random.default_rng(n), n)
+    layers = prefix_layers(spec, tokens)
+    state = random_state(spec, n)
+    ns = bank.namespace(spec)
+    ns.store(tokens, layers)  # its blocks: an end record needs its parent
+    assert ns.store_end(tokens, layers, state, **extra) > 0
+    return tokens, layers, state
+
+
 def prefix_layers(spec: ModelSpec, tokens: list[int], pad: int = 0) -> list[Any]:
     """KV like a real model's: the vector at position t depends only on tokens[: t + 1].
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import struct
 import tarfile
 from pathlib import Path
-from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from conftest import (
     BLOCK_SIZE,
@@ -21,8 +19,9 @@ from conftest import (
     bits,
     hybrid_spec,
     prefix_layers,
-    random_state,
+    random_logits,
     state_bits,
+    stored_hybrid_end,
     tokens_of,
 )
 
@@ -39,10 +38,6 @@ HYBRID = hybrid_spec()
 SMALL_FILES = 1024  # every end record of these tests is a file
 
 
-def _logits(seed: int) -> mx.array:
-    return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
-
-
 def _end_files(path: Path) -> list[Path]:
     folder = path / "payloads" / "ends"
     return sorted(folder.iterdir()) if folder.is_dir() else []
@@ -53,37 +48,30 @@ def _raw_ends(path: Path) -> list[bytes]:
         return [v for _, v in raw.iterate(Family.ENDS)]
 
 
-def _stored(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any]]:
-    tokens = tokens_of(np.random.default_rng(n), n)
-    layers = prefix_layers(HYBRID, tokens)
-    state = random_state(HYBRID, n)
-    ns = bank.namespace(HYBRID)
-    ns.store(tokens, layers)
-    assert ns.store_end(tokens, layers, state, **extra) > 0
-    return tokens, state
-
-
 def test_a_large_end_record_is_a_file_and_restores_exactly(bank_path: Path) -> None:
     config = BankConfig(block_size=B, file_min_bytes=SMALL_FILES, hot_bytes=0)
     with Bank.open(bank_path, config) as bank:
-        tokens, state = _stored(bank, 2 * B + 3, logits=_logits(1))
+        tokens, _, state = stored_hybrid_end(bank, 2 * B + 3, logits=random_logits(1))
     (stub,) = _raw_ends(bank_path)
     assert stub_of(stub) is not None and len(_end_files(bank_path)) == 1
     with Bank.open(bank_path, config) as bank:
         hit = bank.namespace(HYBRID).restore(tokens)
         assert hit is not None and hit.exact and hit.tokens == len(tokens)
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
-        assert bits(hit.logits) == bits(_logits(1))  # type: ignore[arg-type]
+        assert bits(hit.logits) == bits(random_logits(1))  # type: ignore[arg-type]
         assert verify(bank).ok
         stats = bank.stats()
         assert stats.ends == 1 and stats.end_bytes > SMALL_FILES
         # Rewritten with more (a hidden state): one file, the new one.
         ns = bank.namespace(HYBRID)
         layers = prefix_layers(HYBRID, tokens)
-        assert ns.store_end(tokens, layers, state, logits=_logits(1), hidden=_logits(2)) > 0
+        assert (
+            ns.store_end(tokens, layers, state, logits=random_logits(1), hidden=random_logits(2))
+            > 0
+        )
         assert len(_end_files(bank_path)) == 1
         hit = ns.restore(tokens)
-        assert hit is not None and bits(hit.hidden) == bits(_logits(2))  # type: ignore[arg-type]
+        assert hit is not None and bits(hit.hidden) == bits(random_logits(2))  # type: ignore[arg-type]
         evict_to_budget(bank, 0)
         assert bank.stats().ends == 0
     assert _end_files(bank_path) == [] and _raw_ends(bank_path) == []
@@ -92,7 +80,7 @@ def test_a_large_end_record_is_a_file_and_restores_exactly(bank_path: Path) -> N
 def test_a_damaged_or_orphaned_end_file_is_found_and_swept(bank_path: Path) -> None:
     config = BankConfig(block_size=B, file_min_bytes=SMALL_FILES, hot_bytes=0)
     with Bank.open(bank_path, config) as bank:
-        tokens, _ = _stored(bank, 2 * B + 5, logits=_logits(3))
+        tokens, _, _ = stored_hybrid_end(bank, 2 * B + 5, logits=random_logits(3))
         (file,) = _end_files(bank_path)
         orphan = file.with_name("00" * 64 + ".0011223344556677")
         orphan.write_bytes(b"left by a crash")
@@ -112,7 +100,7 @@ def test_a_damaged_or_orphaned_end_file_is_found_and_swept(bank_path: Path) -> N
 def test_end_files_travel_in_bundles(tmp_path: Path) -> None:
     config = BankConfig(block_size=B, file_min_bytes=SMALL_FILES)
     with Bank.open(tmp_path / "a", config) as bank:
-        tokens, state = _stored(bank, 3 * B + 1, logits=_logits(4))
+        tokens, _, state = stored_hybrid_end(bank, 3 * B + 1, logits=random_logits(4))
         ns = bank.namespace(HYBRID)
         export_chain(bank, chain_for_tokens(bank, ns.root, tokens), tmp_path / "x.casb")
     with Bank.open(tmp_path / "b", config) as bank:
@@ -135,7 +123,7 @@ def test_an_older_bank_keeps_its_end_records_in_the_database(tmp_path: Path) -> 
         assert bank.payload_check == "blake3"
         ns = bank.namespace(spec)
         ns.store(tokens, prefix_layers(spec, tokens))
-        assert ns.store_end(tokens, prefix_layers(spec, tokens), logits=_logits(5)) > 64
+        assert ns.store_end(tokens, prefix_layers(spec, tokens), logits=random_logits(5)) > 64
     assert all(stub_of(v) is None for v in _raw_ends(path))
     assert _end_files(path) == []
     with RocksStore(path, mode="read_only") as raw:

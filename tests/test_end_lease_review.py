@@ -18,10 +18,12 @@ import pytest
 from conftest import (
     BLOCK_SIZE,
     bits,
+    end_leases,
     hybrid_spec,
     layers_bits,
     prefix_layers,
     quantized_spec,
+    random_logits,
     random_state,
     state_bits,
     tokens_of,
@@ -35,17 +37,6 @@ from cas_bank.spec import ModelSpec
 
 B = BLOCK_SIZE
 HYBRID = hybrid_spec()
-
-
-def _logits(seed: int) -> mx.array:
-    return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
-
-
-def _end_leases(bank: Bank) -> list[Any]:
-    """The leases' end entries (their keys: b"e" and a 64-byte end key; a chain's key
-    is a 32-byte chain hash, which may begin with b"e" too)."""
-    assert bank.leases is not None
-    return [e for k, e in bank.leases._entries.items() if len(k) == 65 and k[:1] == b"e"]
 
 
 def _store(bank: Bank, spec: ModelSpec, tokens: list[int], seed: int, **extra: Any) -> Any:
@@ -79,29 +70,29 @@ def test_a_damaged_record_rewritten_with_the_same_flags_is_decoded_again(bank: B
     then the same key gets a record of the same flags and other arrays (another payload
     digest), and no restore gets the leased arrays of the old one."""
     tokens = tokens_of(np.random.default_rng(1), 2 * B + 3)
-    _store(bank, HYBRID, tokens, 1, logits=_logits(1))
+    _store(bank, HYBRID, tokens, 1, logits=random_logits(1))
     ns = bank.namespace(HYBRID)
     hit = ns.restore(tokens)
-    assert hit is not None and bits(hit.logits) == bits(_logits(1))  # type: ignore[arg-type]
+    assert hit is not None and bits(hit.logits) == bits(random_logits(1))  # type: ignore[arg-type]
     _damage(bank)
-    state = _store(bank, HYBRID, tokens, 2, logits=_logits(2))
+    state = _store(bank, HYBRID, tokens, 2, logits=random_logits(2))
     for _ in range(2):
         hit = ns.restore(tokens)
-        assert hit is not None and bits(hit.logits) == bits(_logits(2))  # type: ignore[arg-type]
+        assert hit is not None and bits(hit.logits) == bits(random_logits(2))  # type: ignore[arg-type]
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
 
 
 def test_a_record_evicted_and_stored_again_is_restored_as_stored_again(bank: Bank) -> None:
     tokens = tokens_of(np.random.default_rng(2), 2 * B + 3)
-    _store(bank, HYBRID, tokens, 1, logits=_logits(1))
+    _store(bank, HYBRID, tokens, 1, logits=random_logits(1))
     ns = bank.namespace(HYBRID)
-    assert ns.restore(tokens) is not None and _end_leases(bank)
+    assert ns.restore(tokens) is not None and end_leases(bank)
     evict_to_budget(bank, 0)
     assert ns.restore(tokens) is None
-    state = _store(bank, HYBRID, tokens, 2, logits=_logits(2))
+    state = _store(bank, HYBRID, tokens, 2, logits=random_logits(2))
     for _ in range(2):
         hit = ns.restore(tokens)
-        assert hit is not None and bits(hit.logits) == bits(_logits(2))  # type: ignore[arg-type]
+        assert hit is not None and bits(hit.logits) == bits(random_logits(2))  # type: ignore[arg-type]
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
 
 
@@ -111,42 +102,42 @@ def test_namespaces_of_the_same_tokens_each_restore_their_own(bank: Bank) -> Non
     other = hybrid_spec().model_copy(update={"weights_digest": "w-other"})
     quant = quantized_spec()
     want = {
-        spec.weights_digest: (_store(bank, spec, tokens, seed, logits=_logits(seed)), seed)
+        spec.weights_digest: (_store(bank, spec, tokens, seed, logits=random_logits(seed)), seed)
         for spec, seed in ((HYBRID, 1), (other, 2))
     }
-    _store(bank, quant, tokens, 3, logits=_logits(3))
+    _store(bank, quant, tokens, 3, logits=random_logits(3))
     first = bank.namespace(quant).restore(tokens)
     assert first is not None
     for _ in range(2):
         for spec in (HYBRID, other):
             state, seed = want[spec.weights_digest]
             hit = bank.namespace(spec).restore(tokens)
-            assert hit is not None and bits(hit.logits) == bits(_logits(seed))  # type: ignore[arg-type]
+            assert hit is not None and bits(hit.logits) == bits(random_logits(seed))  # type: ignore[arg-type]
             assert state_bits(hit.layers, spec) == state_bits(state, spec)
         hit = bank.namespace(quant).restore(tokens)
-        assert hit is not None and bits(hit.logits) == bits(_logits(3))  # type: ignore[arg-type]
+        assert hit is not None and bits(hit.logits) == bits(random_logits(3))  # type: ignore[arg-type]
         assert layers_bits(hit.layers, quant) == layers_bits(first.layers, quant)
-    assert len(_end_leases(bank)) == 3
+    assert len(end_leases(bank)) == 3
 
 
 def test_a_secondary_bank_restores_what_its_writer_rewrote(tmp_path: Path) -> None:
     path = tmp_path / "b"
     tokens = tokens_of(np.random.default_rng(4), 2 * B + 3)
     with Bank.open(path, BankConfig(block_size=B)) as primary:
-        _store(primary, HYBRID, tokens, 1, logits=_logits(1))
+        _store(primary, HYBRID, tokens, 1, logits=random_logits(1))
         primary.flush()
         with Bank.open(path, BankConfig(block_size=B), mode="secondary") as second:
             for _ in range(2):
                 hit = second.namespace(HYBRID).restore(tokens)
-                assert hit is not None and bits(hit.logits) == bits(_logits(1))  # type: ignore[arg-type]
-            assert _end_leases(second)
+                assert hit is not None and bits(hit.logits) == bits(random_logits(1))  # type: ignore[arg-type]
+            assert end_leases(second)
             # Holds more (a hidden state): written under the same key, another digest.
-            _store(primary, HYBRID, tokens, 2, logits=_logits(2), hidden=_logits(5))
+            _store(primary, HYBRID, tokens, 2, logits=random_logits(2), hidden=random_logits(5))
             primary.flush()
             second.refresh()
             hit = second.namespace(HYBRID).restore(tokens)
-            assert hit is not None and bits(hit.logits) == bits(_logits(2))  # type: ignore[arg-type]
-            assert hit.hidden is not None and bits(hit.hidden) == bits(_logits(5))
+            assert hit is not None and bits(hit.logits) == bits(random_logits(2))  # type: ignore[arg-type]
+            assert hit.hidden is not None and bits(hit.hidden) == bits(random_logits(5))
 
 
 def test_in_place_writes_into_what_restores_handed_out_never_reach_the_lease(bank: Bank) -> None:
@@ -155,16 +146,16 @@ def test_in_place_writes_into_what_restores_handed_out_never_reach_the_lease(ban
     restore's."""
     tokens = tokens_of(np.random.default_rng(5), 2 * B + 3)
     hidden = mx.array(np.arange(16, dtype=np.float32))
-    state = _store(bank, HYBRID, tokens, 1, logits=_logits(1), hidden=hidden)
+    state = _store(bank, HYBRID, tokens, 1, logits=random_logits(1), hidden=hidden)
     ns = bank.namespace(HYBRID)
     leased: list[bytes] = []
     for i in range(3):
         hit = ns.restore(tokens)
         assert hit is not None and hit.logits is not None and hit.hidden is not None
-        assert bits(hit.logits) == bits(_logits(1)) and bits(hit.hidden) == bits(hidden)
+        assert bits(hit.logits) == bits(random_logits(1)) and bits(hit.hidden) == bits(hidden)
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
         if i == 0:
-            leased = [bits(a) for e in _end_leases(bank) for a in e.arrays]
+            leased = [bits(a) for e in end_leases(bank) for a in e.arrays]
         logits, hid = hit.logits, hit.hidden
         logits[3] = 99.0
         logits += 1
@@ -177,7 +168,7 @@ def test_in_place_writes_into_what_restores_handed_out_never_reach_the_lease(ban
                     a *= 0
                     written.append(a)
         mx.eval(written)
-        assert [bits(a) for e in _end_leases(bank) for a in e.arrays] == leased
+        assert [bits(a) for e in end_leases(bank) for a in e.arrays] == leased
 
 
 @pytest.mark.parametrize("n", [2 * B + 3, B - 1])
@@ -187,11 +178,11 @@ def test_the_leased_tail_is_a_read_only_copy_the_restores_copy_from(bank: Bank, 
     after whole blocks or alone (a prompt shorter than a block: the tail is all the KV),
     and what a runtime writes into that KV in place reaches no later restore."""
     tokens = tokens_of(np.random.default_rng(6), n)
-    _store(bank, HYBRID, tokens, 1, logits=_logits(1))
+    _store(bank, HYBRID, tokens, 1, logits=random_logits(1))
     ns = bank.namespace(HYBRID)
     first = ns.restore(tokens)
     assert first is not None
-    ((entry,),) = [_end_leases(bank)]
+    ((entry,),) = [end_leases(bank)]
     tail = entry.end[1].tail
     assert tail and all(t.base is None and not t.flags.writeable for t in tail)
     for room in (0, len(tokens) + 8):
@@ -217,7 +208,7 @@ def test_a_lease_keeps_no_bytes_of_the_record_it_was_decoded_from(bank: Bank) ->
     """Only the decoded arrays (the tail copied) stay: the record's value is let go, and
     the entry is charged exactly what it holds."""
     tokens = tokens_of(np.random.default_rng(7), 2 * B + 3)
-    _store(bank, HYBRID, tokens, 1, logits=_logits(1), hidden=_logits(2))
+    _store(bank, HYBRID, tokens, 1, logits=random_logits(1), hidden=random_logits(2))
     ((key, stored),) = list(bank.store.iterate(Family.ENDS))
     value = bytes(bytearray(stored))  # an object of this test's own
     header, payload = split_record(key, value)
@@ -228,7 +219,7 @@ def test_a_lease_keeps_no_bytes_of_the_record_it_was_decoded_from(bank: Bank) ->
     del payload, decoded
     gc.collect()
     assert sys.getrefcount(value) < before  # the payload's view, and nothing else, let go
-    (entry,) = _end_leases(bank)
+    (entry,) = end_leases(bank)
     kept = entry.end[1]
     held = [*kept.state, kept.logits, kept.hidden]
     assert entry.nbytes == sum(a.nbytes for a in held) + sum(t.nbytes for t in kept.tail)
@@ -245,10 +236,10 @@ def test_restores_beside_a_thread_rewriting_the_record_get_one_records_bits(bank
     for seed in (1, 2):
         if records:
             _damage(bank)  # so that the second store writes (the same flags)
-        state = _store(bank, HYBRID, tokens, seed, logits=_logits(seed))
+        state = _store(bank, HYBRID, tokens, seed, logits=random_logits(seed))
         ((key, value),) = list(bank.store.iterate(Family.ENDS))
         records.append(value)
-        want[bits(_logits(seed))] = state_bits(state, HYBRID)
+        want[bits(random_logits(seed))] = state_bits(state, HYBRID)
     assert bank.leases is not None
     for k in [k for k in bank.leases._entries if k[:1] == b"l" and len(k) == 65]:
         bank.leases._drop(k)  # the stores' live leases: not what is tested
@@ -297,12 +288,12 @@ def test_only_the_record_a_restore_resumes_from_is_asked_of_the_leases(
     shallower record it found beside it."""
     tokens = tokens_of(np.random.default_rng(9), 2 * B + 3)
     for n in (2 * B + 1, 2 * B + 3):
-        _store(bank, HYBRID, tokens[:n], n, logits=_logits(n))
+        _store(bank, HYBRID, tokens[:n], n, logits=random_logits(n))
     ns = bank.namespace(HYBRID)
     for n in (2 * B + 1, 2 * B + 3):
         assert ns.restore(tokens[:n]) is not None
-    assert bank.leases is not None and len(_end_leases(bank)) == 2
-    ticks = [e.tick for e in _end_leases(bank)]
+    assert bank.leases is not None and len(end_leases(bank)) == 2
+    ticks = [e.tick for e in end_leases(bank)]
     asked: list[bytes] = []
     real = bank.leases.end
 
@@ -312,9 +303,9 @@ def test_only_the_record_a_restore_resumes_from_is_asked_of_the_leases(
 
     monkeypatch.setattr(bank.leases, "end", asking)
     assert ns.match(tokens) == len(tokens)
-    assert asked == [] and [e.tick for e in _end_leases(bank)] == ticks
+    assert asked == [] and [e.tick for e in end_leases(bank)] == ticks
     hit = ns.restore(tokens)
-    assert hit is not None and hit.exact and bits(hit.logits) == bits(_logits(2 * B + 3))  # type: ignore[arg-type]
+    assert hit is not None and hit.exact and bits(hit.logits) == bits(random_logits(2 * B + 3))  # type: ignore[arg-type]
     records = list(bank.store.iterate(Family.ENDS))
     (deepest,) = [k for k, v in records if split_record(k, v)[0].n_tokens == len(tokens)]
     assert asked == [deepest]
@@ -328,13 +319,13 @@ def test_a_record_damaged_under_its_lease_is_served_the_leased_arrays_until_they
     intact) restores the arrays it was written with, and no corrupt read is counted;
     once the lease is gone, the same record is read, fails its digest and is a miss."""
     tokens = tokens_of(np.random.default_rng(10), 2 * B + 3)
-    state = _store(bank, HYBRID, tokens, 1, logits=_logits(1))
+    state = _store(bank, HYBRID, tokens, 1, logits=random_logits(1))
     ns = bank.namespace(HYBRID)
-    assert ns.restore(tokens) is not None and _end_leases(bank)
+    assert ns.restore(tokens) is not None and end_leases(bank)
     _damage(bank)
     corrupt = bank.stats().corrupt_reads
     hit = ns.restore(tokens)
-    assert hit is not None and bits(hit.logits) == bits(_logits(1))  # type: ignore[arg-type]
+    assert hit is not None and bits(hit.logits) == bits(random_logits(1))  # type: ignore[arg-type]
     assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
     assert bank.stats().corrupt_reads == corrupt
     assert bank.leases is not None

@@ -18,6 +18,7 @@ from conftest import (
     hybrid_spec,
     layers_bits,
     prefix_layers,
+    random_logits,
     random_state,
     state_bits,
     tokens_of,
@@ -37,10 +38,6 @@ from cas_bank.maintenance.verify import verify as verify_bank
 B = BLOCK_SIZE
 SPEC = attention_spec()
 HYBRID = hybrid_spec()
-
-
-def _logits(seed: int) -> mx.array:
-    return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
 
 
 def _kv_bits(layers: list[Any], spec: Any, n: int) -> list[list[bytes]]:
@@ -107,7 +104,7 @@ def test_a_lookup_finds_the_longest_stored_tail(
         ns = bank.namespace(SPEC)
         for p in stored:
             ns.store(p, prefix_layers(SPEC, p))
-            ns.store_end(p, prefix_layers(SPEC, p), logits=_logits(len(p)))
+            ns.store_end(p, prefix_layers(SPEC, p), logits=random_logits(len(p)))
         # The expectation, from the prompts themselves.
         matched = 0
         heads = {tuple(p[: (i + 1) * B]) for p in stored for i in range(len(p) // B)}
@@ -140,7 +137,7 @@ def test_a_lookup_finds_the_longest_stored_tail(
             )
             assert hit.exact == (best == len(prompt) and want == best)
             if hit.exact:
-                assert bits(hit.logits) == bits(_logits(len(prompt)))  # type: ignore[arg-type]
+                assert bits(hit.logits) == bits(random_logits(len(prompt)))  # type: ignore[arg-type]
 
 
 def _shared(a: list[int], b: list[int]) -> int:
@@ -158,16 +155,16 @@ def test_exact_repeat_of_a_hybrid_prompt(bank: Bank) -> None:
     ns.store(tokens, layers)  # blocks, no state
     assert ns.restore(tokens) is None  # a hybrid restore needs a state
     state = random_state(HYBRID, 7)
-    written = ns.store_end(tokens, layers, state, logits=_logits(3), hidden=_logits(4))
+    written = ns.store_end(tokens, layers, state, logits=random_logits(3), hidden=random_logits(4))
     assert written > 0
-    assert ns.store_end(tokens, layers, state, logits=_logits(3)) == 0  # held already
+    assert ns.store_end(tokens, layers, state, logits=random_logits(3)) == 0  # held already
     assert ns.match(tokens) == len(tokens)
     hit = ns.restore(tokens)
     assert hit is not None and hit.tokens == len(tokens) and hit.exact and hit.end
     assert layers_bits(hit.layers, HYBRID) == _kv_bits(layers, HYBRID, len(tokens))
     assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
-    assert bits(hit.logits) == bits(_logits(3))  # type: ignore[arg-type]
-    assert bits(hit.hidden) == bits(_logits(4))  # type: ignore[arg-type]
+    assert bits(hit.logits) == bits(random_logits(3))  # type: ignore[arg-type]
+    assert bits(hit.hidden) == bits(random_logits(4))  # type: ignore[arg-type]
     # An extension resumes from the end record (no logits: it is not the prompt's end).
     longer = [*tokens, 5, 6, 7, 8, 9]
     hit = ns.restore(longer, room_for=len(longer))
@@ -182,7 +179,7 @@ def test_exact_repeat_of_a_hybrid_prompt(bank: Bank) -> None:
 def test_an_end_under_the_root_and_bad_input(bank: Bank) -> None:
     ns = bank.namespace(SPEC)
     short = [1, 2]
-    ns.store_end(short, prefix_layers(SPEC, short), logits=_logits(0))
+    ns.store_end(short, prefix_layers(SPEC, short), logits=random_logits(0))
     hit = ns.restore(short)
     assert hit is not None and hit.tokens == 2 and hit.exact
     assert layers_bits(hit.layers, SPEC) == _kv_bits(prefix_layers(SPEC, short), SPEC, 2)
@@ -220,7 +217,7 @@ def test_eviction_takes_end_records_with_their_parent(bank_path: Path) -> None:
         tokens = tokens_of(np.random.default_rng(3), B + 2)
         layers = prefix_layers(HYBRID, tokens)
         ns.store(tokens, layers)
-        ns.store_end(tokens, layers, random_state(HYBRID, 1), logits=_logits(1))
+        ns.store_end(tokens, layers, random_state(HYBRID, 1), logits=random_logits(1))
         bank.access.touch(ns.chain(tokens))  # the block is used after its end record
         total = bank.stats()
         assert total.end_bytes > 0
@@ -229,7 +226,7 @@ def test_eviction_takes_end_records_with_their_parent(bank_path: Path) -> None:
         assert report.ends_evicted == 1 and report.bytes_evicted == total.end_bytes
         assert bank.stats().ends == 0 and bank.stats().end_bytes == 0
         assert bank.stats().blocks == 1
-        ns.store_end(tokens, layers, random_state(HYBRID, 1), logits=_logits(1))
+        ns.store_end(tokens, layers, random_state(HYBRID, 1), logits=random_logits(1))
         report = evict_to_budget(bank, 0)  # the block goes, its end record with it
         assert [e.kind for e in report.evicted] == ["block"]
         assert report.ends_evicted == 1 and report.blocks_evicted == 1
@@ -243,7 +240,7 @@ def test_verify_finds_a_flipped_byte_in_an_end_payload(bank_path: Path) -> None:
         ns = bank.namespace(SPEC)
         tokens = tokens_of(np.random.default_rng(4), B + 3)
         ns.store(tokens, prefix_layers(SPEC, tokens))
-        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=_logits(1))
+        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=random_logits(1))
         assert verify_bank(bank).ok
         ((key, value),) = list(bank.store.iterate(Family.ENDS))
         damaged = bytearray(value)
@@ -269,7 +266,7 @@ def test_end_records_travel_in_bundles(tmp_path: Path) -> None:
     with Bank.open(src, BankConfig(block_size=B)) as bank:
         ns = bank.namespace(HYBRID)
         ns.store(tokens, prefix_layers(HYBRID, tokens))
-        ns.store_end(tokens, prefix_layers(HYBRID, tokens), state, logits=_logits(9))
+        ns.store_end(tokens, prefix_layers(HYBRID, tokens), state, logits=random_logits(9))
         export_chain(bank, chain_for_tokens(bank, ns.root, tokens), tmp_path / "x.casb")
     with Bank.open(dst, BankConfig(block_size=B)) as bank:
         import_bundle(bank, tmp_path / "x.casb")
@@ -277,7 +274,7 @@ def test_end_records_travel_in_bundles(tmp_path: Path) -> None:
         hit = bank.namespace(HYBRID).restore(tokens)
         assert hit is not None and hit.exact and hit.tokens == len(tokens)
         assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
-        assert bits(hit.logits) == bits(_logits(9))  # type: ignore[arg-type]
+        assert bits(hit.logits) == bits(random_logits(9))  # type: ignore[arg-type]
         assert verify_bank(bank).ok
 
 
@@ -299,7 +296,7 @@ def test_the_tools_count_list_and_show_end_records(bank_path: Path) -> None:
     with Bank.open(bank_path, BankConfig(block_size=B)) as bank:
         ns = bank.namespace(SPEC)
         ns.store(tokens, prefix_layers(SPEC, tokens))
-        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=_logits(2))
+        ns.store_end(tokens, prefix_layers(SPEC, tokens), logits=random_logits(2))
         assert ns.restore(tokens) is not None
         ((key, _),) = list(bank.store.iterate(Family.ENDS))
     stats = cas_bank_json("stats", bank_path)
@@ -347,7 +344,7 @@ def test_an_end_record_queued_behind_its_blocks(bank_path: Path) -> None:
     with Bank.open(bank_path, BankConfig(block_size=B, write_behind=4)) as bank:
         ns = bank.namespace(HYBRID)
         ns.store_later(tokens, layers)
-        pending = ns.store_end_later(tokens, layers, state, logits=_logits(5))
+        pending = ns.store_end_later(tokens, layers, state, logits=random_logits(5))
         bank.flush()
         assert pending.result() > 0
         hit = ns.restore(tokens)
@@ -365,7 +362,7 @@ def test_salvage_copies_end_records_that_verify(tmp_path: Path) -> None:
         ns = bank.namespace(SPEC)
         ns.store(long, prefix_layers(SPEC, long))
         for t in (long, short):
-            ns.store_end(t, prefix_layers(SPEC, t), logits=_logits(len(t)))
+            ns.store_end(t, prefix_layers(SPEC, t), logits=random_logits(len(t)))
     report = salvage(src, dst)
     assert report.ends_copied == 2
     with Bank.open(dst) as bank:

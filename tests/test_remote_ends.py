@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from cas_bank.runtime import PrefixCache
@@ -21,6 +20,7 @@ from conftest import (
     kv_prefix_bits,
     layers_bits,
     prefix_layers,
+    random_logits,
     random_state,
     remote_config,
     state_bits,
@@ -34,10 +34,6 @@ from cas_bank.index.ends import end_key, split_record
 from cas_bank.remote import ends, keys
 
 ATT = attention_spec()
-
-
-def _logits(seed: int) -> mx.array:
-    return mx.array(np.random.default_rng(seed).standard_normal(50).astype(np.float32))
 
 
 @pytest.fixture
@@ -57,7 +53,7 @@ def test_an_exact_repeat_on_another_host_restores_every_token_and_the_logits(
 ) -> None:
     a, b = hosts
     toks = tokens_of(np.random.default_rng(1), 5 * BLOCK_SIZE + 3)
-    layers, logits = prefix_layers(ATT, toks), _logits(1)
+    layers, logits = prefix_layers(ATT, toks), random_logits(1)
     a.namespace(ATT).store(toks, layers)
     a.namespace(ATT).store_end(toks, layers, logits=logits)
     a.flush()
@@ -78,7 +74,7 @@ def test_a_host_with_the_blocks_takes_the_end_record_from_the_cluster(
 ) -> None:
     a, b = hosts
     toks = tokens_of(np.random.default_rng(2), 4 * BLOCK_SIZE + 1)
-    layers, logits = prefix_layers(ATT, toks), _logits(2)
+    layers, logits = prefix_layers(ATT, toks), random_logits(2)
     b.namespace(ATT).store(toks, layers)  # b has every block, not the end
     a.namespace(ATT).store(toks, layers)
     a.namespace(ATT).store_end(toks, layers, logits=logits)
@@ -111,7 +107,7 @@ def test_a_forged_end_record_is_a_rejected_miss(cluster: Any, hosts: tuple[Bank,
     toks = tokens_of(np.random.default_rng(4), 3 * BLOCK_SIZE + 2)
     layers = prefix_layers(ATT, toks)
     a.namespace(ATT).store(toks, layers)
-    a.namespace(ATT).store_end(toks, layers, logits=_logits(4))
+    a.namespace(ATT).store_end(toks, layers, logits=random_logits(4))
     a.flush()
     ns = a.namespace(ATT)
     local = end_key(ns.chain(toks)[-1], np.array(toks[-2:], dtype="<u4").tobytes())
