@@ -235,7 +235,16 @@ class Namespace:
         if leases is None:
             return None
         full = hashes[: len(end.tokens) // self.block_size]
-        return leases.put_live(key, full, layers, len(end.tokens), end.state, released)
+        return leases.put_live(
+            key,
+            full,
+            layers,
+            len(end.tokens),
+            end.state,
+            released,
+            logits=end.logits,
+            hidden=end.hidden,
+        )
 
     # -- pins ----------------------------------------------------------------------
     def pin(self, tokens: Any) -> PinReport:

@@ -16,6 +16,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from cas_bank.runtime import BankPromptCache, PrefixCache
+from conftest import (
+    BLOCK_SIZE,
+    bits,
+    hybrid_spec,
+    prefix_layers,
+    random_logits,
+    random_state,
+    state_bits,
+    stored_hybrid_end,
+)
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -256,3 +266,23 @@ def test_a_restore_copying_from_a_live_lease_is_not_written_by_the_cache_that_ta
         pc.model(mx.array([random_tokens(rng, 9)]), cache=cache)
         mx.eval([c.state for c in cache])
         assert all(np.array_equal(v[..., :rows, :], w) for v, w in zip(views, want, strict=True))
+
+
+def test_a_live_hit_hands_out_one_stores_logits_and_state_together(bank: Bank) -> None:
+    """Two stores of the same tokens whose numerics differ (a batched run, another
+    kernel): the record keeps the first's logits and state (the second's write finds it
+    held), the live lease holds the second's cache. A restore hands out one store's
+    logits, state and KV together, never one's logits with the other's state."""
+    spec = hybrid_spec()
+    tokens, _, state = stored_hybrid_end(bank, 2 * BLOCK_SIZE + 3, logits=random_logits(1))
+    ns = bank.namespace(spec)
+    other = random_state(spec, 99)
+    ns.store_end(tokens, prefix_layers(spec, tokens), other, logits=random_logits(2))
+    hit = ns.restore(tokens)
+    assert hit is not None and hit.exact and hit.logits is not None
+    assert bank.stats().live_hits == 1
+    stores = {
+        (bits(random_logits(1)), str(state_bits(state, spec))),
+        (bits(random_logits(2)), str(state_bits(other, spec))),
+    }
+    assert (bits(hit.logits), str(state_bits(hit.layers, spec))) in stores

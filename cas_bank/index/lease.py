@@ -71,12 +71,17 @@ class _Entry:
 @dataclass(frozen=True, slots=True)
 class Live:
     """A live lease taken (`Leases.take_live`): per layer, the cache's whole arrays (new
-    objects over its buffers; None for a recurrent layer), the tokens they hold, and
-    the recurrent state at exactly that end (flat, None without recurrent layers)."""
+    objects over its buffers; None for a recurrent layer), the tokens they hold, the
+    recurrent state at exactly that end (flat, None without recurrent layers), and the
+    last token's logits and hidden state the same store was given (None if not). A
+    restore hands out these, not the record's: a record kept from another store of
+    the same tokens (its write found it held) may hold other numerics."""
 
     layers: list[tuple[mx.array, ...] | None]
     tokens: int
     state: list[mx.array] | None
+    logits: mx.array | None = None
+    hidden: mx.array | None = None
 
 
 def _live_key(end_key: bytes) -> bytes:
@@ -275,10 +280,14 @@ class Leases:
         tokens: int,
         state: Sequence[mx.array] | None,
         released: list[object] | None = None,
+        *,
+        logits: mx.array | None = None,
+        hidden: mx.array | None = None,
     ) -> Live | None:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
-        recurrent one; `state`: the recurrent state, flat) holding `tokens` tokens, as
-        the live lease of the end record `end_key`. New array objects over the same
+        recurrent one; `state`: the recurrent state, flat; `logits`, `hidden`: its last
+        token's, if stored) holding `tokens` tokens, as the live lease of the end record
+        `end_key`. New array objects over the same
         buffers: no copy, and the runtime's objects are never the bank's. The entry is
         also the lease of its whole blocks (`hashes`), in place of one over the same
         buffers: the memory is charged once. The live lease kept (None: over the budget,
@@ -303,7 +312,7 @@ class Leases:
         if not flat or not self.budget.fits(nbytes):
             return None  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry(list(map(bytes, hashes)), HeldArrays(flat), nbytes)
-        entry.live = live = Live(kept, tokens, flat_state)
+        entry.live = live = Live(kept, tokens, flat_state, logits, hidden)
         key = _live_key(end_key)
         with self._lock:
             self._drop_over(entry, lives=False)
@@ -344,7 +353,7 @@ class Leases:
         live = entry.live
         layers = [None if layer is None else tuple(map(_view, layer)) for layer in live.layers]
         state = None if live.state is None else [_view(a) for a in live.state]
-        return Live(layers, live.tokens, state)
+        return Live(layers, live.tokens, state, live.logits, live.hidden)
 
     def _drop_over(self, live: _Entry, *, lives: bool) -> None:
         """Drop the leases of chains (and, with `lives`, the live leases) over any of

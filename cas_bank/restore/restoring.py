@@ -207,7 +207,7 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
     if end is None or leases is None or plan.cont is not None:
         return None
     live = leases.take_live(end.header.key(), end.tokens)
-    if live is None:
+    if live is None or (ns.spec.is_hybrid and live.state is None):
         return None
     looked_up = time.perf_counter()
     kv: list[tuple[Any, ...] | None] = list(live.layers)
@@ -215,11 +215,12 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
         n = end.tokens
         kv = group_layers(ns.spec, [a[..., :n, :] for a in flat_attention(ns.spec, kv)], None)
     if ns.spec.is_hybrid:
-        state = live.state if live.state is not None else end.payload.state
-        kv = merge_layers(kv, group_layers(ns.spec, None, state))
+        kv = merge_layers(kv, group_layers(ns.spec, None, live.state))
+    # The live store's own logits, not the record's: a record kept from another
+    # store of the same tokens may hold other numerics (`index.lease.Live`).
     exact = end.tokens == len(plan.toks)
-    logits = end.payload.logits if exact else None
-    hidden = end.payload.hidden if exact else None
+    logits = live.logits if exact else None
+    hidden = live.hidden if exact else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
     ns.bank.counters.count(live_hits=1)
     _account(ns, plan, end.tokens, plan.n_blocks, ns.spec.is_hybrid)
