@@ -114,8 +114,9 @@ class Bank:
             else None
         )
         # What its restores use beside their arrays (spares and their thread, the shape
-        # memo, scratch buffers, GPU prefetch): the bank's own, stopped by `close`.
-        self.resources = Resources(config.spare_bytes)
+        # memo, copy-run tables, scratch buffers, GPU prefetch): the bank's own, stopped by
+        # `close`.
+        self.resources = Resources(config.spare_bytes, run_table_bytes=config.run_table_bytes)
         # What the last session's spares would hold (`Spares.wanted_recently`, written by
         # `close`): made again by the spares' thread from the end of this open on.
         self._spare_record = store.get(Family.META, _KEY_SPARES)
@@ -362,6 +363,8 @@ class Bank:
             hot_bytes=self.config.hot_bytes,
             spare_held_bytes=self.resources.held_bytes,
             spare_bytes=self.config.spare_bytes,
+            run_table_held_bytes=self.resources.run_tables.bytes,
+            run_table_bytes=self.config.run_table_bytes,
             remote=self.remote.url if self.remote is not None else _remote_of(self.store),
             **v,
         )

@@ -105,6 +105,14 @@ class BankConfig(BaseModel):
     of the bank's. 0: none, and no thread (each restore allocates and faults in fresh
     arrays); the `cas-bank` tools open banks so."""
 
+    run_table_bytes: int = Field(default=8 * MiB, ge=0, strict=True)
+    """Byte bound of the copy-run tables this process keeps for the bank's restores of
+    small payloads kept in RocksDB (`restore.row_runs.RunTables`: per layout, the native
+    copy's runs of its first 2^k blocks at address 0, 13.5 MiB for 4-bit KV at 16-token
+    blocks and 4096 blocks), the most recently used kept
+    (`stats().run_table_held_bytes`), released by `close()`. 0: each restore makes the
+    tables it uses and keeps none."""
+
     access_flush_interval: float = Field(default=5.0, ge=0.0)
     """Seconds between batched writes of last-use times (never a write per restore)."""
 

@@ -129,6 +129,10 @@ class BankStats(BaseModel):
     # (BankConfig.spare_bytes).
     spare_held_bytes: int = 0
     spare_bytes: int = 0
+    # The copy-run tables of small payloads kept now, and their bound
+    # (BankConfig.run_table_bytes).
+    run_table_held_bytes: int = 0
+    run_table_bytes: int = 0
     remote: str | None = None  # the shared tier's URL (password hidden), when open with one
     remote_hits: int = 0  # restores that took at least one block from the shared tier
     remote_hit_blocks: int = 0

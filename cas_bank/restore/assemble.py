@@ -30,7 +30,7 @@ from cas_bank.restore import lease_copy, row_runs
 from cas_bank.restore.destinations import Destination, addresses_of
 from cas_bank.restore.file_read import BlockFiles, Layout, layout_of
 from cas_bank.restore.resources import Resources
-from cas_bank.restore.row_runs import RowRuns, contiguous_row_runs
+from cas_bank.restore.row_runs import RowRuns, RunTables, contiguous_row_runs
 from cas_bank.restore.spares import Filled, SpareSet, spare_set
 from cas_bank.spec import ArraySpec, ModelSpec, group_layers
 
@@ -74,10 +74,11 @@ def _shapes(
     its layers: a bank reopened, with a spec of its own, finds them too), or made now
     where there are none."""
     if resources is None:
-        return _make_shapes(spec, block_size, capacity, state)
+        return _make_shapes(spec, block_size, capacity, state, None)
     key = (spec.fingerprint, block_size, capacity, state)
+    tables = resources.run_tables
     made: _Shapes = resources.shapes.get(
-        key, lambda: _make_shapes(spec, block_size, capacity, state)
+        key, lambda: _make_shapes(spec, block_size, capacity, state, tables)
     )
     return made
 
@@ -94,7 +95,10 @@ def prime_shapes(
             _shapes(resources, spec, block_size, capacity, state)
 
 
-def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -> _Shapes:
+def _make_shapes(
+    spec: ModelSpec, block_size: int, capacity: int, state: bool, tables: RunTables | None
+) -> _Shapes:
+    """`_Shapes` of these; their row runs' copy-run tables kept by `tables` (the bank's)."""
     specs = spec.block_arrays
     dtypes = tuple(dtype_named(s.dtype) for s in specs)
     state_specs = spec.state_arrays
@@ -117,6 +121,8 @@ def _make_shapes(spec: ModelSpec, block_size: int, capacity: int, state: bool) -
         if state_shapes and all(len(s) >= 2 for s in state_shapes)
         else None
     )
+    block_runs = block_runs.kept_by(tables) if block_runs is not None else None
+    state_runs = state_runs.kept_by(tables) if state_runs is not None else None
     sizes = tuple(math.prod(shape) * d.itemsize for shape, d in wanted)
     return _Shapes(
         capacity,

@@ -24,6 +24,11 @@ server gets:
 - `shapes`: what a restore of one spec, block size and capacity allocates and checks,
   made once (`restore.assemble`: rebuilding it cost ~0.1 ms a restore), the 64 most
   recent;
+- `run_tables`: the copy-run tables of small payloads kept in RocksDB
+  (`restore.row_runs.RunTables`: a layout's runs of 2^k blocks at address 0, made once,
+  up to 13.5 MiB for one layout of 4-bit KV at 16-token blocks and 4096 blocks), the
+  most recently used within `BankConfig.run_table_bytes` (8 MiB by default;
+  `Bank.stats().run_table_held_bytes` says what they hold), released by `close`;
 - `scratch`: each reading thread's reused buffer of the reader without the native
   helper (`restore.file_read`);
 - `workers`: the Python helper threads a restore's heavy loops share (`restore.workers`:
@@ -47,7 +52,11 @@ What stays process-wide is a runtime's choice, not the library's: glibc's `mallo
 (`destinations.keep_freed_memory`) and MLX's allocator settings, set by the servers
 (`cas_bank.runtime.process.server_settings`). Pure functions of shapes
 (`functools.lru_cache`s of layouts and row templates) are memos, not resources: they
-hold no buffers and no threads.
+hold no threads and no buffer worth counting (measured with their keys: a row
+template 11-17 KiB for medium-qwen3, 97-163 KiB for a 7B layout of 4-bit KV;
+`restore.row_runs` keeps 8 of each kind, ~0.2 and ~2 MiB at most; one view's runs, at
+most 192 bytes, 256 of them). The copy-run tables made from them are not memos but
+`run_tables`, above.
 
 `GpuPrefetch`: restored arrays moved to the GPU in one go, on MLX's CUDA build.
 
@@ -85,10 +94,13 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 from cas_bank import arrays
+from cas_bank.config import BankConfig
+from cas_bank.restore.row_runs import RunTables
 from cas_bank.restore.spares import Spares
 from cas_bank.restore.workers import THREADS, Workers
 
 _SHAPES_KEPT = 64
+_RUN_TABLE_BYTES: int = BankConfig.model_fields["run_table_bytes"].default
 THREADS_ENV = "CAS_BANK_RESTORE_THREADS"  # 1 (default): no helper threads; 2: with them
 
 
@@ -135,16 +147,22 @@ class ShapeMemo:
 
 
 class Resources:
-    """One bank's spares, GPU prefetch state, shape memo, scratch buffers and helper
-    threads.
+    """One bank's spares, GPU prefetch state, shape memo, copy-run tables, scratch buffers
+    and helper threads.
 
     `spare_bytes`: the spares' bound (0: no spares and no thread). `threads`: 2, a
     restore's loops shared with helper threads, or 1, none (default: `restore_threads()`).
+    `run_table_bytes`: the copy-run tables' bound (0: made for each restore, none kept).
     `close` stops the spares' thread and the helpers (joined) and releases every
     buffer; a closed one restores as a bank without spares or helpers does."""
 
     def __init__(
-        self, spare_bytes: int, *, copy_ahead: bool = True, threads: int | None = None
+        self,
+        spare_bytes: int,
+        *,
+        copy_ahead: bool = True,
+        threads: int | None = None,
+        run_table_bytes: int = _RUN_TABLE_BYTES,
     ) -> None:
         if threads is None:
             threads = restore_threads()
@@ -153,6 +171,7 @@ class Resources:
         self.spares = Spares(spare_bytes, copy_ahead=copy_ahead)
         self.gpu = GpuPrefetch()
         self.shapes = ShapeMemo()
+        self.run_tables = RunTables(run_table_bytes)
         self.scratch = threading.local()
         self.threads = threads
         self._workers: Workers | None = None
@@ -203,6 +222,7 @@ class Resources:
             workers.close()
         self.spares.close()
         self.shapes.clear()
+        self.run_tables.clear()
         self.scratch = threading.local()  # other threads' buffers go with the old one
 
 

@@ -1,7 +1,8 @@
 """Row runs: the rows of a restore's destination arrays as native runs, where a block's
 rows go when payload files are read into them (`row_runs`, the native reader's segments:
-`file_read.BlockFiles`), and a lease's rows copied into them (`plan_copy`,
-`copy_planned`).
+`file_read.BlockFiles`), where small payloads kept in RocksDB are copied into them
+(`copy_payloads`, from tables kept by the bank: `RunTables`), and a lease's rows copied
+into them (`plan_copy`, `copy_planned`).
 
 A view [..., T, D] whose last axis is contiguous and whose token axis steps one row at
 a time holds each leading index's rows as one contiguous run. The runs at address 0
@@ -32,19 +33,41 @@ import array
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, cast
+from typing import Any, cast
 
 import numpy as np
 
 from cas_bank.arrays import address_of, lead_offsets
 from cas_bank.native import fill_module
 
-# Native row runs at address 0 (int64 triples) and how many belong to each view.
-RowRuns: TypeAlias = tuple[np.ndarray, np.ndarray]
-
 _fill = fill_module  # None when not built (or CAS_BANK_PURE_PYTHON=1): no segments
+# Templates of views' runs kept by this module's memos (`_runs_template`,
+# `_copy_template`), measured with their keys (the views' shapes and strides): 11 /
+# 17 KiB an entry for medium-qwen3 (48 runs a block), 97 / 163 KiB for a 7B layout of
+# 4-bit KV (1536 runs). A restore of each capacity (mlx-lm's 256-token steps) has its
+# own, so 256 kept could hold 66 MiB at that 7B layout; 8 hold at most ~2 MiB. The
+# bank keeps the ones its restores use (`restore.assemble._Shapes`, the lease's plans):
+# these memos only spare a bank, or a lease, remaking what another made.
+_TEMPLATES_KEPT = 8
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RowRuns:
+    """Native row runs of some views at address 0 (`template`, int64 triples) and how
+    many belong to each view (`counts`, int64); and `tables`, where the copy-run tables
+    made from them are kept: a bank's (`RunTables`, in its `restore.resources`), or None
+    (made for each copy, never kept). The template itself is a memo of shapes (`kept_by`
+    adds a bank's tables to it without copying it)."""
+
+    template: np.ndarray
+    counts: np.ndarray
+    tables: RunTables | None = None
+
+    def kept_by(self, tables: RunTables | None) -> RowRuns:
+        """These runs, their copy-run tables kept by `tables`."""
+        return RowRuns(self.template, self.counts, tables)
 
 
 def row_runs(dests: Sequence[np.ndarray], rows: Sequence[int]) -> bytes | None:
@@ -73,8 +96,7 @@ def placed(runs: RowRuns, addresses: np.ndarray) -> bytes:
     """`runs` (a template at address 0, and how many triples each view has) moved to
     each view's address (int64): the native reader's segments (`_fill.place`)."""
     assert _fill is not None  # segments are made only for the native reader
-    template, counts = runs
-    return cast(bytes, _fill.place(template, counts, addresses, 0))
+    return cast(bytes, _fill.place(runs.template, runs.counts, addresses, 0))
 
 
 def contiguous_row_runs(
@@ -99,7 +121,7 @@ def _c_strides(shape: Sequence[int], item: int) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_TEMPLATES_KEPT)
 def _runs_template(
     views: tuple[tuple[tuple[int, ...], tuple[int, ...], int, bool], ...], rows: tuple[int, ...]
 ) -> RowRuns | None:
@@ -116,7 +138,8 @@ def _runs_template(
     template = np.concatenate(runs)
     template.flags.writeable = False
     counts = np.array([len(p) for p in runs], dtype=np.int64)
-    return template, counts
+    counts.flags.writeable = False
+    return RowRuns(template, counts)
 
 
 @functools.lru_cache(maxsize=256)
@@ -185,7 +208,7 @@ def copy_planned(plan: CopyPlan, dest_addresses: np.ndarray, *, two_threads: boo
     _copy_runs(_place(plan.runs, plan.counts, dest_addresses, 0), two_threads)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=_TEMPLATES_KEPT)
 def _copy_template(
     views: tuple[tuple[View, View], ...], rows: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -239,9 +262,9 @@ def copy_payloads(
 
     `runs` and `addresses`: the template `segments` was placed from and the views'
     addresses, where the caller has them: the runs are then taken from a table at
-    address 0 made once per layout (`_block_runs`) and placed by two native calls; a
-    restore of 16 small blocks spent ~0.1 ms in the dozen numpy calls of making them
-    (`_payload_runs`, the way without them)."""
+    address 0 made once per layout (kept by the bank: `RunTables`) and placed by two
+    native calls; a restore of 16 small blocks spent ~0.1 ms in the dozen numpy calls
+    of making them (`_payload_runs`, the way without them)."""
     assert _copy_runs is not None  # only with the native helper (`available`)
     work: bytes | np.ndarray
     if runs is not None and addresses is not None and _place is not None:
@@ -274,52 +297,35 @@ def _placed_payload_runs(
     indices: Sequence[int],
     sources: Sequence[int],
 ) -> bytes:
-    """`copy_payloads`' triples from the layout's table at address 0 (`_block_runs`):
+    """`copy_payloads`' triples from the layout's table at address 0 (`_make_block_runs`):
     the blocks' rows, each view's address added to their destinations and each
-    payload's to their sources (`_fill.place`)."""
+    payload's to their sources (`_fill.place`). The tables are `runs.tables`' (the
+    bank's), or made for this copy where the runs have none."""
     assert _place is not None
-    template, counts = runs
+    template, counts, tables = runs.template, runs.counts, runs.tables
     n, first = len(indices), indices[0]
-    table = _block_runs(template.tobytes(), body_at, _blocks_for(indices[-1] + 1))
+    blocks = _blocks_for(indices[-1] + 1)
+    made_of = (template.tobytes(), body_at, blocks)
+    table: np.ndarray = _kept(tables, ("blocks", *made_of), lambda: _make_block_runs(*made_of))
     if indices[-1] - first == n - 1:  # a run of blocks: a slice of the table
         rows = table[first : first + n]
     else:
         rows = table[np.array(indices, dtype=np.int64)]
-    per_view, per_block = _tiled(counts.tobytes(), n, len(template))
+    tiled_of = (counts.tobytes(), n, len(template))
+    per_view, per_block = _kept(tables, ("tiled", *tiled_of), lambda: _tiled(*tiled_of))
     at_views = _place(rows, per_view, np.tile(addresses, n), 0)
     return cast(bytes, _place(at_views, per_block, array.array("q", sources), 1))
 
 
+def _kept(tables: RunTables | None, key: TableKey, make: Callable[[], Any]) -> Any:
+    """What `make` makes for `key`, kept by `tables` where there are some."""
+    return make() if tables is None else tables.get(key, make)
+
+
 def _blocks_for(n: int) -> int:
-    """The table size `_block_runs` is asked for to hold `n` blocks (a power of two from
+    """The table size made to hold `n` blocks (a power of two from
     64, so that restores of other lengths find it made)."""
     return max(64, 1 << (n - 1).bit_length())
-
-
-# The tables `_block_runs` keeps, most recent last, within `_TABLE_BYTES` together: a
-# layout of many runs a block (4-bit KV at 16-token blocks: 144) makes 13.5 MiB at
-# 4096 blocks, and sixteen kept by count held 27 MiB that no budget counted. A table
-# over the bound is made for its restore and not kept.
-_TABLE_BYTES = 8 << 20
-_tables: OrderedDict[tuple[bytes, int, int], np.ndarray] = OrderedDict()
-_tables_lock = threading.Lock()
-
-
-def _block_runs(template: bytes, body_at: int, blocks: int) -> np.ndarray:
-    """`_make_block_runs`, kept while the tables kept stay within `_TABLE_BYTES`."""
-    key = (template, body_at, blocks)
-    with _tables_lock:
-        table = _tables.get(key)
-        if table is not None:
-            _tables.move_to_end(key)
-            return table
-    table = _make_block_runs(template, body_at, blocks)
-    if table.nbytes <= _TABLE_BYTES:
-        with _tables_lock:
-            _tables[key] = table
-            while sum(t.nbytes for t in _tables.values()) > _TABLE_BYTES:
-                _tables.popitem(last=False)
-    return table
 
 
 def _make_block_runs(template: bytes, body_at: int, blocks: int) -> np.ndarray:
@@ -337,7 +343,6 @@ def _make_block_runs(template: bytes, body_at: int, blocks: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=256)
 def _tiled(counts: bytes, n: int, runs: int) -> tuple[np.ndarray, np.ndarray]:
     """For `n` blocks: how many runs each view has, block after block (`counts` n
     times), and how many each block has (`runs` each); int64, read only."""
@@ -345,3 +350,67 @@ def _tiled(counts: bytes, n: int, runs: int) -> tuple[np.ndarray, np.ndarray]:
     per_block = np.full(n, runs, dtype=np.int64)
     per_view.flags.writeable = per_block.flags.writeable = False
     return per_view, per_block
+
+
+# A table's kind ("blocks", "tiled"), the template or counts it is made of, two sizes.
+TableKey = tuple[str, bytes, int, int]
+
+
+class RunTables:
+    """One bank's copy-run tables of small payloads (`_placed_payload_runs`: a layout's
+    runs of blocks 0..2^k-1 at address 0, and their counts tiled for n blocks), the most
+    recently used kept within `max_bytes` together (`BankConfig.run_table_bytes`,
+    `Bank.stats().run_table_held_bytes` says what they hold): a layout of many runs a block
+    (4-bit KV at 16-token blocks: 144) makes 13.5 MiB of table at 4096 blocks, and
+    sixteen kept by count held 27 MiB. One over the bound is made for its copy and
+    not kept; 0 keeps none. Thread-safe; `clear` (the bank's close) releases them.
+
+    A bound of their own, not `hot_bytes`: a table is a layout's, used by every restore
+    of small payloads of it, where the hot tier and the leases hold prompts; charged
+    there, it would go with the least recently used prompt and `hot_bytes=0` (the tools,
+    a reopened bank's cold reads) would make every restore remake it."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"run table bound must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[TableKey, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: TableKey, make: Callable[[], Any]) -> Any:
+        """The table of `key`, made by `make` (arrays, or a tuple of them) the first
+        time and kept while it fits (two threads at once may both make it: either is
+        right)."""
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None:
+                self._kept.move_to_end(key)
+                return found[0]
+        made = make()
+        arrays = made if isinstance(made, tuple) else (made,)
+        size = len(key[1]) + sum(int(a.nbytes) for a in arrays)
+        if size > self.max_bytes:
+            return made
+        with self._lock:
+            old = self._kept.pop(key, None)
+            self._bytes += size - (old[1] if old is not None else 0)
+            self._kept[key] = (made, size)
+            while self._bytes > self.max_bytes:
+                _, (_, dropped) = self._kept.popitem(last=False)
+                self._bytes -= dropped
+        return made
+
+    @property
+    def bytes(self) -> int:
+        """Bytes the tables kept hold now (their keys' template bytes too)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def clear(self) -> None:
+        """Release every table."""
+        with self._lock:
+            self._kept.clear()
+            self._bytes = 0
