@@ -333,11 +333,14 @@ class Leases:
             if entry is not None and (live is None or entry.live is live):
                 self._drop(key)
 
-    def take_live(self, end_key: bytes, tokens: int) -> Live | None:
+    def take_live(
+        self, end_key: bytes, tokens: int, *, logits: bool = False, hidden: bool = False
+    ) -> Live | None:
         """The live lease of the end record `end_key` if it holds exactly `tokens`
-        tokens, removed from the leases with every other lease over the same buffers
+        tokens (and the last token's `logits` and `hidden` state, where those are asked
+        for), removed from the leases with every other lease over the same buffers
         (whole blocks, another end of the same cache), so that the taker holds them
-        alone; None if there is none.
+        alone; None if there is none (one holding less is left where it is).
 
         As new objects over its arrays: the taker's cache rebinds the objects it holds
         when it writes in place, and the lease's own may still be read where it was
@@ -346,11 +349,12 @@ class Leases:
         MLX then copies a buffer before the taker writes into it, until that lets go."""
         with self._lock:
             entry = self._entries.get(_live_key(end_key))
-            if entry is None or entry.live is None or entry.live.tokens != tokens:
+            if entry is None or (live := entry.live) is None or live.tokens != tokens:
+                return None
+            if (logits and live.logits is None) or (hidden and live.hidden is None):
                 return None
             self._drop(_live_key(end_key))
             self._drop_over(entry, lives=True)
-        live = entry.live
         layers = [None if layer is None else tuple(map(_view, layer)) for layer in live.layers]
         state = None if live.state is None else [_view(a) for a in live.state]
         return Live(layers, live.tokens, state, live.logits, live.hidden)

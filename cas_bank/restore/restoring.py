@@ -206,7 +206,17 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
     end, leases = plan.end, ns.bank.leases
     if end is None or leases is None or plan.cont is not None:
         return None
-    live = leases.take_live(end.header.key(), end.tokens)
+    # An exact repeat takes it only where it holds the extras the record does (the
+    # one holding more is found), and hands out its own: never one store's logits
+    # beside another's state (`index.lease.Live`).
+    exact = end.tokens == len(plan.toks)
+    header = end.header
+    live = leases.take_live(
+        header.key(),
+        end.tokens,
+        logits=exact and header.has_logits,
+        hidden=exact and header.has_hidden,
+    )
     if live is None or (ns.spec.is_hybrid and live.state is None):
         return None
     looked_up = time.perf_counter()
@@ -216,9 +226,6 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
         kv = group_layers(ns.spec, [a[..., :n, :] for a in flat_attention(ns.spec, kv)], None)
     if ns.spec.is_hybrid:
         kv = merge_layers(kv, group_layers(ns.spec, None, live.state))
-    # The live store's own logits, not the record's: a record kept from another
-    # store of the same tokens may hold other numerics (`index.lease.Live`).
-    exact = end.tokens == len(plan.toks)
     logits = live.logits if exact else None
     hidden = live.hidden if exact else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
