@@ -29,8 +29,10 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python scripts/check_imports.py
 
+# The suite on up to four worker processes (pytest-xdist; two on a 2-core machine:
+# 6:31 there against 9:26 on one). Each test keeps its own bank, ports and servers.
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --maxprocesses=4
 	$(MAKE) --no-print-directory test-pure
 
 test-pure: $(STAMP)
