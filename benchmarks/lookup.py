@@ -27,7 +27,10 @@ The ways alternate, their order rotated each round, on the same bank. Medians si
 by side (and the ratios to `prefixes`), and beside them the lookup of the restore that follows in
 the same process (hot: what the first one read is in the hot tier). `--parts` adds
 where a reopened 16k-token lookup's time goes, phase by phase, as
-`restore.restoring._plan` runs them.
+`restore.restoring._plan` runs them, and within the prefix records the prompt's keys
+hashed (`prefix_keys`) and the records decoded (`decode_prefix_record`, the headers
+made); the rest of that phase is the multi-get below the hot tier, the tier's
+bookkeeping and the records' checks. (Each of those calls timed adds ~0.3 us to it.)
 
 The payloads are small (one attention layer, one KV head of dim 32, fp16): this is
 about the index, not about bytes.
@@ -49,7 +52,7 @@ import numpy as np
 
 from benchmarks.ceilings import median
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
-from cas_bank.index import chain, chain_records
+from cas_bank.index import chain, chain_records, prefixes
 from cas_bank.index.ends import plan_end
 from cas_bank.index.partial import find_partial
 from cas_bank.index.prefixes import read_prefixes
@@ -130,10 +133,39 @@ def reopened_lookup(path: Path, prompt: np.ndarray, way: str, stored: int) -> tu
         return took[0], took[1]
 
 
+@contextmanager
+def timed_calls(module: Any, names: Sequence[str], spent: dict[str, float]) -> Iterator[None]:
+    """While inside, each call of `module`'s functions `names` (as its own functions
+    find them, by the module's name) adds its seconds to `spent[name]`."""
+    kept = {name: getattr(module, name) for name in names}
+
+    def timer(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return call
+
+    for name, fn in kept.items():
+        setattr(module, name, timer(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in kept.items():
+            setattr(module, name, fn)
+
+
+PREFIX_PARTS = ("prefix_keys", "decode_prefix_record")  # timed within the prefix records
+
+
 def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]:
     """A reopened lookup's phases, as `restore.restoring._plan` runs them (each on
-    what the phases before it left warm)."""
+    what the phases before it left warm), and within the prefix records
+    `PREFIX_PARTS` (keyed `in prefix records: <name>`, left out of `total`)."""
     parts: dict[str, float] = {}
+    within: dict[str, float] = {}
     with Bank.open(path, BankConfig(block_size=BLOCK)) as bank:
         ns = bank.namespace(SPEC)
         # As `reopened_lookup`: the spares a reopened bank makes from its open on, made
@@ -154,10 +186,11 @@ def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]
         hashes: list[Any] = []
         runs: list[chain.Header] = []
         if way == "prefixes":
-            hashes, runs = timed(
-                "prefix records",
-                lambda: read_prefixes(view, ns.root, blocks.data.cast("B"), 4 * BLOCK),
-            )
+            with timed_calls(prefixes, PREFIX_PARTS, within):
+                hashes, runs = timed(
+                    "prefix records",
+                    lambda: read_prefixes(view, ns.root, blocks.data.cast("B"), 4 * BLOCK),
+                )
         ended = len(runs) == n
         if not ended:
             hashes = timed("chain hashes", lambda: ns.chain(toks))
@@ -181,6 +214,7 @@ def reopened_parts(path: Path, prompt: np.ndarray, way: str) -> dict[str, float]
         )
         timed("partial block", lambda: find_partial(view, ns.root, hashes, toks, m, BLOCK))
         parts["total"] = sum(parts.values())
+    parts.update({f"in prefix records: {name}": s for name, s in within.items()})
     return parts
 
 
