@@ -357,7 +357,8 @@ class Leases:
             self._drop_over(entry, lives=True)
         layers = [None if layer is None else tuple(map(_view, layer)) for layer in live.layers]
         state = None if live.state is None else [_view(a) for a in live.state]
-        return Live(layers, live.tokens, state, live.logits, live.hidden)
+        extras = [None if a is None else _view(a) for a in (live.logits, live.hidden)]
+        return Live(layers, live.tokens, state, *extras)
 
     def _drop_over(self, live: _Entry, *, lives: bool) -> None:
         """Drop the leases of chains (and, with `lives`, the live leases) over any of
