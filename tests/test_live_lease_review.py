@@ -29,6 +29,7 @@ from conftest import (
 )
 
 from cas_bank import Bank, BankConfig
+from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.namespace import EndOf
 from cas_bank.spec import ModelSpec
 
@@ -354,3 +355,41 @@ def test_an_end_record_not_written_for_want_of_its_blocks_keeps_no_live_lease(
         put(ns, tokens, store, queued=False)
         assert bank.stats().ends == 0 and ns.match([*tokens, 1]) == 0
         assert bank.stats().live_bytes == 0
+
+
+@pytest.mark.parametrize("removal", ["evicted", "revoked"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_a_removed_end_records_live_lease_goes_with_it(
+    bank_path: Path, removal: str, kind: str
+) -> None:
+    """An end record evicted (its blocks kept where eviction takes it alone) or revoked:
+    its live lease goes too, so no restore is ever a live hit of a record that is gone;
+    the same tokens' next store (another's numerics) is the one handed back."""
+    spec = SPECS[kind]()
+    tokens = tokens_of(np.random.default_rng(13), N)
+    stores = [store_of(spec, 1, logits=True), store_of(spec, 2, logits=True)]
+    with Bank.open(bank_path, BankConfig(block_size=BLOCK_SIZE)) as bank:
+        ns = bank.namespace(spec, salt="tenant")
+        put(ns, tokens, stores[0], queued=True)
+        bank.flush()
+        assert bank.stats().live_bytes > 0
+        if removal == "revoked":
+            assert bank.revoke("tenant").ends == 1
+        else:
+            held = bank.stats()
+            budget = held.payload_bytes + held.state_bytes + held.end_bytes
+            while bank.stats().ends:  # the least recently used leaf first
+                budget -= 1
+                evict_to_budget(bank, budget)
+        assert bank.stats().live_bytes == 0
+        live_hits = bank.stats().live_hits
+        hit = ns.restore([*tokens, 1])
+        assert hit is None or not hit.end
+        put(ns, tokens, stores[1], queued=True)
+        bank.flush()
+        for prompt in (tokens, [*tokens, 1]):
+            hit = ns.restore(prompt)
+            assert hit is not None and hit.tokens == N
+            live = bank.stats().live_hits > live_hits
+            assert check_one_store(hit, spec, stores, live=live) == 1
+            live_hits += live
