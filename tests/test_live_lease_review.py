@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from cas_bank.runtime import PrefixCache
 from conftest import (
     BLOCK_SIZE,
     attention_spec,
@@ -27,8 +28,11 @@ from conftest import (
     state_bits,
     tokens_of,
 )
+from runtime_helpers import bit_equal, forward, random_tokens, temp_bank, tiny
+from test_next_turn import BLOCK, NEW, turn_one
 
 from cas_bank import Bank, BankConfig
+from cas_bank.arrays import to_numpy
 from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.namespace import EndOf
 from cas_bank.spec import ModelSpec
@@ -393,3 +397,49 @@ def test_a_removed_end_records_live_lease_goes_with_it(
             live = bank.stats().live_hits > live_hits
             assert check_one_store(hit, spec, stores, live=live) == 1
             live_hits += live
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-hybrid"])
+def test_two_agents_on_two_threads_branching_from_a_queued_turn_see_only_their_own(
+    name: str,
+) -> None:
+    """The turn stored in the background and still queued; two agents, each on its own
+    thread, restore a longer prompt of it (one takes the live cache, the other reads
+    the queued record) and prefill their own tokens at once: each gets the logits of
+    its own prompt, bit for bit, and the runtime's own cache of the turn is untouched."""
+    with temp_bank(BLOCK, write_behind=64) as bank:  # no store waits for the gate
+        assert bank.writer is not None
+        pc = PrefixCache(bank, tiny(name), chunk_size=BLOCK, background=True)
+        rng = np.random.default_rng(27)
+        gate = threading.Event()
+        bank.writer.submit(lambda: gate.wait(30))  # turn one stays queued
+        try:
+            finished, cache, ends, _, recorder = turn_one(pc, rng)
+            pc.store(finished, cache, states=recorder)
+            attention = pc.spec.attention_layers[0]
+            kept = np.array(to_numpy(cache[attention].keys))
+            turns = [finished + random_tokens(rng, NEW) for _ in range(2)]
+            got: dict[int, mx.array] = {}
+            start = threading.Barrier(2)
+
+            def agent(i: int) -> None:
+                start.wait(10)
+                restored, n = pc.restore(turns[i])
+                assert n == len(finished)
+                got[i] = pc.prefill(turns[i], restored, n, end=False)
+                mx.eval(got[i])
+
+            agents = [threading.Thread(target=agent, args=(i,)) for i in range(2)]
+            for a in agents:
+                a.start()
+            for a in agents:
+                a.join(60)
+            assert sorted(got) == [0, 1] and bank.stats().live_hits == 1
+        finally:
+            gate.set()
+        bank.flush()
+        chunk_ends = pc.last_prefill.chunk_ends  # both turns are as long: chunked alike
+        for turn, logits in zip(turns, [got[0], got[1]], strict=True):
+            reference = forward(pc, pc.new_cache(), turn, 0, ends + chunk_ends)
+            assert bit_equal(logits, reference)
+        assert np.array_equal(np.array(to_numpy(cache[attention].keys)), kept)
