@@ -34,7 +34,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cas_bank.blocks import codec
@@ -63,15 +63,34 @@ def stub_of(value: bytes) -> tuple[bytes, int] | None:
 @dataclass(frozen=True, slots=True)
 class PayloadFile:
     """A payload the file tier keeps as a file, as its record (a stub) names it: the
-    file (`FileTier.name`), and the payload's digest field and size."""
+    file (`FileTier.name`), and the payload's digest field and size; and, as
+    `FileTier.record_heads` reads it, its first `HEAD_BYTES` (`head`: all of it if
+    shorter), read without the rest: what the hot tier keeps of a large end record
+    while a lease holds its arrays decoded (`blocks.hot`, `index.ends.stored_end`)."""
 
     path: str
     digest: bytes
     size: int
+    head: bytes = b""
 
     def is_of(self, digest: bytes, size: int) -> bool:
         """Whether this is the payload of that digest field and size (a header's)."""
         return self.digest == digest and self.size == size
+
+    def read(self, limit: int = -1) -> bytes | None:
+        """The file's bytes (its first `limit`, where given); None if it is gone (its
+        record rewritten or removed since the stub named it: a file is never changed
+        in place, so what it holds is the record the stub named)."""
+        try:
+            with open(self.path, "rb") as f:
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
+
+# What `FileTier.record_heads` reads of a record kept as a file: an end record's header
+# and tail tokens (116 bytes and 4 a token) at block sizes up to 996.
+HEAD_BYTES = 4096
 
 
 class FileTier(BlockStore):
@@ -158,6 +177,39 @@ class FileTier(BlockStore):
             else:
                 out.append(PayloadFile(self.name(family, key, found[0]), *found))
         return out
+
+    def record_heads(
+        self, family: Family, keys: Sequence[bytes]
+    ) -> list[bytes | PayloadFile | None]:
+        """`get_many`, except that a record kept as a file is its `PayloadFile` with its
+        first bytes (`head`), not the rest: an end-record lookup learns a record's header
+        (and so the name of its lease) without reading its payload. Raises
+        `CorruptDataError` where RocksDB's own checks fail."""
+        if family not in FILE_FAMILIES:
+            return list(self.inner.get_many(family, keys))
+        out: list[bytes | PayloadFile | None] = []
+        for key, value in zip(keys, self.inner.get_many(family, keys), strict=True):
+            found = None if value is None else stub_of(value)
+            if found is None:
+                out.append(value)
+                continue
+            file = PayloadFile(self.name(family, key, found[0]), *found)
+            head = file.read(HEAD_BYTES)
+            out.append(None if head is None else replace(file, head=head))
+        return out
+
+    def keeps_files(self, family: Family) -> bool:
+        """Whether records of `family` of `min_bytes` or more are kept as files here."""
+        return family in self._digests
+
+    def head_of(self, family: Family, key: bytes, value: bytes) -> PayloadFile | None:
+        """The file of `value`, the record of `key` as read whole, with its head, where
+        this tier keeps such a record as a file (else None): what `record_heads` reads
+        of it, if the file is there."""
+        digest = self._file_digest(family, value)
+        if digest is None:
+            return None
+        return PayloadFile(self.name(family, key, digest), digest, len(value), value[:HEAD_BYTES])
 
     # -- reads ---------------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:

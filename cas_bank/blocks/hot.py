@@ -20,6 +20,13 @@ Two levels per entry:
   Both are tied to the raw value they came from (the same object): a write of the
   key replaces that object, and what was made of the old one is never returned.
 
+A record the file tier keeps as a file may be held by its head instead (`record_heads`:
+its `PayloadFile`, the file named and its first 4 KiB), never whole again: an end
+record's lookup learns its header, and so the name of its lease, from that, and a
+lease holds its arrays decoded (`index.ends.stored_end`); held whole as well, a medium
+hybrid's end record (4.9 MB at 1k tokens) was charged twice. A `get_many` of a key held
+so reads it below and leaves the head in place.
+
 Coherence: every write goes through `put_batch`, which drops the cached entries of
 its keys, updates the inner store, and then caches the values it put. A read that
 missed the cache inserts what it read only if no write touched a cached family in
@@ -48,6 +55,7 @@ the entry it just took).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +63,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cas_bank.blocks.codec import Decoded
+from cas_bank.blocks.files import FileTier, PayloadFile
 from cas_bank.blocks.store import BlockStore, Family, Write
 
 CACHED_FAMILIES = frozenset(
@@ -79,6 +88,7 @@ class _Entry:
     digest: bytes | None = None  # the digest `decoded` was verified against
     absent: bool = False  # a remembered absence (NEGATIVE_FAMILIES): the key is not stored
     parsed: object | None = None  # what `get_parsed` made of `raw` (a decoded header)
+    head: PayloadFile | None = None  # a record kept as a file, held by its head (`raw` empty)
 
 
 class HotStore(BlockStore):
@@ -93,6 +103,7 @@ class HotStore(BlockStore):
         if max_bytes < 0:
             raise ValueError(f"hot tier size must be >= 0 bytes, got {max_bytes}")
         self.inner = inner
+        self._files = inner if isinstance(inner, FileTier) else None  # `record_heads`
         self.max_bytes = max_bytes
         self.budget = budget if budget is not None else MemoryBudget(max_bytes)
         self.budget.join(self)
@@ -114,7 +125,7 @@ class HotStore(BlockStore):
         else None (not hot)."""
         with self._lock:
             entry = self._entries.get((family, key))
-            if entry is None or entry.absent:
+            if entry is None or entry.absent or entry.head is not None:
                 return None
             self._use((family, key), entry)
             self.hits += 1
@@ -174,14 +185,15 @@ class HotStore(BlockStore):
         raws: list[bytes | None] = [None] * n
         out: list[object | None] = [None] * n
         missing: list[int] = []
+        through: list[int] = []  # held by their heads only: read below, not cached whole
         unparsed: list[int] = []  # cached, not parsed yet
         with self._lock:
             generation = self._generation
             for i, key in enumerate(keys):
                 k = (family, key)
                 entry = self._entries.get(k)
-                if entry is None:
-                    missing.append(i)
+                if entry is None or entry.head is not None:
+                    (missing if entry is None else through).append(i)
                     continue
                 self._use(k, entry)
                 if not entry.absent:
@@ -190,16 +202,17 @@ class HotStore(BlockStore):
                         out[i] = entry.parsed
                     elif parse is not None:
                         unparsed.append(i)
-            self.hits += n - len(missing)
-            self.misses += len(missing)
-        if not missing and not unparsed:
+            self.hits += n - len(missing) - len(through)
+            self.misses += len(missing) + len(through)
+        if not missing and not unparsed and not through:
             return raws, out
-        if missing:
-            got = self.inner.get_many(family, [keys[i] for i in missing])
-            for i, value in zip(missing, got, strict=True):
+        if missing or through:
+            below = [*missing, *through]
+            got = self.inner.get_many(family, [keys[i] for i in below])
+            for i, value in zip(below, got, strict=True):
                 raws[i] = value if value is None or type(value) is bytes else bytes(value)
         if parse is not None:
-            for i in (*unparsed, *missing):
+            for i in (*unparsed, *missing, *through):
                 raw = raws[i]
                 if raw is not None:
                     out[i] = parse(keys[i], raw)
@@ -214,6 +227,93 @@ class HotStore(BlockStore):
                 self._keep_parsed((family, keys[i]), raws[i], out[i])
         self.budget.balance()
         return raws, out
+
+    # -- records kept as files, held by their heads ----------------------------------
+    def record_heads(
+        self, family: Family, keys: Sequence[bytes]
+    ) -> list[bytes | PayloadFile | None]:
+        """`FileTier.record_heads` through this tier: a record kept as a file is held here
+        by its head (its `PayloadFile`, with its first bytes), not whole, so an end record
+        whose arrays a lease holds decoded is not charged twice (4.9 MB each for a
+        medium hybrid's at 1k tokens: `index.ends.stored_end`). One held whole (cached by
+        a write or a `get_many`) is answered whole this once, then held by its head
+        where its file is there."""
+        if family not in CACHED_FAMILIES:
+            return record_heads(self.inner, family, keys)
+        n = len(keys)
+        out: list[bytes | PayloadFile | None] = [None] * n
+        missing: list[int] = []
+        whole: list[int] = []  # held whole and large enough to be a file
+        with self._lock:
+            generation = self._generation
+            for i, key in enumerate(keys):
+                k = (family, key)
+                entry = self._entries.get(k)
+                if entry is None:
+                    missing.append(i)
+                    continue
+                self._use(k, entry)
+                if not entry.absent:
+                    out[i] = entry.head if entry.head is not None else entry.raw
+                    if entry.head is None and self._may_be_file(family, len(entry.raw)):
+                        whole.append(i)
+            self.hits += n - len(missing)
+            self.misses += len(missing)
+        if missing:
+            got = record_heads(self.inner, family, [keys[i] for i in missing])
+            for i, value in zip(missing, got, strict=True):
+                out[i] = value
+        heads = [(i, self._head_of(family, keys[i], out[i])) for i in whole]
+        with self._lock:
+            if generation == self._generation and not self._writing:
+                self._insert_heads(family, [keys[i] for i in missing], [out[i] for i in missing])
+                for i, head in heads:
+                    if head is not None:
+                        self._hold_by_head((family, keys[i]), out[i], head)
+        self.budget.balance()
+        return out
+
+    def _may_be_file(self, family: Family, size: int) -> bool:
+        files = self._files
+        return files is not None and files.keeps_files(family) and files.stores_as_file(size)
+
+    def _head_of(self, family: Family, key: bytes, raw: object) -> PayloadFile | None:
+        """`raw`'s head, where the file tier keeps it as a file and the file is there (a
+        file is named by the record's digest: what it holds is `raw`)."""
+        assert self._files is not None and isinstance(raw, bytes)
+        head = self._files.head_of(family, key, raw)
+        return head if head is not None and os.path.exists(head.path) else None
+
+    def _insert_heads(
+        self, family: Family, keys: list[bytes], values: list[bytes | PayloadFile | None]
+    ) -> None:
+        """Cache what `record_heads` read below: heads as head entries, the rest as
+        `_insert_read` does. Under the lock."""
+        plain = [
+            (k, v) for k, v in zip(keys, values, strict=True) if not isinstance(v, PayloadFile)
+        ]
+        if plain:
+            self._insert_read(family, [k for k, _ in plain], [v for _, v in plain])
+        for key, value in zip(keys, values, strict=True):
+            if isinstance(value, PayloadFile):
+                name = key if type(key) is bytes else bytes(key)
+                size = len(value.head) + len(name) + _ENTRY_OVERHEAD
+                if size <= self.budget.max_bytes:
+                    self._drop((family, name))
+                    entry = _Entry(b"", size, self.budget.tick(), head=value)
+                    self._entries[(family, name)] = entry
+                    self._bytes += size
+
+    def _hold_by_head(self, k: tuple[Family, bytes], raw: object, head: PayloadFile) -> None:
+        """Hold `k` by `head` in place of `raw`, if `raw` is still its value (the same
+        object: a write in between wins). Under the lock."""
+        entry = self._entries.get(k)
+        if entry is None or entry.raw is not raw or entry.head is not None:
+            return
+        size = len(head.head) + len(k[1]) + _ENTRY_OVERHEAD
+        self._bytes += size - entry.size
+        entry.raw, entry.size, entry.head = b"", size, head
+        entry.decoded = entry.digest = entry.parsed = None
 
     def _keep_parsed(self, k: tuple[Family, bytes], raw: bytes | None, made: object | None) -> None:
         """Keep `made` (parsed from `raw`) with `k`'s entry, if `raw` is still its value
@@ -455,3 +555,13 @@ class MemoryBudget:
                 return
             if not tenants[min(ticks)[1]].evict_oldest():
                 return
+
+
+def record_heads(
+    store: BlockStore, family: Family, keys: Sequence[bytes]
+) -> list[bytes | PayloadFile | None]:
+    """`store.get_many`, except that a record kept as a file is its `PayloadFile` (with
+    its head) where `store` is the hot tier or the file tier (`record_heads` of either)."""
+    if isinstance(store, (HotStore, FileTier)):
+        return store.record_heads(family, keys)
+    return list(store.get_many(family, keys))

@@ -23,6 +23,7 @@ import logging
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
@@ -39,6 +40,7 @@ from cas_bank.arrays import (
 )
 from cas_bank.blocks import codec
 from cas_bank.blocks.codec import Compression
+from cas_bank.blocks.files import PayloadFile
 from cas_bank.blocks.hashing import (
     END_CONTEXT,
     BlockHash,
@@ -135,21 +137,29 @@ def split_record(key: bytes, value: bytes) -> tuple[EndHeader, memoryview]:
     (bad version or lengths, or a key that is not the hash of what it says). The payload
     is a view of `value`: a hybrid model's record holds its recurrent state (~5 MB for
     the medium one at 1k tokens), and a copy of it cost a restore ~1-2.5 ms here."""
+    header, at = _split_header(key, value, len(value))
+    return header, memoryview(value)[at:]
+
+
+def _split_header(key: bytes, head: bytes, size: int) -> tuple[EndHeader, int]:
+    """The header of the end record of `size` bytes whose first bytes are `head`, and
+    where its payload begins; `CorruptDataError` as `split_record` says (a header
+    longer than `head` too)."""
     where = key.hex()[64:80] if len(key) == KEY_SIZE else key.hex()[:16]
     try:
-        version, flags, tail_len, n, size, parent, root, pd = _FIXED.unpack_from(value)
+        version, flags, tail_len, n, payload_size, parent, root, pd = _FIXED.unpack_from(head)
     except struct.error:
         raise CorruptDataError(f"end record {where} is truncated") from None
     if version != END_VERSION:
         raise CorruptDataError(f"end record {where} has version {version}")
     at = _FIXED.size + 4 * tail_len
-    tail, payload = value[_FIXED.size : at], memoryview(value)[at:]
-    if len(tail) != 4 * tail_len or len(payload) != size or n < tail_len:
+    tail = head[_FIXED.size : at]
+    if len(tail) != 4 * tail_len or max(size - at, 0) != payload_size or n < tail_len:
         raise CorruptDataError(f"end record {where} has bad lengths")
-    header = EndHeader(parent, root, n, bytes(tail), pd, size, flags)
+    header = EndHeader(parent, root, n, bytes(tail), pd, payload_size, flags)
     if len(key) != KEY_SIZE or key != header.key():
         raise CorruptDataError(f"end record {where} is not stored under its own name")
-    return header, payload
+    return header, at
 
 
 def named_digest(value: bytes) -> bytes | None:
@@ -172,6 +182,37 @@ def stored_record(key: bytes, value: bytes | None) -> tuple[EndHeader, memoryvie
         return split_record(key, value)
     except CorruptDataError:
         return None
+
+
+LeaseOf = Callable[[bytes, bytes], "EndPayload | None"]  # `Leases.end`: (key, digest)
+
+
+def stored_end(
+    key: bytes, value: bytes | PayloadFile | None, lease_of: LeaseOf | None
+) -> FoundEnd | None:
+    """The stored end record `value` under `key` (as `blocks.hot.record_heads` reads it:
+    its bytes, or its file with its head), with where a lease may hold its arrays
+    (`lease_of`, `Leases.end`); None if absent or it does not split. A record kept as a
+    file is found by its head alone: its payload is read only when its arrays are
+    wanted and no lease holds them (`FoundEnd.arrays`), so the hot tier holds its head
+    while a lease holds its arrays decoded."""
+    if isinstance(value, PayloadFile):
+        try:
+            header, _ = _split_header(key, value.head, value.size)
+        except CorruptDataError:  # a tail longer than the head read, or damage
+            return stored_end(key, value.read(), lease_of) if len(value.head) < value.size else None
+        return FoundEnd(header, None, None, _lease(lease_of, key, header), value)
+    split = stored_record(key, value)
+    if split is None:
+        return None
+    header, raw = split
+    return FoundEnd(header, raw, None, _lease(lease_of, key, header))
+
+
+def _lease(
+    lease_of: LeaseOf | None, key: bytes, header: EndHeader
+) -> Callable[[], EndPayload | None] | None:
+    return None if lease_of is None else partial(lease_of, key, header.payload_digest)
 
 
 def with_check(key: bytes, value: bytes, check: Check) -> bytes:
@@ -275,17 +316,29 @@ def decode_end(spec: ModelSpec, header: EndHeader, payload: bytes | memoryview) 
     return EndPayload(list(arrays[: len(att)]), dtypes, state, logits, hidden)
 
 
+class EndGone(CorruptDataError):
+    """A record kept as a file was found by its head, and its file was gone when its
+    payload was read (rewritten or evicted in between): a miss, not damage."""
+
+
 @dataclass(frozen=True, slots=True)
 class FoundEnd:
     """An end record a lookup found: its header, and its payload as the record's bytes
-    (written) or as the arrays a store queued for the background writer (`held`); and
-    for a written one, where a lease may hold its arrays decoded (`lease`: asked only
-    when its arrays are, since most lookups read a record for its header alone)."""
+    (written), as the file holding them (`file`: a written one found by its head,
+    `stored_end`) or as the arrays a store queued for the background writer (`held`);
+    and for a written one, where a lease may hold its arrays decoded (`lease`: asked
+    only when its arrays are, since most lookups read a record for its header alone)."""
 
     header: EndHeader
     raw: bytes | memoryview | None = None
     held: EndInput | None = None
     lease: Callable[[], EndPayload | None] | None = None
+    file: PayloadFile | None = None
+
+    @property
+    def written(self) -> bool:
+        """Whether it is a written record (not a queued store's arrays)."""
+        return self.held is None
 
     def payload(self, spec: ModelSpec) -> EndPayload:
         """Its arrays (`arrays`)."""
@@ -300,8 +353,22 @@ class FoundEnd:
         leased = self.lease() if self.lease is not None else None
         if leased is not None:
             return leased, True
-        assert self.raw is not None
-        return decode_end(spec, self.header, self.raw), False
+        return decode_end(spec, self.header, self._payload()), False
+
+    def _payload(self) -> bytes | memoryview:
+        """Its payload's bytes: the record's, or its file's (`EndGone` if it is gone;
+        `CorruptDataError` if the file holds another header than the one found)."""
+        if self.raw is not None:
+            return self.raw
+        assert self.file is not None
+        value = self.file.read()
+        key = self.header.key()
+        if value is None:
+            raise EndGone(f"end record {key.hex()[64:80]}: its file is gone")
+        header, payload = split_record(key, value)
+        if header != self.header:
+            raise CorruptDataError(f"end record {key.hex()[64:80]}: its file's header changed")
+        return payload
 
 
 class EndRecords(Protocol):
@@ -534,6 +601,8 @@ def plan_end(
         return None
     try:
         payload, leased = found.arrays(spec)
+    except EndGone:
+        return None
     except CorruptDataError as e:
         counters.count(corrupt_reads=1)
         log.warning(
@@ -542,6 +611,6 @@ def plan_end(
             e,
         )
         return None
-    if found.raw is not None and not leased:
+    if found.written and not leased:
         view.keep_end(found, payload)
     return EndPlan(header, payload, header.parent_blocks(block_size), found.held is not None)
