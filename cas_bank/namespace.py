@@ -170,7 +170,10 @@ class Namespace:
         hashes = self.chain(end.tokens)
         place = end_place(self.root, hashes, end.tokens, self.block_size)
         written = write_end(self.bank, self.spec, self.root, hashes, end, place)
-        self._lease_live(hashes, end, layers, place[2])
+        # Not written: held already (leased all the same, for the next turn), or for
+        # want of its blocks (no restore would ever take that lease).
+        if written or self.bank.store.get(Family.ENDS, place[2]) is not None:
+            self._lease_live(hashes, end, layers, place[2])
         return written
 
     def store_end_later(

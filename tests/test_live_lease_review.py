@@ -258,11 +258,6 @@ def test_a_restore_while_both_stores_are_queued_is_one_stores(bank_path: Path, o
         check_one_store(hit, spec, stores, live=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ReadView keeps the last queued end record of a key (index/view.py, `_ends`); "
-    "the write keeps the first where it holds all the second does",
-)
 def test_of_two_queued_end_records_the_one_the_bank_will_keep_is_found(bank_path: Path) -> None:
     """The first queued with its logits, the second (same tokens) without: the second's
     write will find the first held and skip, so the bank keeps the logits. A restore
@@ -335,11 +330,6 @@ def test_restores_racing_queued_stores_of_the_same_tokens_are_each_one_stores(
         assert lives > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Namespace.store_end leases the live cache whatever write_end did "
-    "(namespace.py, store_end): a record not written (no parent) keeps one",
-)
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
 def test_an_end_record_not_written_for_want_of_its_blocks_keeps_no_live_lease(
     bank_path: Path, kind: str

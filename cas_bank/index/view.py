@@ -156,7 +156,14 @@ class ReadView:
         self.store = store
         self.leases = leases
         self._chains = [e for e in reversed(queued) if isinstance(e, QueuedChain)]
-        self._ends = {e.key: e for e in queued if isinstance(e, QueuedEnd)}  # the last wins
+        # Of two queued records of one end, the one the writer will keep: a later one
+        # replaces an earlier only where it holds more (`write.end_records.write_end`).
+        self._ends: dict[bytes, QueuedEnd] = {}
+        for e in queued:
+            if isinstance(e, QueuedEnd):
+                earlier = self._ends.get(e.key)
+                if earlier is None or not earlier.header.holds(e.header.flags):
+                    self._ends[e.key] = e
 
     # -- as a store, where lookups read ---------------------------------------------
     @property

@@ -55,8 +55,9 @@ class Hit:
     tokens: int
     layers: list[tuple[Any, ...] | None]
     blocks: list[BlockHash] = field(repr=False)
-    # From an end record (`index.ends`): the logits of token `tokens - 1` and the hidden
-    # state stored with them, when it held them; None otherwise.
+    # From an end record (`index.ends`; on a live hit, the store that leased it): the
+    # logits of token `tokens - 1` and the hidden state stored with them, when it held
+    # them; None otherwise.
     logits: mx.array | None = field(default=None, repr=False)
     hidden: mx.array | None = field(default=None, repr=False)
     end: bool = False  # resumed from an end record
@@ -202,7 +203,9 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
     """The conversation's live cache, where the end record the plan resumes from was
     stored from it in this process and nothing has taken it since (`Leases.take_live`):
     handed back with no byte copied, room and all where the caller asks for room, else
-    as views of exactly its tokens (what `Namespace.restore` promises without room)."""
+    as views of exactly its tokens (what `Namespace.restore` promises without room).
+    With that store's own state, logits and hidden state; an exact repeat takes it only
+    where it holds the logits and hidden state the record does."""
     end, leases = plan.end, ns.bank.leases
     if end is None or leases is None or plan.cont is not None:
         return None
