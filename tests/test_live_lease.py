@@ -286,3 +286,27 @@ def test_a_live_hit_hands_out_one_stores_logits_and_state_together(bank: Bank) -
         (bits(random_logits(2)), str(state_bits(other, spec))),
     }
     assert (bits(hit.logits), str(state_bits(hit.layers, spec))) in stores
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_turn_that_ended_on_a_block_boundary_is_taken_back_without_a_copy(name: str) -> None:
+    """Its end record reaches no further than the chain's restore point, so the next
+    turn resumes from the blocks; the live cache stored at that end is taken all the
+    same, not copied from the lease of its blocks."""
+    with temp_bank(BLOCK) as bank:
+        pc = PrefixCache(bank, tiny(name), chunk_size=BLOCK)
+        rng = np.random.default_rng(27)
+        tokens = random_tokens(rng, 3 * BLOCK)
+        cache = pc.new_cache()
+        pc.prefill(tokens, cache)
+        where = buffer_of(cache, pc)
+        del cache
+        bank.flush()
+        turn = tokens + random_tokens(rng, NEW)
+        cache, n = pc.restore(turn)
+        assert n == len(tokens) and bank.stats().live_hits == 1
+        assert buffer_of(cache, pc) == where  # handed back, not copied
+        logits = pc.prefill(turn, cache, n, end=False)
+        ends = [*pc.last_prefill.chunk_ends]
+        reference = forward(pc, pc.new_cache(), turn, 0, [BLOCK, 2 * BLOCK, 3 * BLOCK, *ends])
+        assert bit_equal(logits, reference)

@@ -27,7 +27,7 @@ from cas_bank.arrays import HeldArrays
 from cas_bank.blocks.hashing import BlockHash, as_token_array
 from cas_bank.errors import CorruptDataError
 from cas_bank.index.chain import Header, restore_blocks, stored_chain
-from cas_bank.index.ends import EndPlan, plan_end
+from cas_bank.index.ends import EndPlan, end_key, plan_end
 from cas_bank.index.partial import (
     PartialPlan,
     find_partial,
@@ -41,6 +41,7 @@ from cas_bank.stats import RestoreTimings
 
 if TYPE_CHECKING:
     from cas_bank.index.continuation import Continuation
+    from cas_bank.index.lease import Live
     from cas_bank.owner import Owner
     from cas_bank.restore.payloads import PayloadReader, StateRead
     from cas_bank.spec import ModelSpec
@@ -200,50 +201,67 @@ def restore(ns: Restorable, tokens: Any, *, room_for: int = 0) -> Hit | None:
 
 
 def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit | None:
-    """The conversation's live cache, where the end record the plan resumes from was
-    stored from it in this process and nothing has taken it since (`Leases.take_live`):
-    handed back with no byte copied, room and all where the caller asks for room, else
-    as views of exactly its tokens (what `Namespace.restore` promises without room).
-    With that store's own state, logits and hidden state; an exact repeat takes it only
-    where it holds the logits and hidden state the record does."""
-    end, leases = plan.end, ns.bank.leases
-    if end is None or leases is None or plan.cont is not None:
-        return None
-    # An exact repeat takes it only where it holds the extras the record does (the
-    # one holding more is found), and hands out its own: never one store's logits
-    # beside another's state (`index.lease.Live`).
-    exact = end.tokens == len(plan.toks)
-    header = end.header
-    live = leases.take_live(
-        header.key(),
-        end.tokens,
-        logits=exact and header.has_logits,
-        hidden=exact and header.has_hidden,
-    )
-    if live is None or (ns.spec.is_hybrid and live.state is None):
+    """The conversation's live cache, where the end the plan resumes from was stored
+    from it in this process and nothing has taken it since (`_take_live`): handed back
+    with no byte copied, room and all where the caller asks for room, else as views of
+    exactly its tokens (what `Namespace.restore` promises without room). With that
+    store's own state, logits and hidden state."""
+    live = _take_live(ns, plan)
+    if live is None:
         return None
     looked_up = time.perf_counter()
+    n = live.tokens
     kv: list[tuple[Any, ...] | None] = list(live.layers)
     if not room_for:  # views, no copy; evaluated below (bound to no thread's stream)
-        n = end.tokens
         kv = group_layers(ns.spec, [a[..., :n, :] for a in flat_attention(ns.spec, kv)], None)
     if ns.spec.is_hybrid:
         kv = merge_layers(kv, group_layers(ns.spec, None, live.state))
+    exact = n == len(plan.toks)
     logits = live.logits if exact else None
     hidden = live.hidden if exact else None
     mx.eval(kv, [a for a in (logits, hidden) if a is not None])
     ns.bank.counters.count(live_hits=1)
-    _account(ns, plan, end.tokens, plan.n_blocks, ns.spec.is_hybrid)
+    n_blocks = n // ns.block_size
+    _account(ns, plan, n, n_blocks, ns.spec.is_hybrid)
     timings = _clocked(ns, started, looked_up, looked_up, time.perf_counter())
     return Hit(
-        tokens=end.tokens,
+        tokens=n,
         layers=kv,
-        blocks=plan.hashes[: plan.n_blocks],
+        blocks=plan.hashes[:n_blocks],
         logits=logits,
         hidden=hidden,
         end=True,
         timings=timings,
     )
+
+
+def _take_live(ns: Restorable, plan: _Plan) -> Live | None:
+    """The live lease of the end the plan resumes from (`Leases.take_live`): its end
+    record's, or, where no record reaches past the chain's restore point and no partial
+    block follows it, that of an end stored exactly there (a turn that ended on a block
+    boundary). An exact repeat takes it only where it holds the logits and hidden state
+    its record does (the one holding more is found), and a restore hands out the
+    lease's own: never one store's logits beside another's state (`index.lease.Live`)."""
+    leases, end = ns.bank.leases, plan.end
+    if leases is None or plan.cont is not None:
+        return None
+    if end is not None:
+        exact = end.tokens == len(plan.toks)
+        header = end.header
+        live = leases.take_live(
+            header.key(),
+            end.tokens,
+            logits=exact and header.has_logits,
+            hidden=exact and header.has_hidden,
+        )
+    elif plan.part is None and plan.n_blocks:
+        boundary = end_key(plan.hashes[plan.n_blocks - 1], b"")
+        live = leases.take_live(boundary, plan.n_blocks * ns.block_size)
+    else:
+        return None
+    if live is None or (ns.spec.is_hybrid and live.state is None):
+        return None
+    return live
 
 
 def _plan(ns: Restorable, toks: np.ndarray) -> _Plan:
