@@ -37,7 +37,6 @@ chain reaches at least as deep as its deepest queued header.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
@@ -46,6 +45,7 @@ import numpy as np
 from cas_bank.arrays import HeldArrays, dtype_of
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.hashing import BlockHash
+from cas_bank.blocks.hot import record_heads
 from cas_bank.blocks.store import BlockStore, Family
 from cas_bank.index.chain import Header
 from cas_bank.index.children import KIND_BLOCK, child_key, end_entry
@@ -55,7 +55,7 @@ from cas_bank.index.ends import (
     EndPayload,
     FoundEnd,
     end_place,
-    stored_record,
+    stored_end,
 )
 
 if TYPE_CHECKING:
@@ -222,10 +222,11 @@ class ReadView:
         arrays for its payload digest (`FoundEnd.lease`): asked only by a restore that
         takes them, not by a lookup that reads headers (`Namespace.match`) nor for the
         shallower records found beside the one a restore resumes from."""
-        values = self.store.get_many(Family.ENDS, list(keys)) if keys else []
+        values = record_heads(self.store, Family.ENDS, list(keys)) if keys else []
+        lease_of = self.leases.end if self.leases is not None else None
         out: list[FoundEnd | None] = []
         for key, value in zip(keys, values, strict=True):
-            stored = _stored_end(key, value, self.leases)
+            stored = stored_end(key, value, lease_of)
             queued = self._ends.get(bytes(key))
             if queued is None or (stored is not None and _holds_more(stored, queued)):
                 out.append(stored)
@@ -313,17 +314,6 @@ class ReadView:
         last = bytes(hashes[lo - 1])
         chain = next(c for c in self._chains if last in c.position)
         return lo, chain.arrays
-
-
-def _stored_end(key: bytes, value: bytes | None, leases: Leases | None) -> FoundEnd | None:
-    """The stored end record `value` under `key`, with where `leases` may hold its
-    arrays; None if absent or it does not split."""
-    split = stored_record(key, value)
-    if split is None:
-        return None
-    header, raw = split
-    lease = None if leases is None else partial(leases.end, key, header.payload_digest)
-    return FoundEnd(header, raw, None, lease)
 
 
 def _holds_more(stored: FoundEnd, queued: QueuedEnd) -> bool:
