@@ -392,3 +392,67 @@ def test_an_end_record_whose_file_is_gone_is_found_by_verify_and_removed_by_fix(
         assert bank.stats().ends == 0 and not end_leases(bank)
         assert list(bank.files.inner.iterate(Family.ENDS)) == []
         assert ns.restore(tokens) is None
+
+
+@pytest.mark.parametrize("mode", ["read_only", "secondary"])
+def test_a_reader_open_holds_heads_and_restores_from_its_lease(bank_path: Path, mode: str) -> None:
+    """A read-only or secondary open finds a filed end record by its head as the writer
+    does: bit-exact, then from its lease with the file moved aside; a secondary's
+    `refresh` forgets the head and reads the writer's rewrite (another file)."""
+    tokens = tokens_of(np.random.default_rng(13), 2 * B + 3)
+    with Bank.open(bank_path, HOT) as writer:
+        state = _store_end(writer, tokens, 13, logits=random_logits(13))
+    with Bank.open(bank_path, HOT, mode=mode) as reader:  # type: ignore[arg-type]
+        ns = reader.namespace(HYBRID)
+        for _ in range(2):
+            hit = ns.restore(tokens)
+            assert hit is not None and hit.exact and bits(hit.logits) == bits(random_logits(13))  # type: ignore[arg-type]
+            assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+        assert _head_entries(reader) == 1 and end_leases(reader)
+        assert reader.hot is not None and reader.hot.used_bytes == _hot_sum(reader)
+        file = _end_file(bank_path)
+        aside = file.rename(file.with_name("aside"))
+        try:
+            hit = ns.restore(tokens)
+            assert hit is not None and hit.exact
+            assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+        finally:
+            aside.rename(file)
+    if mode != "secondary":
+        return
+    with Bank.open(bank_path, HOT) as writer, Bank.open(bank_path, HOT, mode="secondary") as reader:
+        ns = reader.namespace(HYBRID)
+        assert ns.restore(tokens) is not None and _head_entries(reader) == 1
+        _store_end(writer, tokens, 13, logits=random_logits(13), hidden=random_logits(14))
+        writer.flush()
+        reader.refresh()
+        hit = ns.restore(tokens)
+        assert hit is not None and hit.hidden is not None
+        assert bits(hit.hidden) == bits(random_logits(14))
+        assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+
+
+def test_a_head_held_end_is_exported_whole_and_imported_into_another_bank(
+    tmp_path: Path,
+) -> None:
+    """A bundle exported while the hot tier holds the end record by its head carries the
+    whole record (read below); imported into another bank (cached whole by its write,
+    then held by its head) it restores bit-exact, the importing bank's file the same."""
+    from cas_bank.maintenance.bundle import chain_for_tokens, export_chain, import_bundle
+
+    tokens = tokens_of(np.random.default_rng(15), 2 * B + 3)
+    with Bank.open(tmp_path / "a", HOT) as bank:
+        state = _store_end(bank, tokens, 15, logits=random_logits(15))
+        ns = bank.namespace(HYBRID)
+        assert ns.restore(tokens) is not None and _head_entries(bank) == 1
+        export_chain(bank, chain_for_tokens(bank, ns.root, tokens), tmp_path / "c.casb")
+        assert _head_entries(bank) == 1
+    with Bank.open(tmp_path / "b", HOT) as other:
+        assert import_bundle(other, tmp_path / "c.casb").ends_written == 1
+        ns = other.namespace(HYBRID)
+        for _ in range(2):
+            hit = ns.restore(tokens)
+            assert hit is not None and hit.exact and bits(hit.logits) == bits(random_logits(15))  # type: ignore[arg-type]
+            assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
+        assert _head_entries(other) == 1
+    assert _end_file(tmp_path / "b").read_bytes() == _end_file(tmp_path / "a").read_bytes()
