@@ -168,7 +168,8 @@ def test_hot_bytes_stay_the_sum_of_entries_as_records_turn_whole_to_head(
             _store_end(bank, t, seed, logits=random_logits(seed))
         keys = sorted(k for k, _ in bank.files.inner.iterate(Family.ENDS))
         assert hot.used_bytes == _hot_sum(bank)
-        wholes = hot.get_many(Family.ENDS, keys)
+        hot.clear()
+        wholes = hot.get_many(Family.ENDS, keys)  # read below, cached whole
         first = hot.record_heads(Family.ENDS, keys)  # answered whole, then held by heads
         assert first == wholes and _head_entries(bank) == 2
         assert hot.used_bytes == _hot_sum(bank) == bank.stats().hot_tier_bytes
@@ -183,13 +184,13 @@ def test_hot_bytes_stay_the_sum_of_entries_as_records_turn_whole_to_head(
             assert isinstance(head, PayloadFile)
             assert hot.lookup(Family.ENDS, key, head.digest) is None
         assert _head_entries(bank) == 2 and hot.used_bytes == _hot_sum(bank)
-        # A rewrite with more (hidden): cached whole by its write, then a head of its new file.
+        # A rewrite with more (hidden): another file, its head held from the next lookup on.
         _store_end(bank, tokens[0], 0, logits=random_logits(0), hidden=random_logits(9))
-        assert _head_entries(bank) == 1 and hot.used_bytes == _hot_sum(bank)
-        new = hot.record_heads(Family.ENDS, keys)
+        assert hot.used_bytes == _hot_sum(bank)
+        hot.record_heads(Family.ENDS, keys)
         new = hot.record_heads(Family.ENDS, keys)
         assert _head_entries(bank) == 2 and hot.used_bytes == _hot_sum(bank)
-        assert {h.digest for h in new} != {h.digest for h in heads}  # type: ignore[union-attr]
+        assert new[1] == heads[1] and new[0] != heads[0]
         for h in new:
             assert isinstance(h, PayloadFile) and Path(h.path).exists()
         hot.budget.balance()
@@ -456,3 +457,23 @@ def test_a_head_held_end_is_exported_whole_and_imported_into_another_bank(
             assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
         assert _head_entries(other) == 1
     assert _end_file(tmp_path / "b").read_bytes() == _end_file(tmp_path / "a").read_bytes()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HotStore.put_batch caches a file-kept end record whole (write-through) while "
+    "store_end's live lease holds its arrays: charged twice until a lookup turns it to a head",
+)
+def test_a_stored_end_file_is_charged_its_head_beside_its_live_lease(bank_path: Path) -> None:
+    """Right after `store_end` the live lease holds the turn's arrays; the hot tier should
+    hold the record's head, not the whole record (4.9 MB for a medium hybrid's), as it
+    does after the first lookup: a turn that is never restored (a branch left) kept it
+    whole until the LRU reached it."""
+    tokens = tokens_of(np.random.default_rng(16), 2 * B + 3)
+    with Bank.open(bank_path, HOT) as bank:
+        _store_end(bank, tokens, 16, logits=random_logits(16))
+        record = _end_file(bank_path).stat().st_size
+        assert bank.leases is not None and bank.leases.used_bytes > record // 2
+        assert bank.hot is not None
+        held = sum(e.size for (f, _), e in bank.hot._entries.items() if f is Family.ENDS)
+        assert held < 8 << 10, f"the hot tier holds {held} bytes of a {record}-byte record"
