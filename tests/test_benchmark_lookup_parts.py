@@ -3,10 +3,15 @@ their phase, on a real bank, and the module's functions given back after."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from benchmarks import lookup
-from cas_bank.index import prefixes
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is a top-level package beside cas_bank
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import lookup  # noqa: E402
+from cas_bank.index import prefixes  # noqa: E402
 
 
 def test_parts_time_the_prefix_keys_and_decoding_within_the_prefix_records(
