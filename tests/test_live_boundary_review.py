@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from cas_bank.runtime import BankPromptCache, PrefixCache
-from conftest import BLOCK_SIZE, attention_spec, hybrid_spec, tokens_of
+from conftest import BLOCK_SIZE, attention_spec, hybrid_spec, remote_config, tokens_of
 from hf_models import wide
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -211,6 +211,39 @@ def test_a_partial_block_reaching_further_is_restored_and_the_lease_kept(bank_pa
         assert check_one_store(hit, spec, [boundary], live=True) == 0
 
 
+def test_a_restore_through_the_shared_tier_leaves_the_boundary_lease(
+    cluster: Any, tmp_path: Path
+) -> None:
+    """Host a holds a boundary turn (its live lease); host b stored a longer prompt of the
+    same first blocks. Host a's restore of b's prompt goes on from the shared tier: a
+    restore of b's tokens, not a live hit, and the lease stays for the prompt it fits."""
+    spec = attention_spec()
+    a = Bank.open(tmp_path / "a", remote_config(cluster.url(0)))
+    b = Bank.open(tmp_path / "b", remote_config(cluster.url(1)))
+    try:
+        rng = np.random.default_rng(46)
+        short = tokens_of(rng, N)
+        longer = short + tokens_of(rng, 2 * BLOCK_SIZE + 1)
+        mine = store_of(spec, 1, logits=True, n=N)
+        put(a.namespace(spec), short, mine, queued=False)
+        a.flush()
+        theirs = store_of(spec, 2, logits=True, n=len(longer))
+        put(b.namespace(spec), longer, theirs, queued=False)
+        b.flush()
+        live_bytes = a.stats().live_bytes
+        hit = a.namespace(spec).restore([*longer, 5])
+        assert hit is not None and hit.tokens == len(longer) and a.stats().remote_hit_tokens > 0
+        assert a.stats().live_hits == 0 and a.stats().live_bytes == live_bytes
+        assert whose(hit, spec, [mine, theirs])["tail"] == 1
+        a.flush()
+        hit = a.namespace(spec).restore([*short, 1001, 1002])
+        assert hit is not None and hit.tokens == N and a.stats().live_hits == 1
+        assert check_one_store(hit, spec, [mine, theirs], live=True) == 0
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("room_for", [0, 64])
 @pytest.mark.parametrize("kind", ["attention", "hybrid", "quantized"])
 def test_a_boundary_take_hands_out_its_buffers_exactly_or_whole(
@@ -285,40 +318,49 @@ def test_two_agents_restoring_one_boundary_end_at_once_see_only_their_own(name: 
         assert np.array_equal(attention_keys(cache, pc), kept)
 
 
+@pytest.mark.parametrize("turn2_from", ["lease", "own_cache"])
 @pytest.mark.parametrize("name", MODELS)
-def test_a_boundary_turn_then_a_longer_one_then_a_branch_from_the_first(name: str) -> None:
-    """Turn 1 ends on a boundary; turn 2 takes it back and stores its own end past the
-    boundary; a branch from turn 1's end (its lease taken) and turn 3 (turn 2's lease)
-    each get their own prompt's logits, bit for bit."""
+def test_a_boundary_turn_then_a_longer_one_then_a_branch_from_the_first(
+    name: str, turn2_from: str
+) -> None:
+    """Turn 1 ends on a boundary; turn 2 goes on from it (taking its live cache back, or
+    the runtime's own cache of turn 1, which the lease shares) and stores its own end
+    past the boundary; a branch from turn 1's end and turn 3 (turn 2's live cache) each
+    get their own prompt's logits, bit for bit: turn 2's tokens never reach the branch."""
     with temp_bank(BLOCK) as bank:
         pc = PrefixCache(bank, tiny(name), chunk_size=BLOCK)
         rng = np.random.default_rng(44)
         turn1 = random_tokens(rng, TURN)
-        pc.prefill(turn1, pc.new_cache())
+        cache = pc.new_cache()
+        pc.prefill(turn1, cache)
         bank.flush()
 
         turn2 = turn1 + random_tokens(rng, NEW)
-        cache, n = pc.restore(turn2)
-        assert n == TURN and bank.stats().live_hits == 1
-        logits = pc.prefill(turn2, cache, n)  # its end record and live lease, at 3B + 5
+        taken = turn2_from == "lease"
+        if taken:
+            cache, n = pc.restore(turn2)
+            assert n == TURN and bank.stats().live_hits == 1
+        logits = pc.prefill(turn2, cache, TURN)  # its end record and live lease, at 3B + 5
         ends2 = [*BOUNDARIES, *pc.last_prefill.chunk_ends]
         assert bit_equal(logits, forward(pc, pc.new_cache(), turn2, 0, ends2))
-        del cache
+        if taken:
+            del cache
         bank.flush()
 
         branch = [*turn1, (turn2[TURN] + 1) % 512, *random_tokens(rng, NEW - 1)]
-        cache, n = pc.restore(branch)
-        assert n == TURN and bank.stats().live_hits == 1  # turn 1's lease was taken
-        logits = pc.prefill(branch, cache, n, end=False)
+        restored, n = pc.restore(branch)
+        # Turn 1's live cache: taken by turn 2 already, or taken now.
+        assert n == TURN and bank.stats().live_hits == 1
+        logits = pc.prefill(branch, restored, n, end=False)
         reference = forward(
             pc, pc.new_cache(), branch, 0, [*BOUNDARIES, *pc.last_prefill.chunk_ends]
         )
         assert bit_equal(logits, reference)
 
         turn3 = turn2 + random_tokens(rng, NEW)
-        cache, n = pc.restore(turn3)
+        restored, n = pc.restore(turn3)
         assert n == len(turn2) and bank.stats().live_hits == 2  # turn 2's live cache
-        logits = pc.prefill(turn3, cache, n, end=False)
+        logits = pc.prefill(turn3, restored, n, end=False)
         reference = forward(pc, pc.new_cache(), turn3, 0, [*ends2, *pc.last_prefill.chunk_ends])
         assert bit_equal(logits, reference)
 
