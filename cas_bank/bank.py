@@ -50,6 +50,7 @@ from cas_bank.evict.tenants import (
 )
 from cas_bank.index.chain_record_writes import run_writes
 from cas_bank.index.children import index_writes
+from cas_bank.index.ends import header_bytes
 from cas_bank.index.lease import Leases
 from cas_bank.namespace import Namespace
 from cas_bank.native import warn_if_missing
@@ -219,6 +220,7 @@ class Bank:
                     min_bytes=_NEVER if config.file_min_bytes is None else config.file_min_bytes,
                     durable=config.durability == "wal",
                     record_digests=record_files(config),
+                    head_bytes={Family.ENDS: header_bytes},
                 )
             if config.hot_bytes > 0:
                 store = HotStore(store, config.hot_bytes)

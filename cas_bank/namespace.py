@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
+from cas_bank.blocks.hot import record_heads
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
@@ -172,7 +173,7 @@ class Namespace:
         written = write_end(self.bank, self.spec, self.root, hashes, end, place)
         # Not written: held already (leased all the same, for the next turn), or for
         # want of its blocks (no restore would ever take that lease).
-        if written or self.bank.store.get(Family.ENDS, place[2]) is not None:
+        if written or record_heads(self.bank.store, Family.ENDS, [place[2]])[0] is not None:
             self._lease_live(hashes, end, layers, place[2])
         return written
 

@@ -69,15 +69,20 @@ def _ends_held(bank: Bank) -> int:
 
 
 def test_the_hot_tier_holds_a_filed_end_record_by_its_head(bank_path: Path) -> None:
-    """Cached whole by its write, it is answered whole once, then held by its head (its
-    file and first bytes); `get_many` still reads it whole, without caching it so."""
+    """Its write caches its head (its file and first bytes), not the record; cached
+    whole by a read of a key not held, it is answered whole once, then held by its head;
+    `get_many` still reads it whole, without caching it so."""
     with Bank.open(bank_path, HOT) as bank:
         _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
         key, hot = _end_key(bank), bank.hot
         assert hot is not None
+        assert 0 < _ends_held(bank) < HEAD_BYTES + 1024  # the write cached its head
         whole = bank.store.get_many(Family.ENDS, [key])[0]
         assert whole is not None and len(whole) > SMALL_FILES
-        assert _ends_held(bank) > len(whole)  # the write cached it whole
+        assert _ends_held(bank) < HEAD_BYTES + 1024  # read below, the head left
+        hot.clear()
+        assert hot.get_many(Family.ENDS, [key]) == [whole]
+        assert _ends_held(bank) > len(whole)  # a key not held: cached whole
         (first,) = hot.record_heads(Family.ENDS, [key])
         assert first == whole  # answered whole this once
         assert _ends_held(bank) < HEAD_BYTES + 1024

@@ -71,11 +71,6 @@ def _hot_sum(bank: Bank) -> int:
     return sum(e.size for e in bank.hot._entries.values())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ends.stored_end reads the whole file where a tail outruns the 4 KiB head "
-    "(block sizes over 997): every lookup reads the record, and a lease hit needs its file",
-)
 def test_a_tail_longer_than_the_head_is_found_by_its_head_too(tmp_path: Path) -> None:
     """At block sizes over 997 a tail may not fit in the 4 KiB head (112 bytes and 4 a
     token): the record is still found by its head, and a lease hit reads no file, as
@@ -111,11 +106,6 @@ def _other_token(token: int) -> int:
     return (token + 1) % 1000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore.tails.read_partial counts EndGone (a file replaced since its head "
-    "was read) as a corrupt read and logs a failed verification",
-)
 def test_a_partial_hit_whose_file_the_writer_replaced_is_no_corruption(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -459,11 +449,6 @@ def test_a_head_held_end_is_exported_whole_and_imported_into_another_bank(
     assert _end_file(tmp_path / "b").read_bytes() == _end_file(tmp_path / "a").read_bytes()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HotStore.put_batch caches a file-kept end record whole (write-through) while "
-    "store_end's live lease holds its arrays: charged twice until a lookup turns it to a head",
-)
 def test_a_stored_end_file_is_charged_its_head_beside_its_live_lease(bank_path: Path) -> None:
     """Right after `store_end` the live lease holds the turn's arrays; the hot tier should
     hold the record's head, not the whole record (4.9 MB for a medium hybrid's), as it

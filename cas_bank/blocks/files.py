@@ -88,8 +88,9 @@ class PayloadFile:
             return None
 
 
-# What `FileTier.record_heads` reads of a record kept as a file: an end record's header
-# and tail tokens (116 bytes and 4 a token) at block sizes up to 996.
+# What `FileTier.record_heads` reads of a record kept as a file at least: an end record's
+# header and tail tokens (112 bytes and 4 a token) at block sizes up to 997; a longer
+# header is read whole (`head_bytes`).
 HEAD_BYTES = 4096
 
 
@@ -104,6 +105,7 @@ class FileTier(BlockStore):
         min_bytes: int = MIN_FILE_BYTES,
         durable: bool = True,
         record_digests: Mapping[Family, Callable[[bytes], bytes | None]] | None = None,
+        head_bytes: Mapping[Family, Callable[[bytes], int]] | None = None,
     ) -> None:
         self.inner = inner
         self.capabilities = inner.capabilities  # files first, then inner's one batch
@@ -123,6 +125,8 @@ class FileTier(BlockStore):
             family: _payload_digest for family in PAYLOAD_FAMILIES
         }
         self._digests.update(record_digests or {})
+        # How many first bytes of a record hold its header (at least `HEAD_BYTES` read).
+        self._head_bytes = dict(head_bytes or {})
         if not self.read_only:
             for family in self._digests:
                 (self.directory / family.value).mkdir(parents=True, exist_ok=True)
@@ -195,6 +199,9 @@ class FileTier(BlockStore):
                 continue
             file = PayloadFile(self.name(family, key, found[0]), *found)
             head = file.read(HEAD_BYTES)
+            need = self._head_need(family, head)
+            if head is not None and need > len(head):
+                head = file.read(need)  # a header past the first HEAD_BYTES
             out.append(None if head is None else replace(file, head=head))
         return out
 
@@ -209,7 +216,13 @@ class FileTier(BlockStore):
         digest = self._file_digest(family, value)
         if digest is None:
             return None
-        return PayloadFile(self.name(family, key, digest), digest, len(value), value[:HEAD_BYTES])
+        head = value[: max(HEAD_BYTES, self._head_need(family, value))]
+        return PayloadFile(self.name(family, key, digest), digest, len(value), head)
+
+    def _head_need(self, family: Family, head: bytes | None) -> int:
+        """How many first bytes of the record beginning with `head` its header takes."""
+        needs = self._head_bytes.get(family)
+        return 0 if needs is None or head is None else needs(head)
 
     # -- reads ---------------------------------------------------------------------
     def get_many(self, family: Family, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -20,12 +20,14 @@ Two levels per entry:
   Both are tied to the raw value they came from (the same object): a write of the
   key replaces that object, and what was made of the old one is never returned.
 
-A record the file tier keeps as a file may be held by its head instead (`record_heads`:
-its `PayloadFile`, the file named and its first 4 KiB), never whole again: an end
-record's lookup learns its header, and so the name of its lease, from that, and a
-lease holds its arrays decoded (`index.ends.stored_end`); held whole as well, a medium
-hybrid's end record (4.9 MB at 1k tokens) was charged twice. A `get_many` of a key held
-so reads it below and leaves the head in place.
+A record the file tier keeps as a file is held by its head instead (`record_heads`:
+its `PayloadFile`, the file named and its first 4 KiB, or its whole header where that
+is longer): its write caches the head, and one cached whole by a `get_many` of a key
+not held is turned into its head by the next `record_heads`. An end record's lookup
+learns its header, and so the name of its lease, from the head, and a lease holds its
+arrays decoded (`index.ends.stored_end`); held whole as well, a medium hybrid's end
+record (4.9 MB at 1k tokens) was charged twice. A `get_many` of a key held by its
+head reads it below and leaves the head in place.
 
 Coherence: every write goes through `put_batch`, which drops the cached entries of
 its keys, updates the inner store, and then caches the values it put. A read that
@@ -304,6 +306,16 @@ class HotStore(BlockStore):
                     self._entries[(family, name)] = entry
                     self._bytes += size
 
+    def _insert_head(self, family: Family, key: bytes, value: bytes) -> None:
+        """Cache a record just written as a file by its head (its file is there: the
+        write made it), not whole: a lease holds its arrays. Under the lock."""
+        assert self._files is not None
+        head = self._files.head_of(family, key, value)
+        if head is None:
+            self._insert(family, key, value)
+            return
+        self._insert_heads(family, [key], [head])
+
     def _hold_by_head(self, k: tuple[Family, bytes], raw: object, head: PayloadFile) -> None:
         """Hold `k` by `head` in place of `raw`, if `raw` is still its value (the same
         object: a write in between wins). Under the lock."""
@@ -388,7 +400,9 @@ class HotStore(BlockStore):
                 self._writing -= 1
                 for family, key, value in cached if written else ():
                     self._drop((family, key))
-                    if value is not None:
+                    if value is not None and self._may_be_file(family, len(value)):
+                        self._insert_head(family, bytes(key), value)
+                    elif value is not None:
                         self._insert(family, bytes(key), value)
             self.budget.balance()
 

@@ -162,6 +162,17 @@ def _split_header(key: bytes, head: bytes, size: int) -> tuple[EndHeader, int]:
     return header, at
 
 
+def header_bytes(head: bytes) -> int:
+    """How many first bytes of the end record beginning with `head` its header (fixed
+    part and tail tokens) takes; 0 if `head` is not one (`blocks.files` reads that many
+    of a record kept as a file for its head)."""
+    try:
+        tail_len: int = _FIXED.unpack_from(head)[2]
+    except struct.error:
+        return 0
+    return _FIXED.size + 4 * tail_len
+
+
 def named_digest(value: bytes) -> bytes | None:
     """The payload digest an end record's value names in its header (not checked); None
     if it is not an end record of this version: what the file tier names the file of a
@@ -354,6 +365,13 @@ class FoundEnd:
         if leased is not None:
             return leased, True
         return decode_end(spec, self.header, self._payload()), False
+
+    def intact(self) -> bool:
+        """Whether its payload (a written record's) is there and passes its digest."""
+        try:
+            return codec.verify(self._payload(), self.header.payload_digest)
+        except CorruptDataError:  # its file gone (`EndGone`) or holding another header
+            return False
 
     def _payload(self) -> bytes | memoryview:
         """Its payload's bytes: the record's, or its file's (`EndGone` if it is gone;

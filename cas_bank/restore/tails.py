@@ -14,7 +14,7 @@ import numpy as np
 from cas_bank.arrays import DType, dtype_named, from_numpy
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
-from cas_bank.index.ends import EndPlan
+from cas_bank.index.ends import EndGone, EndPlan
 from cas_bank.index.partial import PartialPlan
 from cas_bank.restore.assemble import Assembler
 from cas_bank.restore.payloads import PayloadReader
@@ -74,6 +74,8 @@ def read_partial(
     assert plan.end is not None
     try:
         return [a[..., :j, :] for a in plan.end.payload(spec).tail]
+    except EndGone:  # its file was replaced or removed since its head was read: a miss
+        return None
     except CorruptDataError as e:
         counters.count(corrupt_reads=1)
         log.warning(

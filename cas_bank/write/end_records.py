@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash
-from cas_bank.blocks.store import Family
-from cas_bank.index.ends import EndHeader, EndInput, encode_end, end_place, stored_record
+from cas_bank.blocks.hot import record_heads
+from cas_bank.blocks.store import BlockStore, Family
+from cas_bank.index.ends import EndHeader, EndInput, encode_end, end_place, stored_end
 from cas_bank.owner import Owner
 from cas_bank.spec import ModelSpec
 
@@ -36,7 +37,7 @@ def write_end(
     parent, tail, key = place
     base = n - len(tail) // 4
     flags = end.flags
-    if _holds(bank.store.get(Family.ENDS, key), key, flags):
+    if _holds(bank.store, key, flags):
         bank.access.touch((), ends=[parent])
         return 0
     payload, flags = encode_end(
@@ -62,10 +63,10 @@ def write_end(
     return len(value)
 
 
-def _holds(value: bytes | None, key: bytes, flags: int) -> bool:
-    """Whether a stored end record is intact and holds everything `flags` asks for."""
-    split = stored_record(key, value)
-    if split is None:
-        return False
-    header, payload = split
-    return header.holds(flags) and codec.verify(payload, header.payload_digest)
+def _holds(store: BlockStore, key: bytes, flags: int) -> bool:
+    """Whether the end record stored under `key` is intact and holds everything `flags`
+    asks for: its header first (of a record kept as a file, its head: what the hot
+    tier holds of it), its payload read and checked only where the header holds them."""
+    (value,) = record_heads(store, Family.ENDS, [key])
+    found = stored_end(key, value, None)
+    return found is not None and found.header.holds(flags) and found.intact()
