@@ -58,13 +58,6 @@ def boundary_turn(bank: Bank, kind: str, seed: int = 1) -> tuple[Any, list[int],
 
 
 # -- bugs -------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="queued_turn._end_job keeps the live lease of a queued end record that "
-    "write_end skipped for want of its blocks (f18247d fixed store_end only); the "
-    "boundary take checks no record, so it hands that lease out once another store "
-    "writes the blocks",
-)
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
 def test_a_queued_end_record_not_written_keeps_no_lease_for_the_boundary_take(
     bank_path: Path, kind: str
@@ -94,11 +87,6 @@ def test_a_queued_end_record_not_written_keeps_no_lease_for_the_boundary_take(
         assert not hit.end and bank.stats().live_bytes == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restoring._live_hit returns Hit(end=True) for a boundary take while "
-    "_account counts no end hit (plan.end is None)",
-)
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
 def test_a_boundary_live_hit_and_the_counters_agree(bank_path: Path, kind: str) -> None:
     """A prompt extending a turn that ended on a boundary: a live hit, whose `Hit.end`
@@ -115,11 +103,6 @@ def test_a_boundary_live_hit_and_the_counters_agree(bank_path: Path, kind: str) 
         assert hit.end == (moved["end_hits"] == 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_take_live's boundary branch takes the lease for an exact repeat whose "
-    "record failed verification and hands out its logits; _account counts no exact hit",
-)
 def test_an_exact_boundary_repeat_whose_record_is_damaged_is_counted_as_it_is_served(
     bank_path: Path,
 ) -> None:

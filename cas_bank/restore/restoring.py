@@ -230,7 +230,7 @@ def _live_hit(ns: Restorable, plan: _Plan, started: float, room_for: int) -> Hit
         blocks=plan.hashes[:n_blocks],
         logits=logits,
         hidden=hidden,
-        end=True,
+        end=plan.end is not None,  # else the lease of a turn ended on the restore point
         timings=timings,
     )
 
@@ -254,7 +254,8 @@ def _take_live(ns: Restorable, plan: _Plan) -> Live | None:
             logits=exact and header.has_logits,
             hidden=exact and header.has_hidden,
         )
-    elif plan.part is None and plan.n_blocks:
+    elif plan.part is None and 0 < plan.n_blocks * ns.block_size < len(plan.toks):
+        # (An exact repeat resumes from its record or not at all: its logits' rule.)
         boundary = end_key(plan.hashes[plan.n_blocks - 1], b"")
         live = leases.take_live(boundary, plan.n_blocks * ns.block_size)
     else:

@@ -21,6 +21,8 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array
+from cas_bank.blocks.hot import record_heads
+from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError
 from cas_bank.index.chain import stored_prefix
 from cas_bank.index.ends import EndInput, prepare_end
@@ -276,23 +278,32 @@ def _end_job(
 ) -> Callable[[], int]:
     """What the writer does for a queued end record (`hashes`: of its tokens). The
     job holds `released` (the leases its live lease replaced) and frees them on the
-    writer's thread, not the caller's. A record not written (it failed, or a full
-    disk skipped it) takes its `live` lease with it: no restore would find it."""
+    writer's thread, not the caller's. A record not written (it failed, a full disk
+    skipped it, or its blocks are not stored) takes its `live` lease with it, unless
+    the same record is held already: no restore would find it."""
     leases = ns.bank.leases
 
     def write() -> int:
         try:
-            return write_end(ns.bank, ns.spec, ns.root, hashes, queued.end, place)
+            written = write_end(ns.bank, ns.spec, ns.root, hashes, queued.end, place)
         except BaseException:
             if live is not None and leases is not None:
                 leases.drop_live(queued.key, live)
             raise
         finally:
             released.clear()  # freed here, on the writer's thread
+        if not written and live is not None and leases is not None and not _held(ns, queued):
+            leases.drop_live(queued.key, live)  # for want of its blocks
+        return written
 
     header = queued.header
     place = (header.parent, header.tail, queued.key)
     return _skipping_full(write, skip_when_full, 0)
+
+
+def _held(ns: Queueable, queued: QueuedEnd) -> bool:
+    """Whether the record of `queued`'s end is stored (its header read, not its payload)."""
+    return record_heads(ns.bank.store, Family.ENDS, [queued.key])[0] is not None
 
 
 def _store_turn_now(
