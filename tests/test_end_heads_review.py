@@ -358,12 +358,6 @@ def test_banks_with_and_without_run_tables_restore_the_same_bits_while_one_close
             bank.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FileTier.iterate skips a stub whose file is gone, so verify never sees the end "
-    "record (only its children-index entry, bad_child): --fix leaves the stub, counted in "
-    "stats().ends and end_bytes, and its lease (pre-existing since format 5, not the heads')",
-)
 def test_an_end_record_whose_file_is_gone_is_found_by_verify_and_removed_by_fix(
     bank_path: Path,
 ) -> None:

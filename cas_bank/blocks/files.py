@@ -243,6 +243,16 @@ class FileTier(BlockStore):
         except FileNotFoundError:
             return None  # a payload missing under its header: the reader counts it
 
+    def missing_files(self, family: Family) -> Iterator[tuple[bytes, int]]:
+        """The records of `family` whose stub names a file that is gone, with the sizes
+        the stubs name: what `iterate` passes over (`verify` reports them)."""
+        if family not in FILE_FAMILIES:
+            return
+        for key, value in self.inner.iterate(family):
+            found = stub_of(value)
+            if found is not None and not os.path.exists(self.name(family, key, found[0])):
+                yield key, found[1]
+
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
         for key, value in self.inner.iterate(family, values=values):
             if values and family in FILE_FAMILIES:

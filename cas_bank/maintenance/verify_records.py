@@ -45,6 +45,9 @@ def scan_ends(
         out.append((Problem("bad_end", b"", why), 0))
 
     records.extend(bank.store.readable(Family.ENDS, damaged=damaged))
+    if bank.files is not None:  # a record kept as a file whose file is gone: not read above
+        for key, size in bank.files.missing_files(Family.ENDS):
+            out.append((Problem("bad_end", key, "its file is gone"), size))
     for key, value in records:
         report.ends_checked += 1
         report.bytes_checked += len(value)
