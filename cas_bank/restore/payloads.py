@@ -480,15 +480,19 @@ class PayloadReader:
         return self._verified(family, key, fetched)
 
     def _evicted(self, family: Family, key: bytes) -> bool:
-        """Whether a payload missing under a header just read was evicted since (a miss).
-        A reader beside a live writer (read-only or secondary) sees the database as of
+        """Whether a payload missing under a header just read was evicted since (a miss),
+        or evicted and stored again (it is there now). A reader beside a live writer (read-only or secondary) sees the database as of
         its open or last refresh, but payload files as they are now: a file gone under
         the stub its view still holds is the writer's eviction, not damage (that view
         cannot tell them apart; `cas-bank verify` finds damage)."""
         if self.store.read_only and self._kept_as_file(family, key):
             return True
         header = read_headers(self.store, [key])[0]
-        return header is None or (family is Family.STATES and not header.has_state)
+        if header is None or (family is Family.STATES and not header.has_state):
+            return True
+        # Evicted and stored again between the read and now: there again, not damage
+        # (a payload lost under its header stays lost).
+        return self.store.get_many(family, [key])[0] is not None
 
     def _kept_as_file(self, family: Family, key: bytes) -> bool:
         """Whether the file tier's record of `key` names a payload file."""
