@@ -1,0 +1,45 @@
+"""Session 28 review: findings in the session's diff pinned as tests (xfail, strict,
+where the code is wrong today). Real RocksDB, files and MLX arrays under tmp_path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import BLOCK_SIZE, random_layers, tokens_of
+
+from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank.blocks.store import Family
+
+B = BLOCK_SIZE
+# Block payloads of ~16 KiB: files at a 1 KiB file_min_bytes.
+WIDE = ModelSpec(
+    name="wide-attn",
+    layers=tuple(LayerSpec.attention(kv_heads=8, head_dim=64, dtype="float16") for _ in range(2)),
+    weights_digest="w-wide-attn",
+)
+SMALL_FILES = BankConfig(block_size=B, file_min_bytes=1024, hot_bytes=64 << 20)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HotStore.put_batch holds every file-sized write by its head (_may_be_file is"
+    " not limited to end records): a block payload just written is a head entry that"
+    " lookup passes over and get_many reads through without caching, so the hot tier"
+    " never serves it (PayloadReader._fetch, the non-direct restore path)",
+)
+def test_a_block_payload_written_as_a_file_is_served_hot(bank_path: Path) -> None:
+    """Before b0f092c the write cached the payload whole; a read of it was a hot hit."""
+    with Bank.open(bank_path, SMALL_FILES) as bank:
+        tokens = tokens_of(np.random.default_rng(1), 4 * B)
+        bank.namespace(WIDE).store(tokens, random_layers(WIDE, 4 * B))
+        hot, files = bank.hot, bank.files
+        assert hot is not None and files is not None
+        keys = [k for k, _ in files.inner.iterate(Family.BLOCKS)]
+        assert len(keys) == 4
+        assert all(len(v) >= 1024 for v in files.get_many(Family.BLOCKS, keys) if v)
+        hot.get_many(Family.BLOCKS, keys)  # a first read may fill the tier
+        hits = hot.hits
+        assert hot.get_many(Family.BLOCKS, keys) == files.get_many(Family.BLOCKS, keys)
+        assert hot.hits - hits == len(keys)
