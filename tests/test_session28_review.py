@@ -3,11 +3,13 @@ where the code is wrong today). Real RocksDB, files and MLX arrays under tmp_pat
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import BLOCK_SIZE, random_layers, tokens_of
+from conftest import BLOCK_SIZE, attention_spec, prefix_layers, random_layers, tokens_of
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
 from cas_bank.blocks.store import Family
@@ -43,3 +45,34 @@ def test_a_block_payload_written_as_a_file_is_served_hot(bank_path: Path) -> Non
         hits = hot.hits
         assert hot.get_many(Family.BLOCKS, keys) == files.get_many(Family.BLOCKS, keys)
         assert hot.hits - hits == len(keys)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Leases.put_live keeps the caller's logits object (Live.logits, e619164) uncharged"
+    " (nbytes counts KV and state only); the runtime's logits are logits[0, -1] of the last"
+    " chunk (runtime/prefill.py), a view whose buffer is the whole chunk's logits, so each"
+    " live lease pins chunk x vocab bytes outside hot_bytes",
+)
+def test_a_live_lease_does_not_pin_the_buffer_its_logits_were_sliced_from(
+    bank_path: Path,
+) -> None:
+    """Before e619164 the live lease held no logits: the chunk's buffer went with the
+    caller's last reference to it."""
+    spec = attention_spec()
+    tokens = tokens_of(np.random.default_rng(2), 3 * B + 2)
+    layers = prefix_layers(spec, tokens)
+    with Bank.open(bank_path, BankConfig(block_size=B, hot_bytes=64 << 20)) as bank:
+        ns = bank.namespace(spec)
+        ns.store(tokens, layers)
+        gc.collect()
+        before = mx.get_active_memory()
+        chunk = mx.random.normal((1, 256, 50_000))  # a chunk's logits: 51 MB of float32
+        last = chunk[0, -1]
+        mx.eval(last)
+        del chunk
+        assert ns.store_end(tokens, layers, logits=last) > 0
+        del last
+        gc.collect()
+        assert bank.stats().live_bytes > 0  # the lease that would pin it is there
+        assert mx.get_active_memory() - before < 8 << 20
