@@ -307,8 +307,12 @@ class Leases:
             if views is not None:
                 flat.extend(_flat(views))
         flat_state = [a.reshape(a.shape) for a in state] if state is not None else None
-        mx.eval(flat, flat_state or [])
-        nbytes = sum(map(_NBYTES, flat)) + sum(map(_NBYTES, flat_state or []))
+        # Copies of their own: the last token's logits are mostly a slice of a whole
+        # chunk's (512 x a 152k vocabulary: ~150 MB a slice would keep alive, uncounted).
+        logits, hidden = (None if a is None else mx.contiguous(a) for a in (logits, hidden))
+        extras = [a for a in (logits, hidden) if a is not None]
+        mx.eval(flat, flat_state or [], extras)
+        nbytes = sum(map(_NBYTES, [*flat, *(flat_state or []), *extras]))
         if not flat or not self.budget.fits(nbytes):
             return None  # no attention layer: nothing a copy would cost (the state is leased)
         entry = _Entry(list(map(bytes, hashes)), HeldArrays(flat), nbytes)
