@@ -20,7 +20,7 @@ Two levels per entry:
   Both are tied to the raw value they came from (the same object): a write of the
   key replaces that object, and what was made of the old one is never returned.
 
-A record the file tier keeps as a file is held by its head instead (`record_heads`:
+An end record the file tier keeps as a file is held by its head instead (`record_heads`:
 its `PayloadFile`, the file named and its first 4 KiB, or its whole header where that
 is longer): its write caches the head, and one cached whole by a `get_many` of a key
 not held is turned into its head by the next `record_heads`. An end record's lookup
@@ -276,8 +276,15 @@ class HotStore(BlockStore):
         return out
 
     def _may_be_file(self, family: Family, size: int) -> bool:
+        """Whether `family`'s record of `size` bytes is an end record kept as a file (a
+        block's or state's payload file is held whole: the hot tier serves payloads)."""
         files = self._files
-        return files is not None and files.keeps_files(family) and files.stores_as_file(size)
+        return (
+            family is Family.ENDS
+            and files is not None
+            and files.keeps_files(family)
+            and files.stores_as_file(size)
+        )
 
     def _head_of(self, family: Family, key: bytes, raw: object) -> PayloadFile | None:
         """`raw`'s head, where the file tier keeps it as a file and the file is there (a
