@@ -248,7 +248,7 @@ class FileTier(BlockStore):
         the stubs name: what `iterate` passes over (`verify` reports them)."""
         if family not in FILE_FAMILIES:
             return
-        for key, value in self.inner.iterate(family):
+        for key, value in self.inner.readable(family):  # the caller's walk reports damage
             found = stub_of(value)
             if found is not None and not os.path.exists(self.name(family, key, found[0])):
                 yield key, found[1]

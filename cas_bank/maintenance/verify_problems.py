@@ -20,7 +20,7 @@ ProblemKind = Literal[
     "orphan_payload",  # a payload no header claims
     "orphan_state",  # a state no header announces
     "bad_namespace",  # a namespace record that does not parse
-    "bad_end",  # an end record that does not parse, or not under its own name
+    "bad_end",  # an end record that does not parse, not under its own name, or its file gone
     "corrupt_end",  # an end record whose payload fails its digest
     "dangling_end",  # an end record whose parent block is not stored (or is bad)
     "bad_access",  # the last-use records cannot all be read (a damaged file)
