@@ -109,7 +109,8 @@ class BankConfig(BaseModel):
     """Byte bound of the copy-run tables this process keeps for the bank's restores of
     small payloads kept in RocksDB (`restore.row_runs.RunTables`: per layout, the native
     copy's runs of its first 2^k blocks at address 0, 13.5 MiB for 4-bit KV at 16-token
-    blocks and 4096 blocks), the most recently used kept
+    blocks and 4096 blocks: over the default, so made for its restore and not kept), the
+    most recently used kept
     (`stats().run_table_held_bytes`), released by `close()`. 0: each restore makes the
     tables it uses and keeps none."""
 

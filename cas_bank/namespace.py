@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array, chain_hashes
-from cas_bank.blocks.hot import record_heads
 from cas_bank.blocks.store import Family
 from cas_bank.errors import CorruptDataError
 from cas_bank.evict.eviction import PinReport, pin_prefix, unpin_prefix
@@ -28,7 +27,7 @@ from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
 from cas_bank.spec import ModelSpec, kind_of
 from cas_bank.write import queued_turn, storing
-from cas_bank.write.end_records import write_end
+from cas_bank.write.end_records import end_held, write_end
 from cas_bank.write.queued_turn import EndOf as EndOf  # re-exported: its old home
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
 from cas_bank.write.writer import PendingStore
@@ -173,7 +172,7 @@ class Namespace:
         written = write_end(self.bank, self.spec, self.root, hashes, end, place)
         # Not written: held already (leased all the same, for the next turn), or for
         # want of its blocks (no restore would ever take that lease).
-        if written or record_heads(self.bank.store, Family.ENDS, [place[2]])[0] is not None:
+        if written or end_held(self.bank.store, place[2]):
             self._lease_live(hashes, end, layers, place[2])
         return written
 

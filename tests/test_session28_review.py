@@ -8,7 +8,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from conftest import BLOCK_SIZE, attention_spec, prefix_layers, random_layers, tokens_of
 
 from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
@@ -24,13 +23,6 @@ WIDE = ModelSpec(
 SMALL_FILES = BankConfig(block_size=B, file_min_bytes=1024, hot_bytes=64 << 20)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="HotStore.put_batch holds every file-sized write by its head (_may_be_file is"
-    " not limited to end records): a block payload just written is a head entry that"
-    " lookup passes over and get_many reads through without caching, so the hot tier"
-    " never serves it (PayloadReader._fetch, the non-direct restore path)",
-)
 def test_a_block_payload_written_as_a_file_is_served_hot(bank_path: Path) -> None:
     """Before b0f092c the write cached the payload whole; a read of it was a hot hit."""
     with Bank.open(bank_path, SMALL_FILES) as bank:
@@ -47,13 +39,6 @@ def test_a_block_payload_written_as_a_file_is_served_hot(bank_path: Path) -> Non
         assert hot.hits - hits == len(keys)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Leases.put_live keeps the caller's logits object (Live.logits, e619164) uncharged"
-    " (nbytes counts KV and state only); the runtime's logits are logits[0, -1] of the last"
-    " chunk (runtime/prefill.py), a view whose buffer is the whole chunk's logits, so each"
-    " live lease pins chunk x vocab bytes outside hot_bytes",
-)
 def test_a_live_lease_does_not_pin_the_buffer_its_logits_were_sliced_from(
     bank_path: Path,
 ) -> None:
@@ -78,13 +63,6 @@ def test_a_live_lease_does_not_pin_the_buffer_its_logits_were_sliced_from(
         assert mx.get_active_memory() - before < 8 << 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify_records.scan_ends walks the end records a second time for missing files"
-    " (FileTier.missing_files: inner.iterate, not readable(damaged=)), so a damaged ends"
-    " table raises CorruptDataError out of verify instead of the keyless bad_end the first"
-    " walk reports",
-)
 def test_verify_reports_a_damaged_ends_table_instead_of_raising(tmp_path: Path) -> None:
     """Before c866696 verify reported it (a bad_end without a key) and went on."""
     from damage_kit import family_tables, flip

@@ -481,10 +481,11 @@ class PayloadReader:
 
     def _evicted(self, family: Family, key: bytes) -> bool:
         """Whether a payload missing under a header just read was evicted since (a miss),
-        or evicted and stored again (it is there now). A reader beside a live writer (read-only or secondary) sees the database as of
-        its open or last refresh, but payload files as they are now: a file gone under
-        the stub its view still holds is the writer's eviction, not damage (that view
-        cannot tell them apart; `cas-bank verify` finds damage)."""
+        or evicted and stored again (it is there now). A reader beside a live writer
+        (read-only or secondary) sees the database as of its open or last refresh, but
+        payload files as they are now: a file gone under the stub its view still holds
+        is the writer's eviction, not damage (that view cannot tell them apart;
+        `cas-bank verify` finds damage)."""
         if self.store.read_only and self._kept_as_file(family, key):
             return True
         header = read_headers(self.store, [key])[0]

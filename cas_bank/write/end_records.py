@@ -63,6 +63,13 @@ def write_end(
     return len(value)
 
 
+def end_held(store: BlockStore, key: bytes) -> bool:
+    """Whether an end record is stored under `key` (its header read, not its payload):
+    a store that wrote nothing leases its cache only where one is (`Namespace.store_end`,
+    the background writer's job), else nothing would ever take that lease."""
+    return record_heads(store, Family.ENDS, [key])[0] is not None
+
+
 def _holds(store: BlockStore, key: bytes, flags: int) -> bool:
     """Whether the end record stored under `key` is intact and holds everything `flags`
     asks for: its header first (of a record kept as a file, its head: what the hot

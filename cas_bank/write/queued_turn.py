@@ -21,8 +21,6 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 
 from cas_bank.blocks.hashing import BlockHash, as_token_array
-from cas_bank.blocks.hot import record_heads
-from cas_bank.blocks.store import Family
 from cas_bank.errors import BankFullError
 from cas_bank.index.chain import stored_prefix
 from cas_bank.index.ends import EndInput, prepare_end
@@ -30,7 +28,7 @@ from cas_bank.index.lease import Live
 from cas_bank.index.view import QueuedChain, QueuedEnd
 from cas_bank.spec import LayerKind, boundary_states, check_layers
 from cas_bank.write import storing
-from cas_bank.write.end_records import write_end
+from cas_bank.write.end_records import end_held, write_end
 from cas_bank.write.storing import Storable, StoreReport
 from cas_bank.write.writer import PendingStore
 
@@ -292,18 +290,18 @@ def _end_job(
             raise
         finally:
             released.clear()  # freed here, on the writer's thread
-        if not written and live is not None and leases is not None and not _held(ns, queued):
+        if (
+            not written
+            and live is not None
+            and leases is not None
+            and not end_held(ns.bank.store, queued.key)
+        ):
             leases.drop_live(queued.key, live)  # for want of its blocks
         return written
 
     header = queued.header
     place = (header.parent, header.tail, queued.key)
     return _skipping_full(write, skip_when_full, 0)
-
-
-def _held(ns: Queueable, queued: QueuedEnd) -> bool:
-    """Whether the record of `queued`'s end is stored (its header read, not its payload)."""
-    return record_heads(ns.bank.store, Family.ENDS, [queued.key])[0] is not None
 
 
 def _store_turn_now(
