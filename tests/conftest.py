@@ -66,6 +66,20 @@ def hybrid_spec() -> ModelSpec:
     return ModelSpec(name="tiny-hybrid", layers=(gdn, att, gdn, att), weights_digest="w-hybrid")
 
 
+def filed_hybrid_spec() -> ModelSpec:
+    """`hybrid_spec()` with a recurrent state of 64 KiB: an end record is many times a
+    file's 4 KiB head, and a file in a bank of `FILED_ENDS` (`hybrid_spec`'s is ~1 KiB)."""
+    gdn = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 4, 64, 64), "float32")])
+    att = hybrid_spec().layers[1]
+    return ModelSpec(
+        name="hybrid-64k-state", layers=(gdn, att, gdn, att), weights_digest="w-hybrid-64k"
+    )
+
+
+# Every end record of `filed_hybrid_spec()` a file, beside a hot tier that holds them all.
+FILED_ENDS = BankConfig(block_size=BLOCK_SIZE, file_min_bytes=1024, hot_bytes=64 << 20)
+
+
 # -- arrays -----------------------------------------------------------------------
 def random_array(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> mx.array:
     """A random MLX array of `dtype` (a name from `cas_bank.arrays.DTYPES`).

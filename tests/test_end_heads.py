@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 from conftest import (
     BLOCK_SIZE,
+    FILED_ENDS,
     bits,
-    hybrid_spec,
+    filed_hybrid_spec,
     prefix_layers,
     random_logits,
     random_state,
     tokens_of,
 )
 
-from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank import Bank, BankConfig
 from cas_bank.blocks.files import HEAD_BYTES, PayloadFile
 from cas_bank.blocks.hot import record_heads
 from cas_bank.blocks.store import Family
@@ -33,15 +34,9 @@ from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.index.ends import EndGone, split_record, stored_end
 
 B = BLOCK_SIZE
-# A recurrent state of 64 KiB: the record is many heads' size (`hybrid_spec`'s is ~1 KiB).
-_GDN = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 4, 64, 64), "float32")])
-HYBRID = ModelSpec(
-    name="hybrid-64k-state",
-    layers=(_GDN, *hybrid_spec().layers[1:2], _GDN, *hybrid_spec().layers[3:]),
-    weights_digest="w-hybrid-64k",
-)
+HYBRID = filed_hybrid_spec()
 SMALL_FILES = 1024  # every end record of these tests is a file
-HOT = BankConfig(block_size=B, file_min_bytes=SMALL_FILES, hot_bytes=64 << 20)
+HOT = FILED_ENDS
 
 
 def _store_end_record(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any], list[Any]]:

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from conftest import (
     BLOCK_SIZE,
+    FILED_ENDS,
     attention_spec,
     bits,
     end_leases,
+    filed_hybrid_spec,
     hybrid_spec,
     kv_prefix_bits,
     layers_bits,
@@ -35,14 +37,8 @@ from cas_bank.blocks.store import Family
 from cas_bank.restore.row_runs import available as row_runs_available
 
 B = BLOCK_SIZE
-# A recurrent state of 64 KiB (as tests/test_end_heads.py): every end record is a file.
-_GDN = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 4, 64, 64), "float32")])
-HYBRID = ModelSpec(
-    name="hybrid-64k-state",
-    layers=(_GDN, *hybrid_spec().layers[1:2], _GDN, *hybrid_spec().layers[3:]),
-    weights_digest="w-hybrid-64k",
-)
-HOT = BankConfig(block_size=B, file_min_bytes=1024, hot_bytes=64 << 20)
+HYBRID = filed_hybrid_spec()
+HOT = FILED_ENDS
 
 
 def _store_end(bank: Bank, tokens: list[int], seed: int, **extra: Any) -> list[Any]:

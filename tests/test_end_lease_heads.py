@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 from conftest import (
     BLOCK_SIZE,
+    FILED_ENDS,
     bits,
     end_leases,
-    hybrid_spec,
+    filed_hybrid_spec,
     layers_bits,
     prefix_layers,
     random_logits,
@@ -28,21 +29,15 @@ from conftest import (
     tokens_of,
 )
 
-from cas_bank import Bank, BankConfig, LayerSpec, ModelSpec
+from cas_bank import Bank
 from cas_bank.blocks.files import HEAD_BYTES
 from cas_bank.blocks.store import Family
 from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.maintenance.verify import verify
 
 B = BLOCK_SIZE
-# A recurrent state of 64 KiB: the record is many heads' size (`hybrid_spec`'s is ~1 KiB).
-_GDN = LayerSpec.recurrent([((1, 3, 24), "bfloat16"), ((1, 4, 64, 64), "float32")])
-HYBRID = ModelSpec(
-    name="hybrid-64k-state",
-    layers=(_GDN, *hybrid_spec().layers[1:2], _GDN, *hybrid_spec().layers[3:]),
-    weights_digest="w-hybrid-64k",
-)
-HOT = BankConfig(block_size=B, file_min_bytes=1024, hot_bytes=64 << 20)
+HYBRID = filed_hybrid_spec()
+HOT = FILED_ENDS
 HEAD_HELD = HEAD_BYTES + 1024  # a head, its key and bookkeeping
 
 
