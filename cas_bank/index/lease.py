@@ -286,12 +286,11 @@ class Leases:
     ) -> Live | None:
         """Keep a conversation's cache (`layers`: per layer its whole arrays, None for a
         recurrent one; `state`: the recurrent state, flat; `logits`, `hidden`: its last
-        token's, if stored) holding `tokens` tokens, as the live lease of the end record
-        `end_key`. New array objects over the same
-        buffers: no copy, and the runtime's objects are never the bank's. The entry is
-        also the lease of its whole blocks (`hashes`), in place of one over the same
-        buffers: the memory is charged once. The live lease kept (None: over the budget,
-        or no attention layer).
+        token's, if stored, copied) holding `tokens` tokens, as the live lease of the end
+        record `end_key`. New array objects over the same buffers: no copy, and the
+        runtime's objects are never the bank's. The entry is also the lease of its whole
+        blocks (`hashes`), in place of one over the same buffers: the memory is charged
+        once. The live lease kept (None: over the budget, or no attention layer).
 
         `released`: where the live lease this one replaces goes once out of the leases
         (uncharged at once), so that its buffers are freed by whoever lets go of that
