@@ -62,7 +62,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from cas_bank.blocks.codec import Decoded
 from cas_bank.blocks.files import FileTier, PayloadFile
@@ -298,20 +298,23 @@ class HotStore(BlockStore):
     ) -> None:
         """Cache what `record_heads` read below: heads as head entries, the rest as
         `_insert_read` does. Under the lock."""
-        plain = [
-            (k, v) for k, v in zip(keys, values, strict=True) if not isinstance(v, PayloadFile)
-        ]
+        filed = [i for i, v in enumerate(values) if type(v) is PayloadFile]
+        if not filed:  # most lookups: an end's candidate keys, none of them a file
+            self._insert_read(family, keys, cast("list[bytes | None]", values))
+            return
+        plain = [i for i, v in enumerate(values) if type(v) is not PayloadFile]
         if plain:
-            self._insert_read(family, [k for k, _ in plain], [v for _, v in plain])
-        for key, value in zip(keys, values, strict=True):
-            if isinstance(value, PayloadFile):
-                name = key if type(key) is bytes else bytes(key)
-                size = len(value.head) + len(name) + _ENTRY_OVERHEAD
-                if size <= self.budget.max_bytes:
-                    self._drop((family, name))
-                    entry = _Entry(b"", size, self.budget.tick(), head=value)
-                    self._entries[(family, name)] = entry
-                    self._bytes += size
+            got = cast("list[bytes | None]", [values[i] for i in plain])
+            self._insert_read(family, [keys[i] for i in plain], got)
+        for i in filed:
+            head = cast(PayloadFile, values[i])
+            name = keys[i] if type(keys[i]) is bytes else bytes(keys[i])
+            size = len(head.head) + len(name) + _ENTRY_OVERHEAD
+            if size <= self.budget.max_bytes:
+                self._drop((family, name))
+                entry = _Entry(b"", size, self.budget.tick(), head=head)
+                self._entries[(family, name)] = entry
+                self._bytes += size
 
     def _insert_head(self, family: Family, key: bytes, value: bytes) -> None:
         """Cache a record just written as a file by its head (its file is there: the
