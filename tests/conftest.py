@@ -80,6 +80,32 @@ def filed_hybrid_spec() -> ModelSpec:
 FILED_ENDS = BankConfig(block_size=BLOCK_SIZE, file_min_bytes=1024, hot_bytes=64 << 20)
 
 
+def stored_filed_end(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any], list[Any]]:
+    """`n` tokens of seed `n` stored in `filed_hybrid_spec()`'s namespace, with their end
+    record (a state of seed `n`, over 64 KiB: a file; `extra`: logits, hidden):
+    (tokens, layers, state)."""
+    spec = filed_hybrid_spec()
+    tokens = tokens_of(np.random.default_rng(n), n)
+    layers = prefix_layers(spec, tokens)
+    state = random_state(spec, n)
+    ns = bank.namespace(spec)
+    ns.store(tokens, layers)
+    assert ns.store_end(tokens, layers, state, **extra) > 64 << 10
+    return tokens, layers, state
+
+
+def hot_end_bytes(bank: Bank) -> int:
+    """Bytes the hot tier charges for end records now."""
+    assert bank.hot is not None
+    return sum(e.size for (f, _), e in bank.hot._entries.items() if f is Family.ENDS)
+
+
+def end_file(bank_path: Path) -> Path:
+    """The one end record file of the bank at `bank_path`."""
+    (file,) = sorted((bank_path / "payloads" / "ends").iterdir())
+    return file
+
+
 # -- arrays -----------------------------------------------------------------------
 def random_array(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> mx.array:
     """A random MLX array of `dtype` (a name from `cas_bank.arrays.DTYPES`).

@@ -10,19 +10,17 @@ Real RocksDB, files and MLX arrays under tmp_path."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 from conftest import (
     BLOCK_SIZE,
     FILED_ENDS,
     bits,
     filed_hybrid_spec,
+    hot_end_bytes,
     prefix_layers,
     random_logits,
-    random_state,
-    tokens_of,
+    stored_filed_end,
 )
 
 from cas_bank import Bank, BankConfig
@@ -39,28 +37,10 @@ SMALL_FILES = 1024  # every end record of these tests is a file
 HOT = FILED_ENDS
 
 
-def _store_end_record(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any], list[Any]]:
-    """`n` tokens of seed `n` stored in HYBRID's namespace, with their end record (a
-    state of seed `n`; `extra`: logits, hidden): (tokens, layers, state)."""
-    tokens = tokens_of(np.random.default_rng(n), n)
-    layers = prefix_layers(HYBRID, tokens)
-    state = random_state(HYBRID, n)
-    ns = bank.namespace(HYBRID)
-    ns.store(tokens, layers)
-    assert ns.store_end(tokens, layers, state, **extra) > 64 << 10
-    return tokens, layers, state
-
-
 def _end_key(bank: Bank) -> bytes:
     assert bank.files is not None
     (key,) = [k for k, _ in bank.files.inner.iterate(Family.ENDS)]
     return key
-
-
-def _ends_held(bank: Bank) -> int:
-    """Bytes the hot tier charges for end records now."""
-    assert bank.hot is not None
-    return sum(e.size for (f, _), e in bank.hot._entries.items() if f is Family.ENDS)
 
 
 def test_the_hot_tier_holds_a_filed_end_record_by_its_head(bank_path: Path) -> None:
@@ -68,24 +48,24 @@ def test_the_hot_tier_holds_a_filed_end_record_by_its_head(bank_path: Path) -> N
     whole by a read of a key not held, it is answered whole once, then held by its head;
     `get_many` still reads it whole, without caching it so."""
     with Bank.open(bank_path, HOT) as bank:
-        _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
+        stored_filed_end(bank, 2 * B + 3, logits=random_logits(1))
         key, hot = _end_key(bank), bank.hot
         assert hot is not None
-        assert 0 < _ends_held(bank) < HEAD_BYTES + 1024  # the write cached its head
+        assert 0 < hot_end_bytes(bank) < HEAD_BYTES + 1024  # the write cached its head
         whole = bank.store.get_many(Family.ENDS, [key])[0]
         assert whole is not None and len(whole) > SMALL_FILES
-        assert _ends_held(bank) < HEAD_BYTES + 1024  # read below, the head left
+        assert hot_end_bytes(bank) < HEAD_BYTES + 1024  # read below, the head left
         hot.clear()
         assert hot.get_many(Family.ENDS, [key]) == [whole]
-        assert _ends_held(bank) > len(whole)  # a key not held: cached whole
+        assert hot_end_bytes(bank) > len(whole)  # a key not held: cached whole
         (first,) = hot.record_heads(Family.ENDS, [key])
         assert first == whole  # answered whole this once
-        assert _ends_held(bank) < HEAD_BYTES + 1024
+        assert hot_end_bytes(bank) < HEAD_BYTES + 1024
         (head,) = hot.record_heads(Family.ENDS, [key])
         assert isinstance(head, PayloadFile) and head.size == len(whole)
         assert head.head == whole[:HEAD_BYTES] and head.read() == whole
         assert hot.get_many(Family.ENDS, [key]) == [whole]  # read below, not kept whole
-        assert _ends_held(bank) < HEAD_BYTES + 1024
+        assert hot_end_bytes(bank) < HEAD_BYTES + 1024
         assert hot.lookup(Family.ENDS, key, head.digest) is None  # no payload held
         evict_to_budget(bank, 0)  # the record and its file go, and the head with them
         assert (Family.ENDS, key) not in hot and hot.record_heads(Family.ENDS, [key]) == [None]
@@ -96,7 +76,7 @@ def test_a_head_found_end_reads_its_file_only_for_its_arrays(bank_path: Path) ->
     the file; a file rewritten since (another digest) is gone for the old head
     (`EndGone`, a miss), and a damaged one fails its check (`CorruptDataError`)."""
     with Bank.open(bank_path, HOT) as bank:
-        tokens, _, state = _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
+        tokens, _, state = stored_filed_end(bank, 2 * B + 3, logits=random_logits(1))
         key = _end_key(bank)
         assert bank.files is not None
         (head,) = record_heads(bank.files, Family.ENDS, [key])  # the file tier's own answer
@@ -131,7 +111,7 @@ def test_records_kept_in_the_database_are_answered_whole(bank_path: Path) -> Non
     `get_many` gives them, and the hot tier caches it so."""
     config = BankConfig(block_size=B, file_min_bytes=None, hot_bytes=64 << 20)
     with Bank.open(bank_path, config) as bank:
-        _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
+        stored_filed_end(bank, 2 * B + 3, logits=random_logits(1))
         assert bank.files is not None and bank.hot is not None
         (key,) = [k for k, _ in bank.files.inner.iterate(Family.ENDS)]
         whole = bank.store.get_many(Family.ENDS, [key])

@@ -18,8 +18,10 @@ from conftest import (
     FILED_ENDS,
     attention_spec,
     bits,
+    end_file,
     end_leases,
     filed_hybrid_spec,
+    hot_end_bytes,
     hybrid_spec,
     kv_prefix_bits,
     layers_bits,
@@ -51,11 +53,6 @@ def _store_end(bank: Bank, tokens: list[int], seed: int, **extra: Any) -> list[A
     return state
 
 
-def _end_file(path: Path) -> Path:
-    (file,) = sorted((path / "payloads" / "ends").iterdir())
-    return file
-
-
 def _head_entries(bank: Bank) -> int:
     assert bank.hot is not None
     return sum(1 for (f, _), e in bank.hot._entries.items() if f is Family.ENDS and e.head)
@@ -81,7 +78,7 @@ def test_a_tail_longer_than_the_head_is_found_by_its_head_too(tmp_path: Path) ->
             hit = ns.restore(tokens)
             assert hit is not None and hit.exact and hit.tokens == len(tokens)
         assert end_leases(bank) and _head_entries(bank) == 1
-        file = _end_file(tmp_path / "b")
+        file = end_file(tmp_path / "b")
         aside = file.rename(file.with_name("aside"))  # a lease hit reads no file
         try:
             hit = ns.restore(tokens)
@@ -364,7 +361,7 @@ def test_an_end_record_whose_file_is_gone_is_found_by_verify_and_removed_by_fix(
         _store_end(bank, tokens, 12, logits=random_logits(12))
         ns = bank.namespace(HYBRID)
         assert ns.restore(tokens) is not None and end_leases(bank)  # leased, held by its head
-        _end_file(bank_path).unlink()
+        end_file(bank_path).unlink()
         report = verify(bank)
         assert bank.files is not None
         (key,) = [k for k, _ in bank.files.inner.iterate(Family.ENDS)]
@@ -391,7 +388,7 @@ def test_a_reader_open_holds_heads_and_restores_from_its_lease(bank_path: Path, 
             assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
         assert _head_entries(reader) == 1 and end_leases(reader)
         assert reader.hot is not None and reader.hot.used_bytes == _hot_sum(reader)
-        file = _end_file(bank_path)
+        file = end_file(bank_path)
         aside = file.rename(file.with_name("aside"))
         try:
             hit = ns.restore(tokens)
@@ -436,7 +433,7 @@ def test_a_head_held_end_is_exported_whole_and_imported_into_another_bank(
             assert hit is not None and hit.exact and bits(hit.logits) == bits(random_logits(15))  # type: ignore[arg-type]
             assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
         assert _head_entries(other) == 1
-    assert _end_file(tmp_path / "b").read_bytes() == _end_file(tmp_path / "a").read_bytes()
+    assert end_file(tmp_path / "b").read_bytes() == end_file(tmp_path / "a").read_bytes()
 
 
 def test_a_stored_end_file_is_charged_its_head_beside_its_live_lease(bank_path: Path) -> None:
@@ -447,8 +444,8 @@ def test_a_stored_end_file_is_charged_its_head_beside_its_live_lease(bank_path: 
     tokens = tokens_of(np.random.default_rng(16), 2 * B + 3)
     with Bank.open(bank_path, HOT) as bank:
         _store_end(bank, tokens, 16, logits=random_logits(16))
-        record = _end_file(bank_path).stat().st_size
+        record = end_file(bank_path).stat().st_size
         assert bank.leases is not None and bank.leases.used_bytes > record // 2
         assert bank.hot is not None
-        held = sum(e.size for (f, _), e in bank.hot._entries.items() if f is Family.ENDS)
+        held = hot_end_bytes(bank)
         assert held < 8 << 10, f"the hot tier holds {held} bytes of a {record}-byte record"

@@ -12,26 +12,27 @@ Real RocksDB, files and MLX arrays under tmp_path."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from conftest import (
     BLOCK_SIZE,
     FILED_ENDS,
     bits,
+    end_file,
     end_leases,
     filed_hybrid_spec,
+    hot_end_bytes,
     layers_bits,
     prefix_layers,
     random_logits,
     random_state,
     state_bits,
+    stored_filed_end,
     tokens_of,
 )
 
 from cas_bank import Bank
 from cas_bank.blocks.files import HEAD_BYTES
-from cas_bank.blocks.store import Family
 from cas_bank.evict.eviction import evict_to_budget
 from cas_bank.maintenance.verify import verify
 
@@ -41,44 +42,21 @@ HOT = FILED_ENDS
 HEAD_HELD = HEAD_BYTES + 1024  # a head, its key and bookkeeping
 
 
-def _store_end_record(bank: Bank, n: int, **extra: Any) -> tuple[list[int], list[Any], list[Any]]:
-    """`n` tokens of seed `n` stored in HYBRID's namespace, with their end record (a
-    state of seed `n`; `extra`: logits, hidden): (tokens, layers, state)."""
-    tokens = tokens_of(np.random.default_rng(n), n)
-    layers = prefix_layers(HYBRID, tokens)
-    state = random_state(HYBRID, n)
-    ns = bank.namespace(HYBRID)
-    ns.store(tokens, layers)
-    assert ns.store_end(tokens, layers, state, **extra) > 64 << 10
-    return tokens, layers, state
-
-
-def _ends_held(bank: Bank) -> int:
-    """Bytes the hot tier charges for end records now."""
-    assert bank.hot is not None
-    return sum(e.size for (f, _), e in bank.hot._entries.items() if f is Family.ENDS)
-
-
-def _end_file(path: Path) -> Path:
-    (file,) = sorted((path / "payloads" / "ends").iterdir())
-    return file
-
-
 def test_a_leased_end_file_is_charged_once_and_restored_from_its_lease(bank_path: Path) -> None:
     with Bank.open(bank_path, HOT) as bank:
-        tokens, _, state = _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
-        record = _end_file(bank_path).stat().st_size
-        hit = bank.namespace(HYBRID).restore(tokens)  # cached whole by its write until now
+        tokens, _, state = stored_filed_end(bank, 2 * B + 3, logits=random_logits(1))
+        record = end_file(bank_path).stat().st_size
+        hit = bank.namespace(HYBRID).restore(tokens)  # its head cached by its write
         assert hit is not None and hit.exact
-        assert _ends_held(bank) < HEAD_HELD and end_leases(bank)
+        assert hot_end_bytes(bank) < HEAD_HELD and end_leases(bank)
     with Bank.open(bank_path, HOT) as bank:  # reopened: nothing in memory
         ns = bank.namespace(HYBRID)
         first = ns.restore(tokens)
         assert first is not None and first.exact and first.tokens == len(tokens)
         assert state_bits(first.layers, HYBRID) == state_bits(state, HYBRID)
         (entry,) = end_leases(bank)
-        assert entry.nbytes > record // 2 and _ends_held(bank) < HEAD_HELD
-        file = _end_file(bank_path)
+        assert entry.nbytes > record // 2 and hot_end_bytes(bank) < HEAD_HELD
+        file = end_file(bank_path)
         aside = file.rename(file.with_name("aside"))  # a lease hit reads no file
         try:
             for _ in range(2):
@@ -89,12 +67,12 @@ def test_a_leased_end_file_is_charged_once_and_restored_from_its_lease(bank_path
                 assert bits(again.logits) == bits(random_logits(1))  # type: ignore[arg-type]
         finally:
             aside.rename(file)
-        assert _ends_held(bank) < HEAD_HELD and verify(bank).ok
+        assert hot_end_bytes(bank) < HEAD_HELD and verify(bank).ok
 
 
 def test_a_rewritten_end_file_is_read_again_and_eviction_drops_it(bank_path: Path) -> None:
     with Bank.open(bank_path, HOT) as bank:
-        tokens, _, state = _store_end_record(bank, 2 * B + 3, logits=random_logits(1))
+        tokens, _, state = stored_filed_end(bank, 2 * B + 3, logits=random_logits(1))
         ns = bank.namespace(HYBRID)
         assert ns.restore(tokens) is not None and ns.restore(tokens) is not None
         more = dict(logits=random_logits(1), hidden=random_logits(2))
@@ -103,9 +81,9 @@ def test_a_rewritten_end_file_is_read_again_and_eviction_drops_it(bank_path: Pat
             hit = ns.restore(tokens)
             assert hit is not None and bits(hit.hidden) == bits(random_logits(2))  # type: ignore[arg-type]
             assert state_bits(hit.layers, HYBRID) == state_bits(state, HYBRID)
-        assert len(end_leases(bank)) == 1 and _ends_held(bank) < HEAD_HELD
+        assert len(end_leases(bank)) == 1 and hot_end_bytes(bank) < HEAD_HELD
         evict_to_budget(bank, 0)
-        assert bank.stats().ends == 0 and not end_leases(bank) and _ends_held(bank) < 1024
+        assert bank.stats().ends == 0 and not end_leases(bank) and hot_end_bytes(bank) < 1024
         assert ns.restore(tokens) is None
 
 
@@ -113,10 +91,10 @@ def test_a_damaged_end_file_under_a_lease_is_found_by_verify(bank_path: Path) ->
     """The lease holds the arrays checked when the file was read; the file damaged
     since is verify's to find, and `fix` removes the record, and its lease with it."""
     with Bank.open(bank_path, HOT) as bank:
-        tokens, _, state = _store_end_record(bank, 2 * B + 5, logits=random_logits(3))
+        tokens, _, state = stored_filed_end(bank, 2 * B + 5, logits=random_logits(3))
         ns = bank.namespace(HYBRID)
         assert ns.restore(tokens) is not None and end_leases(bank)
-        file = _end_file(bank_path)
+        file = end_file(bank_path)
         data = bytearray(file.read_bytes())
         data[-3] ^= 0x10
         file.write_bytes(bytes(data))
@@ -136,5 +114,5 @@ def test_a_revoked_tenants_end_file_goes_with_its_head_and_lease(bank_path: Path
         assert ns.store_end(tokens, layers, random_state(HYBRID, 9), logits=random_logits(9)) > 0
         assert ns.restore(tokens) is not None and end_leases(bank)
         assert bank.revoke("tenant-a").ends == 1
-        assert not end_leases(bank) and _ends_held(bank) < 1024
+        assert not end_leases(bank) and hot_end_bytes(bank) < 1024
         assert ns.restore(tokens) is None
