@@ -27,7 +27,7 @@ from cas_bank.restore.payloads import PayloadReader
 from cas_bank.restore.restoring import Hit
 from cas_bank.spec import ModelSpec, kind_of
 from cas_bank.write import queued_turn, storing
-from cas_bank.write.end_records import end_held, write_end
+from cas_bank.write.end_records import write_end
 from cas_bank.write.queued_turn import EndOf as EndOf  # re-exported: its old home
 from cas_bank.write.storing import StoreReport as StoreReport  # re-exported: its old home
 from cas_bank.write.writer import PendingStore
@@ -169,12 +169,10 @@ class Namespace:
         end = prepare_end(self.spec, self.block_size, tokens, layers, state, logits, hidden)
         hashes = self.chain(end.tokens)
         place = end_place(self.root, hashes, end.tokens, self.block_size)
-        written = write_end(self.bank, self.spec, self.root, hashes, end, place)
-        # Not written: held already (leased all the same, for the next turn), or for
-        # want of its blocks (no restore would ever take that lease).
-        if written or end_held(self.bank.store, place[2]):
+        wrote = write_end(self.bank, self.spec, self.root, hashes, end, place)
+        if wrote.stored:  # written, or held already (leased all the same, for the next turn)
             self._lease_live(hashes, end, layers, place[2])
-        return written
+        return wrote.written
 
     def store_end_later(
         self,

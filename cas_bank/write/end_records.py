@@ -5,6 +5,7 @@ once committed. The record's format and lookups are `index.ends`'."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from cas_bank.blocks import codec
 from cas_bank.blocks.hashing import BlockHash
@@ -15,6 +16,15 @@ from cas_bank.owner import Owner
 from cas_bank.spec import ModelSpec
 
 
+class EndWrite(NamedTuple):
+    """What `write_end` did: the bytes it wrote (0: none), and whether the record is
+    stored now (written, or held already; not where its blocks are not stored): a
+    store leases its cache only where it is, else nothing would ever take that lease."""
+
+    written: int
+    stored: bool
+
+
 def write_end(
     bank: Owner,
     spec: ModelSpec,
@@ -22,10 +32,10 @@ def write_end(
     hashes: Sequence[BlockHash],
     end: EndInput,
     place: tuple[bytes, bytes, bytes] | None = None,
-) -> int:
-    """Write the end record of `tokens` in a transaction of its own; its bytes, or 0
-    when nothing was written: the same record is stored already (holding at least as
-    much, and intact), or its parent block is not stored (an end record never dangles).
+) -> EndWrite:
+    """Write the end record of `tokens` in a transaction of its own (`EndWrite`): nothing
+    is written where the same record is stored already (holding at least as much, and
+    intact), or its parent block is not stored (an end record never dangles).
 
     `hashes`: the chain hashes of `end.tokens`; `place`: its `end_place`, where the
     caller found it already.
@@ -39,7 +49,7 @@ def write_end(
     flags = end.flags
     if _holds(bank.store, key, flags):
         bank.access.touch((), ends=[parent])
-        return 0
+        return EndWrite(0, True)
     payload, flags = encode_end(
         spec, end.tail_views(), state, logits, hidden, bank.config.compression, bank.payload_check
     )
@@ -48,7 +58,7 @@ def write_end(
     with bank.transaction() as tx:
         if base and tx.store.get(Family.HEADERS, parent) is None:
             tx.abort()  # its block was not stored (admission) or was evicted since
-            return 0
+            return EndWrite(0, False)
         old = tx.store.get(Family.ENDS, key)
         tx.put(Family.ENDS, key, value)
         tx.add(
@@ -60,14 +70,7 @@ def write_end(
         tx.touch((), ends=[parent])
     if bank.remote is not None:  # committed: to the shared tier, off this thread
         bank.remote.publish_end(root, key, value, len(header.encode()))
-    return len(value)
-
-
-def end_held(store: BlockStore, key: bytes) -> bool:
-    """Whether an end record is stored under `key` (its header read, not its payload):
-    a store that wrote nothing leases its cache only where one is (`Namespace.store_end`,
-    the background writer's job), else nothing would ever take that lease."""
-    return record_heads(store, Family.ENDS, [key])[0] is not None
+    return EndWrite(len(value), True)
 
 
 def _holds(store: BlockStore, key: bytes, flags: int) -> bool:

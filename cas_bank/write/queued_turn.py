@@ -28,7 +28,7 @@ from cas_bank.index.lease import Live
 from cas_bank.index.view import QueuedChain, QueuedEnd
 from cas_bank.spec import LayerKind, boundary_states, check_layers
 from cas_bank.write import storing
-from cas_bank.write.end_records import end_held, write_end
+from cas_bank.write.end_records import write_end
 from cas_bank.write.storing import Storable, StoreReport
 from cas_bank.write.writer import PendingStore
 
@@ -283,21 +283,16 @@ def _end_job(
 
     def write() -> int:
         try:
-            written = write_end(ns.bank, ns.spec, ns.root, hashes, queued.end, place)
+            wrote = write_end(ns.bank, ns.spec, ns.root, hashes, queued.end, place)
         except BaseException:
             if live is not None and leases is not None:
                 leases.drop_live(queued.key, live)
             raise
         finally:
             released.clear()  # freed here, on the writer's thread
-        if (
-            not written
-            and live is not None
-            and leases is not None
-            and not end_held(ns.bank.store, queued.key)
-        ):
+        if not wrote.stored and live is not None and leases is not None:
             leases.drop_live(queued.key, live)  # for want of its blocks
-        return written
+        return wrote.written
 
     header = queued.header
     place = (header.parent, header.tail, queued.key)
