@@ -316,15 +316,17 @@ class HotStore(BlockStore):
                 self._entries[(family, name)] = entry
                 self._bytes += size
 
-    def _insert_head(self, family: Family, key: bytes, value: bytes) -> None:
-        """Cache a record just written as a file by its head (its file is there: the
-        write made it), not whole: a lease holds its arrays. Under the lock."""
-        assert self._files is not None
-        head = self._files.head_of(family, key, value)
+    def _insert_written(self, family: Family, key: bytes, value: bytes) -> None:
+        """Cache a value just written: an end record kept as a file by its head (its
+        file is there: the write made it; a lease holds its arrays), the rest whole.
+        Under the lock."""
+        files, head = self._files, None
+        if files is not None and self._may_be_file(family, len(value)):
+            head = files.head_of(family, key, value)
         if head is None:
             self._insert(family, key, value)
-            return
-        self._insert_heads(family, [key], [head])
+        else:
+            self._insert_heads(family, [key], [head])
 
     def _hold_by_head(self, k: tuple[Family, bytes], raw: object, head: PayloadFile) -> None:
         """Hold `k` by `head` in place of `raw`, if `raw` is still its value (the same
@@ -410,10 +412,8 @@ class HotStore(BlockStore):
                 self._writing -= 1
                 for family, key, value in cached if written else ():
                     self._drop((family, key))
-                    if value is not None and self._may_be_file(family, len(value)):
-                        self._insert_head(family, bytes(key), value)
-                    elif value is not None:
-                        self._insert(family, bytes(key), value)
+                    if value is not None:
+                        self._insert_written(family, bytes(key), value)
             self.budget.balance()
 
     def iterate(self, family: Family, *, values: bool = True) -> Iterator[tuple[bytes, bytes]]:
